@@ -1,0 +1,200 @@
+"""Per-block records and the free block queue.
+
+The layout follows vLLM v1 (``vllm/v1/core/kv_cache_utils.py``): a slotted
+record per block, and a free queue that is a doubly linked list threaded
+through the records themselves (no per-operation objects, O(1) removal from
+the middle for prefix hits). The code is written afresh; names are vLLM's so
+that a reader of vLLM recognises every field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from typing import TYPE_CHECKING
+
+from blockpool.errors import InvariantError
+
+if TYPE_CHECKING:
+    from blockpool.hazards import Token
+
+__all__ = ["KVCacheBlock", "FreeBlockQueue"]
+
+
+class KVCacheBlock:
+    """Metadata of one KV-cache block (the data lives in the GPU tensor).
+
+    Attributes:
+        block_id: Index in the pool, ``0 .. num_gpu_blocks - 1`` (0 is the null block).
+        ref_cnt: Number of holders (requests, pinned transfers).
+        block_hash: Primary prefix-cache key, or ``None`` when not cached.
+        block_hash_num_tokens: Prefix tokens covered by ``block_hash``.
+        prev_free_block, next_free_block: Links of the free queue; only
+            :class:`FreeBlockQueue` touches them.
+        writer: Shadow: the last write not known to have ended (a token), or ``None``.
+        readers: Shadow: reads since that write: ``None``, one token, or a dict
+            keyed by device stream name (newest read per stream) or by the
+            token itself for host engines.
+
+    Memory: 8 slots (the same count as vLLM's ``KVCacheBlock``); the null
+    block is a subclass instance so ``is_null`` costs no slot.
+    """
+
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "block_hash_num_tokens",
+        "prev_free_block",
+        "next_free_block",
+        "writer",
+        "readers",
+    )
+
+    is_null = False
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Hashable | None = None
+        self.block_hash_num_tokens: int | None = None
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+        self.writer: Token | None = None
+        self.readers: Token | dict[object, Token] | None = None
+
+    def reset_hash(self) -> None:
+        """Forget the primary key (the pool removes the map entries)."""
+        self.block_hash = None
+        self.block_hash_num_tokens = None
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
+            f"block_hash={self.block_hash!r})"
+        )
+
+
+class NullBlock(KVCacheBlock):
+    """Block 0: a placeholder in block tables. Never allocated, never free,
+    never cached, never the source or destination of a transfer."""
+
+    __slots__ = ()
+    is_null = True
+
+
+class FreeBlockQueue:
+    """Free blocks in eviction order, as an intrusive doubly linked list.
+
+    Front = next to be handed out. Freed unhashed blocks are prepended (reused
+    first, better GPU locality); freed cached blocks are appended (LRU).
+    Every operation is O(1) per block and allocates nothing but the returned
+    lists.
+    """
+
+    __slots__ = ("num_free_blocks", "head", "tail")
+
+    def __init__(self, blocks: list[KVCacheBlock]):
+        self.head = KVCacheBlock(-1)
+        self.tail = KVCacheBlock(-1)
+        prev = self.head
+        for b in blocks:
+            prev.next_free_block = b
+            b.prev_free_block = prev
+            prev = b
+        prev.next_free_block = self.tail
+        self.tail.prev_free_block = prev
+        self.num_free_blocks = len(blocks)
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """Free blocks front to back. O(n)."""
+        b = self.head.next_free_block
+        tail = self.tail
+        while b is not tail:
+            assert b is not None
+            yield b
+            b = b.next_free_block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Remove and return the first ``n`` blocks (caller checked ``n``). O(n)."""
+        out: list[KVCacheBlock] = []
+        if n <= 0:
+            return out
+        append = out.append
+        b = self.head.next_free_block
+        for _ in range(n):
+            assert b is not None
+            append(b)
+            nxt = b.next_free_block
+            b.prev_free_block = b.next_free_block = None
+            b = nxt
+        assert b is not None
+        self.head.next_free_block = b
+        b.prev_free_block = self.head
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, b: KVCacheBlock) -> None:
+        """Unlink ``b`` (which must be in the queue). O(1)."""
+        prev, nxt = b.prev_free_block, b.next_free_block
+        assert prev is not None and nxt is not None
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        b.prev_free_block = b.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Insert ``blocks`` at the front, keeping their order. O(len)."""
+        if not blocks:
+            return
+        first = self.head.next_free_block
+        prev = self.head
+        for b in blocks:
+            prev.next_free_block = b
+            b.prev_free_block = prev
+            prev = b
+        prev.next_free_block = first
+        assert first is not None
+        first.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Insert ``blocks`` at the back, keeping their order. O(len)."""
+        if not blocks:
+            return
+        prev = self.tail.prev_free_block
+        assert prev is not None
+        for b in blocks:
+            prev.next_free_block = b
+            b.prev_free_block = prev
+            prev = b
+        prev.next_free_block = self.tail
+        self.tail.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
+    def contains(self, b: KVCacheBlock) -> bool:
+        """Whether ``b`` is linked in (O(1): linked blocks have both links)."""
+        return b.prev_free_block is not None
+
+    def check(self) -> list[KVCacheBlock]:
+        """Walk the list, verifying links and the count. O(n). Raises
+        :class:`InvariantError`."""
+        seen: list[KVCacheBlock] = []
+        prev = self.head
+        b = self.head.next_free_block
+        while b is not self.tail:
+            if b is None or b.prev_free_block is not prev:
+                raise InvariantError("free queue links are broken")
+            seen.append(b)
+            if len(seen) > self.num_free_blocks:
+                raise InvariantError("free queue is longer than num_free_blocks")
+            prev, b = b, b.next_free_block
+        if self.tail.prev_free_block is not prev:
+            raise InvariantError("free queue tail link is broken")
+        if len(seen) != self.num_free_blocks:
+            raise InvariantError(
+                f"num_free_blocks={self.num_free_blocks} but {len(seen)} blocks are linked"
+            )
+        return seen

@@ -1,0 +1,87 @@
+"""The exception hierarchy of :mod:`blockpool`.
+
+Every error the package raises on bad input derives from
+:class:`BlockPoolError` and from the matching builtin, so callers can catch
+either ``blockpool.BlockPoolError`` or e.g. ``ValueError``. A call that raises
+one of these leaves the pool exactly as it was before the call, except that
+pending completions (``complete``/``fail`` from other threads) are applied at
+the start of every call, as documented in ``docs/threading.md``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BlockPoolError",
+    "InvalidArgumentError",
+    "NoFreeBlocksError",
+    "ForeignBlockError",
+    "NullBlockError",
+    "RefCountError",
+    "BlockNotAllocatedError",
+    "UnknownStreamError",
+    "UnknownTokenError",
+    "HashConflictError",
+    "InvariantError",
+    "LeaseExpiredWarning",
+]
+
+
+class BlockPoolError(Exception):
+    """Root of every error raised by :mod:`blockpool`."""
+
+
+class InvalidArgumentError(BlockPoolError, ValueError):
+    """An argument has the wrong type, sign or shape (e.g. a negative count)."""
+
+
+class NoFreeBlocksError(BlockPoolError, ValueError):
+    """More blocks were asked for than are allocatable.
+
+    Subclasses ``ValueError`` because vLLM's ``BlockPool.get_new_blocks``
+    raises ``ValueError`` in the same situation.
+    """
+
+
+class ForeignBlockError(BlockPoolError, ValueError):
+    """A block record that does not belong to this pool was passed in."""
+
+
+class NullBlockError(BlockPoolError, ValueError):
+    """The null block was used where a data block is required (a copy)."""
+
+
+class RefCountError(BlockPoolError, ValueError):
+    """A free would take a ref count below zero (e.g. a block repeated in one
+    ``free_blocks`` call more times than it is referenced)."""
+
+
+class BlockNotAllocatedError(BlockPoolError, ValueError):
+    """A transfer or copy named a block that nobody holds (ref count 0)."""
+
+
+class UnknownStreamError(BlockPoolError, LookupError):
+    """A stream name that was never registered with the pool."""
+
+
+class UnknownTokenError(BlockPoolError, LookupError):
+    """A token the pool never issued (its ``seq`` is beyond the stream's counter)."""
+
+
+class HashConflictError(BlockPoolError, ValueError):
+    """A block already cached under a full-block key was claimed by another
+    key for the same (or a shorter) prefix: the two keys name different
+    content, which vLLM's key model forbids (vLLM asserts)."""
+
+
+class InvariantError(BlockPoolError, AssertionError):
+    """Raised by :meth:`HazardAwareBlockPool.check` when an internal invariant
+    does not hold. This is always a bug in the pool (or in code that mutated
+    block records directly)."""
+
+
+class LeaseExpiredWarning(UserWarning):
+    """Held blocks whose host-engine transfer outlived its lease.
+
+    The blocks stay quarantined until :meth:`HazardAwareBlockPool.abandon`
+    says the engine stopped; a warning is a report, never a release.
+    """

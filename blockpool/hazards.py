@@ -1,0 +1,196 @@
+"""Hazard vocabulary: stream kinds, access kinds, tokens and fences.
+
+These are frozen value types (attrs): compared by value, hashable, picklable,
+and free of any reference to a pool, so they can cross process boundaries
+(scheduler -> workers) as plain data. See ``docs/hazard-model.md``.
+
+>>> t = Token("compute", 7)
+>>> t == Token("compute", 7, StreamKind.DEVICE)
+True
+>>> f = Fence((Token("compute", 7), Token("h2d", 2)))
+>>> [str(x) for x in f], bool(f), bool(Fence())
+(['compute:7', 'h2d:2'], True, False)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator
+
+import attrs
+
+__all__ = ["StreamKind", "AccessKind", "Token", "Fence", "EMPTY_FENCE"]
+
+
+class StreamKind(enum.Enum):
+    """How a stream orders its work and how others can wait on it.
+
+    ``DEVICE``: an in-order device queue (CUDA stream). Completing ``seq``
+    completes everything before it; a device consumer waits with an enqueued
+    ``wait_event`` (no host block).
+
+    ``HOST``: a host-driven engine (RDMA NIC queue, transfer-thread pool).
+    Its tokens may complete out of order, one by one, and a device queue
+    cannot wait on them.
+    """
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+class AccessKind(enum.Enum):
+    """Whether an access reads or writes the blocks it touches."""
+
+    READ = "read"
+    WRITE = "write"
+
+
+def _check_stream(_: object, __: attrs.Attribute, value: object) -> None:  # type: ignore[type-arg]
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"stream must be a non-empty str, got {value!r}")
+
+
+@attrs.frozen(slots=True, order=False)
+class Token:
+    """A logical event: the point in ``stream`` after its ``seq``-th issued work.
+
+    Tokens are issued by :meth:`HazardAwareBlockPool.issue` (never made up by
+    callers); ``seq`` starts at 1 and only grows per stream. Two tokens are
+    equal, and hash alike, when ``stream`` and ``seq`` are; ``kind`` rides
+    along (it is fixed per stream) so a worker can tell how to wait on it.
+
+    Attributes:
+        stream: Name of the stream or engine.
+        seq: Per-stream sequence number, ``>= 1``.
+        kind: :class:`StreamKind` of the stream (not part of equality).
+    """
+
+    stream: str = attrs.field(validator=_check_stream)
+    seq: int = attrs.field()
+    kind: StreamKind = attrs.field(default=StreamKind.DEVICE, eq=False, repr=False)
+
+    @seq.validator
+    def _check_seq(self, _: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"seq must be an int >= 1, got {value!r}")
+
+    @property
+    def is_host(self) -> bool:
+        """True when the token belongs to a ``HOST`` engine."""
+        return self.kind is StreamKind.HOST
+
+    def __str__(self) -> str:
+        return f"{self.stream}:{self.seq}"
+
+    def to_wire(self) -> tuple[str, int, str]:
+        """A plain tuple for msgspec/JSON: ``(stream, seq, kind)``. O(1)."""
+        return (self.stream, self.seq, self.kind.value)
+
+    @classmethod
+    def from_wire(cls, data: Iterable[object]) -> Token:
+        """Inverse of :meth:`to_wire`. Raises ``ValueError``/``TypeError`` on
+        malformed data."""
+        stream, seq, kind = data
+        return cls(stream, seq, StreamKind(kind))  # type: ignore[arg-type]
+
+
+@attrs.frozen(slots=True)
+class FenceReason:
+    """Why a fence names a token (debug mode only): the first block found
+    whose shadow required it and the role the token had there."""
+
+    token: Token
+    block_id: int
+    role: str  # "writer" or "reader"
+    access: AccessKind  # the access that began
+
+    def __str__(self) -> str:
+        hazard = {
+            ("writer", AccessKind.READ): "RAW",
+            ("writer", AccessKind.WRITE): "WAW",
+            ("reader", AccessKind.WRITE): "WAR",
+        }.get((self.role, self.access), "?")
+        return f"{self.token}: block {self.block_id} {self.role} ({hazard})"
+
+
+def _tokens_converter(tokens: Iterable[Token]) -> tuple[Token, ...]:
+    return tuple(sorted(tokens, key=lambda t: (t.stream, t.seq)))
+
+
+@attrs.frozen(slots=True)
+class Fence:
+    """The exact set of tokens an access must wait on before it starts.
+
+    At most one token per ``DEVICE`` stream (the newest covers the older
+    ones). ``HOST`` engines complete out of order, so a fence may name several
+    tokens of one host engine (see ``docs/hazard-model.md``, "Departures from
+    the contract"). Iterable, sized, falsy when empty; equality ignores
+    :attr:`reasons`.
+
+    Attributes:
+        tokens: The tokens, sorted by ``(stream, seq)``.
+        needs_host_wait: The consumer must wait on the host (``event.synchronize()``
+            or the engine's completion) before it posts or enqueues: true when
+            the consumer is a ``HOST`` engine, or when a ``DEVICE`` consumer's
+            fence names a ``HOST`` token (which no stream wait can cover).
+        reasons: In debug mode, one :class:`FenceReason` per token.
+    """
+
+    tokens: tuple[Token, ...] = attrs.field(default=(), converter=_tokens_converter)
+    needs_host_wait: bool = False
+    reasons: tuple[FenceReason, ...] = attrs.field(default=(), eq=False, repr=False)
+
+    def __iter__(self) -> Iterator[Token]:
+        return iter(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens)
+
+    def __contains__(self, token: object) -> bool:
+        return token in self.tokens
+
+    def merge(self, other: Fence) -> Fence:
+        """Union of two fences, newest token per ``DEVICE`` stream, every
+        ``HOST`` token kept. ``needs_host_wait`` is or-ed. O(k log k) in the
+        number of tokens.
+
+        >>> a = Fence((Token("compute", 3),)); b = Fence((Token("compute", 5),))
+        >>> [str(t) for t in a.merge(b)]
+        ['compute:5']
+        """
+        newest: dict[object, Token] = {}
+        for t in (*self.tokens, *other.tokens):
+            key: object = t if t.kind is StreamKind.HOST else t.stream
+            cur = newest.get(key)
+            if cur is None or cur.seq < t.seq:
+                newest[key] = t
+        return Fence(
+            newest.values(),
+            self.needs_host_wait or other.needs_host_wait,
+            self.reasons + other.reasons,
+        )
+
+    def explain(self) -> str:
+        """Human-readable account of each token (debug mode fills reasons)."""
+        if not self.tokens:
+            return "empty fence: nothing to wait on"
+        if not self.reasons:
+            return "fence " + ", ".join(map(str, self.tokens)) + " (no reasons: debug off)"
+        return "\n".join(str(r) for r in self.reasons)
+
+    def to_wire(self) -> tuple[list[tuple[str, int, str]], bool]:
+        """A plain structure for msgspec/JSON. O(k)."""
+        return ([t.to_wire() for t in self.tokens], self.needs_host_wait)
+
+    @classmethod
+    def from_wire(cls, data: tuple[list[tuple[str, int, str]], bool]) -> Fence:
+        """Inverse of :meth:`to_wire`."""
+        tokens, host = data
+        return cls([Token.from_wire(t) for t in tokens], bool(host))
+
+
+EMPTY_FENCE = Fence()
+"""The empty fence (shared instance)."""

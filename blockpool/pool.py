@@ -1,0 +1,1105 @@
+"""``HazardAwareBlockPool``: vLLM v1's block pool plus exact hazard fences.
+
+Allocation, ref counts, the free queue, prefix caching and KV cache events
+behave as in vLLM 0.33.0's ``vllm.v1.core.block_pool.BlockPool`` (see
+``docs/vllm-differences.md`` for every deliberate difference). On top, every
+block carries a *shadow* (last write not known to have ended, reads since)
+and every call that begins an access returns the fence it must wait on. The
+hazard model is ``docs/hazard-model.md``.
+
+Example (doctest)::
+
+    >>> from blockpool import HazardAwareBlockPool, StreamKind
+    >>> pool = HazardAwareBlockPool(8, enable_caching=True, hash_block_size=16,
+    ...                             streams={"compute": StreamKind.DEVICE,
+    ...                                      "h2d": StreamKind.DEVICE})
+    >>> blocks, fence = pool.allocate_for(2, "compute")
+    >>> e3 = pool.issue("compute")          # step 3 reads the blocks
+    >>> pool.free_blocks(blocks, token=e3)  # freed while step 3 still runs
+    >>> again, fence = pool.allocate_for(2, "h2d")
+    >>> [b.block_id for b in again], [str(t) for t in fence]
+    ([1, 2], ['compute:1'])
+    >>> pool.complete(e3)
+    >>> pool.fence_for(again, "h2d")
+    Fence(tokens=(), needs_host_wait=False)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+
+from sortedcontainers import SortedList
+
+from blockpool.block import FreeBlockQueue, KVCacheBlock, NullBlock
+from blockpool.errors import (
+    BlockNotAllocatedError,
+    ForeignBlockError,
+    HashConflictError,
+    InvalidArgumentError,
+    InvariantError,
+    LeaseExpiredWarning,
+    NoFreeBlocksError,
+    NullBlockError,
+    RefCountError,
+)
+from blockpool.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from blockpool.prefix_cache import PrefixCache
+from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, StreamKind, Token
+from blockpool.stats import PoolSnapshot, PoolStats
+from blockpool.tracker import HazardTracker, StreamState
+
+__all__ = ["HazardAwareBlockPool"]
+
+logger = logging.getLogger(__name__)
+
+_DEVICE = StreamKind.DEVICE
+_HOST = StreamKind.HOST
+_READ = AccessKind.READ
+_WRITE = AccessKind.WRITE
+
+_COUNTERS = (
+    "lookups",
+    "hits",
+    "evictions",
+    "fences",
+    "fence_tokens",
+    "empty_fences",
+    "host_wait_fences",
+    "max_fence_size",
+    "leases_expired",
+    "abandoned",
+    "unpublished_failed_loads",
+)
+
+
+def _key(t: Token) -> object:
+    """Shadow/candidate key: newest per device stream, each host token apart."""
+    return t if t.kind is _HOST else t.stream
+
+
+def _shadow_tokens(b: KVCacheBlock) -> list[Token]:
+    out: list[Token] = []
+    if b.writer is not None:
+        out.append(b.writer)
+    r = b.readers
+    if r is not None:
+        out.extend([r] if type(r) is Token else r.values())  # type: ignore[union-attr]
+    return out
+
+
+class HazardAwareBlockPool:
+    """A KV-cache block pool (vLLM v1 semantics) that hands out exact fences.
+
+    Args:
+        num_gpu_blocks: Blocks in the pool, null block included (``>= 1``).
+        enable_caching: Prefix caching: freed cached blocks go to the LRU tail
+            and stay reachable by key until evicted.
+        hash_block_size: Tokens per hash block (kept for vLLM parity; the core
+            treats keys as opaque).
+        enable_kv_cache_events: Queue :mod:`blockpool.events` for ``take_events``.
+        track_hazards: Keep shadows and compute fences. ``False`` gives a plain
+            pool (every fence empty, nothing held back) for comparison.
+        streams: ``{name: StreamKind}`` to register; default ``{"compute": DEVICE}``.
+            More can be added with :meth:`add_stream`.
+        lease_timeout: Seconds a block may stay held for a host-engine access
+            before it is reported (a :class:`LeaseExpiredWarning` and
+            ``stats().leases_expired``); it stays quarantined until
+            :meth:`abandon`. ``None``: no lease.
+        clock: Time source for leases (seconds); inject one for deterministic
+            tests and replays.
+        debug: Fences carry :class:`~blockpool.hazards.FenceReason` per token.
+        medium: Storage medium reported in events.
+
+    Raises:
+        InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``, or a
+            stream spec is bad.
+
+    Runtime complexity: construction is O(num_gpu_blocks).
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool = True,
+        hash_block_size: int = 16,
+        enable_kv_cache_events: bool = False,
+        *,
+        track_hazards: bool = True,
+        streams: Mapping[str, StreamKind] | None = None,
+        lease_timeout: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        debug: bool = False,
+        medium: str = MEDIUM_GPU,
+    ) -> None:
+        if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool) or num_gpu_blocks < 1:
+            raise InvalidArgumentError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
+        if lease_timeout is not None and not lease_timeout > 0:
+            raise InvalidArgumentError(f"lease_timeout must be > 0 or None, got {lease_timeout!r}")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.track_hazards = track_hazards
+        self.medium = medium
+        self.debug = debug
+        self.lease_timeout = lease_timeout
+        self._clock = clock
+
+        self.null_block: KVCacheBlock = NullBlock(0)
+        self.blocks: list[KVCacheBlock] = [self.null_block]
+        self.blocks.extend(KVCacheBlock(i) for i in range(1, num_gpu_blocks))
+        self.free_block_queue = FreeBlockQueue(self.blocks[1:])
+
+        self.prefix_cache = PrefixCache()
+        self.kv_event_queue: list[KVCacheEvent] = []
+
+        self.tracker = HazardTracker()
+        for name, kind in (streams if streams is not None else {"compute": _DEVICE}).items():
+            self.tracker.add_stream(name, kind)
+
+        # Held blocks: block_id -> host tokens still pending on it.
+        self._held: dict[int, set[Token]] = {}
+        self._held_by: dict[Token, list[KVCacheBlock]] = {}
+        self._leases: SortedList = SortedList()  # (deadline, block_id)
+        self._deadline: dict[int, float] = {}  # lease of each held block
+        self._expired: set[int] = set()
+        # Loads in flight: stream -> {seq: blocks}; used to unpublish on failure.
+        self._loads: dict[str, dict[int, list[KVCacheBlock]]] = {}
+        # Blocks whose content is invalid (their load failed) until rewritten.
+        self._invalid: set[int] = set()
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+
+    # ------------------------------------------------------------------
+    # streams, tokens, completions
+    # ------------------------------------------------------------------
+
+    def add_stream(self, name: str, kind: StreamKind = StreamKind.DEVICE) -> None:
+        """Register a stream (idempotent for the same kind). O(1).
+
+        Raises:
+            InvalidArgumentError: empty name, bad kind, or the name is already
+                registered with another kind.
+        """
+        self.tracker.add_stream(name, kind)
+
+    @property
+    def streams(self) -> dict[str, StreamKind]:
+        """Registered streams and their kinds."""
+        return {n: s.kind for n, s in self.tracker.streams.items()}
+
+    def issue(self, stream: str) -> Token:
+        """Issue the next token of ``stream`` (e.g. step N's "forward done"
+        on ``compute``). The token is ordered after everything the stream has
+        waited on so far. O(#streams).
+
+        Raises:
+            UnknownStreamError: ``stream`` was never registered.
+        """
+        self._sync()
+        return self.tracker.issue(stream)
+
+    def complete(self, token: Token) -> None:
+        """The work up to ``token`` finished. Callable from any thread; applied
+        at the start of the pool's next call (or :meth:`poll`). For a
+        ``DEVICE`` stream this ends every earlier token too; for a ``HOST``
+        engine only ``token``. Idempotent. O(1) here; applying it releases
+        the blocks held on it.
+
+        Raises:
+            UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+        """
+        self.tracker.submit(token, False)
+
+    def fail(self, token: Token) -> None:
+        """The work of ``token`` ended without doing its job (a failed
+        transfer). Like :meth:`complete`, plus: blocks a failed *load* wrote
+        lose their prefix-cache keys (removed events) and are never published
+        until rewritten.
+
+        Raises:
+            UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+        """
+        self.tracker.submit(token, True)
+
+    def abandon(self, token: Token) -> list[int]:
+        """The operator's or connector's word that the engine behind ``token``
+        stopped: the token is ended as failed now, and the blocks held on it
+        are released. Returns the block ids released. O(blocks held on it).
+
+        Raises:
+            UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+        """
+        self._sync()
+        st = self.tracker.validate(token)
+        newly = st.end(token.seq)
+        if newly:
+            st.failed += 1
+        self._counters["abandoned"] += 1
+        before = set(self._held)
+        self._on_ended(token, True, newly)
+        return sorted(before - set(self._held))
+
+    def poll(self) -> None:
+        """Apply queued completions and check leases now. O(completions)."""
+        self._sync()
+
+    def is_ended(self, token: Token) -> bool:
+        """Whether ``token`` is known to have ended (completed or failed).
+        Applies queued completions first.
+
+        Raises:
+            UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+        """
+        self._sync()
+        self.tracker.validate(token)
+        return self.tracker.is_ended(token)
+
+    def _sync(self) -> None:
+        tracker = self.tracker
+        if tracker._inbox:
+            for token, failed, newly in tracker.drain():
+                self._on_ended(token, failed, newly)
+        if self._leases:
+            self._check_leases()
+
+    def _on_ended(self, token: Token, failed: bool, newly: list[int]) -> None:
+        if not newly:
+            return
+        loads = self._loads.get(token.stream)
+        if loads:
+            for seq in newly:
+                blocks = loads.pop(seq, None)
+                if blocks is not None and failed and seq == token.seq:
+                    self._unpublish_failed_load(token, blocks)
+        if token.kind is _HOST:
+            held = self._held
+            release: list[KVCacheBlock] = []
+            for b in self._held_by.pop(token, ()):
+                pending = held.get(b.block_id)
+                if pending is None:
+                    continue
+                pending.discard(token)
+                if not pending:
+                    self._unhold(b.block_id)
+                    release.append(b)
+            if release:
+                self._enqueue_free(release)
+
+    def _unpublish_failed_load(self, token: Token, blocks: list[KVCacheBlock]) -> None:
+        for b in blocks:
+            if b.writer == token:
+                self._invalid.add(b.block_id)
+                self._drop_keys(b)
+
+    def _check_leases(self) -> None:
+        now = self._clock()
+        leases = self._leases
+        expired: list[int] = []
+        while leases and leases[0][0] <= now:
+            deadline, bid = leases.pop(0)
+            if self._deadline.get(bid) == deadline and bid not in self._expired:
+                self._expired.add(bid)
+                expired.append(bid)
+        if expired:
+            self._counters["leases_expired"] += len(expired)
+            tokens = sorted({str(t) for bid in expired for t in self._held[bid]})
+            msg = (
+                f"lease expired for held blocks {expired}: host transfers {tokens} "
+                "have not ended; the blocks stay quarantined until abandon()"
+            )
+            logger.warning(msg)
+            warnings.warn(msg, LeaseExpiredWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------
+    # validation helpers (raise before any change)
+    # ------------------------------------------------------------------
+
+    def _own(self, b: object) -> KVCacheBlock:
+        try:
+            if self.blocks[b.block_id] is b and b.block_id >= 0:  # type: ignore[attr-defined]
+                return b  # type: ignore[return-value]
+        except (AttributeError, IndexError, TypeError):
+            if not isinstance(b, KVCacheBlock):
+                raise InvalidArgumentError(f"expected a KVCacheBlock, got {b!r}") from None
+        raise ForeignBlockError(f"block {getattr(b, 'block_id', b)!r} does not belong to this pool")
+
+    def _data_blocks(self, blocks: Iterable[KVCacheBlock], what: str) -> list[KVCacheBlock]:
+        """Own, non-null, allocated blocks (null placeholders are skipped)."""
+        out = []
+        for b in blocks:
+            self._own(b)
+            if b.is_null:
+                continue
+            if b.ref_cnt <= 0:
+                raise BlockNotAllocatedError(
+                    f"{what}: block {b.block_id} is not allocated (ref count 0); "
+                    "hold a reference (allocate or touch) for the transfer's duration"
+                )
+            out.append(b)
+        return out
+
+    @staticmethod
+    def _check_count(n: object) -> int:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InvalidArgumentError(f"block count must be an int >= 0, got {n!r}")
+        return n
+
+    @staticmethod
+    def _check_access(access: object) -> AccessKind:
+        if not isinstance(access, AccessKind):
+            raise InvalidArgumentError(f"access must be an AccessKind, got {access!r}")
+        return access
+
+    # ------------------------------------------------------------------
+    # allocation (vLLM surface)
+    # ------------------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the front of the free queue, evicting
+        their prefix-cache keys (one removed event per key). Held blocks are
+        never taken. Same as vLLM's ``get_new_blocks``; the fence of the
+        access that will use them comes from :meth:`fence_for` when it begins
+        (or use :meth:`allocate_for`). O(num_blocks).
+
+        Raises:
+            InvalidArgumentError: ``num_blocks`` is not an int ``>= 0``.
+            NoFreeBlocksError: fewer than ``num_blocks`` blocks are free.
+        """
+        self._sync()
+        n = self._check_count(num_blocks)
+        if n > self.free_block_queue.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"Cannot get {n} free blocks from the pool "
+                f"({self.free_block_queue.num_free_blocks} free, {len(self._held)} held back)"
+            )
+        return self._take(n)
+
+    def _take(self, n: int) -> list[KVCacheBlock]:
+        blocks = self.free_block_queue.popleft_n(n)
+        invalid = self._invalid
+        for b in blocks:
+            if b.block_hash is not None:
+                self._drop_keys(b)
+                self._counters["evictions"] += 1
+            b.ref_cnt = 1
+            if invalid:
+                invalid.discard(b.block_id)
+        return blocks
+
+    def allocate_for(
+        self,
+        num_blocks: int,
+        stream: str,
+        *,
+        hits: Sequence[KVCacheBlock] = (),
+        access: AccessKind = AccessKind.WRITE,
+    ) -> tuple[list[KVCacheBlock], Fence]:
+        """Atomically touch the prefix hits ``hits`` and allocate
+        ``num_blocks`` new blocks for a consumer on ``stream``; return the new
+        blocks and the fence the consumer must wait on (reading the hits:
+        RAW; ``access`` on the new blocks: WAR/WAW). Records that ``stream``
+        waits on the fence. Changes nothing when it cannot succeed; hits that
+        sit in the free queue are counted once (they stop being free).
+        O(len(hits) + num_blocks).
+
+        Raises:
+            InvalidArgumentError: bad count or access kind.
+            UnknownStreamError: ``stream`` is not registered.
+            ForeignBlockError: a hit is not a block of this pool.
+            NoFreeBlocksError: not enough free blocks once the hits are taken.
+        """
+        self._sync()
+        n = self._check_count(num_blocks)
+        access = self._check_access(access)
+        st = self.tracker.state(stream)
+        hit_list = [self._own(b) for b in hits]
+        in_queue = {b.block_id for b in hit_list if b.ref_cnt == 0 and b.prev_free_block is not None}
+        available = self.free_block_queue.num_free_blocks - len(in_queue)
+        if n > available:
+            raise NoFreeBlocksError(
+                f"Cannot allocate {n} new blocks with {len(hit_list)} prefix hits: "
+                f"{available} free once the {len(in_queue)} free hits are taken"
+            )
+        self._touch(hit_list)
+        new = self._take(n)
+        if not self.track_hazards:
+            return new, EMPTY_FENCE
+        return new, self._fence(((hit_list, _READ), (new, access)), st)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add a reference to each block (prefix hit or pin); a block with ref
+        count 0 leaves the free queue (or the held set). The null block is
+        skipped. O(len(blocks)).
+
+        Raises:
+            ForeignBlockError: a block is not of this pool (nothing changes).
+        """
+        self._sync()
+        block_list = [self._own(b) for b in blocks]
+        self._touch(block_list)
+
+    def _touch(self, blocks: list[KVCacheBlock]) -> None:
+        q = self.free_block_queue
+        held = self._held
+        for b in blocks:
+            if b.is_null:
+                continue
+            if b.ref_cnt == 0:
+                if b.prev_free_block is not None:
+                    q.remove(b)
+                elif held:
+                    self._unhold(b.block_id)
+            b.ref_cnt += 1
+
+    def free_blocks(
+        self,
+        ordered_blocks: Iterable[KVCacheBlock],
+        token: Token | None = None,
+        access: AccessKind = AccessKind.READ,
+    ) -> None:
+        """Drop one reference per listed block, in eviction order (first =
+        evicted first). A block reaching ref count 0 goes to the front of the
+        free queue if it has no key (reused first) or caching is off, to the
+        back if cached (LRU), or into the held set while a host-engine access
+        on it has not ended. ``token``: the last enqueued access to the blocks
+        (e.g. the newest scheduled step on ``compute``), recorded as an
+        ``access`` in their shadows. Null blocks are skipped. A block may
+        repeat as often as it is referenced. O(len(ordered_blocks)).
+
+        Raises:
+            ForeignBlockError: a block of another pool.
+            RefCountError: a ref count would go below zero (whole call rejected).
+            UnknownStreamError, UnknownTokenError: a token the pool never issued.
+        """
+        self._sync()
+        blocks = ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else list(ordered_blocks)
+        if token is not None:
+            self.tracker.validate(token)
+            self._check_access(access)
+        own = self.blocks
+        zero: list[KVCacheBlock] = []
+        i = 0
+        try:
+            for i, b in enumerate(blocks):  # noqa: B007
+                if own[b.block_id] is not b:
+                    self._own(b)
+                if b.is_null:
+                    continue
+                rc = b.ref_cnt - 1
+                if rc < 0:
+                    raise RefCountError(
+                        f"free_blocks would take block {b.block_id}'s ref count below zero "
+                        f"(listed {sum(1 for x in blocks if x is b)} times)"
+                    )
+                b.ref_cnt = rc
+                if rc == 0:
+                    zero.append(b)
+        except Exception as exc:
+            for b in blocks[:i]:
+                if not b.is_null:
+                    b.ref_cnt += 1
+            if isinstance(exc, (IndexError, AttributeError, TypeError)):
+                self._own(blocks[i])  # raises the typed error
+            raise
+        if token is not None and self.track_hazards and not self.tracker.is_ended(token):
+            self._record(blocks, token, access)
+        if zero:
+            self._enqueue_free(zero)
+
+    def _enqueue_free(self, blocks: list[KVCacheBlock]) -> None:
+        first: list[KVCacheBlock] = []
+        last: list[KVCacheBlock] = []
+        caching = self.enable_caching
+        tracking = self.track_hazards
+        for b in blocks:
+            if tracking and (b.writer is not None or b.readers is not None) and self._hold(b):
+                continue
+            if b.block_hash is None or not caching:
+                first.append(b)
+            else:
+                last.append(b)
+        q = self.free_block_queue
+        q.prepend_n(first)
+        q.append_n(last)
+
+    def _hold(self, b: KVCacheBlock) -> bool:
+        """Hold ``b`` back if a host-engine access on it has not ended."""
+        ended = self.tracker.is_ended
+        pending = {t for t in _shadow_tokens(b) if t.kind is _HOST and not ended(t)}
+        if not pending:
+            return False
+        self._held[b.block_id] = pending
+        for t in pending:
+            self._held_by.setdefault(t, []).append(b)
+        if self.lease_timeout is not None:
+            deadline = self._clock() + self.lease_timeout
+            self._deadline[b.block_id] = deadline
+            self._leases.add((deadline, b.block_id))
+        return True
+
+    def _unhold(self, block_id: int) -> None:
+        self._held.pop(block_id, None)
+        self._deadline.pop(block_id, None)
+        self._expired.discard(block_id)
+
+    # ------------------------------------------------------------------
+    # hazards: fences and accesses
+    # ------------------------------------------------------------------
+
+    def fence_for(
+        self,
+        blocks: Iterable[KVCacheBlock],
+        stream: str,
+        access: AccessKind = AccessKind.WRITE,
+    ) -> Fence:
+        """The fence for an ``access`` by ``stream`` to ``blocks`` beginning
+        now, and record that ``stream`` waits on it. A write waits for each
+        block's writer and readers (WAW, WAR), a read for the writer (RAW);
+        minus ended tokens, tokens on ``stream`` itself when it is a device
+        stream, tokens ``stream`` is already ordered after, and tokens covered
+        by another token of the fence. Null blocks are skipped.
+        O(len(blocks) + k^2), k = distinct streams/host tokens found.
+
+        Raises:
+            UnknownStreamError: ``stream`` is not registered.
+            ForeignBlockError: a block of another pool.
+            InvalidArgumentError: ``access`` is not an AccessKind.
+        """
+        self._sync()
+        st = self.tracker.state(stream)
+        access = self._check_access(access)
+        block_list = [self._own(b) for b in blocks]
+        if not self.track_hazards:
+            return EMPTY_FENCE
+        return self._fence(((block_list, access),), st)
+
+    def _fence(
+        self,
+        groups: Iterable[tuple[Sequence[KVCacheBlock], AccessKind]],
+        st: StreamState,
+    ) -> Fence:
+        cand: dict[object, Token] = {}
+        why: dict[Token, FenceReason] | None = {} if self.debug else None
+        get = cand.get
+        for blocks, access in groups:
+            write = access is _WRITE
+            for b in blocks:
+                w = b.writer
+                r = b.readers
+                if w is None and (r is None or not write):
+                    continue
+                found: list[tuple[Token, str]] = []
+                if w is not None:
+                    found.append((w, "writer"))
+                if write and r is not None:
+                    if type(r) is Token:
+                        found.append((r, "reader"))  # type: ignore[arg-type]
+                    else:
+                        found.extend((t, "reader") for t in r.values())  # type: ignore[union-attr]
+                for t, role in found:
+                    k = t if t.kind is _HOST else t.stream
+                    cur = get(k)
+                    if cur is None or cur.seq < t.seq:
+                        cand[k] = t
+                        if why is not None:
+                            why[t] = FenceReason(t, b.block_id, role, access)
+        c = self._counters
+        c["fences"] += 1
+        if not cand:
+            c["empty_fences"] += 1
+            return EMPTY_FENCE
+        tokens = self.tracker.reduce(cand.values(), st)
+        if not tokens:
+            c["empty_fences"] += 1
+            return EMPTY_FENCE
+        self.tracker.wait(st, tokens)
+        host_wait = st.kind is _HOST or any(t.kind is _HOST for t in tokens)
+        c["fence_tokens"] += len(tokens)
+        if len(tokens) > c["max_fence_size"]:
+            c["max_fence_size"] = len(tokens)
+        if host_wait:
+            c["host_wait_fences"] += 1
+        reasons = tuple(why[t] for t in tokens) if why is not None else ()
+        return Fence(tokens, host_wait, reasons)
+
+    def _record(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
+        """Write ``token`` into the shadows of ``blocks`` (nulls skipped)."""
+        if access is _WRITE:
+            invalid = self._invalid
+            for b in blocks:
+                if b.is_null:
+                    continue
+                b.writer = token
+                b.readers = None
+                if invalid:
+                    invalid.discard(b.block_id)
+            return
+        k = _key(token)
+        ended = self.tracker.is_ended
+        for b in blocks:
+            if b.is_null:
+                continue
+            r = b.readers
+            if r is None:
+                b.readers = token
+            elif type(r) is Token:
+                if _key(r) == k:  # type: ignore[arg-type]
+                    if r.seq < token.seq:  # type: ignore[union-attr]
+                        b.readers = token
+                elif ended(r):  # type: ignore[arg-type]
+                    b.readers = token
+                else:
+                    b.readers = {_key(r): r, k: token}  # type: ignore[arg-type]
+            else:
+                cur = r.get(k)  # type: ignore[union-attr]
+                if cur is None or cur.seq < token.seq:
+                    r[k] = token  # type: ignore[index]
+
+    def tag(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
+        """Record that ``token``'s work accesses ``blocks`` (e.g. step N's
+        forward writes the blocks receiving new tokens). The caller ordered
+        that work after the blocks' fences (:meth:`fence_for` /
+        :meth:`allocate_for`). A write replaces the shadow; a read joins it.
+        Null blocks are skipped. O(len(blocks)).
+
+        Raises:
+            ForeignBlockError, UnknownStreamError, UnknownTokenError,
+            InvalidArgumentError: as the names say; nothing changes.
+        """
+        self._sync()
+        self.tracker.validate(token)
+        access = self._check_access(access)
+        block_list = [self._own(b) for b in blocks]
+        if self.track_hazards and not self.tracker.is_ended(token):
+            self._record(block_list, token, access)
+        elif access is _WRITE and self._invalid:
+            for b in block_list:
+                self._invalid.discard(b.block_id)
+
+    def _begin(
+        self,
+        groups: tuple[tuple[list[KVCacheBlock], AccessKind], ...],
+        stream: str,
+        st: StreamState,
+    ) -> tuple[Token, Fence]:
+        fence = self._fence(groups, st) if self.track_hazards else EMPTY_FENCE
+        token = self.tracker.issue(stream, fence.tokens)
+        if self.track_hazards:
+            for blocks, access in groups:
+                self._record(blocks, token, access)
+        return token, fence
+
+    def begin_copy(
+        self, pairs: Iterable[tuple[KVCacheBlock, KVCacheBlock]], stream: str = "compute"
+    ) -> tuple[Token, Fence]:
+        """Begin copy-on-write / block copies ``(src, dst)`` on ``stream``:
+        returns the copy's token (a read of every ``src``, a write of every
+        ``dst``) and the fence the copy waits on. O(len(pairs)).
+
+        Raises:
+            UnknownStreamError: ``stream`` is not registered.
+            ForeignBlockError: a block of another pool.
+            NullBlockError: the null block as a source or destination.
+            BlockNotAllocatedError: a block with ref count 0.
+            InvalidArgumentError: a pair is not a 2-tuple.
+        """
+        self._sync()
+        st = self.tracker.state(stream)
+        srcs: list[KVCacheBlock] = []
+        dsts: list[KVCacheBlock] = []
+        for pair in pairs:
+            try:
+                src, dst = pair
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(f"a copy is a (src, dst) pair, got {pair!r}") from None
+            for b in (src, dst):
+                self._own(b)
+                if b.is_null:
+                    raise NullBlockError("the null block cannot be copied from or into")
+            srcs.append(src)
+            dsts.append(dst)
+        self._data_blocks(srcs + dsts, "copy")
+        return self._begin(((srcs, _READ), (dsts, _WRITE)), stream, st)
+
+    def begin_load(self, blocks: Iterable[KVCacheBlock], stream: str) -> tuple[Token, Fence]:
+        """Begin a load (external tier -> GPU) into ``blocks`` on ``stream``
+        (a DMA stream or a host engine): returns the load's token (the new
+        writer of every block) and the fence it waits on (WAR on the last
+        readers, WAW on the last writer). If the load fails, the blocks lose
+        their keys and are not published until rewritten. Null placeholders
+        are skipped. O(len(blocks)).
+
+        Raises:
+            UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
+        """
+        self._sync()
+        st = self.tracker.state(stream)
+        data = self._data_blocks(blocks, "load")
+        token, fence = self._begin(((data, _WRITE),), stream, st)
+        if data:
+            self._loads.setdefault(stream, {})[token.seq] = data
+        return token, fence
+
+    def begin_store(self, blocks: Iterable[KVCacheBlock], stream: str) -> tuple[Token, Fence]:
+        """Begin a store / offload (GPU -> external tier) from ``blocks`` on
+        ``stream``: returns the store's token (a reader of every block; a
+        later write waits on it, WAR) and the fence it waits on (RAW on the
+        last writer). Null placeholders are skipped. O(len(blocks)).
+
+        Raises:
+            UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
+        """
+        self._sync()
+        st = self.tracker.state(stream)
+        data = self._data_blocks(blocks, "store")
+        return self._begin(((data, _READ),), stream, st)
+
+    # ------------------------------------------------------------------
+    # prefix cache (vLLM surface, request-agnostic keys)
+    # ------------------------------------------------------------------
+
+    def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
+        """The first cached block under ``block_hash`` (any opaque hashable),
+        or ``None``. O(1)."""
+        self._counters["lookups"] += 1
+        b = self.prefix_cache.get_one(block_hash)
+        if b is not None:
+            self._counters["hits"] += 1
+        return b
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[Hashable],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int | None = None,
+        block_mask: Sequence[bool] | None = None,
+    ) -> None:
+        """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under
+        ``block_hashes[i]`` (one key per block, aligned with ``blocks``).
+        Null or masked-out blocks are skipped; so are blocks whose load
+        failed. A block already holding a shorter-prefix key is promoted
+        (its old keys removed, with events). Emits one stored event.
+        O(num_full_blocks - num_cached_blocks).
+
+        Raises:
+            InvalidArgumentError: counts out of range, too few hashes, mask
+                of the wrong length.
+            ForeignBlockError: a block of another pool.
+            HashConflictError: a block already cached under a different key
+                for the same or a longer prefix.
+        """
+        self._sync()
+        lo, hi = num_cached_blocks, num_full_blocks
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo and hi <= len(blocks)):
+            raise InvalidArgumentError(
+                f"need 0 <= num_cached_blocks <= num_full_blocks <= len(blocks), got {lo}, {hi}, {len(blocks)}"
+            )
+        if lo >= hi:
+            return
+        if len(block_hashes) < hi:
+            raise InvalidArgumentError(f"{len(block_hashes)} block hashes for {hi} full blocks")
+        if block_mask is not None and len(block_mask) != hi - lo:
+            raise InvalidArgumentError(f"block_mask has {len(block_mask)} entries, expected {hi - lo}")
+        plan: list[tuple[KVCacheBlock, Hashable, int | None, bool]] = []
+        for i in range(lo, hi):
+            b = self._own(blocks[i])
+            if b.is_null or (block_mask is not None and not block_mask[i - lo]):
+                continue
+            key = block_hashes[i]
+            ntok = (i + 1) * block_size if block_size else None
+            promote = False
+            if b.block_hash is not None and b.block_hash != key:
+                old = b.block_hash_num_tokens
+                if old is None or ntok is None or old >= ntok:
+                    raise HashConflictError(
+                        f"block {b.block_id} is cached under {b.block_hash!r} "
+                        f"({old} tokens); it cannot also be full block {key!r} ({ntok} tokens)"
+                    )
+                promote = True
+            plan.append((b, key, ntok, promote))
+        stored: list[Hashable] = []
+        ids: list[int] = []
+        for b, key, ntok, promote in plan:
+            if b.block_id in self._invalid:
+                self._counters["unpublished_failed_loads"] += 1
+                continue
+            if promote:
+                self._drop_keys(b)
+            if self.prefix_cache.insert(key, b, ntok):
+                stored.append(key)
+                ids.append(b.block_id)
+        if stored and self.enable_kv_cache_events:
+            parent = block_hashes[lo - 1] if lo > 0 else None
+            self.kv_event_queue.append(
+                BlockStored(tuple(stored), parent, block_size, tuple(ids), self.medium)
+            )
+
+    def cache_partial_block(
+        self,
+        block: KVCacheBlock,
+        block_hash: Hashable,
+        num_tokens: int,
+        replace_existing_hashes: bool = False,
+        parent_block_hash: Hashable | None = None,
+    ) -> Hashable | None:
+        """Make ``block`` reachable under a partial-prefix key covering
+        ``num_tokens`` tokens (vLLM's partial entries). A block whose primary
+        key covers fewer tokens is promoted (old keys removed, with events);
+        one whose key covers more keeps it and gains ``block_hash`` as an
+        extra key. ``replace_existing_hashes``: the content was replaced, drop
+        every key first. Returns the key, or ``None`` for the null block or a
+        block whose load failed. O(keys of the block).
+
+        Raises:
+            ForeignBlockError: a block of another pool.
+            InvalidArgumentError: ``num_tokens`` is not a positive int.
+        """
+        self._sync()
+        b = self._own(block)
+        if not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise InvalidArgumentError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        if b.is_null:
+            return None
+        if b.block_id in self._invalid:
+            self._counters["unpublished_failed_loads"] += 1
+            return None
+        pc = self.prefix_cache
+        already = b.block_hash == block_hash or pc.contains(block_hash, b)
+        if replace_existing_hashes:
+            self._drop_keys(b)
+            already = False
+        elif (
+            not already
+            and b.block_hash is not None
+            and b.block_hash_num_tokens is not None
+            and b.block_hash_num_tokens < num_tokens
+        ):
+            self._drop_keys(b)
+        pc.insert(block_hash, b, num_tokens)
+        if not already and self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockStored((block_hash,), parent_block_hash, num_tokens, (b.block_id,), self.medium)
+            )
+        return block_hash
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Re-point every key of ``src_block`` to ``dst_block`` (the prefix
+        cache keeps a private copy while the owner keeps writing ``src``). No
+        events. O(keys).
+
+        Raises:
+            ForeignBlockError: a block of another pool.
+            HashConflictError: ``dst_block`` already holds a key.
+        """
+        self._sync()
+        src, dst = self._own(src_block), self._own(dst_block)
+        if self.prefix_cache.keys_of(dst):
+            raise HashConflictError(f"block {dst.block_id} already holds prefix-cache keys")
+        ntok = src.block_hash_num_tokens
+        first = True
+        for key in self.prefix_cache.remove_block(src):
+            self.prefix_cache.insert(key, dst, ntok if first else None)
+            first = False
+
+    def _drop_keys(self, b: KVCacheBlock) -> None:
+        keys = self.prefix_cache.remove_block(b)
+        if keys and self.enable_kv_cache_events:
+            medium = self.medium
+            self.kv_event_queue.extend(BlockRemoved((k,), medium) for k in keys)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the prefix-cache keys of the given blocks (removed events).
+        Blocks stay where they are (in use, or free at the same queue
+        position). O(len(block_ids)).
+
+        Raises:
+            InvalidArgumentError: an id outside ``0 .. num_gpu_blocks - 1``
+                (checked for all ids before any change).
+        """
+        self._sync()
+        ids = list(block_ids)
+        for bid in ids:
+            if not isinstance(bid, int) or not 0 <= bid < self.num_gpu_blocks:
+                raise InvalidArgumentError(
+                    f"invalid block_id {bid!r}: the pool has {self.num_gpu_blocks} blocks"
+                )
+        for bid in ids:
+            b = self.blocks[bid]
+            if self.prefix_cache.keys_of(b):
+                self._drop_keys(b)
+                self._counters["evictions"] += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every key (one all-cleared event) if no block is in use or
+        held; else change nothing and return False. O(num_gpu_blocks)."""
+        self._sync()
+        busy = self.num_gpu_blocks - 1 - self.free_block_queue.num_free_blocks
+        if busy:
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet "
+                "(%d held back for host transfers)",
+                busy,
+                len(self._held),
+            )
+            return False
+        self.prefix_cache.clear()
+        for b in self.blocks:
+            b.reset_hash()
+        self._invalid.clear()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared(self.medium))
+        logger.info("Successfully reset prefix cache")
+        return True
+
+    # ------------------------------------------------------------------
+    # queries
+    # ------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks in the free queue (held blocks excluded). O(1) plus queued
+        completions."""
+        self._sync()
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks not free (held count as used), in [0, 1]. O(1)."""
+        total = self.num_gpu_blocks - 1
+        if not total:
+            return 0.0
+        return 1.0 - self.get_num_free_blocks() / total
+
+    def is_block_writable(self, block: KVCacheBlock) -> bool:
+        """Whether the sole owner may write ``block`` in place (not null, ref
+        count 1, no key). O(1)."""
+        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+
+    def held_block_ids(self) -> list[int]:
+        """Blocks held back for pending host-engine accesses, sorted. O(h log h)."""
+        self._sync()
+        return sorted(self._held)
+
+    def expired_leases(self) -> list[int]:
+        """Held blocks whose lease expired (still quarantined), sorted."""
+        self._sync()
+        return sorted(self._expired)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Take and clear the queued KV cache events (``[]`` when disabled). O(1)."""
+        if not self.enable_kv_cache_events:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    def stats(self) -> PoolStats:
+        """Counters and occupancy. O(num_gpu_blocks)."""
+        self._sync()
+        free = self.free_block_queue.num_free_blocks
+        held = len(self._held)
+        usable = self.num_gpu_blocks - 1
+        cached = sum(1 for b in self.blocks if b.block_hash is not None)
+        return PoolStats(
+            num_blocks=usable,
+            free=free,
+            held=held,
+            used=usable - free - held,
+            cached_blocks=cached,
+            cached_keys=len(self.prefix_cache),
+            failed_tokens=sum(s.failed for s in self.tracker.streams.values()),
+            **self._counters,
+        )
+
+    # ------------------------------------------------------------------
+    # invariants and snapshots
+    # ------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Assert every invariant; raises :class:`InvariantError` naming the
+        first one broken. O(num_gpu_blocks + cached keys).
+
+        Checked: the null block is never free, held, referenced or cached;
+        the free queue's links and count agree; free blocks have ref count 0
+        and are not held; held blocks have ref count 0 and a pending host
+        token; ref counts >= 0; free + held + used = total; no block is
+        counted twice; key map <-> block keys agree both ways.
+        """
+        free_list = self.free_block_queue.check()
+        free_ids = [b.block_id for b in free_list]
+        free_set = set(free_ids)
+        if len(free_set) != len(free_ids):
+            raise InvariantError("a block appears twice in the free queue")
+        null = self.null_block
+        if 0 in free_set or null.ref_cnt != 0 or null.block_hash is not None or 0 in self._held:
+            raise InvariantError("the null block is free, held, referenced or cached")
+        for b in self.blocks:
+            if b.ref_cnt < 0:
+                raise InvariantError(f"block {b.block_id} has ref count {b.ref_cnt}")
+            if b.block_id in free_set and b.ref_cnt != 0:
+                raise InvariantError(f"free block {b.block_id} has ref count {b.ref_cnt}")
+        for bid, pending in self._held.items():
+            if bid in free_set or self.blocks[bid].ref_cnt != 0 or not pending:
+                raise InvariantError(f"held block {bid} is free, referenced or has no pending token")
+        used = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
+        zero_not_free = sum(
+            1 for b in self.blocks[1:] if b.ref_cnt == 0 and b.block_id not in free_set
+        )
+        if zero_not_free != len(self._held):
+            raise InvariantError(
+                f"{zero_not_free} unreferenced blocks are outside the free queue but "
+                f"{len(self._held)} are held"
+            )
+        if len(free_set) + len(self._held) + used != self.num_gpu_blocks - 1:
+            raise InvariantError("free + held + used != total")
+        seen_pairs = set()
+        for key, blocks in self.prefix_cache.items():
+            if not blocks:
+                raise InvariantError(f"key {key!r} maps to no block")
+            for b in blocks:
+                if self.blocks[b.block_id] is not b or b.is_null:
+                    raise InvariantError(f"key {key!r} maps to a foreign or null block")
+                if key not in self.prefix_cache.keys_of(b):
+                    raise InvariantError(f"key {key!r} maps to block {b.block_id} which lacks it")
+                seen_pairs.add((key, b.block_id))
+        for b in self.blocks:
+            for key in self.prefix_cache.keys_of(b):
+                if (key, b.block_id) not in seen_pairs:
+                    raise InvariantError(f"block {b.block_id} holds key {key!r} the map lacks")
+        for bid, extra in self.prefix_cache.extra_keys().items():
+            if extra and self.blocks[bid].block_hash is None:
+                raise InvariantError(f"block {bid} has extra keys but no primary key")
+
+    def snapshot(self) -> PoolSnapshot:
+        """A comparable picture of all observable state (tests: take one
+        before a failing call, compare after). O(num_gpu_blocks)."""
+        pc = self.prefix_cache
+        tr = self.tracker
+        return PoolSnapshot(
+            ref_counts=tuple(b.ref_cnt for b in self.blocks),
+            free_queue=tuple(b.block_id for b in self.free_block_queue),
+            held=tuple(
+                (bid, tuple(sorted(map(str, toks)))) for bid, toks in sorted(self._held.items())
+            ),
+            cache=tuple(
+                (b.block_id, repr(k), b.block_hash_num_tokens if k == b.block_hash else None)
+                for b in self.blocks
+                for k in pc.keys_of(b)
+            ),
+            shadows=tuple(
+                (b.block_id, str(b.writer), tuple(sorted(map(str, _shadow_tokens(b)))))
+                for b in self.blocks
+                if b.writer is not None or b.readers is not None
+            ),
+            events=tuple(self.kv_event_queue),
+            marks=tuple(
+                (n, s.last_seq, s.mark, tuple(s.done)) for n, s in sorted(tr.streams.items())
+            ),
+            clocks=tuple(
+                (n, tuple(sorted(s.clock.dev.items())), tuple(sorted(map(str, s.clock.host))))
+                for n, s in sorted(tr.streams.items())
+            ),
+            counters=tuple(sorted(self._counters.items())) + (("invalid", len(self._invalid)),),
+        )

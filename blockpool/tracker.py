@@ -1,0 +1,263 @@
+"""Streams, token issue, completion marks and vector clocks.
+
+:class:`HazardTracker` is the part of the pool that knows about time: which
+tokens exist, which have ended, and what each stream is already ordered
+after. It knows nothing about blocks; the pool feeds it candidate tokens read
+from block shadows and gets back the reduced fence.
+
+Clocks follow the vector-clock construction of PyTorch's CUDA stream
+sanitizer (``torch/cuda/_sanitizer.py``, ``StreamSynchronizations``), with one
+change for host engines: a ``DEVICE`` stream component is a high-water mark
+(in-order queue), while ``HOST`` tokens are kept as a set, because waiting on
+``(rdma, 7)`` says nothing about ``(rdma, 6)``.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+from sortedcontainers import SortedSet
+
+from blockpool.errors import InvalidArgumentError, UnknownStreamError, UnknownTokenError
+from blockpool.hazards import StreamKind, Token
+
+__all__ = ["VectorClock", "StreamState", "HazardTracker"]
+
+_DEVICE = StreamKind.DEVICE
+_HOST = StreamKind.HOST
+
+
+class VectorClock:
+    """What a stream (or a token's issue point) is ordered after.
+
+    ``dev[s] = n`` means ordered after every token of device stream ``s`` up
+    to ``n``; ``host`` holds individual host-engine tokens.
+    """
+
+    __slots__ = ("dev", "host")
+
+    def __init__(self, dev: dict[str, int] | None = None, host: set[Token] | None = None):
+        self.dev: dict[str, int] = dev if dev is not None else {}
+        self.host: set[Token] = host if host is not None else set()
+
+    def covers(self, t: Token) -> bool:
+        """True when this clock is ordered after ``t``. O(1)."""
+        if t.kind is _HOST:
+            return t in self.host
+        return self.dev.get(t.stream, 0) >= t.seq
+
+    def add(self, t: Token) -> None:
+        """Order this clock after ``t`` (only ``t``). O(1)."""
+        if t.kind is _HOST:
+            self.host.add(t)
+        elif self.dev.get(t.stream, 0) < t.seq:
+            self.dev[t.stream] = t.seq
+
+    def join(self, other: VectorClock) -> None:
+        """``self := self ⊔ other``. O(len(other))."""
+        dev = self.dev
+        for s, n in other.dev.items():
+            if dev.get(s, 0) < n:
+                dev[s] = n
+        if other.host:
+            self.host |= other.host
+
+    def copy(self) -> VectorClock:
+        return VectorClock(dict(self.dev), set(self.host))
+
+    def __repr__(self) -> str:
+        return f"VectorClock(dev={self.dev!r}, host={sorted(map(str, self.host))!r})"
+
+
+class StreamState:
+    """Per-stream bookkeeping: counter, completion mark, clocks."""
+
+    __slots__ = ("name", "kind", "last_seq", "mark", "done", "clock", "token_clocks", "failed")
+
+    def __init__(self, name: str, kind: StreamKind):
+        self.name = name
+        self.kind = kind
+        self.last_seq = 0
+        # Every token with seq <= mark has ended.
+        self.mark = 0
+        # HOST only: ended seqs above the mark (out-of-order completions).
+        self.done: SortedSet = SortedSet()
+        # DEVICE: the standing clock (what this queue has been ordered after).
+        # HOST: stays empty; each posting carries its own wait in its token.
+        self.clock = VectorClock()
+        # Issue-time clock of every token not yet known to have ended.
+        self.token_clocks: dict[int, VectorClock] = {}
+        # Failed seqs not yet forgotten (for stats and explain()).
+        self.failed = 0
+
+    def is_ended(self, seq: int) -> bool:
+        return seq <= self.mark or (self.kind is _HOST and seq in self.done)
+
+    def end(self, seq: int) -> list[int]:
+        """Mark ``seq`` ended; returns the seqs that newly ended. O(k log n)."""
+        if self.is_ended(seq):
+            return []
+        if self.kind is _DEVICE:
+            newly = list(range(self.mark + 1, seq + 1))
+            self.mark = seq
+        else:
+            newly = [seq]
+            self.done.add(seq)
+            done = self.done
+            while done and done[0] == self.mark + 1:
+                self.mark = done.pop(0)
+        pop = self.token_clocks.pop
+        for s in newly:
+            pop(s, None)
+        return newly
+
+
+class HazardTracker:
+    """Token issue, completion and fence reduction for one pool.
+
+    Thread safety: :meth:`submit` may be called from any thread (it appends
+    to a ``collections.deque``, atomic in CPython); everything else runs on
+    the pool's (scheduler's) thread, and completions are applied by
+    :meth:`drain`.
+    """
+
+    __slots__ = ("streams", "_inbox")
+
+    def __init__(self) -> None:
+        self.streams: dict[str, StreamState] = {}
+        self._inbox: collections.deque[tuple[Token, bool]] = collections.deque()
+
+    # -- streams and tokens ------------------------------------------------
+
+    def add_stream(self, name: str, kind: StreamKind) -> None:
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"stream name must be a non-empty str, got {name!r}")
+        if not isinstance(kind, StreamKind):
+            raise InvalidArgumentError(f"kind must be a StreamKind, got {kind!r}")
+        cur = self.streams.get(name)
+        if cur is not None:
+            if cur.kind is not kind:
+                raise InvalidArgumentError(
+                    f"stream {name!r} is already registered as {cur.kind.value}"
+                )
+            return
+        self.streams[name] = StreamState(name, kind)
+
+    def state(self, stream: str) -> StreamState:
+        st = self.streams.get(stream)  # type: ignore[call-overload]
+        if st is None:
+            raise UnknownStreamError(
+                f"unknown stream {stream!r}; registered: {sorted(self.streams)}"
+            )
+        return st
+
+    def issue(self, stream: str, after: Iterable[Token] = ()) -> Token:
+        """Issue the next token of ``stream``, ordered after the stream's
+        standing clock and after ``after`` (the fence the access waited on).
+        O(#streams + len(after))."""
+        st = self.state(stream)
+        st.last_seq += 1
+        tok = Token(st.name, st.last_seq, st.kind)
+        clock = st.clock.copy()
+        for t in after:
+            tc = self.streams[t.stream].token_clocks.get(t.seq)
+            if tc is not None:
+                clock.join(tc)
+            clock.add(t)
+        clock.add(tok)
+        if st.kind is _DEVICE:
+            st.clock.dev[st.name] = tok.seq
+        st.token_clocks[tok.seq] = clock
+        return tok
+
+    def validate(self, token: object) -> StreamState:
+        """The state of ``token``'s stream; raises if the pool never issued it."""
+        if not isinstance(token, Token):
+            raise InvalidArgumentError(f"expected a Token, got {token!r}")
+        st = self.state(token.stream)
+        if token.seq > st.last_seq:
+            raise UnknownTokenError(
+                f"token {token} was never issued (last issued on {st.name!r}: {st.last_seq})"
+            )
+        return st
+
+    def is_ended(self, token: Token) -> bool:
+        st = self.streams[token.stream]
+        return token.seq <= st.mark or (st.kind is _HOST and token.seq in st.done)
+
+    # -- completions -------------------------------------------------------
+
+    def submit(self, token: Token, failed: bool) -> None:
+        """Queue a completion (any thread). Validates first."""
+        self.validate(token)
+        self._inbox.append((token, failed))
+
+    def has_pending(self) -> bool:
+        return bool(self._inbox)
+
+    def drain(self) -> list[tuple[Token, bool, list[int]]]:
+        """Apply queued completions in arrival order. Returns, per applied
+        completion, ``(token, failed, newly_ended_seqs)``."""
+        out = []
+        inbox = self._inbox
+        while inbox:
+            token, failed = inbox.popleft()
+            st = self.streams[token.stream]
+            newly = st.end(token.seq)
+            if failed and newly:
+                st.failed += 1
+            out.append((token, failed, newly))
+        return out
+
+    # -- fences --------------------------------------------------------------
+
+    def reduce(self, candidates: Iterable[Token], consumer: StreamState) -> list[Token]:
+        """Drop from ``candidates`` (already newest-per-device-stream) every
+        token that has ended, that is on the consumer itself when the consumer
+        is an in-order device stream, that the consumer's clock covers, or
+        that another remaining candidate's issue-time clock covers.
+        O(k^2) in the number of candidates k (k <= #streams + #host tokens)."""
+        streams = self.streams
+        cc = consumer.clock
+        own = consumer.name if consumer.kind is _DEVICE else None
+        live: list[Token] = []
+        for t in candidates:
+            st = streams[t.stream]
+            if t.seq <= st.mark or t.stream == own:
+                continue
+            if t.kind is _HOST:
+                if t.seq in st.done or t in cc.host:
+                    continue
+            elif cc.dev.get(t.stream, 0) >= t.seq:
+                continue
+            live.append(t)
+        if len(live) < 2:
+            return live
+        clocks = [streams[u.stream].token_clocks.get(u.seq) for u in live]
+        kept = []
+        for i, t in enumerate(live):
+            for j, c in enumerate(clocks):
+                if j != i and c is not None and c.covers(t):
+                    break
+            else:
+                kept.append(t)
+        return kept
+
+    def wait(self, consumer: StreamState, tokens: Iterable[Token]) -> None:
+        """Record that a ``DEVICE`` consumer enqueued waits on ``tokens``:
+        ``clock[S] := clock[S] ⊔ clock(t) ⊔ {t}``. A ``HOST`` engine keeps no
+        standing clock (its postings are not ordered among themselves), so
+        its wait is carried by the token of the access instead (:meth:`issue`)."""
+        if consumer.kind is not _DEVICE:
+            return
+        cc = consumer.clock
+        streams = self.streams
+        for t in tokens:
+            tc = streams[t.stream].token_clocks.get(t.seq)
+            if tc is not None:
+                cc.join(tc)
+            cc.add(t)
+        if cc.host:
+            # Forget host tokens that ended: they can never be candidates again.
+            cc.host = {t for t in cc.host if not self.is_ended(t)}

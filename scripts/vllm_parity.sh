@@ -1,0 +1,385 @@
+#!/usr/bin/env bash
+# vLLM 0.33.0 parity harness: run vLLM's own block-pool tests on a CPU-only
+# machine, first against vLLM's own BlockPool ("plugin off") and, once
+# blockpool/integrations/vllm_pytest.py exists, against ours ("plugin on").
+#
+# Usage (from anywhere):   bash scripts/vllm_parity.sh
+#
+# Idempotent: the venv and the unpacked sdist are reused when present.
+#
+# Environment knobs (all optional):
+#   VLLM_VENV              venv dir, relative to the repo root  [.venv-vllm]
+#   VLLM_SRC_CACHE         sdist cache dir                      [.cache/vllm-src]
+#   VLLM_PARITY_RESULTS    results dir (junit xml, outcome lists) [.cache/vllm-parity]
+#   VLLM_PARITY_SHARED     shared fixtures dir                  [../shared/vllm-parity]
+#   VLLM_PARITY_PYTHON     interpreter used to create the venv  [python3.11]
+#   VLLM_PARITY_TIMEOUT    seconds allowed per pytest pass      [1800]
+#   VLLM_PARITY_SCHEDULER  1 = also run tests/v1/core/test_scheduler.py [1]
+#   VLLM_PARITY_PASSES     which passes to run: "off", "on" or "off on" [off on]
+#                          ("on" is skipped while the plugin module is absent)
+#
+# Files read at run time from the shared dir (never copied into the repo):
+#   vllm-0.33.0-cpu-freeze.txt   exact pins, each installed with --no-deps
+#   hf/                          minimal HF hub cache (config.json only),
+#                                copied to a temp dir per pass
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"
+
+VLLM_VERSION=0.33.0
+TORCH_VERSION=2.13.0
+# sha256 of vllm-0.33.0.tar.gz as published on PyPI.
+VLLM_SDIST_SHA256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
+
+SHARED_DIR="${VLLM_PARITY_SHARED:-$REPO_ROOT/../shared/vllm-parity}"
+FREEZE_FILE="$SHARED_DIR/vllm-${VLLM_VERSION}-cpu-freeze.txt"
+HF_FIXTURES="$SHARED_DIR/hf"
+VENV_DIR="${VLLM_VENV:-.venv-vllm}"
+SRC_CACHE="${VLLM_SRC_CACHE:-.cache/vllm-src}"
+RESULTS_DIR="${VLLM_PARITY_RESULTS:-.cache/vllm-parity}"
+BASE_PYTHON="${VLLM_PARITY_PYTHON:-python3.11}"
+PASS_TIMEOUT="${VLLM_PARITY_TIMEOUT:-1800}"
+WITH_SCHEDULER="${VLLM_PARITY_SCHEDULER:-1}"
+PASSES="${VLLM_PARITY_PASSES:-off on}"
+PLUGIN_MODULE=blockpool.integrations.vllm_pytest
+PLUGIN_FILE=blockpool/integrations/vllm_pytest.py
+
+# Make the dirs absolute (the test passes run from the sdist root).
+abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$REPO_ROOT/$1" ;; esac; }
+VENV_DIR="$(abspath "$VENV_DIR")"
+SRC_CACHE="$(abspath "$SRC_CACHE")"
+RESULTS_DIR="$(abspath "$RESULTS_DIR")"
+VENV_PY="$VENV_DIR/bin/python"
+SDIST_ROOT="$SRC_CACHE/vllm-$VLLM_VERSION"
+
+# Test selection, relative to the sdist root.
+TEST_PATHS=(
+  tests/v1/core/test_prefix_caching.py
+  tests/v1/core/test_kv_cache_utils.py
+  tests/v1/core/test_single_type_kv_cache_manager.py
+  tests/v1/core/test_deferred_block_free.py
+  # tests/v1/core/prefix_cache/ minus test_hybrid_prefix_cache_hit_rate.py,
+  # which starts a real OpenAI server on a real model (RemoteOpenAIServer).
+  tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py
+  tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py
+  tests/v1/core/prefix_cache/test_mamba_eagle_resume_checkpoint.py
+)
+if [[ "$WITH_SCHEDULER" == 1 ]]; then
+  TEST_PATHS+=(tests/v1/core/test_scheduler.py)
+fi
+
+log() { printf '[vllm-parity] %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; exit 2; }
+now() { date +%s; }
+
+declare -A TIMINGS=()
+timed() { # timed LABEL cmd...
+  local label=$1; shift
+  local t0; t0=$(now)
+  "$@"
+  TIMINGS[$label]=$(( $(now) - t0 ))
+  log "$label: ${TIMINGS[$label]} s"
+}
+
+check_inputs() {
+  [[ -f "$FREEZE_FILE" ]] || die "freeze list not found: $FREEZE_FILE"
+  [[ -d "$HF_FIXTURES" ]] || die "hf fixtures not found: $HF_FIXTURES"
+  command -v "$BASE_PYTHON" >/dev/null || die "$BASE_PYTHON not found (the freeze list is for CPython 3.11)"
+}
+
+freeze_digest() { sha256sum "$FREEZE_FILE" | cut -d' ' -f1; }
+
+# ---------------------------------------------------------------------------
+# 1. venv with the exact freeze list, every package --no-deps
+# ---------------------------------------------------------------------------
+venv_ok() {
+  [[ -x "$VENV_PY" ]] || return 1
+  [[ "$(cat "$VENV_DIR/.freeze-sha256" 2>/dev/null)" == "$(freeze_digest)" ]] || return 1
+  "$VENV_PY" - "$VLLM_VERSION" <<'EOF' >/dev/null 2>&1
+import sys, importlib.metadata as md
+assert md.version("vllm") == sys.argv[1]
+from vllm.v1.core.block_pool import BlockPool  # noqa: F401
+import pytest  # noqa: F401
+EOF
+}
+
+build_venv() {
+  if venv_ok; then
+    log "venv $VENV_DIR is ready (vllm $VLLM_VERSION importable, freeze list unchanged)"
+    return 0
+  fi
+  if [[ ! -x "$VENV_PY" ]]; then
+    log "creating venv $VENV_DIR with $BASE_PYTHON"
+    "$BASE_PYTHON" -m venv "$VENV_DIR"
+  fi
+  # Pins exactly as in the freeze file; torch forced to the CPU release pin
+  # (the +cpu wheel comes from pip's find-links; an unpinned torch would pull
+  # a multi-GB CUDA build).
+  local reqs; reqs="$(mktemp)"
+  grep -Ev '^[[:space:]]*(#|$)' "$FREEZE_FILE" \
+    | sed -E "s/^torch[[:space:]]*==.*/torch==$TORCH_VERSION/" >"$reqs"
+  grep -Eq '^vllm==' "$reqs" || die "freeze list has no vllm pin"
+  log "installing $(wc -l <"$reqs") pinned packages with --no-deps"
+  "$VENV_PY" -m pip install --no-deps --no-input -r "$reqs"
+  rm -f "$reqs"
+  local torch_v
+  torch_v="$("$VENV_PY" -c 'import torch; print(torch.__version__)')"
+  case "$torch_v" in
+    *+cpu) ;;
+    *) log "WARNING: torch $torch_v is not a +cpu build (is the CPU wheel on pip's find-links?)" ;;
+  esac
+  venv_check_imports || die "vllm does not import in $VENV_DIR"
+  freeze_digest >"$VENV_DIR/.freeze-sha256"
+}
+
+venv_check_imports() {
+  "$VENV_PY" - "$VLLM_VERSION" <<'EOF'
+import sys, importlib.metadata as md
+assert md.version("vllm") == sys.argv[1], md.version("vllm")
+from vllm.v1.core.block_pool import BlockPool  # noqa: F401
+EOF
+}
+
+# ---------------------------------------------------------------------------
+# 2. vLLM sdist (the tests live only there), unpacked into $SRC_CACHE
+# ---------------------------------------------------------------------------
+sdist_ok() {
+  [[ -f "$SDIST_ROOT/.unpacked-ok" && -f "$SDIST_ROOT/tests/v1/core/test_prefix_caching.py" ]]
+}
+
+fetch_sdist() {
+  if sdist_ok; then
+    log "sdist tree $SDIST_ROOT is ready"
+    return 0
+  fi
+  mkdir -p "$SRC_CACHE"
+  local tarball="$SRC_CACHE/vllm-$VLLM_VERSION.tar.gz"
+  if [[ -f "$tarball" ]] && ! sha256_matches "$tarball"; then
+    log "discarding $tarball (sha256 mismatch)"
+    rm -f "$tarball"
+  fi
+  if [[ ! -f "$tarball" ]] && ! download_sdist_via_index "$tarball"; then
+    # download_sdist_via_pip either leaves the tarball or unpacks the tree.
+    download_sdist_via_pip "$tarball" || die "could not fetch vllm-$VLLM_VERSION.tar.gz"
+    sdist_ok && return 0
+  fi
+  sha256_matches "$tarball" || die "$tarball: sha256 mismatch"
+  local stage; stage="$(mktemp -d "$SRC_CACHE/.unpack.XXXXXX")"
+  tar -xzf "$tarball" -C "$stage" --no-same-owner
+  [[ -f "$stage/vllm-$VLLM_VERSION/tests/v1/core/test_prefix_caching.py" ]] \
+    || die "unexpected sdist layout in $tarball"
+  rm -rf "$SDIST_ROOT"
+  mv "$stage/vllm-$VLLM_VERSION" "$SDIST_ROOT"
+  rmdir "$stage"
+  touch "$SDIST_ROOT/.unpacked-ok"
+  log "unpacked sdist to $SDIST_ROOT"
+}
+
+sha256_matches() { [[ "$(sha256sum "$1" | cut -d' ' -f1)" == "$VLLM_SDIST_SHA256" ]]; }
+
+# Primary route: PyPI's simple index (PEP 691 JSON, PEP 503 HTML fallback)
+# gives the sdist URL; download it with the stdlib. Honours pip's index-url
+# and cert settings.
+download_sdist_via_index() {
+  local dest=$1
+  local index cert
+  index="${PIP_INDEX_URL:-$("$BASE_PYTHON" -m pip config get global.index-url 2>/dev/null || true)}"
+  index="${index:-https://pypi.org/simple}"
+  cert="${PIP_CERT:-$("$BASE_PYTHON" -m pip config get global.cert 2>/dev/null || true)}"
+  log "fetching vllm-$VLLM_VERSION.tar.gz via $index"
+  "$BASE_PYTHON" - "$index" "$cert" "$VLLM_VERSION" "$dest" <<'EOF'
+import hashlib, json, os, re, ssl, sys, urllib.parse, urllib.request
+index, cert, version, dest = sys.argv[1:]
+ctx = ssl.create_default_context(cafile=cert or None)
+name = f"vllm-{version}.tar.gz"
+page = index.rstrip("/") + "/vllm/"
+req = urllib.request.Request(page, headers={
+    "Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
+with urllib.request.urlopen(req, timeout=120, context=ctx) as r:
+    ctype = r.headers.get("Content-Type", "")
+    body = r.read().decode()
+url = sha = None
+if "json" in ctype:
+    for f in json.loads(body)["files"]:
+        if f["filename"] == name:
+            url, sha = f["url"], f["hashes"].get("sha256")
+else:
+    for href in re.findall(r'href="([^"]+)"', body):
+        href = href.replace("&amp;", "&")
+        if urllib.parse.urlsplit(href).path.endswith("/" + name):
+            url, _, frag = href.partition("#")
+            sha = frag.partition("sha256=")[2] or None
+if not url:
+    sys.exit(f"{name} not listed on {page}")
+url = urllib.parse.urljoin(page, url)
+tmp = dest + ".part"
+h = hashlib.sha256()
+with urllib.request.urlopen(url, timeout=600, context=ctx) as r, open(tmp, "wb") as out:
+    while chunk := r.read(1 << 20):
+        h.update(chunk)
+        out.write(chunk)
+if sha and h.hexdigest() != sha:
+    os.unlink(tmp)
+    sys.exit(f"sha256 mismatch for {url}")
+os.replace(tmp, dest)
+EOF
+}
+
+# Fallback route (see shared README): pip fetches and unpacks the sdist, then
+# fails at its metadata step (building metadata would need a CUDA torch);
+# with --no-clean the unpacked tree stays in TMPDIR. Use pip's tarball if it
+# kept one, else move the unpacked tree into place as the sdist root (it
+# cannot be checked against the tarball's sha256, so we say so).
+download_sdist_via_pip() {
+  local dest=$1
+  local work; work="$(mktemp -d)"
+  log "index route failed; trying pip download (its metadata step is expected to fail)"
+  mkdir -p "$work/tmp" "$work/dl"
+  TMPDIR="$work/tmp" VLLM_TARGET_DEVICE=empty \
+    "$BASE_PYTHON" -m pip download "vllm==$VLLM_VERSION" --no-deps \
+      --no-binary :all: --no-build-isolation --no-clean -d "$work/dl" \
+      >"$work/pip.log" 2>&1 || true
+  if [[ -f "$work/dl/vllm-$VLLM_VERSION.tar.gz" ]]; then
+    mv "$work/dl/vllm-$VLLM_VERSION.tar.gz" "$dest"
+  else
+    local tree
+    tree="$(find "$work/tmp" -maxdepth 4 -name PKG-INFO -path '*vllm*' -printf '%h\n' | head -n1)"
+    if [[ -z "$tree" || ! -f "$tree/tests/v1/core/test_prefix_caching.py" ]] \
+       || ! grep -qx "Version: $VLLM_VERSION" "$tree/PKG-INFO"; then
+      tail -n 20 "$work/pip.log" >&2
+      rm -rf "$work"
+      return 1
+    fi
+    log "WARNING: using pip's unpacked tree (not sha256-verified against the tarball)"
+    rm -rf "$SDIST_ROOT"
+    mv "$tree" "$SDIST_ROOT"
+    touch "$SDIST_ROOT/.unpacked-ok"
+  fi
+  rm -rf "$work"
+}
+
+# ---------------------------------------------------------------------------
+# 3. one pytest pass
+# ---------------------------------------------------------------------------
+# run_pass NAME [extra pytest args...]
+# Writes $RESULTS_DIR/NAME.xml (junit), NAME.outcomes (one "nodeid outcome"
+# per line, sorted), NAME.log; prints "NAME: N passed, N failed".
+run_pass() {
+  local name=$1; shift
+  mkdir -p "$RESULTS_DIR"
+  local hf_tmp; hf_tmp="$(mktemp -d)"
+  # shared/ is read-only; the hub library may write beside its cache.
+  cp -r "$HF_FIXTURES" "$hf_tmp/hf"
+  chmod -R u+w "$hf_tmp"
+  local xml="$RESULTS_DIR/$name.xml" log="$RESULTS_DIR/$name.log"
+  rm -f "$xml" "$log" "$RESULTS_DIR/$name.outcomes"
+  log "pass $name: pytest ${TEST_PATHS[*]} $*"
+  local rc=0
+  # Run from the sdist root: the tests import `tests.v1.core...` helpers.
+  # `python -m pytest` puts the sdist root first on sys.path, so `vllm`
+  # resolves to the sdist's (pure-Python, identical) source tree in every
+  # pass; the wheel in the venv only supplies compiled/package metadata.
+  ( cd "$SDIST_ROOT" && \
+    env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \
+        HF_HOME="$hf_tmp/hf" PYTHONDONTWRITEBYTECODE=1 "${PASS_ENV[@]}" \
+        timeout "$PASS_TIMEOUT" "$VENV_PY" -m pytest --noconftest -p no:cacheprovider \
+          -q -rA --junitxml="$xml" -o junit_family=xunit1 "$@" "${TEST_PATHS[@]}" \
+  ) >"$log" 2>&1 || rc=$?
+  rm -rf "$hf_tmp"
+  tail -n 3 "$log" >&2
+  [[ -f "$xml" ]] || { log "pass $name produced no junit xml (pytest rc=$rc), see $log"; PASS_RC[$name]=$rc; return 0; }
+  "$VENV_PY" - "$xml" "$RESULTS_DIR/$name.outcomes" "$name" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+xml, out, name = sys.argv[1:]
+counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+rows = []
+for tc in ET.parse(xml).getroot().iter("testcase"):
+    nodeid = tc.get("file") or tc.get("classname", "").replace(".", "/") + ".py"
+    cls = tc.get("classname", "").rsplit(".", 1)[-1]
+    test_id = f'{tc.get("classname")}::{tc.get("name")}'
+    kinds = {c.tag for c in tc}
+    outcome = ("error" if "error" in kinds else "failed" if "failure" in kinds
+               else "skipped" if "skipped" in kinds else "passed")
+    counts[outcome] += 1
+    rows.append(f"{test_id} {outcome}")
+with open(out, "w") as f:
+    f.write("\n".join(sorted(rows)) + "\n")
+print(f'{name}: {counts["passed"]} passed, {counts["failed"] + counts["error"]} failed'
+      f'  ({counts["error"]} of them errors, {counts["skipped"]} skipped)')
+EOF
+  PASS_RC[$name]=$rc
+}
+declare -A PASS_RC=()
+PASS_ENV=()   # extra VAR=value settings for the next run_pass
+
+# ---------------------------------------------------------------------------
+# 4. PLUGIN-ON PASS (our BlockPool inside vLLM)
+# ---------------------------------------------------------------------------
+# Skipped until $PLUGIN_FILE exists. The plugin module is a pytest plugin
+# that installs blockpool's pool into vLLM before collection.
+plugin_available() { [[ -f "$REPO_ROOT/$PLUGIN_FILE" ]]; }
+
+install_repo_into_venv() {
+  log "pip install -e $REPO_ROOT into $VENV_DIR (--no-deps)"
+  "$VENV_PY" -m pip install --no-deps --no-input -e "$REPO_ROOT" >"$RESULTS_DIR/pip-install-e.log" 2>&1 \
+    || { tail -n 30 "$RESULTS_DIR/pip-install-e.log" >&2; die "pip install -e . failed"; }
+  "$VENV_PY" -c "import $PLUGIN_MODULE" || die "$PLUGIN_MODULE does not import in the venv"
+}
+
+run_plugin_on_pass() {
+  if ! plugin_available; then
+    log "plugin-on pass skipped: $PLUGIN_FILE does not exist yet"
+    return 0
+  fi
+  mkdir -p "$RESULTS_DIR"
+  timed "repo install" install_repo_into_venv
+  # Our pool comes in through the explicit pytest plugin only; entry-point
+  # plugins stay off so the two passes differ in exactly one thing.
+  PASS_ENV=(VLLM_PLUGINS=)
+  timed "plugin-on tests" run_pass plugin-on -p "$PLUGIN_MODULE"
+}
+
+# Per-test diff of the two passes (only when both ran).
+compare_passes() {
+  local off="$RESULTS_DIR/plugin-off.outcomes" on="$RESULTS_DIR/plugin-on.outcomes"
+  [[ -f "$off" && -f "$on" ]] || return 0
+  local diff_file="$RESULTS_DIR/plugin-diff.txt"
+  if diff -u "$off" "$on" >"$diff_file"; then
+    log "plugin-on outcomes identical to plugin-off"
+  else
+    log "plugin-on differs from plugin-off in $(grep -c '^+[^+]' "$diff_file") tests; see $diff_file"
+  fi
+}
+
+# ---------------------------------------------------------------------------
+main() {
+  check_inputs
+  df -h "$REPO_ROOT" | tail -n 1 | awk '{print "[vllm-parity] free disk: " $4}' >&2
+  timed "venv build" build_venv
+  timed "sdist fetch" fetch_sdist
+  local p
+  for p in $PASSES; do
+    case "$p" in
+      off)
+        # VLLM_PLUGINS="" parses to [""], an allowlist matching no entry
+        # point: keeps any installed vllm.general_plugins (ours included,
+        # once blockpool is pip-installed in the venv) out of this pass.
+        PASS_ENV=(VLLM_PLUGINS=)
+        timed "plugin-off tests" run_pass plugin-off
+        ;;
+      on) run_plugin_on_pass ;;
+      *) die "unknown pass '$p' in VLLM_PARITY_PASSES" ;;
+    esac
+  done
+  compare_passes
+  log "timings: $(for k in "${!TIMINGS[@]}"; do printf '%s=%ss; ' "$k" "${TIMINGS[$k]}"; done)"
+  log "results in $RESULTS_DIR"
+  local rc=0 n
+  for n in "${!PASS_RC[@]}"; do
+    [[ "${PASS_RC[$n]}" == 0 ]] || { log "pass $n: pytest exit status ${PASS_RC[$n]}"; rc=1; }
+  done
+  return "$rc"
+}
+
+main "$@"
