@@ -233,13 +233,10 @@ class HazardAwareBlockPool:
             UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
         """
         self._sync()
-        st = self.tracker.validate(token)
-        newly = st.end(token.seq)
-        if newly:
-            st.failed += 1
+        self.tracker.validate(token)
         self._counters["abandoned"] += 1
         before = set(self._held)
-        self._on_ended(token, True, newly)
+        self._on_ended(token, True, self.tracker.end(token, True))
         return sorted(before - set(self._held))
 
     def poll(self) -> None:
@@ -260,33 +257,38 @@ class HazardAwareBlockPool:
     def _sync(self) -> None:
         tracker = self.tracker
         if tracker._inbox:
-            for token, failed, newly in tracker.drain():
-                self._on_ended(token, failed, newly)
+            for token, failed, ended in tracker.drain():
+                self._on_ended(token, failed, ended)
         if self._leases:
             self._check_leases()
 
-    def _on_ended(self, token: Token, failed: bool, newly: list[int]) -> None:
-        if not newly:
-            return
-        loads = self._loads.get(token.stream)
-        if loads:
-            for seq in newly:
-                blocks = loads.pop(seq, None)
-                if blocks is not None and failed and seq == token.seq:
-                    self._unpublish_failed_load(token, blocks)
-        if token.kind is _HOST:
-            held = self._held
-            release: list[KVCacheBlock] = []
-            for b in self._held_by.pop(token, ()):
-                pending = held.get(b.block_id)
-                if pending is None:
-                    continue
-                pending.discard(token)
-                if not pending:
-                    self._unhold(b.block_id)
-                    release.append(b)
-            if release:
-                self._enqueue_free(release)
+    def _on_ended(
+        self, token: Token, failed: bool, ended: list[tuple[StreamState, list[int]]]
+    ) -> None:
+        for st, seqs in ended:
+            loads = self._loads.get(st.name)
+            if loads:
+                for seq in seqs:
+                    blocks = loads.pop(seq, None)
+                    if blocks is not None and failed and seq == token.seq and st.name == token.stream:
+                        self._unpublish_failed_load(token, blocks)
+            if st.kind is _HOST and self._held_by:
+                for seq in seqs:
+                    self._release_held(Token(st.name, seq, _HOST))
+
+    def _release_held(self, token: Token) -> None:
+        held = self._held
+        release: list[KVCacheBlock] = []
+        for b in self._held_by.pop(token, ()):
+            pending = held.get(b.block_id)
+            if pending is None or token not in pending:
+                continue
+            pending.discard(token)
+            if not pending:
+                self._unhold(b.block_id)
+                release.append(b)
+        if release:
+            self._enqueue_free(release)
 
     def _unpublish_failed_load(self, token: Token, blocks: list[KVCacheBlock]) -> None:
         for b in blocks:

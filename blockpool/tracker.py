@@ -196,18 +196,39 @@ class HazardTracker:
     def has_pending(self) -> bool:
         return bool(self._inbox)
 
-    def drain(self) -> list[tuple[Token, bool, list[int]]]:
+    def drain(self) -> list[tuple[Token, bool, list[tuple[StreamState, list[int]]]]]:
         """Apply queued completions in arrival order. Returns, per applied
-        completion, ``(token, failed, newly_ended_seqs)``."""
+        completion, ``(token, failed, ended)`` with ``ended`` as in :meth:`end`."""
         out = []
         inbox = self._inbox
         while inbox:
             token, failed = inbox.popleft()
-            st = self.streams[token.stream]
-            newly = st.end(token.seq)
-            if failed and newly:
-                st.failed += 1
-            out.append((token, failed, newly))
+            out.append((token, failed, self.end(token, failed)))
+        return out
+
+    def end(self, token: Token, failed: bool = False) -> list[tuple[StreamState, list[int]]]:
+        """Mark ``token`` ended, and with it everything it was ordered after
+        (its issue-time clock: a work that ended had finished its waits).
+        Returns ``[(stream_state, newly_ended_seqs), ...]``, the token's own
+        stream first; empty if it had already ended. O(#streams + host
+        tokens in its clock + newly ended seqs)."""
+        st = self.streams[token.stream]
+        if st.is_ended(token.seq):
+            return []
+        clock = st.token_clocks.get(token.seq)
+        out = [(st, st.end(token.seq))]
+        if failed:
+            st.failed += 1
+        if clock is not None:
+            streams = self.streams
+            for name, n in clock.dev.items():
+                other = streams[name]
+                if other is not st and n > other.mark:
+                    out.append((other, other.end(n)))
+            for h in clock.host:
+                other = streams[h.stream]
+                if h != token and not other.is_ended(h.seq):
+                    out.append((other, other.end(h.seq)))
         return out
 
     # -- fences --------------------------------------------------------------

@@ -1,0 +1,215 @@
+"""Every bad input raises a typed error and leaves the pool exactly as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import blockpool
+from blockpool import (
+    AccessKind,
+    BlockNotAllocatedError,
+    BlockPoolError,
+    ForeignBlockError,
+    HashConflictError,
+    HazardAwareBlockPool,
+    InvalidArgumentError,
+    NoFreeBlocksError,
+    NullBlockError,
+    RefCountError,
+    Token,
+    UnknownStreamError,
+    UnknownTokenError,
+)
+from tests.conftest import make_pool
+
+
+def busy_pool() -> HazardAwareBlockPool:
+    """A pool with used, cached, free-cached blocks, shadows and events."""
+    pool = make_pool(10)
+    a = pool.get_new_blocks(4)
+    pool.cache_full_blocks(a, ["h1", "h2", "h3", "h4"], 0, 2, block_size=16)
+    e1 = pool.issue("compute")
+    pool.free_blocks([a[1]], token=e1)
+    pool.begin_store([a[0]], "d2h")
+    pool.allocate_for(1, "h2d")
+    return pool
+
+
+def assert_rejected(
+    pool: HazardAwareBlockPool, call: Callable[[], object], exc: type[BaseException], match: str
+) -> None:
+    pool.poll()
+    before = pool.snapshot()
+    with pytest.raises(exc, match=match):
+        call()
+    assert pool.snapshot() == before
+    pool.check()
+
+
+def test_every_error_derives_from_package_root_and_a_builtin() -> None:
+    pairs = {
+        InvalidArgumentError: ValueError,
+        NoFreeBlocksError: ValueError,
+        ForeignBlockError: ValueError,
+        NullBlockError: ValueError,
+        RefCountError: ValueError,
+        BlockNotAllocatedError: ValueError,
+        HashConflictError: ValueError,
+        UnknownStreamError: LookupError,
+        UnknownTokenError: LookupError,
+        blockpool.InvariantError: AssertionError,
+    }
+    for cls, builtin in pairs.items():
+        assert issubclass(cls, BlockPoolError) and issubclass(cls, builtin), cls
+
+
+def test_free_below_zero_rejects_whole_call() -> None:
+    pool = busy_pool()
+    a = pool.blocks[3]
+    assert a.ref_cnt == 1
+    assert_rejected(pool, lambda: pool.free_blocks([pool.blocks[4], a, a]), RefCountError, "block 3")
+
+
+def test_free_of_free_block_is_rejected() -> None:
+    pool = busy_pool()
+    free = next(iter(pool.free_block_queue))
+    assert_rejected(pool, lambda: pool.free_blocks([free]), RefCountError, f"block {free.block_id}")
+
+
+def test_free_of_foreign_block_is_rejected() -> None:
+    pool, other = busy_pool(), make_pool(10)
+    (theirs,) = other.get_new_blocks(1)
+    assert_rejected(pool, lambda: pool.free_blocks([pool.blocks[3], theirs]), ForeignBlockError, "another|belong")
+
+
+def test_free_of_non_block_is_invalid_argument() -> None:
+    pool = busy_pool()
+    assert_rejected(pool, lambda: pool.free_blocks([pool.blocks[3], 5]), InvalidArgumentError, "KVCacheBlock")
+
+
+def test_free_with_unissued_token_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(
+        pool, lambda: pool.free_blocks([pool.blocks[3]], token=Token("compute", 99)), UnknownTokenError, "99"
+    )
+
+
+def test_get_new_blocks_beyond_free_is_rejected() -> None:
+    pool = busy_pool()
+    n = pool.get_num_free_blocks() + 1
+    assert_rejected(pool, lambda: pool.get_new_blocks(n), NoFreeBlocksError, f"Cannot get {n}")
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True])
+def test_get_new_blocks_bad_count_is_rejected(bad: object) -> None:
+    pool = busy_pool()
+    assert_rejected(pool, lambda: pool.get_new_blocks(bad), InvalidArgumentError, "int >= 0")  # type: ignore[arg-type]
+
+
+def test_allocate_for_unknown_stream_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(pool, lambda: pool.allocate_for(1, "nvlink"), UnknownStreamError, "nvlink")
+
+
+def test_allocate_for_foreign_hit_is_rejected() -> None:
+    pool, other = busy_pool(), make_pool(10)
+    assert_rejected(
+        pool, lambda: pool.allocate_for(1, "compute", hits=[other.blocks[1]]), ForeignBlockError, "belong"
+    )
+
+
+def test_issue_on_unknown_stream_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(pool, lambda: pool.issue("nope"), UnknownStreamError, "nope")
+
+
+def test_complete_of_unissued_token_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(pool, lambda: pool.complete(Token("compute", 5)), UnknownTokenError, "compute:5")
+
+
+def test_fail_on_unknown_stream_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(pool, lambda: pool.fail(Token("x", 1)), UnknownStreamError, "'x'")
+
+
+def test_tag_with_unissued_token_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(
+        pool,
+        lambda: pool.tag([pool.blocks[3]], Token("h2d", 7), AccessKind.WRITE),
+        UnknownTokenError,
+        "h2d:7",
+    )
+
+
+def test_full_key_conflict_is_rejected() -> None:
+    pool = busy_pool()
+    a = pool.blocks[1]
+    assert a.block_hash == "h1"
+    assert_rejected(
+        pool,
+        lambda: pool.cache_full_blocks([a, pool.blocks[3]], ["other", "x"], 0, 2, block_size=16),
+        HashConflictError,
+        "block 1",
+    )
+
+
+def test_cache_full_blocks_with_too_few_hashes_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(
+        pool, lambda: pool.cache_full_blocks(pool.blocks[3:5], ["x"], 0, 2), InvalidArgumentError, "1 block hashes"
+    )
+
+
+def test_copy_into_null_block_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(
+        pool, lambda: pool.begin_copy([(pool.blocks[3], pool.null_block)]), NullBlockError, "null block"
+    )
+
+
+def test_load_into_unallocated_block_is_rejected() -> None:
+    pool = busy_pool()
+    free = next(iter(pool.free_block_queue))
+    assert_rejected(
+        pool, lambda: pool.begin_load([pool.blocks[3], free], "h2d"), BlockNotAllocatedError, "not allocated"
+    )
+
+
+def test_store_on_unknown_stream_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(pool, lambda: pool.begin_store([pool.blocks[3]], "tape"), UnknownStreamError, "tape")
+
+
+def test_evict_blocks_out_of_range_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(pool, lambda: pool.evict_blocks([1, 10]), InvalidArgumentError, "invalid block_id 10")
+
+
+def test_fence_for_bad_access_kind_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(
+        pool, lambda: pool.fence_for([pool.blocks[3]], "compute", "write"), InvalidArgumentError, "AccessKind"  # type: ignore[arg-type]
+    )
+
+
+def test_move_block_hashes_onto_cached_block_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(
+        pool, lambda: pool.move_block_hashes(pool.blocks[1], pool.blocks[2]), HashConflictError, "already holds"
+    )
+
+
+def test_constructor_rejects_bad_block_count() -> None:
+    with pytest.raises(InvalidArgumentError, match="num_gpu_blocks"):
+        HazardAwareBlockPool(0)
+
+
+def test_add_stream_with_other_kind_is_rejected() -> None:
+    pool = busy_pool()
+    assert_rejected(
+        pool, lambda: pool.add_stream("rdma", blockpool.StreamKind.DEVICE), InvalidArgumentError, "already"
+    )
