@@ -201,6 +201,18 @@ class HazardAwareBlockPool:
         self._sync()
         return self.tracker.issue(stream)
 
+    def last_token(self, stream: str) -> Token | None:
+        """The newest token issued on ``stream`` (``None`` before the first).
+        With async scheduling, this is what a free must be tagged with: step
+        N+1 may already be enqueued when step N's output frees a request.
+        O(1).
+
+        Raises:
+            UnknownStreamError: ``stream`` is not registered.
+        """
+        st = self.tracker.state(stream)
+        return Token(st.name, st.last_seq, st.kind) if st.last_seq else None
+
     def complete(self, token: Token) -> None:
         """The work up to ``token`` finished. Callable from any thread; applied
         at the start of the pool's next call (or :meth:`poll`). For a
