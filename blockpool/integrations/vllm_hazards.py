@@ -1,0 +1,380 @@
+"""Scheduler-side hazard wiring for vLLM: step tokens, CoW copies, connector transfers.
+
+:class:`StepHazards` is the thin layer between vLLM's scheduler and a
+:class:`~blockpool.HazardAwareBlockPool`. It imports no vLLM: it reads the
+few fields it needs from vLLM's objects by name (``total_num_scheduled_tokens``
+of a ``SchedulerOutput``; ``finished_sending``, ``finished_recving``,
+``failed_recving`` and ``invalid_block_ids`` of a ``KVConnectorOutput``), so
+it is specified by tests with fakes. :mod:`blockpool.integrations.vllm`
+wires it into ``Scheduler.schedule``, ``Scheduler.update_from_output`` and
+``KVCacheManager.take_kv_cache_block_copies``; the adapter pool
+(:mod:`blockpool.integrations.vllm_pool`) tags every free with
+:meth:`StepHazards.free_token`.
+
+Where each token comes from (``docs/vllm-plugin.md``, "Hazard wiring"):
+
+- every non-empty scheduled step issues one "forward done" token ``eN`` on
+  ``compute``; async scheduling and pipeline parallelism only mean several
+  steps are outstanding at once;
+- the step's block copies (``SchedulerOutput.kv_cache_block_copies``) begin
+  as one copy on ``compute`` (a read of each source, a write of each
+  destination) when the scheduler drains them, before ``eN``;
+- a free is tagged with the newest token issued on ``compute`` (the last
+  enqueued step, which with async scheduling may be step N+1);
+- step N's model output reaching ``update_from_output`` ends ``eN`` (and,
+  ``compute`` being in order, every earlier ``compute`` token);
+- a KV connector begins its loads and stores here (:meth:`StepHazards.begin_load`,
+  :meth:`StepHazards.begin_store`) and ships :meth:`Transfer.to_wire` to its
+  workers; its ``finished_recving`` / ``finished_sending`` end them, and
+  ``failed_recving`` / ``invalid_block_ids`` fail the loads (their blocks'
+  hashes are dropped, never published).
+
+Example (doctest; the fakes stand for vLLM's outputs)::
+
+    >>> from types import SimpleNamespace as NS
+    >>> from blockpool import HazardAwareBlockPool, StreamKind
+    >>> pool = HazardAwareBlockPool(8, streams={"compute": StreamKind.DEVICE})
+    >>> hz = StepHazards(pool)
+    >>> hz.add_stream("nixl", StreamKind.HOST)
+    >>> blocks = pool.get_new_blocks(2)
+    >>> step1 = NS(total_num_scheduled_tokens=32)
+    >>> str(hz.step_record(step1).forward)           # e1
+    'compute:1'
+    >>> pool.free_blocks(blocks, token=hz.free_token())  # step 1 still runs
+    >>> again = pool.get_new_blocks(2)
+    >>> t = hz.begin_load("req-7", again, "nixl")
+    >>> [str(x) for x in t.fence], t.fence.needs_host_wait
+    (['compute:1'], True)
+    >>> hz.end_step(step1).index
+    1
+    >>> hz.end_transfers(finished_recving={"req-7"})
+    1
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from blockpool.block import KVCacheBlock
+from blockpool.hazards import EMPTY_FENCE, Fence, StreamKind, Token
+from blockpool.pool import HazardAwareBlockPool
+
+__all__ = ["COMPUTE", "StepRecord", "Transfer", "StepHazards"]
+
+COMPUTE = "compute"
+"""Name of the stream that runs the forward pass and the block copies."""
+
+_Wire = Any  # plain tuples/lists of str, int, bool (msgspec- and JSON-encodable)
+
+
+def _ref(obj: object) -> Any:
+    """A weak reference where the type allows one (vLLM's ``SchedulerOutput``
+    does), else a strong one (bounded by ``max_outstanding``)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def _token_or_none(data: _Wire) -> Token | None:
+    return None if data is None else Token.from_wire(data)
+
+
+@attrs.frozen(slots=True)
+class StepRecord:
+    """The tokens of one non-empty scheduled step.
+
+    Attributes:
+        index: 1-based count of non-empty steps this wiring has issued.
+        forward: The step's "forward done" token ``eN`` on ``compute``.
+        copies: The token of the block copies that run with this step
+            (``SchedulerOutput.kv_cache_block_copies``), or ``None``.
+        copy_fence: What those copies must wait on before they run.
+    """
+
+    index: int
+    forward: Token
+    copies: Token | None = None
+    copy_fence: Fence = EMPTY_FENCE
+
+    def to_wire(self) -> tuple[int, _Wire, _Wire, _Wire]:
+        """Plain data for pickle, msgspec or JSON. O(fence size)."""
+        return (
+            self.index,
+            self.forward.to_wire(),
+            None if self.copies is None else self.copies.to_wire(),
+            self.copy_fence.to_wire(),
+        )
+
+    @classmethod
+    def from_wire(cls, data: Sequence[_Wire]) -> StepRecord:
+        """Inverse of :meth:`to_wire` (lists accepted where tuples were sent).
+
+        Raises:
+            ValueError, TypeError: malformed data.
+        """
+        index, forward, copies, fence = data
+        return cls(int(index), Token.from_wire(forward), _token_or_none(copies), Fence.from_wire(fence))
+
+
+@attrs.frozen(slots=True)
+class Transfer:
+    """A connector load or store that began, as its workers need it.
+
+    Attributes:
+        request_id: The vLLM request the transfer serves.
+        kind: ``"load"`` (external tier -> GPU) or ``"store"`` (GPU -> tier).
+        token: The transfer's token on the connector's stream or engine; the
+            worker records (device stream) or tracks (host engine) it.
+        fence: What the transfer must wait on before it touches the blocks
+            (``needs_host_wait``: wait on the host, e.g. ``event.synchronize()``
+            in a receive thread, before posting).
+        block_ids: The blocks, in the order given.
+    """
+
+    request_id: str
+    kind: str
+    token: Token
+    fence: Fence
+    block_ids: tuple[int, ...]
+
+    def to_wire(self) -> tuple[str, str, _Wire, _Wire, list[int]]:
+        """Plain data for pickle, msgspec or JSON. O(blocks + fence size)."""
+        return (self.request_id, self.kind, self.token.to_wire(), self.fence.to_wire(), list(self.block_ids))
+
+    @classmethod
+    def from_wire(cls, data: Sequence[_Wire]) -> Transfer:
+        """Inverse of :meth:`to_wire`.
+
+        Raises:
+            ValueError, TypeError: malformed data.
+        """
+        request_id, kind, token, fence, block_ids = data
+        return cls(
+            str(request_id), str(kind), Token.from_wire(token), Fence.from_wire(fence), tuple(block_ids)
+        )
+
+
+class StepHazards:
+    """Issue, tag and end the tokens of one vLLM scheduler's steps and
+    transfers, on one :class:`~blockpool.HazardAwareBlockPool`.
+
+    Args:
+        pool: The scheduler's pool (the adapter passes its core).
+        stream: The forward/copy stream; registered as ``DEVICE`` if absent.
+        max_outstanding: Step records kept for steps whose output has not
+            come back (a bound for callers that schedule without ever
+            calling ``update_from_output``, e.g. unit tests); the oldest
+            record is dropped beyond it (its token stays live until a later
+            step ends).
+
+    Thread safety: scheduler thread only, like the pool. Completions that
+    arrive on other threads go to :meth:`HazardAwareBlockPool.complete`.
+    """
+
+    def __init__(self, pool: HazardAwareBlockPool, stream: str = COMPUTE, max_outstanding: int = 64) -> None:
+        self.pool = pool
+        self.stream = stream
+        self.max_outstanding = max_outstanding
+        pool.add_stream(stream, StreamKind.DEVICE)
+        self.steps_issued = 0
+        self.steps_ended = 0
+        self.copies_begun = 0
+        self.copy_pairs_skipped = 0
+        self._steps: collections.OrderedDict[int, tuple[Any, StepRecord]] = (
+            collections.OrderedDict()
+        )
+        self._pending_copy: tuple[Token, Fence] | None = None
+        self._loads: dict[str, list[Transfer]] = {}
+        self._stores: dict[str, list[Transfer]] = {}
+
+    # ------------------------------------------------------------------
+    # steps
+    # ------------------------------------------------------------------
+
+    def free_token(self) -> Token | None:
+        """The token a free is tagged with now: the newest issued on the
+        compute stream (the last enqueued step or copy), ``None`` before the
+        first. O(1)."""
+        return self.pool.last_token(self.stream)
+
+    def begin_copies(self, pairs: Iterable[tuple[KVCacheBlock, KVCacheBlock]]) -> tuple[Token, Fence] | None:
+        """Begin the block copies ``(src, dst)`` that run with the next
+        non-empty step, on the compute stream; called while the scheduler
+        still holds both ends (``take_kv_cache_block_copies``). Pairs naming
+        a block of another pool, the null block or an unreferenced block are
+        skipped (counted in ``copy_pairs_skipped``): vLLM never produces
+        them. Returns the copy token and fence, or ``None`` if no pair is
+        left. O(len(pairs)).
+        """
+        pool = self.pool
+        own = pool.blocks
+        kept: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        for src, dst in pairs:
+            ok = True
+            for b in (src, dst):
+                bid = b.block_id
+                if not (0 < bid < len(own) and own[bid] is b and b.ref_cnt > 0):
+                    ok = False
+            if ok:
+                kept.append((src, dst))
+            else:
+                self.copy_pairs_skipped += 1
+        if not kept:
+            return None
+        token, fence = pool.begin_copy(kept, self.stream)
+        self.copies_begun += 1
+        if self._pending_copy is not None:
+            fence = fence.merge(self._pending_copy[1])
+        self._pending_copy = (token, fence)
+        return token, fence
+
+    def step_record(self, scheduler_output: object) -> StepRecord | None:
+        """The record of a scheduled step, issuing its tokens on first call;
+        ``None`` for an empty step (``total_num_scheduled_tokens == 0``: no
+        forward runs). Idempotent per output object, so a connector may call
+        it from ``build_connector_meta`` to ship the step's tokens, before
+        the wiring calls it when ``schedule()`` returns. O(1).
+        """
+        if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+            return None
+        key = id(scheduler_output)
+        entry = self._steps.get(key)
+        if entry is not None and entry[0]() is scheduler_output:
+            return entry[1]
+        copies, copy_fence = self._pending_copy if self._pending_copy is not None else (None, EMPTY_FENCE)
+        self._pending_copy = None
+        self.steps_issued += 1
+        record = StepRecord(self.steps_issued, self.pool.issue(self.stream), copies, copy_fence)
+        self._steps[key] = (_ref(scheduler_output), record)
+        while len(self._steps) > self.max_outstanding:
+            self._steps.popitem(last=False)
+        return record
+
+    def end_step(self, scheduler_output: object) -> StepRecord | None:
+        """Step N's model output came back: end ``eN`` (and every earlier
+        compute token). Records of earlier steps are dropped too. Returns
+        the step's record, or ``None`` for an output this wiring never
+        issued (an empty step, or one built outside ``schedule()``).
+        O(steps dropped).
+        """
+        entry = self._steps.get(id(scheduler_output))
+        if entry is None or entry[0]() is not scheduler_output:
+            return None
+        record = entry[1]
+        while self._steps:
+            _, (_, rec) = self._steps.popitem(last=False)
+            if rec is record:
+                break
+        self.pool.complete(record.forward)
+        self.steps_ended += 1
+        return record
+
+    def outstanding_steps(self) -> list[StepRecord]:
+        """Records of issued steps whose output has not come back, oldest first."""
+        return [rec for _, rec in self._steps.values()]
+
+    # ------------------------------------------------------------------
+    # connector transfers
+    # ------------------------------------------------------------------
+
+    def add_stream(self, name: str, kind: StreamKind) -> None:
+        """Register a connector's stream (``DEVICE``: a DMA stream that
+        completes in order) or engine (``HOST``: RDMA NIC, transfer threads;
+        completes per transfer). Idempotent for the same kind.
+
+        Raises:
+            InvalidArgumentError: the name is registered with another kind.
+        """
+        self.pool.add_stream(name, kind)
+
+    def begin_load(self, request_id: str, blocks: Iterable[KVCacheBlock], stream: str) -> Transfer:
+        """A connector begins loading ``blocks`` of ``request_id`` (call it
+        from ``update_state_after_alloc``, where the blocks are allocated,
+        and ship ``transfer.to_wire()`` from ``build_connector_meta``). The
+        load token becomes the blocks' writer: the step that reads them gets
+        it in its fence (RAW); a failed load drops their hashes. O(len(blocks)).
+
+        Raises:
+            UnknownStreamError: ``stream`` was not added.
+            ForeignBlockError, BlockNotAllocatedError: as the core's ``begin_load``.
+        """
+        block_list = list(blocks)
+        token, fence = self.pool.begin_load(block_list, stream)
+        t = Transfer(request_id, "load", token, fence, tuple(b.block_id for b in block_list))
+        self._loads.setdefault(request_id, []).append(t)
+        return t
+
+    def begin_store(self, request_id: str, blocks: Iterable[KVCacheBlock], stream: str) -> Transfer:
+        """A connector begins storing (offloading, sending) ``blocks`` of
+        ``request_id``: the store token is a reader of each block, so a later
+        write into them waits for it (WAR). O(len(blocks)).
+
+        Raises:
+            UnknownStreamError: ``stream`` was not added.
+            ForeignBlockError, BlockNotAllocatedError: as the core's ``begin_store``.
+        """
+        block_list = list(blocks)
+        token, fence = self.pool.begin_store(block_list, stream)
+        t = Transfer(request_id, "store", token, fence, tuple(b.block_id for b in block_list))
+        self._stores.setdefault(request_id, []).append(t)
+        return t
+
+    def end_transfers(
+        self,
+        finished_recving: Iterable[str] | None = (),
+        finished_sending: Iterable[str] | None = (),
+        failed_recving: Iterable[str] | None = (),
+        invalid_block_ids: Iterable[int] | None = (),
+    ) -> int:
+        """End the transfers the connector reported (the fields of vLLM's
+        ``KVConnectorOutput``, already aggregated over every worker). Loads
+        of ``failed_recving`` requests, and loads that wrote any of
+        ``invalid_block_ids``, fail first; then ``finished_recving`` ends the
+        loads and ``finished_sending`` the stores of those requests. Unknown
+        request ids are ignored. Returns the number of transfers ended.
+        O(reported ids + pending loads when blocks are invalid).
+        """
+        pool = self.pool
+        n = 0
+        failed = set(failed_recving or ())
+        bad = set(invalid_block_ids or ())
+        if bad:
+            for req, loads in self._loads.items():
+                if any(bad.intersection(t.block_ids) for t in loads):
+                    failed.add(req)
+        for req in failed:
+            for t in self._loads.pop(req, ()):
+                pool.fail(t.token)
+                n += 1
+        for req in finished_recving or ():
+            for t in self._loads.pop(req, ()):
+                pool.complete(t.token)
+                n += 1
+        for req in finished_sending or ():
+            for t in self._stores.pop(req, ()):
+                pool.complete(t.token)
+                n += 1
+        return n
+
+    def on_connector_output(self, kv_connector_output: object) -> int:
+        """:meth:`end_transfers` with the fields of a vLLM
+        ``KVConnectorOutput`` (``None`` is allowed). Returns the count ended."""
+        if kv_connector_output is None:
+            return 0
+        get = getattr
+        return self.end_transfers(
+            get(kv_connector_output, "finished_recving", None),
+            get(kv_connector_output, "finished_sending", None),
+            get(kv_connector_output, "failed_recving", None),
+            get(kv_connector_output, "invalid_block_ids", None),
+        )
+
+    def pending_transfers(self) -> list[Transfer]:
+        """Transfers begun and not yet ended, loads first."""
+        return [t for ts in self._loads.values() for t in ts] + [t for ts in self._stores.values() for t in ts]

@@ -1,0 +1,203 @@
+"""Scheduler-side hazard wiring (blockpool.integrations.vllm_hazards), with
+fakes for vLLM's SchedulerOutput and KVConnectorOutput: no vLLM needed."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from blockpool import HazardAwareBlockPool, StreamKind, Token
+from blockpool.errors import UnknownStreamError
+from blockpool.integrations.vllm_hazards import StepHazards, StepRecord, Transfer
+from tests.conftest import ids, toks
+
+
+class Out:
+    """Stands for vLLM's SchedulerOutput (only the field the wiring reads)."""
+
+    def __init__(self, tokens: int = 16) -> None:
+        self.total_num_scheduled_tokens = tokens
+
+
+class ConnOut:
+    """Stands for vLLM's KVConnectorOutput."""
+
+    def __init__(self, **kw: object) -> None:
+        self.finished_sending = kw.get("finished_sending")
+        self.finished_recving = kw.get("finished_recving")
+        self.failed_recving = kw.get("failed_recving", set())
+        self.invalid_block_ids = kw.get("invalid_block_ids", set())
+
+
+def make() -> tuple[HazardAwareBlockPool, StepHazards]:
+    pool = HazardAwareBlockPool(16, enable_kv_cache_events=True)
+    hz = StepHazards(pool)
+    hz.add_stream("h2d", StreamKind.DEVICE)
+    hz.add_stream("nixl", StreamKind.HOST)
+    hz.add_stream("d2h", StreamKind.DEVICE)
+    return pool, hz
+
+
+def test_each_non_empty_step_issues_one_forward_token() -> None:
+    _, hz = make()
+    r1, r2 = hz.step_record(Out()), hz.step_record(Out())
+    assert (str(r1.forward), str(r2.forward)) == ("compute:1", "compute:2")
+    assert (r1.index, r2.index) == (1, 2)
+
+
+def test_empty_step_issues_nothing() -> None:
+    _, hz = make()
+    assert hz.step_record(Out(tokens=0)) is None
+    assert hz.free_token() is None
+
+
+def test_step_record_is_idempotent_per_output() -> None:
+    _, hz = make()
+    out = Out()
+    assert hz.step_record(out) is hz.step_record(out)
+    assert hz.steps_issued == 1
+
+
+def test_free_is_tagged_with_last_enqueued_step_under_async_scheduling() -> None:
+    pool, hz = make()
+    blocks = pool.get_new_blocks(2)
+    s1 = Out()
+    hz.step_record(s1)
+    hz.step_record(Out())  # step 2 enqueued before step 1's output arrives
+    hz.end_step(s1)
+    pool.free_blocks(blocks, token=hz.free_token())
+    assert toks(pool.fence_for(blocks, "h2d")) == {"compute:2"}
+
+
+def test_step_output_ends_its_forward_token_and_earlier_ones() -> None:
+    pool, hz = make()
+    s1, s2 = Out(), Out()
+    r1, r2 = hz.step_record(s1), hz.step_record(s2)
+    assert hz.end_step(s2) is r2
+    assert pool.is_ended(r1.forward) and pool.is_ended(r2.forward)
+    assert hz.outstanding_steps() == []
+
+
+def test_output_never_scheduled_ends_nothing() -> None:
+    pool, hz = make()
+    r = hz.step_record(Out())
+    assert hz.end_step(Out()) is None
+    assert not pool.is_ended(r.forward)
+
+
+def test_outstanding_records_are_bounded() -> None:
+    pool = HazardAwareBlockPool(4)
+    hz = StepHazards(pool, max_outstanding=3)
+    outs = [Out() for _ in range(5)]
+    for o in outs:
+        hz.step_record(o)
+    assert [r.index for r in hz.outstanding_steps()] == [3, 4, 5]
+
+
+def test_block_copies_are_a_read_of_src_and_write_of_dst_before_the_step() -> None:
+    pool, hz = make()
+    src, dst = pool.get_new_blocks(2)
+    load = hz.begin_load("r", [src], "h2d")
+    token, fence = hz.begin_copies([(src, dst)])
+    assert toks(fence) == {str(load.token)}  # RAW on the source
+    record = hz.step_record(Out())
+    assert record.copies == token and record.copy_fence == fence
+    assert token.seq < record.forward.seq
+
+
+def test_copies_of_foreign_null_or_free_blocks_are_skipped() -> None:
+    pool, hz = make()
+    other = HazardAwareBlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    pool.free_blocks([b])
+    assert hz.begin_copies([(a, other.get_new_blocks(1)[0]), (pool.null_block, a), (a, b)]) is None
+    assert hz.copy_pairs_skipped == 3
+
+
+def test_load_into_blocks_freed_by_a_running_step_waits_for_it() -> None:
+    pool, hz = make()
+    blocks = pool.get_new_blocks(3)
+    hz.step_record(Out())
+    pool.free_blocks(blocks, token=hz.free_token())
+    again = pool.get_new_blocks(3)
+    assert ids(again) == ids(blocks)
+    t = hz.begin_load("req", again, "nixl")
+    assert toks(t.fence) == {"compute:1"} and t.fence.needs_host_wait
+
+
+def test_finished_recving_ends_the_requests_loads() -> None:
+    pool, hz = make()
+    t = hz.begin_load("req", pool.get_new_blocks(1), "nixl")
+    assert hz.on_connector_output(ConnOut(finished_recving={"req"})) == 1
+    assert pool.is_ended(t.token) and hz.pending_transfers() == []
+
+
+def test_finished_sending_ends_the_requests_stores() -> None:
+    pool, hz = make()
+    t = hz.begin_store("req", pool.get_new_blocks(1), "d2h")
+    hz.on_connector_output(ConnOut(finished_sending={"req"}))
+    assert pool.is_ended(t.token)
+
+
+def test_failed_recving_fails_the_load_and_unpublishes_its_blocks() -> None:
+    pool, hz = make()
+    (b,) = pool.get_new_blocks(1)
+    hz.begin_load("req", [b], "nixl")
+    pool.cache_full_blocks([b], ["k"], 0, 1, block_size=16)
+    hz.on_connector_output(ConnOut(failed_recving={"req"}, finished_recving={"req"}))
+    pool.poll()
+    assert pool.get_cached_block("k") is None
+    assert pool.stats().failed_tokens == 1
+
+
+def test_invalid_block_ids_fail_the_loads_that_wrote_them() -> None:
+    pool, hz = make()
+    a, b = pool.get_new_blocks(2)
+    bad = hz.begin_load("r1", [a], "nixl")
+    good = hz.begin_load("r2", [b], "nixl")
+    hz.end_transfers(invalid_block_ids={a.block_id})
+    pool.poll()
+    assert pool.is_ended(bad.token) and not pool.is_ended(good.token)
+    assert pool.stats().failed_tokens == 1
+
+
+def test_none_connector_output_ends_nothing() -> None:
+    _, hz = make()
+    assert hz.on_connector_output(None) == 0
+
+
+def test_load_on_unknown_stream_raises() -> None:
+    pool, hz = make()
+    with pytest.raises(UnknownStreamError):
+        hz.begin_load("r", pool.get_new_blocks(1), "mooncake")
+
+
+def test_transfer_round_trips_through_pickle_and_json_wire_form() -> None:
+    pool, hz = make()
+    hz.step_record(Out())
+    blocks = pool.get_new_blocks(2)
+    pool.free_blocks(blocks, token=hz.free_token())
+    t = hz.begin_load("r", pool.get_new_blocks(2), "nixl")
+    assert pickle.loads(pickle.dumps(t)) == t
+    assert Transfer.from_wire(json.loads(json.dumps(t.to_wire()))) == t
+
+
+def test_step_record_round_trips_through_wire_form() -> None:
+    pool, hz = make()
+    a, b = pool.get_new_blocks(2)
+    hz.begin_load("r", [a], "h2d")
+    hz.begin_copies([(a, b)])
+    r = hz.step_record(Out())
+    assert StepRecord.from_wire(json.loads(json.dumps(r.to_wire()))) == r
+    assert pickle.loads(pickle.dumps(r)) == r
+
+
+def test_wire_form_is_msgspec_encodable() -> None:
+    msgspec = pytest.importorskip("msgspec")
+    pool, hz = make()
+    t = hz.begin_store("r", pool.get_new_blocks(1), "d2h")
+    data = msgspec.msgpack.decode(msgspec.msgpack.encode(t.to_wire()))
+    assert Transfer.from_wire(data) == t
+    assert Token.from_wire(msgspec.json.decode(msgspec.json.encode(t.token.to_wire()))) == t.token
