@@ -1,0 +1,296 @@
+"""The race harness (``blockpool.testing``) and the pytest plugin
+(``blockpool.pytest_plugin``), the latter run through ``pytester``.
+
+Inner runs load the plugin with ``-p blockpool.pytest_plugin`` (the entry
+point may not be installed); two tests install the entry point for a
+subprocess run to check autoloading and ``-p no:blockpool``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import blockpool
+from blockpool.errors import ForeignBlockError, UnknownStreamError
+from blockpool.hazards import AccessKind, Token
+from blockpool.sanitizer import RaceViolation, UnrecordedTokenError
+from blockpool.testing import DEFAULT_STREAMS, RaceHarness
+
+pytest_plugins = ["pytester"]
+
+R, W = AccessKind.READ, AccessKind.WRITE
+# Keep inner runs fast: the hypothesis and benchmark plugins, where installed,
+# cost a second per session and play no part here.
+QUIET = ("-p", "no:hypothesispytest", "-p", "no:benchmark")
+# Load the plugin by module name; block the ``blockpool`` entry point in case
+# the package is installed with it (one module cannot register twice).
+PLUGIN = ("-p", "no:blockpool", "-p", "blockpool.pytest_plugin", *QUIET)
+REPO = pathlib.Path(blockpool.__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def h() -> RaceHarness:
+    return RaceHarness(num_gpu_blocks=8)
+
+
+def ids(blocks: object) -> list[int]:
+    return [b.block_id for b in blocks]  # type: ignore[attr-defined]
+
+
+# -- the harness ------------------------------------------------------------------
+
+
+def test_harness_default_streams_are_compute_h2d_d2h_and_rdma(h: RaceHarness) -> None:
+    assert h.pool.streams == dict(DEFAULT_STREAMS) == h.oracle.streams
+
+
+def test_harness_flags_a_load_that_drops_its_fence(h: RaceHarness) -> None:
+    blocks, fence = h.allocate_for(1, "compute")
+    e1 = h.step(reads=blocks, waits=fence)
+    h.free(blocks, e1)
+    again, _ = h.allocate_for(1, "h2d")
+    load = h.load(again, "h2d", honour_fence=False)
+    assert h.violations == [RaceViolation(ids(again)[0], "WAR", e1, R, "forward", load, W, "load")]
+
+
+def test_harness_passes_a_load_that_honours_its_fence(h: RaceHarness) -> None:
+    blocks, fence = h.allocate_for(1, "compute")
+    e1 = h.step(reads=blocks, waits=fence)
+    h.free(blocks, e1)
+    again, fence = h.allocate_for(1, "h2d")
+    h.load(again, "h2d", waits=fence)
+    assert h.violations == []
+
+
+def test_harness_flags_compute_reading_a_host_load_before_it_ended(h: RaceHarness) -> None:
+    blocks, _ = h.allocate_for(1, "rdma")
+    load = h.load(blocks, "rdma")
+    e1 = h.step(reads=blocks)  # the fence h.fence_for(blocks, "compute", READ) was dropped
+    assert h.violations == [RaceViolation(ids(blocks)[0], "RAW", load, W, "load", e1, R, "forward")]
+
+
+def test_harness_passes_compute_reading_a_host_load_after_it_completed(h: RaceHarness) -> None:
+    blocks, _ = h.allocate_for(1, "rdma")
+    h.complete(h.load(blocks, "rdma"))
+    h.step(reads=blocks, waits=h.fence_for(blocks, "compute", R))
+    assert h.violations == []
+
+
+def test_harness_flags_a_store_that_drops_its_fence(h: RaceHarness) -> None:
+    blocks, fence = h.allocate_for(1, "compute")
+    e1 = h.step(writes=blocks, waits=fence)
+    store = h.store(blocks, "d2h", honour_fence=False)
+    assert h.violations == [RaceViolation(ids(blocks)[0], "RAW", e1, W, "forward", store, R, "store")]
+
+
+def test_harness_passes_a_copy_that_honours_its_fence(h: RaceHarness) -> None:
+    src, fence = h.allocate_for(1, "h2d")
+    h.load(src, "h2d")
+    dst, _ = h.allocate_for(1, "compute")
+    h.copy([(src[0], dst[0])], "compute")
+    assert h.violations == [] and h.last_fence.tokens == (Token("h2d", 1),)
+
+
+def test_harness_step_on_unknown_stream_raises_and_changes_nothing(h: RaceHarness) -> None:
+    blocks, _ = h.allocate_for(1, "compute")
+    before = h.pool.snapshot()
+    with pytest.raises(UnknownStreamError):
+        h.step(reads=blocks, stream="nvme")
+    assert h.pool.snapshot() == before and h.oracle.num_accesses == 0
+
+
+def test_harness_step_with_a_foreign_block_raises_and_changes_nothing(h: RaceHarness) -> None:
+    other = RaceHarness(num_gpu_blocks=8)
+    foreign, _ = other.allocate_for(1, "compute")
+    before = h.pool.snapshot()
+    with pytest.raises(ForeignBlockError):
+        h.step(reads=foreign)
+    assert h.pool.snapshot() == before
+
+
+def test_harness_step_waiting_on_an_unrecorded_token_raises_and_changes_nothing(h: RaceHarness) -> None:
+    before = h.pool.snapshot()
+    with pytest.raises(UnrecordedTokenError):
+        h.step(waits=[Token("h2d", 1)])
+    assert h.pool.snapshot() == before
+
+
+def test_assert_no_races_lists_every_violation(h: RaceHarness) -> None:
+    blocks, _ = h.allocate_for(2, "h2d")
+    h.load(blocks, "h2d")
+    h.step(reads=blocks)
+    with pytest.raises(AssertionError) as info:
+        h.assert_no_races()
+    assert str(info.value).splitlines() == ["blockpool race oracle: 2 race(s)"] + [
+        f"  {v}" for v in h.violations
+    ]
+
+
+def test_expect_races_silences_the_automatic_check(h: RaceHarness) -> None:
+    blocks, _ = h.allocate_for(1, "h2d")
+    h.load(blocks, "h2d")
+    h.step(reads=blocks)
+    h.expect_races()
+    h.check_new_races()
+    assert len(h.violations) == 1
+
+
+def test_automatic_check_reports_each_violation_once(h: RaceHarness) -> None:
+    blocks, _ = h.allocate_for(1, "h2d")
+    h.load(blocks, "h2d")
+    h.step(reads=blocks)
+    with pytest.raises(AssertionError):
+        h.check_new_races()
+    h.check_new_races()  # nothing new
+
+
+def test_importing_the_plugin_loads_neither_the_oracle_nor_heavy_modules() -> None:
+    code = (
+        "import sys, blockpool.pytest_plugin\n"
+        "print(sorted(m for m in ('blockpool.sanitizer', 'blockpool.testing', 'torch', "
+        "'matplotlib', 'tqdm', 'vllm') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- the plugin, through pytester ---------------------------------------------------
+
+DROPS_FENCE = """
+def test_load_reuses_freed_blocks(blockpool_harness):
+    h = blockpool_harness
+    blocks, fence = h.allocate_for(1, "compute")
+    e1 = h.step(reads=blocks, waits=fence)
+    h.free(blocks, e1)
+    again, fence = h.allocate_for(1, "h2d")
+    h.step(writes=again, stream="h2d", what="load")   # forgot waits=fence
+"""
+
+HONOURS_FENCE = DROPS_FENCE.replace('what="load")', 'what="load", waits=fence)')
+
+
+def test_plugin_fails_a_test_that_drops_a_fence_naming_the_race(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(DROPS_FENCE)
+    result = pytester.runpytest(*PLUGIN)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*WAR race on block 1: load (write) by h2d:1 is not ordered after forward (read) by compute:1*"]
+    )
+
+
+def test_plugin_passes_a_test_that_honours_the_fence(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(HONOURS_FENCE)
+    pytester.runpytest(*PLUGIN).assert_outcomes(passed=1)
+
+
+def test_plugin_passes_a_racy_test_that_expects_races(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(DROPS_FENCE + "    h.expect_races()\n")
+    pytester.runpytest(*PLUGIN).assert_outcomes(passed=1)
+
+
+def test_plugin_passes_a_racy_test_marked_blockpool_expect_races(pytester: pytest.Pytester) -> None:
+    marked = "import pytest\n" + DROPS_FENCE.replace("def test_", "@pytest.mark.blockpool_expect_races\ndef test_")
+    pytester.makepyfile(marked)
+    pytester.runpytest(*PLUGIN, "--strict-markers").assert_outcomes(passed=1)
+
+
+def test_plugin_adds_races_to_the_report_of_a_test_that_failed_otherwise(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(DROPS_FENCE + "    assert False, 'unrelated'\n")
+    result = pytester.runpytest(*PLUGIN)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*blockpool races*", "WAR race on block 1:*"])
+
+
+def test_plugin_checks_a_harness_reached_through_another_fixture(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        "import pytest\n"
+        "@pytest.fixture\n"
+        "def harness(blockpool_harness):\n"
+        "    return blockpool_harness\n"
+        + DROPS_FENCE.replace("(blockpool_harness)", "(harness)").replace("h = blockpool_harness", "h = harness")
+    )
+    pytester.runpytest(*PLUGIN).assert_outcomes(failed=1)
+
+
+def test_plugin_streams_fixture_can_be_overridden(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        "import pytest\n"
+        "from blockpool import StreamKind\n"
+        "@pytest.fixture\n"
+        "def blockpool_streams():\n"
+        "    return {'compute': StreamKind.DEVICE, 'nic': StreamKind.HOST}\n"
+    )
+    pytester.makepyfile(
+        "def test_streams(blockpool_pool, blockpool_oracle):\n"
+        "    assert sorted(blockpool_pool.streams) == sorted(blockpool_oracle.streams) == ['compute', 'nic']\n"
+    )
+    pytester.runpytest(*PLUGIN).assert_outcomes(passed=1)
+
+
+def _install_entry_point(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Register the plugin as the owner's ``pytest11`` entry point ``blockpool``
+    does, for a subprocess run (a dist-info folder on its ``PYTHONPATH``)."""
+    dist = pytester.mkdir("site").joinpath("blockpool_plugin_probe-0.0.dist-info")
+    dist.mkdir()
+    dist.joinpath("METADATA").write_text("Metadata-Version: 2.1\nName: blockpool-plugin-probe\nVersion: 0.0\n")
+    dist.joinpath("entry_points.txt").write_text("[pytest11]\nblockpool = blockpool.pytest_plugin\n")
+    monkeypatch.setenv("PYTHONPATH", f"{dist.parent}:{REPO}")
+    monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+
+
+def test_plugin_loads_from_its_entry_point(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    _install_entry_point(pytester, monkeypatch)
+    pytester.makepyfile(DROPS_FENCE)
+    result = pytester.runpytest_subprocess(*QUIET)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*WAR race on block 1*"])
+
+
+def test_plugin_is_switched_off_with_p_no_blockpool(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    _install_entry_point(pytester, monkeypatch)
+    pytester.makepyfile("def test_x(blockpool_harness):\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:blockpool", *QUIET)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*fixture 'blockpool_harness' not found*"])
+
+
+def test_plugin_default_pool_has_64_blocks_and_the_default_streams(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        "from blockpool import StreamKind\n"
+        "def test_pool(blockpool_pool):\n"
+        "    assert blockpool_pool.num_gpu_blocks == 64\n"
+        "    assert blockpool_pool.streams == {'compute': StreamKind.DEVICE, 'h2d': StreamKind.DEVICE,\n"
+        "                                      'd2h': StreamKind.DEVICE, 'rdma': StreamKind.HOST}\n"
+    )
+    pytester.runpytest(*PLUGIN).assert_outcomes(passed=1)
+
+
+def test_harness_fixture_drives_the_pool_and_oracle_fixtures(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        "def test_same(blockpool_harness, blockpool_pool, blockpool_oracle):\n"
+        "    assert blockpool_harness.pool is blockpool_pool\n"
+        "    assert blockpool_harness.oracle is blockpool_oracle\n"
+    )
+    pytester.runpytest(*PLUGIN).assert_outcomes(passed=1)
+
+
+def test_plugin_teardown_reports_races_found_after_the_test_body(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        "import pytest\n"
+        "@pytest.fixture\n"
+        "def racy_teardown(blockpool_harness):\n"
+        "    yield\n"
+        "    h = blockpool_harness\n"
+        "    blocks, _ = h.allocate_for(1, 'h2d')\n"
+        "    h.load(blocks, 'h2d')\n"
+        "    h.step(reads=blocks)\n"
+        "def test_x(racy_teardown):\n"
+        "    pass\n"
+    )
+    result = pytester.runpytest(*PLUGIN)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*RAW race on block 1*"])
