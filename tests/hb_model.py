@@ -1,0 +1,127 @@
+"""An independent, brute-force happens-before model of the hazard contract.
+
+It shares no code with the pool's fence computation (``blockpool.tracker``,
+``HazardAwareBlockPool._fence``): it keeps the *whole* access history of every
+block and the explicit happens-before graph of every token (predecessor
+edges), and answers reachability by depth-first search. Slow and obviously
+right; used by the stateful test to judge every fence the pool hands out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from blockpool import AccessKind, Fence, StreamKind, Token
+
+READ, WRITE = AccessKind.READ, AccessKind.WRITE
+
+
+class HBModel:
+    def __init__(self, streams: dict[str, StreamKind]):
+        self.kinds = dict(streams)
+        self.preds: dict[Token, set[Token]] = {}
+        self.last: dict[str, Token | None] = dict.fromkeys(streams)
+        # Tokens each DEVICE stream has waited on (persisting waits).
+        self.waited: dict[str, set[Token]] = {s: set() for s in streams}
+        self.ended_direct: set[Token] = set()
+        self.history: dict[int, list[tuple[Token, AccessKind]]] = {}
+
+    # -- graph ---------------------------------------------------------------
+
+    def issue(self, token: Token, waited: Iterable[Token] = ()) -> None:
+        """``token`` was issued on its stream after waiting on ``waited``."""
+        preds = set(waited)
+        if self.kinds[token.stream] is StreamKind.DEVICE:
+            prev = self.last[token.stream]
+            if prev is not None:
+                preds.add(prev)
+            preds |= self.waited[token.stream]
+        self.preds[token] = preds
+        self.last[token.stream] = token
+
+    def stream_waits(self, stream: str, fence: Iterable[Token]) -> None:
+        if self.kinds[stream] is StreamKind.DEVICE:
+            self.waited[stream] |= set(fence)
+
+    def ancestors(self, roots: Iterable[Token]) -> set[Token]:
+        """Every token happening before (or equal to) one of ``roots``."""
+        seen: set[Token] = set()
+        stack = list(roots)
+        while stack:
+            t = stack.pop()
+            if t in seen:
+                continue
+            seen.add(t)
+            stack.extend(self.preds.get(t, ()))
+        return seen
+
+    def hb(self, t: Token, u: Token) -> bool:
+        return t in self.ancestors([u])
+
+    def known_ended(self) -> set[Token]:
+        return self.ancestors(self.ended_direct)
+
+    def consumer_position(self, stream: str) -> set[Token]:
+        """What a new access on ``stream`` is already ordered after."""
+        if self.kinds[stream] is not StreamKind.DEVICE:
+            return set()
+        roots = set(self.waited[stream])
+        if self.last[stream] is not None:
+            roots.add(self.last[stream])  # type: ignore[arg-type]
+        return self.ancestors(roots)
+
+    # -- accesses ------------------------------------------------------------
+
+    def access(self, block_ids: Iterable[int], token: Token, kind: AccessKind) -> None:
+        for b in block_ids:
+            self.history.setdefault(b, []).append((token, kind))
+
+    def required(self, groups: Iterable[tuple[Iterable[int], AccessKind]], stream: str) -> set[Token]:
+        ended = self.known_ended()
+        before = self.consumer_position(stream)
+        device = self.kinds[stream] is StreamKind.DEVICE
+        req: set[Token] = set()
+        for block_ids, access in groups:
+            for b in block_ids:
+                for t, k in self.history.get(b, ()):
+                    if access is READ and k is READ:
+                        continue
+                    if t in ended or t in before or (device and t.stream == stream):
+                        continue
+                    req.add(t)
+        return req
+
+    def judge(self, fence: Fence, groups: list[tuple[list[int], AccessKind]], stream: str) -> None:
+        """Assert ``fence`` is exact for the access: no missed hazard, no
+        redundant wait, and the host-wait mark is right."""
+        req = self.required(groups, stream)
+        tokens = list(fence)
+
+        def covered(t: Token, by: list[Token]) -> bool:
+            return any(t == f or self.hb(t, f) for f in by)
+
+        missed = [t for t in req if not covered(t, tokens)]
+        assert not missed, f"missed hazard(s) {sorted(map(str, missed))}; fence {sorted(map(str, tokens))}"
+        for f in tokens:
+            rest = [g for g in tokens if g != f]
+            assert any(not covered(t, rest) for t in req), (
+                f"redundant wait on {f}: required {sorted(map(str, req))}, fence {sorted(map(str, tokens))}"
+            )
+        want_host = bool(tokens) and (
+            self.kinds[stream] is StreamKind.HOST or any(self.kinds[t.stream] is StreamKind.HOST for t in tokens)
+        )
+        assert fence.needs_host_wait == want_host, f"needs_host_wait={fence.needs_host_wait}, want {want_host}"
+
+    def pending_host(self, block_id: int) -> set[Token]:
+        """Host tokens that still may access the block: not known to have
+        ended and not ordered before a later write of it."""
+        ended = self.known_ended()
+        hist = self.history.get(block_id, [])
+        out = set()
+        for i, (t, _) in enumerate(hist):
+            if self.kinds[t.stream] is not StreamKind.HOST or t in ended:
+                continue
+            if any(k is WRITE and u != t and self.hb(t, u) for u, k in hist[i + 1 :]):
+                continue
+            out.add(t)
+        return out

@@ -1,0 +1,322 @@
+"""Model-based test: random allocate / free / touch / cache / CoW / load /
+store / complete / fail sequences against a deliberately simple reference
+model; ``check()`` after every step; every fence judged by the independent
+brute-force happens-before model in ``tests/hb_model.py`` (0 missed hazards,
+0 redundant waits). A negative control proves the judge can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from blockpool import (
+    EMPTY_FENCE,
+    AccessKind,
+    Fence,
+    HazardAwareBlockPool,
+    NoFreeBlocksError,
+    RefCountError,
+    StreamKind,
+    Token,
+)
+from tests.hb_model import HBModel
+
+READ, WRITE = AccessKind.READ, AccessKind.WRITE
+STREAMS = {
+    "compute": StreamKind.DEVICE,
+    "h2d": StreamKind.DEVICE,
+    "d2h": StreamKind.DEVICE,
+    "rdma": StreamKind.HOST,
+}
+NUM_BLOCKS = 9  # 8 usable
+
+
+class PoolMachine(RuleBasedStateMachine):
+    pool_cls: type[HazardAwareBlockPool] = HazardAwareBlockPool
+
+    @initialize()
+    def setup(self) -> None:
+        self.pool = self.pool_cls(NUM_BLOCKS, enable_caching=True, streams=STREAMS)
+        self.hb = HBModel(STREAMS)
+        self.ref = [0] * NUM_BLOCKS
+        self.free = set(range(1, NUM_BLOCKS))
+        self.held: set[int] = set()
+        self.keys: dict[int, list[str]] = {}  # block id -> keys it holds
+        self.invalid: set[int] = set()
+        self.loads: dict[Token, list[int]] = {}
+        self.requests: list[list[int]] = []
+        self.tokens: list[Token] = []
+        self.next_key = 0
+
+    # -- helpers -------------------------------------------------------------
+
+    def blocks(self, block_ids: list[int]) -> list:
+        return [self.pool.blocks[i] for i in block_ids]
+
+    def cached_keys(self) -> list[str]:
+        return sorted({k for ks in self.keys.values() for k in ks})
+
+    def judge_and_wait(self, fence: Fence, groups: list[tuple[list[int], AccessKind]], stream: str) -> None:
+        self.hb.judge(fence, groups, stream)
+        self.hb.stream_waits(stream, fence)
+
+    def settle(self) -> None:
+        """Release model-held blocks whose host accesses ended."""
+        self.pool.poll()
+        for b in sorted(self.held):
+            if not self.hb.pending_host(b):
+                self.held.discard(b)
+                self.free.add(b)
+
+    def begin(self, kind: str, groups: list[tuple[list[int], AccessKind]], stream: str) -> Token:
+        pool = self.pool
+        if kind == "load":
+            token, fence = pool.begin_load(self.blocks(groups[0][0]), stream)
+        elif kind == "store":
+            token, fence = pool.begin_store(self.blocks(groups[0][0]), stream)
+        else:
+            (src,), (dst,) = groups[0][0], groups[1][0]
+            token, fence = pool.begin_copy([(pool.blocks[src], pool.blocks[dst])], stream)
+        self.judge_and_wait(fence, groups, stream)
+        self.hb.issue(token, fence if STREAMS[stream] is StreamKind.HOST else ())
+        for ids_, access in groups:
+            self.hb.access(ids_, token, access)
+            if access is WRITE:
+                self.invalid -= set(ids_)
+        self.tokens.append(token)
+        return token
+
+    # -- rules ---------------------------------------------------------------
+
+    @rule(
+        n=st.integers(0, 5),
+        stream=st.sampled_from(sorted(STREAMS)),
+        nhits=st.integers(0, 3),
+        data=st.data(),
+    )
+    def allocate(self, n: int, stream: str, nhits: int, data: st.DataObject) -> None:
+        keys = self.cached_keys()
+        chosen = data.draw(st.lists(st.sampled_from(keys), max_size=nhits)) if keys else []
+        hits = [self.pool.get_cached_block(k) for k in chosen]
+        hit_ids = [h.block_id for h in hits]
+        free_hits = {h for h in hit_ids if self.ref[h] == 0 and h in self.free}
+        if n > len(self.free) - len(free_hits):
+            before = self.pool.snapshot()
+            with pytest.raises(NoFreeBlocksError):
+                self.pool.allocate_for(n, stream, hits=hits)
+            assert self.pool.snapshot() == before
+            return
+        new, fence = self.pool.allocate_for(n, stream, hits=hits)
+        new_ids = [b.block_id for b in new]
+        assert set(new_ids) <= self.free and len(set(new_ids)) == n
+        self.judge_and_wait(fence, [(hit_ids, READ), (new_ids, WRITE)], stream)
+        for h in hit_ids:
+            if self.ref[h] == 0:
+                self.free.discard(h)
+                self.held.discard(h)
+            self.ref[h] += 1
+        for b in new_ids:
+            self.free.discard(b)
+            self.ref[b] = 1
+            self.keys.pop(b, None)
+            self.invalid.discard(b)
+        if hit_ids or new_ids:
+            self.requests.append(hit_ids + new_ids)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), which_token=st.sampled_from(["none", "last", "any"]), dup=st.booleans())
+    def free_request(self, data: st.DataObject, which_token: str, dup: bool) -> None:
+        i = data.draw(st.integers(0, len(self.requests) - 1))
+        req = self.requests[i]
+        listed = list(reversed(req)) + ([req[0]] if dup else [])
+        token = None
+        if which_token == "last":
+            token = self.pool.last_token("compute")
+        elif which_token == "any" and self.tokens:
+            token = data.draw(st.sampled_from(self.tokens))
+        counts = {b: listed.count(b) for b in listed}
+        if any(c > self.ref[b] for b, c in counts.items()):
+            before = self.pool.snapshot()
+            with pytest.raises(RefCountError):
+                self.pool.free_blocks(self.blocks(listed), token=token)
+            assert self.pool.snapshot() == before
+            return
+        self.pool.free_blocks(self.blocks(listed), token=token)
+        if token is not None:
+            self.hb.access(listed, token, READ)
+        for b, c in counts.items():
+            self.ref[b] -= c
+            if self.ref[b] == 0:
+                (self.held if self.hb.pending_host(b) else self.free).add(b)
+        if dup:
+            # the request's extra reference was another holder's: drop it from any other request
+            for other in self.requests:
+                if other is not req and req[0] in other:
+                    other.remove(req[0])
+                    break
+        del self.requests[i]
+        self.requests = [r for r in self.requests if r and all(self.ref[b] > 0 for b in r)]
+
+    @rule(write=st.booleans(), data=st.data())
+    def step(self, write: bool, data: st.DataObject) -> None:
+        if write and self.requests:
+            req = data.draw(st.sampled_from(self.requests))
+            target = [req[-1]]
+            fence = self.pool.fence_for(self.blocks(target), "compute", WRITE)
+            self.judge_and_wait(fence, [(target, WRITE)], "compute")
+        token = self.pool.issue("compute")
+        self.hb.issue(token)
+        self.tokens.append(token)
+        if write and self.requests:
+            self.pool.tag(self.blocks(target), token, WRITE)
+            self.hb.access(target, token, WRITE)
+            self.invalid -= set(target)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), stream=st.sampled_from(["h2d", "rdma"]))
+    def load(self, data: st.DataObject, stream: str) -> None:
+        req = data.draw(st.sampled_from(self.requests))
+        token = self.begin("load", [(list(req), WRITE)], stream)
+        self.loads[token] = list(req)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), stream=st.sampled_from(["d2h", "rdma"]))
+    def store(self, data: st.DataObject, stream: str) -> None:
+        req = data.draw(st.sampled_from(self.requests))
+        self.begin("store", [(list(req), READ)], stream)
+
+    @precondition(lambda self: len(self.requests) >= 2)
+    @rule(data=st.data())
+    def copy_on_write(self, data: st.DataObject) -> None:
+        a, b = data.draw(st.lists(st.sampled_from(self.requests), min_size=2, max_size=2, unique_by=id))
+        src, dst = a[0], b[-1]
+        if src == dst:
+            return
+        self.begin("copy", [([src], READ), ([dst], WRITE)], "compute")
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), failed=st.booleans())
+    def complete(self, data: st.DataObject, failed: bool) -> None:
+        token = data.draw(st.sampled_from(self.tokens))
+        already = token in self.hb.known_ended()
+        (self.pool.fail if failed else self.pool.complete)(token)
+        self.hb.ended_direct.add(token)
+        if failed and not already and token in self.loads:
+            for b in self.loads[token]:
+                writes = [t for t, k in self.hb.history[b] if k is WRITE]
+                if writes and writes[-1] == token:
+                    self.invalid.add(b)
+                    self.keys.pop(b, None)
+        self.settle()
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), reuse=st.booleans(), partial=st.booleans())
+    def cache(self, data: st.DataObject, reuse: bool, partial: bool) -> None:
+        req = data.draw(st.sampled_from(self.requests))
+        b = data.draw(st.sampled_from(req))
+        keys = self.cached_keys()
+        if reuse and keys:
+            key = data.draw(st.sampled_from(keys))
+        else:
+            key = f"k{self.next_key}"
+            self.next_key += 1
+        held_keys = self.keys.get(b, [])
+        block = self.pool.blocks[b]
+        if partial:
+            self.pool.cache_partial_block(block, key, 8)
+            if b not in self.invalid and key not in held_keys:
+                self.keys[b] = [*held_keys, key]
+        elif not held_keys or (block.block_hash_num_tokens == 8 and key != block.block_hash):
+            # publish, or promote a partial block to full (its other keys go)
+            self.pool.cache_full_blocks([block], [key], 0, 1, block_size=16)
+            if b not in self.invalid:
+                self.keys[b] = [key]
+
+    @rule()
+    def poll(self) -> None:
+        self.settle()
+
+    # -- invariants ------------------------------------------------------------
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        if not hasattr(self, "pool"):
+            return
+        pool = self.pool
+        pool.check()
+        assert [b.ref_cnt for b in pool.blocks] == self.ref
+        assert {b.block_id for b in pool.free_block_queue} == self.free
+        assert set(pool.held_block_ids()) == self.held
+        assert pool.get_num_free_blocks() == len(self.free)
+        for b in range(1, NUM_BLOCKS):
+            assert sorted(pool.prefix_cache.keys_of(pool.blocks[b])) == sorted(self.keys.get(b, [])), b
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+class _DroppingPool(HazardAwareBlockPool):
+    """Negative control: hands out fences with their first token dropped."""
+
+    def _fence(self, groups, st):  # type: ignore[no-untyped-def]
+        fence = super()._fence(groups, st)
+        return Fence(fence.tokens[1:], fence.needs_host_wait) if len(fence) else EMPTY_FENCE
+
+
+class DroppingMachine(PoolMachine):
+    pool_cls = _DroppingPool
+
+
+def test_negative_control_dropped_fence_token_is_caught() -> None:
+    run = DroppingMachine.TestCase("runTest")
+    run.settings = settings(
+        max_examples=200,
+        stateful_step_count=50,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    with pytest.raises(AssertionError, match="missed hazard|needs_host_wait"):
+        run.runTest()
+
+
+class _PaddingPool(HazardAwareBlockPool):
+    """Negative control: pads every non-empty fence with the stream's first
+    token (ended or covered more often than not): a redundant wait."""
+
+    def _fence(self, groups, st):  # type: ignore[no-untyped-def]
+        fence = super()._fence(groups, st)
+        if not fence:
+            return fence
+        first = Token("compute", 1)
+        if first in fence.tokens or self.tracker.streams["compute"].last_seq < 1:
+            return fence
+        return Fence((*fence.tokens, first), fence.needs_host_wait)
+
+
+class PaddingMachine(PoolMachine):
+    pool_cls = _PaddingPool
+
+
+def test_negative_control_padded_fence_is_caught_as_redundant() -> None:
+    run = PaddingMachine.TestCase("runTest")
+    run.settings = settings(
+        max_examples=200,
+        stateful_step_count=50,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    with pytest.raises(AssertionError, match="redundant wait"):
+        run.runTest()

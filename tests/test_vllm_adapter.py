@@ -1,0 +1,278 @@
+"""VllmBlockPool: vLLM 0.33's BlockPool surface over HazardAwareBlockPool.
+
+Needs vLLM (skipped otherwise); scripts/vllm_parity.sh runs it in the vLLM
+venv. Each behaviour is checked against vLLM's own BlockPool where vLLM
+defines it, by driving both with the same calls.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.block_pool")
+
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    KVCacheBlock,
+    get_request_block_hasher,
+    init_none_hash,
+    make_block_hash_with_group_id,
+)
+from vllm.v1.request import Request  # noqa: E402
+
+from blockpool import RefCountError  # noqa: E402
+from blockpool.integrations.vllm_pool import SERVED, VLLM_BLOCK_POOL, VllmBlockPool  # noqa: E402
+from tests.conftest import ids, toks  # noqa: E402
+
+BS = 4
+
+
+@pytest.fixture(autouse=True)
+def _none_hash() -> None:
+    init_none_hash(sha256)
+
+
+def request(rid: str, tokens: list[int], block_size: int = BS) -> Request:
+    sp = SamplingParams(max_tokens=17)
+    sp.update_from_generation_config({}, eos_token_id=100)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling_params=sp,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+
+
+def pools(n: int = 10, **kw: Any) -> tuple[Any, VllmBlockPool]:
+    kw.setdefault("enable_kv_cache_events", True)
+    return VLLM_BLOCK_POOL(n, True, BS, **kw), VllmBlockPool(n, True, BS, **kw)
+
+
+def state(pool: Any) -> tuple[object, ...]:
+    """Everything vLLM exposes about a pool, comparable across classes."""
+    cache = {
+        k: sorted(v) if isinstance(v, dict) else v.block_id for k, v in pool.cached_block_hash_to_block._cache.items()
+    }
+    return (
+        [b.ref_cnt for b in pool.blocks],
+        [b.block_hash for b in pool.blocks],
+        ids(pool.free_block_queue.get_all_free_blocks()),
+        cache,
+        {k: sorted(v) for k, v in pool.cached_block_hashes_by_block.items()},
+        pool.get_num_free_blocks(),
+    )
+
+
+def test_blocks_are_vllm_blocks_owned_by_the_adapter() -> None:
+    _, ours = pools()
+    assert all(isinstance(b, KVCacheBlock) and b.pool is ours for b in ours.blocks)
+    assert ours.null_block is ours.blocks[0] and ours.null_block.is_null
+
+
+def test_state_objects_are_the_cores() -> None:
+    _, ours = pools()
+    assert ours.free_block_queue is ours.core.free_block_queue
+    assert ours.cached_block_hash_to_block._cache is ours.core.prefix_cache._map
+    assert ours.cached_block_hashes_by_block is ours.core.prefix_cache._extra
+
+
+def test_allocations_are_served_and_counted_by_the_core() -> None:
+    _, ours = pools()
+    before = SERVED.blocks_allocated
+    got = ours.get_new_blocks(3)
+    assert ids(got) == [1, 2, 3]
+    assert SERVED.blocks_allocated == before + 3
+    assert ours.core.stats().used == 3
+
+
+def test_same_calls_give_same_state_and_events_as_vllm() -> None:
+    rng = random.Random(7)
+    theirs, ours = pools(12)
+    for p in (theirs, ours):
+        r = request("a", list(range(14)))
+        r2 = request("b", list(range(8)) + [99] * 6)
+        a = p.get_new_blocks(4)
+        p.cache_full_blocks(r, a, 0, 3, BS, 0)
+        b = p.get_new_blocks(2)
+        p.cache_full_blocks(r2, a[:2] + b, 2, 3, BS, 1)
+        p.free_blocks(reversed(a))
+        hit = p.get_cached_block(r.block_hashes[0], [0])
+        p.touch(hit)
+        p.get_new_blocks(7)
+        p.evict_blocks({hit[0].block_id, 9})
+        p.free_blocks(hit + b)
+    assert state(ours) == state(theirs)
+    assert ours.take_events() == theirs.take_events()
+    rng.random()
+
+
+def test_random_call_sequences_match_vllm() -> None:
+    for seed in range(20):
+        rng = random.Random(seed)
+        theirs, ours = pools(9)
+        held: tuple[list[Any], list[Any]] = ([], [])
+        reqs = [request(f"r{i}", [rng.randrange(3) for _ in range(12)]) for i in range(3)]
+        for _ in range(30):
+            op = rng.randrange(5)
+            k = rng.randrange(1, 4)
+            i = rng.randrange(3)
+            for p, h in zip((theirs, ours), held):
+                if op == 0 and p.get_num_free_blocks() >= k:
+                    h.append(p.get_new_blocks(k))
+                elif op == 1 and h:
+                    p.free_blocks(reversed(h.pop(i % len(h))))
+                elif op == 2 and h:
+                    blocks = h[i % len(h)]
+                    done = sum(1 for b in blocks if b.block_hash is not None)
+                    p.cache_full_blocks(reqs[i], blocks, done, len(blocks), BS, 0)
+                elif op == 3:
+                    hit = p.get_cached_block(reqs[i].block_hashes[0], [0])
+                    if hit:
+                        p.touch(hit)
+                        h.append(hit)
+                elif op == 4:
+                    p.evict_blocks({k, 2 * k})
+            assert state(ours) == state(theirs), seed
+        assert ours.take_events() == theirs.take_events(), seed
+        ours.check()
+
+
+def test_cached_block_event_carries_token_ids_and_group() -> None:
+    _, ours = pools()
+    r = request("a", list(range(9)))
+    blocks = ours.get_new_blocks(2)
+    ours.cache_full_blocks(r, blocks, 0, 2, BS, 3)
+    (ev,) = ours.take_events()
+    assert isinstance(ev, BlockStored)
+    assert ev.token_ids == list(range(8)) and ev.group_idx == 3 and ev.block_size == BS
+
+
+def test_eviction_event_is_vllms_block_removed_per_key() -> None:
+    _, ours = pools()
+    r = request("a", list(range(8)))
+    blocks = ours.get_new_blocks(2)
+    ours.cache_full_blocks(r, blocks, 0, 2, BS, 1)
+    ours.take_events()
+    ours.evict_blocks({blocks[0].block_id})
+    (ev,) = ours.take_events()
+    assert isinstance(ev, BlockRemoved) and ev.block_hashes == [r.block_hashes[0]] and ev.group_idx == 1
+
+
+def test_reset_queues_all_blocks_cleared() -> None:
+    _, ours = pools()
+    assert ours.reset_prefix_cache()
+    assert ours.take_events() == [AllBlocksCleared()]
+
+
+def test_free_forwards_blocks_of_another_pool() -> None:
+    theirs, ours = pools()
+    mine, other = ours.get_new_blocks(1), theirs.get_new_blocks(1)
+    ours.free_blocks(mine + other)
+    assert theirs.get_num_free_blocks() == 9 and ours.get_num_free_blocks() == 9
+
+
+def test_vllm_pool_forwards_our_blocks_back_to_us() -> None:
+    theirs, ours = pools()
+    mine = ours.get_new_blocks(2)
+    theirs.free_blocks(mine)
+    assert ours.get_num_free_blocks() == 9 and mine[0].ref_cnt == 0
+
+
+def test_free_below_zero_raises_and_changes_nothing() -> None:
+    _, ours = pools()
+    (b,) = ours.get_new_blocks(1)
+    before = state(ours)
+    with pytest.raises(RefCountError):
+        ours.free_blocks([b, b])
+    assert state(ours) == before
+
+
+def test_shared_key_keeps_vllms_dict_form_until_empty() -> None:
+    _, ours = pools(4)
+    key = make_block_hash_with_group_id(b"h", 0)
+    a, b = ours.blocks[1], ours.blocks[2]
+    for blk in (a, b):
+        blk.set_block_hash(key)
+        ours.cached_block_hash_to_block.insert(key, blk)
+    ours._maybe_evict_cached_block(a)
+    assert ours.cached_block_hash_to_block._cache == {key: {2: b}}
+    ours._maybe_evict_cached_block(b)
+    assert ours.cached_block_hash_to_block._cache == {}
+
+
+def test_blocks_of_no_pool_are_cached_as_vllm_does() -> None:
+    _, ours = pools()
+    r = request("a", list(range(8)))
+    loose = [KVCacheBlock(block_id=i) for i in range(2)]
+    ours.cache_full_blocks(r, loose, 0, 2, BS, 0)
+    assert ours.get_cached_block(r.block_hashes[1], [0]) == [loose[1]]
+
+
+def test_unpinned_block_goes_to_tail_and_watcher_fires_on_reuse() -> None:
+    _, ours = pools(4)
+    a = ours.get_new_blocks(2)
+    seen: list[int] = []
+    ours.unpin_blocks([a[0]], lambda b: seen.append(b.block_id))
+    assert ids(ours.free_block_queue.get_all_free_blocks()) == [3, 1]
+    ours.get_new_blocks(2)
+    assert seen == [1]
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def on_block_allocated(self, b: Any) -> None:
+        self.calls.append(("alloc", b.block_id))
+
+    def on_block_accessed(self, b: Any) -> None:
+        self.calls.append(("access", b.block_id))
+
+    def on_block_evicted(self, b: Any) -> None:
+        self.calls.append(("evict", b.block_id))
+
+    def reset(self) -> None:
+        self.calls.append(("reset", -1))
+
+
+def test_metrics_hooks_fire_as_in_vllm() -> None:
+    calls = []
+    for cls in (VLLM_BLOCK_POOL, VllmBlockPool):
+        mc = Collector()
+        p = cls(6, True, BS, metrics_collector=mc)
+        a = p.get_new_blocks(2)
+        p.touch(a[:1] + [p.null_block])
+        p.evict_blocks({a[1].block_id})
+        p.free_blocks(a)
+        p.free_blocks(a[:1])
+        p.reset_prefix_cache()
+        calls.append(mc.calls)
+    assert calls[0] == calls[1]
+
+
+def test_free_is_tagged_with_the_last_scheduled_step() -> None:
+    _, ours = pools()
+    assert ours.hazards is not None
+
+    class Out:
+        total_num_scheduled_tokens = 8
+
+    blocks = ours.get_new_blocks(2)
+    ours.hazards.step_record(Out())
+    ours.free_blocks(blocks)
+    assert toks(ours.core.fence_for(ours.get_new_blocks(2), "compute")) == set()
+    ours.hazards.add_stream("nixl", __import__("blockpool").StreamKind.HOST)
+    ours.free_blocks(ours.blocks[1:3])
+    t = ours.hazards.begin_load("r", ours.get_new_blocks(2), "nixl")
+    assert toks(t.fence) == {"compute:1"}
+
+
+def test_hazards_off_gives_a_plain_pool() -> None:
+    ours = VllmBlockPool(6, True, BS, track_hazards=False)
+    assert ours.hazards is None and not ours.core.track_hazards
