@@ -636,7 +636,10 @@ class HazardAwareBlockPool:
             c["max_fence_size"] = len(tokens)
         if host_wait:
             c["host_wait_fences"] += 1
-        reasons = tuple(why[t] for t in tokens) if why is not None else ()
+        reasons = ()
+        if why is not None:
+            tokens.sort(key=lambda t: (t.stream, t.seq))
+            reasons = tuple(why[t] for t in tokens)
         return Fence(tokens, host_wait, reasons)
 
     def _record(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:

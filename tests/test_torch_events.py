@@ -709,3 +709,17 @@ def test_gpu_check_skips_with_exit_0_without_a_gpu() -> None:
         0,
         "gpu_hazard_check: skipped: no CUDA GPU available",
     ), proc.stderr
+
+
+def test_gpu_check_dry_run_on_stand_ins_keeps_data_with_fences_and_prints_one_json() -> None:
+    import json
+
+    proc = _run("benchmarks/gpu_hazard_check.py", "--dry-run-cpu")
+    lines = proc.stdout.strip().splitlines()
+    result = json.loads(lines[-1]) if lines else {}
+    assert (proc.returncode, len(lines), result.get("errors"), result.get("summary", {}).get("fenced_runs_kept_data")) == (
+        0,
+        1,
+        [],
+        True,
+    ), proc.stderr
