@@ -9,6 +9,8 @@ replaced by functions that fail.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import pickle
 import subprocess
@@ -697,9 +699,24 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_cow_then_load_example_runs_on_cpu_and_waits_on_the_copy() -> None:
-    proc = _run("docs/examples/cow_then_load.py")
-    assert (proc.returncode, "load thread waited on compute:1" in proc.stdout) == (0, True), proc.stderr
+def _load(relpath: str):  # type: ignore[no-untyped-def]
+    """Import a script by path (in this process: torch is already loaded)."""
+    name = "_script_" + Path(relpath).stem
+    spec = importlib.util.spec_from_file_location(name, ROOT / relpath)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cow_then_load_example_runs_on_cpu_and_waits_on_the_copy(capsys: pytest.CaptureFixture[str]) -> None:
+    code = _load("docs/examples/cow_then_load.py").main([])
+    assert (code, "load thread waited on compute:1 before its GET" in capsys.readouterr().out) == (0, True)
+
+
+def test_cow_then_load_example_without_the_fence_shows_the_race(capsys: pytest.CaptureFixture[str]) -> None:
+    _load("docs/examples/cow_then_load.py").main(["--drop-fence"])
+    assert "without the fences, corruption observed: True" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the check would run")
@@ -711,15 +728,13 @@ def test_gpu_check_skips_with_exit_0_without_a_gpu() -> None:
     ), proc.stderr
 
 
-def test_gpu_check_dry_run_on_stand_ins_keeps_data_with_fences_and_prints_one_json() -> None:
-    import json
+def test_gpu_check_dry_run_on_stand_ins_keeps_data_with_fences(capsys: pytest.CaptureFixture[str]) -> None:
+    code = _load("benchmarks/gpu_hazard_check.py").main(["--dry-run-cpu"])
+    result = json.loads(capsys.readouterr().out)
+    assert (code, result["errors"], result["summary"]["fenced_runs_kept_data"]) == (0, [], True)
 
-    proc = _run("benchmarks/gpu_hazard_check.py", "--dry-run-cpu")
-    lines = proc.stdout.strip().splitlines()
-    result = json.loads(lines[-1]) if lines else {}
-    assert (proc.returncode, len(lines), result.get("errors"), result.get("summary", {}).get("fenced_runs_kept_data")) == (
-        0,
-        1,
-        [],
-        True,
-    ), proc.stderr
+
+def test_gpu_check_dry_run_observes_corruption_without_the_fences(capsys: pytest.CaptureFixture[str]) -> None:
+    _load("benchmarks/gpu_hazard_check.py").main(["--dry-run-cpu"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["summary"]["corruption_without_fence"] == {"war_free_then_reload": True, "cow_then_load": True}
