@@ -636,7 +636,7 @@ class HazardAwareBlockPool:
             c["max_fence_size"] = len(tokens)
         if host_wait:
             c["host_wait_fences"] += 1
-        reasons = ()
+        reasons: tuple[FenceReason, ...] = ()
         if why is not None:
             tokens.sort(key=lambda t: (t.stream, t.seq))
             reasons = tuple(why[t] for t in tokens)

@@ -81,7 +81,7 @@ class PrefixCache:
         elif type(v) is dict:
             v[block.block_id] = block  # type: ignore[index]
         else:
-            self._map[key] = {v.block_id: v, block.block_id: block}  # type: ignore[union-attr]
+            self._map[key] = {v.block_id: v, block.block_id: block}  # type: ignore[union-attr, dict-item]
         return True
 
     def remove_block(self, block: KVCacheBlock) -> list[Hashable]:
