@@ -54,6 +54,7 @@ def _harness(item: pytest.Item) -> RaceHarness | None:
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_call(item: pytest.Item) -> None:
     """After a test body that passed: fail it if its harness found races."""
+    __tracebackhide__ = True
     harness = _harness(item)
     if harness is not None:
         harness.check_new_races()
@@ -86,7 +87,9 @@ def blockpool_num_gpu_blocks() -> int:
 
 
 @pytest.fixture
-def blockpool_pool(blockpool_num_gpu_blocks: int, blockpool_streams: dict[str, StreamKind]) -> HazardAwareBlockPool:
+def blockpool_pool(
+    blockpool_num_gpu_blocks: int, blockpool_streams: dict[str, StreamKind]
+) -> HazardAwareBlockPool:
     """A debug HazardAwareBlockPool (fences carry reasons) on ``blockpool_streams``."""
     from blockpool.pool import HazardAwareBlockPool
 
@@ -113,4 +116,5 @@ def blockpool_harness(
     if request.node.get_closest_marker(_MARKER) is not None:
         harness.expect_races()
     yield harness
+    __tracebackhide__ = True
     harness.check_new_races()

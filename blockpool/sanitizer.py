@@ -1,35 +1,23 @@
 """The race oracle: an independent happens-before checker over block accesses.
 
-:class:`RaceOracle` keeps, per stream, a vector clock of what the stream is
-ordered after, and per block a *shadow*: the last write and the reads since.
-Every access is checked against the shadow (RAW: a read not ordered after the
-last write; WAW: a write not ordered after it; WAR: a write not ordered after
-a read since), then recorded. It shares no code with the pool's fence
-computation (``blockpool.tracker``, ``HazardAwareBlockPool._fence``) so that
-it can judge it; it imports only value types and errors.
+:class:`RaceOracle` keeps a vector clock per stream (what its work is ordered
+after) and a *shadow* per block (the last write and the reads since), checks
+every access against the shadow (RAW, WAR, WAW) and records it. The only
+synchronisations are :meth:`~RaceOracle.record`'s waits (enqueued stream
+waits on a ``DEVICE`` stream, host waits before one posting on a ``HOST``
+engine), :meth:`~RaceOracle.stream_wait` and :meth:`~RaceOracle.complete`
+(the host saw a token end). It shares no code with the pool's fence
+computation, which it judges; see ``docs/race-oracle.md``.
 
-Synchronisation operations (what orders work, and nothing else does):
-
-- ``record(token, after)`` on a ``DEVICE`` stream: in-order queue; the waits
-  are enqueued ``wait_event`` s and persist for later work on the stream.
-- ``record(token, after)`` on a ``HOST`` engine: ``after`` are host waits
-  (``event.synchronize()`` / engine completion) before this posting only; an
-  engine's postings are not ordered among themselves.
-- ``stream_wait(stream, token)``: an enqueued wait of a ``DEVICE`` stream.
-- ``complete(token)``: the host observed that ``token`` ended; work recorded
-  afterwards on any stream is ordered after it and after its clock.
-
-Source: the design of PyTorch's CUDA stream sanitizer
-(``torch/cuda/_sanitizer.py``: ``StreamSynchronizations`` for the vector
-clocks, ``_TensorsAccessed`` for the last write and reads since,
-``UnsynchronizedAccessError`` for the report), adapted: per block id instead
-of per data pointer; tokens instead of kernels and events; host engines whose
-clock component is a set of tokens with holes instead of a high-water mark;
-host-observed completion as a synchronisation; a write is checked against the
-last write *and* the reads since (CSAN skips the write when reads came since,
-which misses a write that races with both); accesses that arrive after later
-work (the block-table read made at free time) are judged by happens-before in
-either direction, not by call order.
+Source: PyTorch's CUDA stream sanitizer (``torch/cuda/_sanitizer.py``:
+``StreamSynchronizations``, ``_TensorsAccessed``, ``UnsynchronizedAccessError``),
+adapted: block ids for data pointers, tokens for kernels and events; a host
+engine's clock component is a set of seqs (interval with holes) as its work
+completes out of order; host-observed completion orders later work; a write
+is checked against the last write even when reads came since; and two
+accesses race only when neither is ordered after the other, so an access
+reported late (the block-table read made at free time) is judged by the
+order of the work, not of the calls.
 
 >>> from blockpool.hazards import AccessKind, StreamKind, Token
 >>> oracle = RaceOracle({"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE})
@@ -51,7 +39,7 @@ import attrs
 from blockpool.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
 from blockpool.hazards import AccessKind, StreamKind, Token
 
-__all__ = ["RaceOracle", "RaceViolation", "UnrecordedTokenError", "RecordOrderError"]
+__all__ = ["RaceOracle", "RaceViolation", "RecordOrderError", "UnrecordedTokenError"]
 
 _DEVICE, _HOST = StreamKind.DEVICE, StreamKind.HOST
 _READ, _WRITE = AccessKind.READ, AccessKind.WRITE
@@ -106,7 +94,7 @@ class _HostPart:
     """Immutable clock component of one host engine: covers every seq
     ``<= upto`` not in ``excl``, and every seq in ``extra`` (all ``> upto``)."""
 
-    __slots__ = ("upto", "excl", "extra")
+    __slots__ = ("excl", "extra", "upto")
 
     def __init__(self, upto: int, excl: frozenset[int] = _NONE, extra: frozenset[int] = _NONE) -> None:
         self.upto, self.excl, self.extra = upto, excl, extra
@@ -165,7 +153,7 @@ _EMPTY = _Clock()
 
 
 class _Stream:
-    __slots__ = ("name", "kind", "last", "clocks", "standing", "live", "ended")
+    __slots__ = ("clocks", "ended", "kind", "last", "live", "name", "standing")
 
     def __init__(self, name: str, kind: StreamKind) -> None:
         self.name, self.kind = name, kind
@@ -177,7 +165,7 @@ class _Stream:
 
 
 class _Shadow:
-    __slots__ = ("writer", "readers")
+    __slots__ = ("readers", "writer")
 
     def __init__(self) -> None:
         self.writer: tuple[Token, str] | None = None
@@ -239,7 +227,7 @@ class RaceOracle:
     # -- validation (raises before any change) -------------------------------
 
     def _stream(self, name: object) -> _Stream:
-        st = self._streams.get(name)  # type: ignore[call-overload]
+        st = self._streams.get(name) if isinstance(name, str) else None
         if st is None:
             raise UnknownStreamError(f"unknown stream {name!r}; registered: {sorted(self._streams)}")
         return st
@@ -390,7 +378,9 @@ class RaceOracle:
 
     # -- accesses ----------------------------------------------------------------
 
-    def access(self, token: Token, block_ids: Iterable[int], kind: AccessKind, what: str) -> list[RaceViolation]:
+    def access(
+        self, token: Token, block_ids: Iterable[int], kind: AccessKind, what: str
+    ) -> list[RaceViolation]:
         """Check, then record, that the recorded work of ``token`` reads or
         writes ``block_ids``; ``what`` names the agent (``"forward"``,
         ``"cow-copy"``, ``"load"``, ``"store"``...). A read is checked against
@@ -418,7 +408,12 @@ class RaceOracle:
         return out
 
     def check_access(
-        self, stream: str, block_ids: Iterable[int], kind: AccessKind, what: str = "access", after: Iterable[Token] = ()
+        self,
+        stream: str,
+        block_ids: Iterable[int],
+        kind: AccessKind,
+        what: str = "access",
+        after: Iterable[Token] = (),
     ) -> list[RaceViolation]:
         """Dry run: the violations that an access by new work on ``stream``
         (the stream's next seq), enqueued now after ``after``, would raise.

@@ -30,7 +30,7 @@ from blockpool.hazards import AccessKind, Fence, StreamKind, Token
 from blockpool.pool import HazardAwareBlockPool
 from blockpool.sanitizer import RaceOracle, RaceViolation
 
-__all__ = ["RaceHarness", "DEFAULT_STREAMS"]
+__all__ = ["DEFAULT_STREAMS", "RaceHarness"]
 
 DEFAULT_STREAMS: Mapping[str, StreamKind] = {
     "compute": StreamKind.DEVICE,
@@ -74,9 +74,7 @@ class RaceHarness:
         streams: Mapping[str, StreamKind] | None = None,
     ) -> None:
         if pool is None:
-            pool = HazardAwareBlockPool(
-                num_gpu_blocks, streams=dict(streams or DEFAULT_STREAMS), debug=True
-            )
+            pool = HazardAwareBlockPool(num_gpu_blocks, streams=dict(streams or DEFAULT_STREAMS), debug=True)
         oracle = oracle if oracle is not None else RaceOracle()
         for name, kind in pool.streams.items():
             oracle.add_stream(name, kind)
@@ -232,7 +230,9 @@ class RaceHarness:
         self.oracle.access(token, self._ids(d for _, d in pairs), _WRITE, what)
         return token
 
-    def free(self, blocks: Iterable[KVCacheBlock], token: Token | None = None, *, what: str = "forward") -> None:
+    def free(
+        self, blocks: Iterable[KVCacheBlock], token: Token | None = None, *, what: str = "forward"
+    ) -> None:
         """:meth:`HazardAwareBlockPool.free_blocks` with ``token`` = the last
         step that used the blocks, and the oracle's one read of the block
         table by that step (made now, judged by happens-before).
@@ -302,6 +302,7 @@ class RaceHarness:
 
     def assert_no_races(self) -> None:
         """Raise AssertionError listing every violation, if there is one. O(v)."""
+        __tracebackhide__ = True  # pytest: point at the caller
         self._reported = len(self.violations)
         if self.violations:
             raise AssertionError(_message(self.violations))
@@ -310,6 +311,7 @@ class RaceHarness:
         """The automatic check (pytest plugin): unless :meth:`expect_races`
         was called, raise AssertionError listing the violations found since
         the last check. O(new violations)."""
+        __tracebackhide__ = True
         new = self.take_unreported()
         if new and not self.expecting_races:
             raise AssertionError(_message(new))

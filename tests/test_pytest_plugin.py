@@ -89,7 +89,7 @@ def test_harness_flags_a_store_that_drops_its_fence(h: RaceHarness) -> None:
 
 def test_harness_passes_a_copy_that_honours_its_fence(h: RaceHarness) -> None:
     src, fence = h.allocate_for(1, "h2d")
-    h.load(src, "h2d")
+    h.load(src, "h2d", waits=fence)
     dst, _ = h.allocate_for(1, "compute")
     h.copy([(src[0], dst[0])], "compute")
     assert h.violations == [] and h.last_fence.tokens == (Token("h2d", 1),)
@@ -193,7 +193,9 @@ def test_plugin_passes_a_racy_test_that_expects_races(pytester: pytest.Pytester)
 
 
 def test_plugin_passes_a_racy_test_marked_blockpool_expect_races(pytester: pytest.Pytester) -> None:
-    marked = "import pytest\n" + DROPS_FENCE.replace("def test_", "@pytest.mark.blockpool_expect_races\ndef test_")
+    marked = "import pytest\n" + DROPS_FENCE.replace(
+        "def test_", "@pytest.mark.blockpool_expect_races\ndef test_"
+    )
     pytester.makepyfile(marked)
     pytester.runpytest(*PLUGIN, "--strict-markers").assert_outcomes(passed=1)
 
@@ -211,7 +213,9 @@ def test_plugin_checks_a_harness_reached_through_another_fixture(pytester: pytes
         "@pytest.fixture\n"
         "def harness(blockpool_harness):\n"
         "    return blockpool_harness\n"
-        + DROPS_FENCE.replace("(blockpool_harness)", "(harness)").replace("h = blockpool_harness", "h = harness")
+        + DROPS_FENCE.replace("(blockpool_harness)", "(harness)").replace(
+            "h = blockpool_harness", "h = harness"
+        )
     )
     pytester.runpytest(*PLUGIN).assert_outcomes(failed=1)
 
@@ -236,13 +240,17 @@ def _install_entry_point(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPa
     does, for a subprocess run (a dist-info folder on its ``PYTHONPATH``)."""
     dist = pytester.mkdir("site").joinpath("blockpool_plugin_probe-0.0.dist-info")
     dist.mkdir()
-    dist.joinpath("METADATA").write_text("Metadata-Version: 2.1\nName: blockpool-plugin-probe\nVersion: 0.0\n")
+    dist.joinpath("METADATA").write_text(
+        "Metadata-Version: 2.1\nName: blockpool-plugin-probe\nVersion: 0.0\n"
+    )
     dist.joinpath("entry_points.txt").write_text("[pytest11]\nblockpool = blockpool.pytest_plugin\n")
     monkeypatch.setenv("PYTHONPATH", f"{dist.parent}:{REPO}")
     monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
 
 
-def test_plugin_loads_from_its_entry_point(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plugin_loads_from_its_entry_point(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _install_entry_point(pytester, monkeypatch)
     pytester.makepyfile(DROPS_FENCE)
     result = pytester.runpytest_subprocess(*QUIET)
@@ -250,7 +258,9 @@ def test_plugin_loads_from_its_entry_point(pytester: pytest.Pytester, monkeypatc
     result.stdout.fnmatch_lines(["*WAR race on block 1*"])
 
 
-def test_plugin_is_switched_off_with_p_no_blockpool(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plugin_is_switched_off_with_p_no_blockpool(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _install_entry_point(pytester, monkeypatch)
     pytester.makepyfile("def test_x(blockpool_harness):\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:blockpool", *QUIET)

@@ -52,7 +52,9 @@ CASES = [(h, p) for h in HAZARDS for p in PAIRS]
 
 
 @pytest.mark.parametrize(("hazard", "pair"), CASES, ids=[f"{h}-{p}" for h, p in CASES])
-def test_unordered_conflicting_accesses_are_flagged_exactly(oracle: RaceOracle, hazard: str, pair: str) -> None:
+def test_unordered_conflicting_accesses_are_flagged_exactly(
+    oracle: RaceOracle, hazard: str, pair: str
+) -> None:
     (pk, ck), (prior, cur) = HAZARDS[hazard], PAIRS[pair]
     run(oracle, prior, [7], pk)
     found = run(oracle, cur, [7], ck)
@@ -189,7 +191,10 @@ def test_late_read_of_a_completed_token_is_judged_by_its_clock(oracle: RaceOracl
 
 def test_violation_text_names_block_accesses_streams_and_tokens() -> None:
     v = RaceViolation(7, "WAR", tok("compute:12"), R, "forward", tok("h2d:3"), W, "load")
-    assert str(v) == "WAR race on block 7: load (write) by h2d:3 is not ordered after forward (read) by compute:12"
+    assert (
+        str(v)
+        == "WAR race on block 7: load (write) by h2d:3 is not ordered after forward (read) by compute:12"
+    )
 
 
 def test_violation_is_a_frozen_value() -> None:
