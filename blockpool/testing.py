@@ -137,7 +137,9 @@ class RaceHarness:
         """Issue a token on ``stream`` for work that waits on ``waits`` (a
         fence or tokens: stream waits on a device stream, host waits on a host
         engine), reads ``reads`` and writes ``writes``; tag both in the pool
-        and check both in the oracle. Returns the token.
+        and check both in the oracle. Returns the token. (For a transfer on
+        a host engine prefer :meth:`load`/:meth:`store`: the pool's token then
+        carries its fence, so later fences stay minimal.)
         O(#streams + len(reads) + len(writes)).
 
         Raises:
