@@ -361,7 +361,6 @@ def delay_trial(gpu: Gpu, buf: Buffers, mode: str) -> dict[str, Any]:
     from blockpool import Fence, HazardAwareBlockPool, StreamKind
     from blockpool.torch_events import EventLedger
 
-    torch = gpu.torch
     pool = HazardAwareBlockPool(
         NUM_BLOCKS, enable_caching=False, streams={"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE}
     )

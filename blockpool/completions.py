@@ -38,7 +38,7 @@ import attrs
 from blockpool.errors import InvalidArgumentError
 from blockpool.hazards import StreamKind, Token
 
-__all__ = ["WireToken", "CompletionReport", "RankMerger", "CompletionSink"]
+__all__ = ["CompletionReport", "CompletionSink", "RankMerger", "WireToken"]
 
 WireToken = tuple[str, int, str]
 """A token as :meth:`Token.to_wire` gives it: ``(stream, seq, kind)``."""
@@ -169,7 +169,7 @@ class RankMerger:
         InvalidArgumentError: ``world_size`` is not an int ``>= 1``.
     """
 
-    __slots__ = ("world_size", "_marks", "_merged", "_host")
+    __slots__ = ("_host", "_marks", "_merged", "world_size")
 
     def __init__(self, world_size: int) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:

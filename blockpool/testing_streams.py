@@ -48,7 +48,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-__all__ = ["StandInDevice", "StandInStream", "StandInEvent", "StandInDeadlock"]
+__all__ = ["StandInDeadlock", "StandInDevice", "StandInEvent", "StandInStream"]
 
 _Point = tuple["StandInStream", int]
 
@@ -191,8 +191,8 @@ class StandInStream:
             return True
         if arg is None:
             return True
-        stream, index = arg  # type: ignore[misc]
-        return bool(stream._done >= index)
+        point: _Point = arg  # type: ignore[assignment]
+        return point[0]._done >= point[1]
 
     def _run_ready(self, max_ops: int | None) -> int:
         n = 0

@@ -26,7 +26,11 @@ tensor-parallel rank) an :class:`EventLedger`
   rank reported it.
 
 The rules are ``docs/hazard-model.md`` ("Who waits how"); the account for
-users is ``docs/worker.md``. Events come from a factory
+users is ``docs/worker.md``. Borrowed: polling events in order per stream
+and stopping at the first one not ready, then recycling them, is how
+PyTorch's CUDA caching allocator processes the events of cross-stream frees
+(``c10/cuda/CUDACachingAllocator.cpp``, ``process_events`` and its event
+pool). Events come from a factory
 (:func:`event_factory`: ``torch.cuda.Event`` for CUDA, ``torch.Event`` for
 another accelerator backend torch supports, or any stand-in such as
 :meth:`blockpool.testing_streams.StandInDevice.new_event`).
@@ -70,16 +74,16 @@ from blockpool.errors import BlockPoolError, InvalidArgumentError
 from blockpool.hazards import StreamKind, Token
 
 __all__ = [
-    "EventLike",
-    "StreamLike",
+    "BackendUnavailableError",
     "EventFactory",
-    "event_factory",
     "EventLedger",
+    "EventLike",
     "EventNotRecordedError",
     "FenceTimeoutError",
     "HostWaitRequiredError",
+    "StreamLike",
     "TokenOrderError",
-    "BackendUnavailableError",
+    "event_factory",
 ]
 
 _DEVICE = StreamKind.DEVICE
@@ -221,7 +225,7 @@ class _Entry:
     """One recorded ``DEVICE`` token: its event, host threads using the
     event right now (``pins``), and whether its completion was observed."""
 
-    __slots__ = ("token", "event", "pins", "done")
+    __slots__ = ("done", "event", "pins", "token")
 
     def __init__(self, token: Token, event: EventLike) -> None:
         self.token = token

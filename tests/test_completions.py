@@ -155,4 +155,4 @@ def test_completions_and_stand_ins_import_without_torch() -> None:
         "import sys, blockpool, blockpool.completions, blockpool.testing_streams; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], check=False, capture_output=True).returncode == 0

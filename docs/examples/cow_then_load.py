@@ -110,8 +110,12 @@ class FakeRemoteStore:
 
 def run(device: str, drop_fence: bool) -> int:
     be = Backend(device)
-    kv = torch.zeros((8, *BLOCK_SHAPE), device=be.device)
     compute = be.stream("compute")
+    box: dict[str, torch.Tensor] = {}
+    # the paged KV cache: 8 blocks, made on compute (CUDA: ordered before its uses there)
+    be.enqueue(compute, lambda: box.setdefault("kv", torch.zeros((8, *BLOCK_SHAPE), device=be.device)))
+    be.drain(compute)
+    kv = box["kv"]
     ledger = EventLedger(be.factory, streams={"compute": compute})
     remote = FakeRemoteStore(be)
     loaded = torch.full(BLOCK_SHAPE, 5.0, pin_memory=be.cuda)
