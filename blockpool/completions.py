@@ -140,7 +140,8 @@ class CompletionReport:
 
         Raises:
             UnknownStreamError, UnknownTokenError: from the pool, when it
-                never issued a token.
+                never issued a token (the tokens before it are already
+                queued; completions are idempotent, so re-applying is safe).
         """
         for t in self.tokens():
             pool.complete(t)
