@@ -13,4 +13,4 @@ def _missing(mod: str) -> bool:
 if _missing("vllm"):
     collect_ignore_glob += ["blockpool/integrations/vllm*.py"]
 if _missing("torch"):
-    collect_ignore_glob += ["blockpool/torch_events.py"]
+    collect_ignore_glob += ["blockpool/torch_events.py", "docs/worker.md", "docs/examples/*.py"]
