@@ -64,7 +64,7 @@ from blockpool.block import KVCacheBlock
 from blockpool.hazards import EMPTY_FENCE, Fence, StreamKind, Token
 from blockpool.pool import HazardAwareBlockPool
 
-__all__ = ["COMPUTE", "StepRecord", "Transfer", "StepHazards"]
+__all__ = ["COMPUTE", "StepHazards", "StepRecord", "Transfer"]
 
 COMPUTE = "compute"
 """Name of the stream that runs the forward pass and the block copies."""
@@ -186,9 +186,7 @@ class StepHazards:
         self.steps_ended = 0
         self.copies_begun = 0
         self.copy_pairs_skipped = 0
-        self._steps: collections.OrderedDict[int, tuple[Any, StepRecord]] = (
-            collections.OrderedDict()
-        )
+        self._steps: collections.OrderedDict[int, tuple[Any, StepRecord]] = collections.OrderedDict()
         self._pending_copy: tuple[Token, Fence] | None = None
         self._loads: dict[str, list[Transfer]] = {}
         self._stores: dict[str, list[Transfer]] = {}
@@ -377,4 +375,6 @@ class StepHazards:
 
     def pending_transfers(self) -> list[Transfer]:
         """Transfers begun and not yet ended, loads first."""
-        return [t for ts in self._loads.values() for t in ts] + [t for ts in self._stores.values() for t in ts]
+        return [t for ts in self._loads.values() for t in ts] + [
+            t for ts in self._stores.values() for t in ts
+        ]

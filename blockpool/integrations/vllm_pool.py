@@ -1,0 +1,827 @@
+"""vLLM 0.33's ``BlockPool`` surface, backed by :class:`~blockpool.HazardAwareBlockPool`.
+
+:class:`VllmBlockPool` is what vLLM's ``KVCacheCoordinator`` builds once
+:func:`blockpool.integrations.vllm.register` has run. Every allocation, free,
+touch, prefix-cache lookup, publication and eviction of its own blocks is
+done by the core (:attr:`VllmBlockPool.core`): its free queue, ref counts,
+key map and events. The adapter adds what the core leaves to callers:
+vLLM's keys (``BlockHashWithGroupId``, bytes: the core's opaque keys as they
+are), vLLM's event types with token ids, the metrics collector hooks,
+``unpin_blocks`` watchers, and the forwarding of other pools' blocks in
+``free_blocks``.
+
+Composition, not subclassing (``docs/vllm-plugin.md``, "Design"): nothing in
+vLLM 0.33 or its tests checks ``isinstance(pool, BlockPool)``, and an
+inherited vLLM method would silently run vLLM's logic on the core's state;
+here a method vLLM adds later is an ``AttributeError``. The *blocks*, on the
+other hand, must be vLLM's: code and tests check ``isinstance(x,
+KVCacheBlock)``, read ``block.pool`` and ``_block_hash``, call
+``set_block_hash``. So the core is handed :class:`VllmKVCacheBlock`, a
+subclass of vLLM's ``KVCacheBlock`` that also carries the core's two shadow
+slots.
+
+Blocks that are not this pool's and belong to no pool (``pool is None``:
+vLLM's unit tests make such blocks by hand) are handled exactly as vLLM
+does, by vLLM's own code on the shared key map; they never reach the core.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Any
+
+import attrs
+from vllm.distributed.kv_events import MEDIUM_GPU
+from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
+from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
+from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+from vllm.distributed.kv_events import KVCacheEvent as VllmKVCacheEvent
+from vllm.multimodal.utils import get_mm_features_in_window
+from vllm.v1.core import block_pool as _vllm_block_pool_module
+from vllm.v1.core.block_pool import BlockHashToBlockMap
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+    resolve_block_hashes,
+    to_event_extra_keys,
+)
+
+from blockpool.block import FreeBlockQueue
+from blockpool.events import AllBlocksCleared, BlockRemoved, BlockStored
+from blockpool.hazards import AccessKind, StreamKind, Token
+from blockpool.integrations.vllm_hazards import COMPUTE, StepHazards
+from blockpool.pool import HazardAwareBlockPool
+from blockpool.prefix_cache import PrefixCache
+
+__all__ = [
+    "SERVED",
+    "Served",
+    "VllmBlockPool",
+    "VllmFreeBlockQueue",
+    "VllmKVCacheBlock",
+    "VllmPrefixCache",
+    "track_new_pools",
+]
+
+# vLLM's own class, whatever the module binds after register(): vLLM's pure
+# helpers are borrowed from it (events, partial-hash arithmetic) and its
+# behaviour is reproduced for blocks that belong to no pool.
+VLLM_BLOCK_POOL: type = getattr(
+    _vllm_block_pool_module, "_blockpool_vllm_BlockPool", _vllm_block_pool_module.BlockPool
+)
+
+_READ = AccessKind.READ
+
+logger = logging.getLogger("vllm.plugins.blockpool")
+
+
+class VllmKVCacheBlock(KVCacheBlock):
+    """vLLM's ``KVCacheBlock`` plus the core's shadow slots (``writer``,
+    ``readers``), with ``block_hash`` / ``block_hash_num_tokens`` writable
+    (the core's key map assigns them; vLLM's ``set_block_hash`` and
+    ``reset_hash`` keep working). 10 slots; ``pool`` is the owning
+    :class:`VllmBlockPool`."""
+
+    __slots__ = ("readers", "writer")
+
+    def __init__(self, block_id: int, pool: Any = None) -> None:
+        KVCacheBlock.__init__(self, block_id, pool=pool)
+        self.writer: Token | None = None
+        self.readers: Any = None
+
+    @property
+    def block_hash(self) -> Any:
+        return self._block_hash
+
+    @block_hash.setter
+    def block_hash(self, value: Any) -> None:
+        self._block_hash = value
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        return self._block_hash_num_tokens
+
+    @block_hash_num_tokens.setter
+    def block_hash_num_tokens(self, value: int | None) -> None:
+        self._block_hash_num_tokens = value
+
+
+class VllmFreeBlockQueue(FreeBlockQueue):
+    """The core's free queue with vLLM's ``FreeKVCacheBlockQueue`` names
+    added (no state of its own). Mutators bypass the pool, as in vLLM."""
+
+    __slots__ = ()
+
+    @property
+    def fake_free_list_head(self) -> Any:
+        """The head sentinel (vLLM's name). O(1)."""
+        return self.head
+
+    @property
+    def fake_free_list_tail(self) -> Any:
+        """The tail sentinel (vLLM's name). O(1)."""
+        return self.tail
+
+    def popleft(self) -> Any:
+        """Remove and return the first free block. O(1).
+
+        Raises:
+            ValueError: the queue is empty (as vLLM).
+        """
+        if self.num_free_blocks <= 0:
+            raise ValueError("No free blocks available")
+        return self.popleft_n(1)[0]
+
+    def append(self, block: Any) -> None:
+        """Insert ``block`` at the back. O(1)."""
+        self.append_n([block])
+
+    def get_all_free_blocks(self) -> list[Any]:
+        """Every free block, front to back. O(n)."""
+        return list(self)
+
+    def iter_blocks_after(self, cursor: Any) -> Iterator[Any]:
+        """Free blocks in eviction order after ``cursor`` (from the front
+        when ``None``). O(1) per block."""
+        b = self.head.next_free_block if cursor is None else cursor.next_free_block
+        tail = self.tail
+        while b is not None and b is not tail:
+            yield b
+            b = b.next_free_block
+
+
+class VllmPrefixCache(PrefixCache):
+    """The core's key map, kept in vLLM's representation: a key shared by
+    several blocks stays a ``{block_id: block}`` dict until its last block
+    leaves (vLLM's ``BlockHashToBlockMap.pop``), and removal reports only the
+    keys that were mapped to the block (vLLM's
+    ``_remove_cached_block_hashes``). Tests reach into this dict through
+    ``cached_block_hash_to_block._cache``."""
+
+    __slots__ = ()
+
+    def mapped_keys(self, block: Any) -> list[Hashable]:
+        """The block's keys that the map still points at it. O(keys)."""
+        m, bid = self._map, block.block_id
+        out = []
+        for key in self.keys_of(block):
+            v = m.get(key)
+            if v is not None and (bid in v if type(v) is dict else v.block_id == bid):  # type: ignore[operator]
+                out.append(key)
+        return out
+
+    def remove_block(self, block: Any) -> list[Hashable]:
+        """Withdraw every key of ``block``; returns those that were mapped to
+        it, primary first. O(keys)."""
+        keys: list[Hashable] = []
+        if block.block_hash is not None:
+            keys.append(block.block_hash)
+        extra = self._extra.pop(block.block_id, None)
+        if extra:
+            keys.extend(extra)
+        if not keys:
+            return keys
+        m, bid = self._map, block.block_id
+        removed = []
+        for key in keys:
+            v = m.get(key)
+            if v is None:
+                continue
+            if type(v) is dict:
+                if v.pop(bid, None) is not None:  # type: ignore[union-attr]
+                    removed.append(key)
+                if not v:
+                    del m[key]
+            elif v.block_id == bid:  # type: ignore[union-attr]
+                del m[key]
+                removed.append(key)
+        block.reset_hash()
+        return removed
+
+
+class _HashMapView(BlockHashToBlockMap):
+    """vLLM's ``BlockHashToBlockMap`` whose ``_cache`` *is* the core's key
+    dict: vLLM's methods (and tests reaching into ``_cache``) read and write
+    the core's map."""
+
+    def __init__(self, prefix_cache: PrefixCache) -> None:
+        self._cache = prefix_cache._map  # type: ignore[assignment]
+
+
+class _GroupKeys(Sequence):  # type: ignore[type-arg]
+    """Block ``i``'s key ``BlockHashWithGroupId`` made on demand (no list of
+    a request's whole chain per call)."""
+
+    __slots__ = ("_hashes", "_suffix")
+
+    def __init__(self, hashes: Sequence[bytes], group_id: int) -> None:
+        self._hashes = hashes
+        self._suffix = group_id
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def __getitem__(self, i: Any) -> Any:
+        return make_block_hash_with_group_id(self._hashes[i], self._suffix)  # type: ignore[arg-type]
+
+
+@attrs.define
+class Served:
+    """Work done by every :class:`VllmBlockPool` core in this process (the
+    proof that the core, not vLLM's pool, served vLLM's calls), and by the
+    scheduler wiring (steps issued and ended, copy batches begun)."""
+
+    pools: int = 0
+    allocations: int = 0
+    blocks_allocated: int = 0
+    frees: int = 0
+    blocks_freed: int = 0
+    cache_hits: int = 0
+    blocks_cached: int = 0
+    loose_blocks_ignored: int = 0
+    steps_issued: int = 0
+    steps_ended: int = 0
+    copy_batches: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return attrs.asdict(self)
+
+
+SERVED = Served()
+"""Process-wide counters, updated by every :class:`VllmBlockPool`."""
+_TRACKED: list[VllmBlockPool] | None = None
+
+
+def track_new_pools(on: bool = True) -> list[VllmBlockPool]:
+    """Start (or stop) keeping every :class:`VllmBlockPool` built from now
+    on; returns those kept since the last call (the pytest plugin checks
+    their invariants after each test). O(1)."""
+    global _TRACKED
+    kept = _TRACKED or []
+    _TRACKED = [] if on else None
+    return kept
+
+
+_SERVED_LOCK = threading.Lock()
+
+
+class VllmBlockPool:
+    """vLLM's ``BlockPool`` (0.33) over a :class:`~blockpool.HazardAwareBlockPool`.
+
+    Args: as vLLM's ``BlockPool``:
+        num_gpu_blocks: Blocks in the pool, null block included.
+        enable_caching: Prefix caching.
+        hash_block_size: Tokens per hash block of ``request.block_hashes``.
+        enable_kv_cache_events: Queue vLLM ``KVCacheEvent`` s for ``take_events``.
+        metrics_collector: vLLM's ``KVCacheMetricsCollector`` or ``None``.
+        num_hash_lookahead_tokens: Tokens after each block covered by its hash.
+        medium: Storage medium in events.
+    and, keyword-only:
+        track_hazards: Keep shadows and fences in the core and tag frees with
+            the last enqueued step (``None``: the plugin's setting).
+        streams: Extra ``{name: StreamKind}`` for the core (``compute`` is
+            always there).
+
+    Attributes (vLLM's names): ``blocks``, ``null_block``, ``free_block_queue``,
+    ``cached_block_hash_to_block``, ``cached_block_hashes_by_block``,
+    ``kv_event_queue``, ``num_gpu_blocks``, ``enable_caching``,
+    ``hash_block_size``, ``enable_kv_cache_events``, ``metrics_collector``,
+    ``num_hash_lookahead_tokens``, ``medium``; the state ones are the core's
+    own objects. Ours: ``core`` and ``hazards`` (a
+    :class:`~blockpool.integrations.vllm_hazards.StepHazards`, or ``None``
+    when hazards are off).
+
+    Raises:
+        InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``.
+
+    Runtime complexity: construction O(num_gpu_blocks); every method as the
+    core's, plus O(1) per block for metrics and events when they are on.
+    """
+
+    default_track_hazards = True
+    """Used when ``track_hazards`` is ``None``; the plugin sets it from
+    ``BLOCKPOOL_VLLM_HAZARDS``."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: Any = None,
+        num_hash_lookahead_tokens: int = 0,
+        medium: str = MEDIUM_GPU,
+        *,
+        track_hazards: bool | None = None,
+        streams: dict[str, StreamKind] | None = None,
+    ) -> None:
+        track = self.default_track_hazards if track_hazards is None else track_hazards
+        core = HazardAwareBlockPool(
+            num_gpu_blocks,
+            enable_caching,
+            hash_block_size,
+            enable_kv_cache_events,
+            track_hazards=track,
+            streams={COMPUTE: StreamKind.DEVICE, **(streams or {})},
+            medium=medium,
+        )
+        # The core builds its own block records; hand it vLLM-typed ones
+        # before anything refers to them (core request: a block factory).
+        blocks = [VllmKVCacheBlock(i, self) for i in range(num_gpu_blocks)]
+        blocks[0].is_null = True
+        core.blocks = blocks
+        core.null_block = blocks[0]
+        core.free_block_queue = VllmFreeBlockQueue(blocks[1:])
+        core.prefix_cache = VllmPrefixCache()
+        self.core = core
+        self.hazards: StepHazards | None = StepHazards(core) if track else None
+
+        self.num_gpu_blocks = num_gpu_blocks
+        self.medium = medium
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.metrics_collector = metrics_collector
+        self.blocks: list[Any] = blocks
+        self.null_block: Any = blocks[0]
+        self.free_block_queue: VllmFreeBlockQueue = core.free_block_queue
+        self.cached_block_hash_to_block: BlockHashToBlockMap = _HashMapView(core.prefix_cache)
+        self.cached_block_hashes_by_block: dict[int, set[Any]] = core.prefix_cache._extra
+        self.kv_event_queue: list[VllmKVCacheEvent] = []
+        self._reuse_watchers: dict[int, Callable[[Any], None]] = {}
+        self._warned_loose = False
+        with _SERVED_LOCK:
+            SERVED.pools += 1
+            if _TRACKED is not None:
+                _TRACKED.append(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"VllmBlockPool(num_gpu_blocks={self.num_gpu_blocks}, "
+            f"free={self.free_block_queue.num_free_blocks}, hazards={self.hazards is not None})"
+        )
+
+    # ------------------------------------------------------------------
+    # helpers
+    # ------------------------------------------------------------------
+
+    def _owns(self, block: Any) -> bool:
+        return block.pool is self
+
+    def _pull_events(self) -> list[BlockStored]:
+        """Move the core's events to ``kv_event_queue`` as vLLM events;
+        returns the core's stored events (the caller builds vLLM's, which
+        carry token ids). O(events)."""
+        events = self.core.take_events()
+        if not events:
+            return []
+        q = self.kv_event_queue
+        stored: list[BlockStored] = []
+        for ev in events:
+            if type(ev) is BlockRemoved:
+                for key in ev.block_hashes:
+                    q.append(
+                        VllmBlockRemoved(
+                            block_hashes=[maybe_convert_block_hash(get_block_hash(key))],  # type: ignore[arg-type]
+                            medium=self.medium,
+                            group_idx=get_group_id(key),  # type: ignore[arg-type]
+                        )
+                    )
+            elif type(ev) is AllBlocksCleared:
+                q.append(VllmAllBlocksCleared())
+            elif type(ev) is BlockStored:
+                stored.append(ev)
+        return stored
+
+    def _count_served(self, allocated: int = 0, freed: int = 0, hits: int = 0, cached: int = 0) -> None:
+        with _SERVED_LOCK:
+            s = SERVED
+            if allocated:
+                s.allocations += 1
+                s.blocks_allocated += allocated
+            if freed:
+                s.frees += 1
+                s.blocks_freed += freed
+            s.cache_hits += hits
+            s.blocks_cached += cached
+
+    # ------------------------------------------------------------------
+    # allocation
+    # ------------------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        """Take ``num_blocks`` blocks from the front of the core's free
+        queue (evicting their keys: removed events), then run vLLM's reuse
+        watchers and metrics hooks. O(num_blocks).
+
+        Raises:
+            NoFreeBlocksError (a ``ValueError``, as vLLM): not enough free blocks.
+        """
+        blocks = self.core.get_new_blocks(num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        mc = self.metrics_collector
+        if mc is not None:
+            caching = self.enable_caching
+            for b in blocks:
+                if caching:
+                    mc.on_block_evicted(b)
+                mc.on_block_allocated(b)
+        if self.enable_kv_cache_events:
+            self._pull_events()
+        if blocks:
+            self._count_served(allocated=len(blocks))
+        return blocks
+
+    def touch(self, blocks: Sequence[Any]) -> None:
+        """Add a reference to each block (prefix hit); ref count 0 leaves
+        the free queue. Null blocks are skipped. O(len(blocks)).
+
+        Raises:
+            ForeignBlockError: a block of another pool (nothing changes).
+        """
+        self.core.touch(blocks)
+        mc = self.metrics_collector
+        if mc is not None:
+            for b in blocks:
+                if not b.is_null:
+                    mc.on_block_accessed(b)
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        """Drop one reference per block, first = evicted first; blocks of
+        another pool (``block.pool``) are forwarded to it, after this pool's,
+        as vLLM does. Frees are tagged with the last enqueued step token when
+        hazards are on. O(len(ordered_blocks)).
+
+        Blocks that belong to no pool (``block.pool is None``, made by hand)
+        are left alone and reported once (vLLM would take their ref count
+        below zero and link them into its free queue).
+
+        Raises:
+            RefCountError: a ref count would go below zero (vLLM corrupts it;
+                the core rejects the whole call before any change).
+        """
+        own: list[Any] = []
+        others: dict[Any, list[Any]] | None = None
+        loose = 0
+        for b in ordered_blocks:
+            if b.is_null:
+                continue
+            p = b.pool
+            if p is self:
+                own.append(b)
+            elif p is None:
+                loose += 1
+            else:
+                if others is None:
+                    others = {}
+                others.setdefault(p, []).append(b)
+        if loose:
+            self._ignore_loose(loose)
+        if own:
+            hz = self.hazards
+            self.core.free_blocks(own, hz.free_token() if hz is not None else None, _READ)
+            self._count_served(freed=len(own))
+        if others:
+            for pool, blocks in others.items():
+                pool.free_blocks(blocks)
+
+    def _ignore_loose(self, n: int) -> None:
+        # A block of no pool (made by hand, as vLLM's unit tests do) is not
+        # this pool's to free: vLLM would take its ref count below zero and
+        # link it into its own free queue. Left alone, reported once.
+        with _SERVED_LOCK:
+            SERVED.loose_blocks_ignored += n
+        if not self._warned_loose:
+            self._warned_loose = True
+            logger.warning(
+                "blockpool: free_blocks ignored %d block(s) that belong to no pool (block.pool is None)", n
+            )
+
+    def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:
+        """Release references to blocks that stay readable until reused: a
+        block reaching ref count 0 goes to the *tail* of the free queue
+        whatever its hash, and ``on_reuse(block)`` fires when
+        ``get_new_blocks`` hands it out or the cache is reset. O(len(blocks)).
+
+        Raises:
+            AssertionError: a null block or one with ref count 0 (as vLLM),
+                before any change.
+            RefCountError: a block listed more often than it is referenced.
+        """
+        block_list = list(blocks)
+        left: dict[int, int] = {}
+        released: list[Any] = []
+        for b in block_list:
+            assert b.ref_cnt > 0 and not b.is_null
+            n = left.get(b.block_id, b.ref_cnt) - 1
+            left[b.block_id] = n
+            if n == 0:
+                released.append(b)
+        hz = self.hazards
+        self.core.free_blocks(block_list, hz.free_token() if hz is not None else None, _READ)
+        # The core put unhashed blocks at the front; vLLM wants all at the
+        # tail (core request: a tail option on free_blocks).
+        q = self.free_block_queue
+        tail = [b for b in released if q.contains(b)]
+        for b in tail:
+            q.remove(b)
+        q.append_n(tail)
+        for b in block_list:
+            self._reuse_watchers[b.block_id] = on_reuse
+
+    def _notify_reuse(self, blocks: Iterable[Any]) -> None:
+        watchers = self._reuse_watchers
+        for b in blocks:
+            watcher = watchers.pop(b.block_id, None)
+            if watcher is not None:
+                watcher(b)
+
+    # ------------------------------------------------------------------
+    # prefix cache
+    # ------------------------------------------------------------------
+
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[Any] | None:
+        """The first cached block under ``block_hash`` for each group, or
+        ``None`` if any group misses. O(len(kv_cache_group_ids))."""
+        get = self.core.get_cached_block
+        cached = []
+        for group_id in kv_cache_group_ids:
+            b = get(make_block_hash_with_group_id(block_hash, group_id))  # type: ignore[arg-type]
+            if b is None:
+                return None
+            cached.append(b)
+        self._count_served(hits=len(cached))
+        return cached
+
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: list[Any],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None = None,
+    ) -> None:
+        """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under the
+        request's block hashes for ``kv_cache_group_id`` (null and masked-out
+        blocks skipped; a partial entry is promoted), then queue one vLLM
+        ``BlockStored`` with the token ids. O(num_full_blocks - num_cached_blocks).
+
+        Raises:
+            AssertionError: ``block_mask`` of the wrong length (as vLLM).
+            InvalidArgumentError: too few block hashes (vLLM: IndexError).
+            HashConflictError: a block already cached for the same or a
+                longer prefix under another key (vLLM: AssertionError).
+        """
+        lo, hi = num_cached_blocks, num_full_blocks
+        if lo >= hi:
+            return
+        assert block_mask is None or len(block_mask) == hi - lo
+        for i in range(lo, hi):
+            if blocks[i].pool is not self and not blocks[i].is_null:
+                return VLLM_BLOCK_POOL.cache_full_blocks(
+                    self, request, blocks, lo, hi, block_size, kv_cache_group_id, block_mask
+                )
+        block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        keys = _GroupKeys(block_hashes, kv_cache_group_id)
+        self.core.cache_full_blocks(blocks, keys, lo, hi, block_size, block_mask)
+        self._count_served(cached=hi - lo)
+        if self.enable_kv_cache_events:
+            self._pull_events()
+            self.kv_event_queue.append(
+                self._full_blocks_stored_event(
+                    request, blocks, block_hashes, lo, hi, block_size, kv_cache_group_id, block_mask
+                )
+            )
+
+    def _full_blocks_stored_event(
+        self,
+        request: Any,
+        blocks: list[Any],
+        block_hashes: Sequence[bytes],
+        lo: int,
+        hi: int,
+        block_size: int,
+        group_id: int,
+        block_mask: list[bool] | None,
+    ) -> VllmBlockStored:
+        """vLLM's ``BlockStored`` for ``cache_full_blocks`` (its code, with
+        the blocks the core refused, failed loads, left out)."""
+        new_hashes = []
+        extra_keys_list = []
+        lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
+        curr_mm_idx = 0
+        pc = self.core.prefix_cache
+        for i in range(lo, hi):
+            b = blocks[i]
+            if b.is_null or (block_mask is not None and not block_mask[i - lo]):
+                continue
+            key = make_block_hash_with_group_id(block_hashes[i], group_id)  # type: ignore[arg-type]
+            if b.block_hash != key and not pc.contains(key, b):
+                continue  # refused by the core: its load failed
+            new_hashes.append(maybe_convert_block_hash(block_hashes[i]))  # type: ignore[arg-type]
+            start = i * block_size
+            extra_keys, curr_mm_idx = self._generate_event_extra_keys(
+                request, start, start + block_size, curr_mm_idx
+            )
+            extra_keys_list.append(extra_keys)
+            if lookahead is not None:
+                lookahead.append(self._lookahead_token_ids(request, start + block_size))
+        parent = maybe_convert_block_hash(block_hashes[lo - 1]) if lo > 0 else None  # type: ignore[arg-type]
+        return self._build_block_stored_event(
+            request,
+            block_hashes=new_hashes,
+            parent_block_hash=parent,
+            start_token_idx=lo * block_size,
+            end_token_idx=hi * block_size,
+            block_size=block_size,
+            kv_cache_group_id=group_id,
+            extra_keys_list=extra_keys_list,
+            lookahead_token_ids=lookahead,
+        )
+
+    def cache_partial_block(
+        self,
+        request: Any,
+        block: Any,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> bytes | None:
+        """Make ``block`` reachable from the prefix boundary ``num_tokens``
+        (a multiple of ``hash_block_size``) inside it; see vLLM's docstring.
+        Returns the key, or ``None`` for the null block (or, with hazards, a
+        block whose load failed). O(keys of the block).
+
+        Raises:
+            AssertionError: ``num_tokens`` or ``block_size`` not a multiple
+                of ``hash_block_size``, or beyond the request's hashes (as vLLM).
+        """
+        if block.is_null:
+            return None
+        if block.pool is not self:
+            return VLLM_BLOCK_POOL.cache_partial_block(  # type: ignore[no-any-return]
+                self, request, block, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes
+            )
+        assert block_size % self.hash_block_size == 0
+        block_hash = self._get_partial_block_hash(request, num_tokens)
+        num_hash_tokens = num_tokens // self.hash_block_size * self.hash_block_size
+        key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+        got = self.core.cache_partial_block(block, key, num_hash_tokens, replace_existing_hashes)
+        if self.enable_kv_cache_events and self._pull_events():
+            self.kv_event_queue.append(
+                self._partial_block_stored_event(request, block_hash, num_tokens, kv_cache_group_id)
+            )
+        return key if got is not None else None
+
+    def _partial_block_stored_event(
+        self, request: Any, block_hash: bytes, num_tokens: int, group_id: int
+    ) -> VllmBlockStored:
+        """vLLM's ``BlockStored`` for a new partial entry (its code)."""
+        parent_hash, block_start = self._get_partial_block_parent_hash_and_start(request, num_tokens)
+        block_end = num_tokens
+        curr_mm_idx = 0
+        mm_features = request.mm_features
+        if block_start > 0 and mm_features:
+            last = mm_features[-1].mm_position
+            if last.offset + last.length > block_start:
+                curr_mm_idx, _ = get_mm_features_in_window(mm_features, block_start, block_end)
+        extra_keys, _ = self._generate_event_extra_keys(request, block_start, block_end, curr_mm_idx)
+        lora = request.lora_request
+        return VllmBlockStored(
+            block_hashes=[maybe_convert_block_hash(block_hash)],  # type: ignore[arg-type]
+            parent_block_hash=maybe_convert_block_hash(parent_hash) if parent_hash is not None else None,
+            token_ids=request.all_token_ids[block_start:block_end],
+            block_size=block_end - block_start,
+            lora_id=lora.adapter_id if lora else None,
+            medium=self.medium,
+            lora_name=lora.name if lora else None,
+            extra_keys=to_event_extra_keys([extra_keys]),
+            group_idx=group_id,
+            session_id=request.session_id,
+            lookahead_token_ids=[self._lookahead_token_ids(request, block_end)]
+            if self.num_hash_lookahead_tokens
+            else None,
+        )
+
+    def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
+        """Re-point every key of ``src_block`` to ``dst_block``; no events. O(keys).
+
+        Raises:
+            HashConflictError: ``dst_block`` holds a key (vLLM: AssertionError).
+        """
+        if src_block.pool is not self or dst_block.pool is not self:
+            return VLLM_BLOCK_POOL.move_block_hashes(self, src_block, dst_block)  # type: ignore[no-any-return]
+        self.core.move_block_hashes(src_block, dst_block)
+
+    def _maybe_evict_cached_block(self, block: Any) -> bool:
+        """Drop the block's keys (removed events); True if any was mapped to
+        it. Runs the metrics eviction hook first, as vLLM. O(keys)."""
+        if self.metrics_collector is not None:
+            self.metrics_collector.on_block_evicted(block)
+        if block.pool is not self:
+            return bool(self._remove_unowned(block))
+        evicted = bool(self.core.prefix_cache.mapped_keys(block))  # type: ignore[attr-defined]
+        self.core.evict_blocks([block.block_id])
+        if self.enable_kv_cache_events:
+            self._pull_events()
+        return evicted
+
+    def _remove_unowned(self, block: Any) -> list[Any]:
+        removed = VLLM_BLOCK_POOL._remove_cached_block_hashes(self, block)
+        VLLM_BLOCK_POOL._emit_block_removed_events(self, removed)
+        return removed  # type: ignore[no-any-return]
+
+    def _insert_block_hash(self, block_hash_with_group_id: bytes, block: Any, num_tokens: int | None) -> None:
+        """vLLM's private insert (no events), used by its CPU offload
+        manager: the core's key map for own blocks. O(1)."""
+        if block.pool is self:
+            self.core.prefix_cache.insert(block_hash_with_group_id, block, num_tokens)
+        else:
+            VLLM_BLOCK_POOL._insert_block_hash(self, block_hash_with_group_id, block, num_tokens)
+
+    def _remove_cached_block_hashes(self, block: Any) -> list[Any]:
+        """vLLM's private removal (no events): the keys mapped to the block. O(keys)."""
+        if block.pool is self:
+            return self.core.prefix_cache.remove_block(block)
+        return VLLM_BLOCK_POOL._remove_cached_block_hashes(self, block)  # type: ignore[no-any-return]
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the prefix-cache keys of the given blocks (in use or free;
+        they stay where they are). O(len(block_ids)).
+
+        Raises:
+            InvalidArgumentError: an id outside the pool, before any change
+                (vLLM: AssertionError after evicting the earlier ids).
+        """
+        ids = list(block_ids)
+        self.core.evict_blocks(ids)
+        mc = self.metrics_collector
+        if mc is not None:
+            for bid in ids:
+                mc.on_block_evicted(self.blocks[bid])
+        if self.enable_kv_cache_events:
+            self._pull_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every key if no block is in use (or held back); fire the
+        reuse watchers, reset metrics, queue ``AllBlocksCleared``. Returns
+        False, changing nothing, otherwise. O(num_gpu_blocks)."""
+        if not self.core.reset_prefix_cache():
+            return False
+        if self._reuse_watchers:
+            self._notify_reuse([self.blocks[bid] for bid in list(self._reuse_watchers)])
+        if self.metrics_collector is not None:
+            self.metrics_collector.reset()
+        if self.enable_kv_cache_events:
+            self._pull_events()
+        return True
+
+    # ------------------------------------------------------------------
+    # queries and events
+    # ------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks in the free queue (held-back blocks excluded). O(1)."""
+        return self.core.get_num_free_blocks()
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks not free, in [0, 1]. O(1)."""
+        return self.core.get_usage()
+
+    def is_block_writable(self, block: Any) -> bool:
+        """Not null, ref count 1, no key. O(1)."""
+        return self.core.is_block_writable(block)
+
+    def take_events(self) -> list[VllmKVCacheEvent]:
+        """Take and clear the queued vLLM events (``[]`` when disabled). O(1)."""
+        if not self.enable_kv_cache_events:
+            return []
+        self._pull_events()
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    def check(self) -> None:
+        """The core's invariant check (:meth:`HazardAwareBlockPool.check`)."""
+        self.core.check()
+
+    # vLLM's pure helpers (event shapes, partial-hash arithmetic), borrowed
+    # so the events are byte-for-byte vLLM's. They read only attributes this
+    # class has (medium, hash_block_size, num_hash_lookahead_tokens,
+    # kv_event_queue, enable_kv_cache_events).
+    emit_cached_block_events = VLLM_BLOCK_POOL.emit_cached_block_events
+    _build_block_stored_event = VLLM_BLOCK_POOL._build_block_stored_event
+    _generate_event_extra_keys = VLLM_BLOCK_POOL._generate_event_extra_keys
+    _lookahead_token_ids = VLLM_BLOCK_POOL._lookahead_token_ids
+    _get_partial_block_hash = VLLM_BLOCK_POOL._get_partial_block_hash
+    _get_partial_block_parent_hash_and_start = VLLM_BLOCK_POOL._get_partial_block_parent_hash_and_start
+    _emit_block_removed_events = VLLM_BLOCK_POOL._emit_block_removed_events

@@ -1,0 +1,112 @@
+"""pytest plugin for running vLLM's own tests against our pool ("plugin on").
+
+Load it explicitly, before collection::
+
+    python -m pytest --noconftest -p blockpool.integrations.vllm_pytest tests/v1/core/...
+
+With ``--noconftest`` nothing calls vLLM's plugin loader, and vLLM's test
+modules bind ``BlockPool`` when they are imported; so this module calls
+:func:`blockpool.integrations.vllm.register` when pytest imports it (``-p``
+plugins are imported before any test module) and checks in
+``pytest_configure`` that both ``vllm.v1.core.block_pool.BlockPool`` and the
+coordinator's binding are ours.
+
+After each test it runs the core's invariant check
+(:meth:`~blockpool.HazardAwareBlockPool.check`) on every pool the test
+built; a broken invariant does not fail the test (the pass sets of the two
+runs must stay comparable) but is reported. At the end of the session it
+reports what the core served (:data:`blockpool.integrations.vllm_pool.SERVED`)
+and the invariant results: in the terminal summary and, when
+``BLOCKPOOL_VLLM_SERVED`` names a file, as JSON there (the parity script
+asserts the allocation count is non-zero).
+
+``BLOCKPOOL_VLLM_PLUGIN`` is ignored here: loading this plugin is the
+request to install the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+from blockpool.integrations import vllm as _plugin
+
+ENV_SERVED = "BLOCKPOOL_VLLM_SERVED"
+"""Path of the JSON file the session's counts are written to (optional)."""
+
+os.environ[_plugin.ENV_PLUGIN] = "1"
+_plugin.register()
+
+from blockpool.integrations import vllm_pool as _pool
+
+_CHECKS: dict[str, Any] = {"pools_checked": 0, "tests_checked": 0, "broken": {}}
+
+
+def _report() -> dict[str, Any]:
+    state = _plugin.install_state()
+    return {
+        "installed": _plugin.is_installed(),
+        "hazards": state.hazards,
+        "modules": state.modules,
+        **_pool.SERVED.as_dict(),
+        "invariants": {
+            "pools_checked": _CHECKS["pools_checked"],
+            "tests_checked": _CHECKS["tests_checked"],
+            "broken": dict(sorted(_CHECKS["broken"].items())),
+        },
+    }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _plugin.is_installed():
+        raise pytest.UsageError("blockpool: register() did not install the pool into vLLM")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, None]:
+    _pool.track_new_pools(True)
+    try:
+        yield
+    finally:
+        pools = _pool.track_new_pools(False)
+        if pools:
+            _CHECKS["tests_checked"] += 1
+        for p in pools:
+            _CHECKS["pools_checked"] += 1
+            try:
+                p.check()
+            except AssertionError as exc:  # InvariantError is an AssertionError
+                _CHECKS["broken"].setdefault(item.nodeid, str(exc))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    path = os.environ.get(ENV_SERVED)
+    if path:
+        with open(path, "w") as f:
+            json.dump(_report(), f, indent=1, sort_keys=True)
+            f.write("\n")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    r = _report()
+    inv = r["invariants"]
+    write = terminalreporter.write_line
+    write(
+        f"blockpool: HazardAwareBlockPool served {r['allocations']} allocations "
+        f"({r['blocks_allocated']} blocks), {r['frees']} frees, {r['cache_hits']} prefix hits "
+        f"in {r['pools']} pools; vLLM's BlockPool rebound in {len(r['modules'])} modules"
+    )
+    write(
+        f"blockpool: scheduler wiring issued {r['steps_issued']} step tokens, ended {r['steps_ended']}, "
+        f"began {r['copy_batches']} copy batches; ignored {r['loose_blocks_ignored']} blocks of no pool"
+    )
+    write(
+        f"blockpool: invariants checked on {inv['pools_checked']} pools after {inv['tests_checked']} tests; "
+        f"broken after {len(inv['broken'])} tests"
+    )
+    for nodeid, msg in inv["broken"].items():
+        write(f"  {nodeid}: {msg}")
