@@ -7,6 +7,13 @@
 #
 # Idempotent: the venv and the unpacked sdist are reused when present.
 #
+# Output: "plugin-off: N passed, N failed" (and "plugin-on: ..."), plus per
+# pass under $VLLM_PARITY_RESULTS: NAME.xml (junit), NAME.log, NAME.outcomes
+# ("nodeid<TAB>outcome", sorted); plugin-regressions.txt once both ran.
+# Exit status: 0 = plugin-off failed nothing outside ADVISORY_FILES and
+# plugin-on (if it ran) regressed no test that passed with plugin off;
+# 1 = otherwise; 2 = setup error (missing inputs, install/fetch failure).
+#
 # Environment knobs (all optional):
 #   VLLM_VENV              venv dir, relative to the repo root  [.venv-vllm]
 #   VLLM_SRC_CACHE         sdist cache dir                      [.cache/vllm-src]
@@ -88,6 +95,14 @@ check_inputs() {
   command -v "$BASE_PYTHON" >/dev/null || die "$BASE_PYTHON not found (the freeze list is for CPython 3.11)"
 }
 
+# The freeze list as pip requirements: exact pins, torch forced to the CPU
+# release pin (the +cpu wheel comes from pip's find-links; an unpinned torch
+# would pull a multi-GB CUDA build).
+freeze_requirements() {
+  grep -Ev '^[[:space:]]*(#|$)' "$FREEZE_FILE" \
+    | sed -E "s/^torch[[:space:]]*==.*/torch==$TORCH_VERSION/"
+}
+
 freeze_digest() { sha256sum "$FREEZE_FILE" | cut -d' ' -f1; }
 
 # ---------------------------------------------------------------------------
@@ -113,18 +128,17 @@ build_venv() {
     log "creating venv $VENV_DIR with $BASE_PYTHON"
     "$BASE_PYTHON" -m venv "$VENV_DIR"
   fi
-  # Pins exactly as in the freeze file; torch forced to the CPU release pin
-  # (the +cpu wheel comes from pip's find-links; an unpinned torch would pull
-  # a multi-GB CUDA build).
+  # Every package --no-deps, pinned exactly as in the freeze file.
   local reqs; reqs="$(mktemp)"
-  grep -Ev '^[[:space:]]*(#|$)' "$FREEZE_FILE" \
-    | sed -E "s/^torch[[:space:]]*==.*/torch==$TORCH_VERSION/" >"$reqs"
+  freeze_requirements >"$reqs"
   grep -Eq '^vllm==' "$reqs" || die "freeze list has no vllm pin"
   log "installing $(wc -l <"$reqs") pinned packages with --no-deps"
-  "$VENV_PY" -m pip install --no-deps --no-input -r "$reqs"
+  mkdir -p "$RESULTS_DIR"
+  "$VENV_PY" -m pip install --no-deps --no-input -r "$reqs" >"$RESULTS_DIR/pip-install-venv.log" 2>&1 \
+    || { tail -n 30 "$RESULTS_DIR/pip-install-venv.log" >&2; die "pip install failed, see $RESULTS_DIR/pip-install-venv.log"; }
   rm -f "$reqs"
   local torch_v
-  torch_v="$("$VENV_PY" -c 'import torch; print(torch.__version__)')"
+  torch_v="$("$VENV_PY" -W ignore -c 'import torch; print(torch.__version__)')"
   case "$torch_v" in
     *+cpu) ;;
     *) log "WARNING: torch $torch_v is not a +cpu build (is the CPU wheel on pip's find-links?)" ;;
@@ -134,7 +148,7 @@ build_venv() {
 }
 
 venv_check_imports() {
-  "$VENV_PY" - "$VLLM_VERSION" <<'EOF'
+  "$VENV_PY" -W ignore - "$VLLM_VERSION" <<'EOF'
 import sys, importlib.metadata as md
 assert md.version("vllm") == sys.argv[1], md.version("vllm")
 from vllm.v1.core.block_pool import BlockPool  # noqa: F401
@@ -243,8 +257,12 @@ download_sdist_via_pip() {
   if [[ -f "$work/dl/vllm-$VLLM_VERSION.tar.gz" ]]; then
     mv "$work/dl/vllm-$VLLM_VERSION.tar.gz" "$dest"
   else
-    local tree
-    tree="$(find "$work/tmp" -maxdepth 4 -name PKG-INFO -path '*vllm*' -printf '%h\n' | head -n1)"
+    # pip unpacks into $TMPDIR/pip-download-*/vllm_<hash>/ (skip the
+    # PKG-INFO inside vllm.egg-info/).
+    local tree="" d
+    for d in "$work"/tmp/pip-*/vllm_*/; do
+      [[ -f "$d/PKG-INFO" ]] && { tree="${d%/}"; break; }
+    done
     if [[ -z "$tree" || ! -f "$tree/tests/v1/core/test_prefix_caching.py" ]] \
        || ! grep -qx "Version: $VLLM_VERSION" "$tree/PKG-INFO"; then
       tail -n 20 "$work/pip.log" >&2
@@ -262,69 +280,132 @@ download_sdist_via_pip() {
 # ---------------------------------------------------------------------------
 # 3. one pytest pass
 # ---------------------------------------------------------------------------
+# Files whose failures are known environment gaps on a CPU box with only the
+# shared hf/ configs (test_scheduler.py: llava-hf/llava-1.5-7b-hf and
+# Qwen3-Next configs are absent, one fixture lives in the disabled conftest,
+# async scheduling with pipeline parallelism is refused here). Their failures
+# do not fail the plugin-off pass; in the plugin-on pass every file is judged
+# the same way: against the plugin-off outcomes, test by test.
+ADVISORY_FILES=(tests/v1/core/test_scheduler.py)
+
+declare -A PASS_RC=()   # pass name -> 0 ok / 1 failed
+PASS_ENV=()             # extra VAR=value settings for the next run_pass
+
 # run_pass NAME [extra pytest args...]
-# Writes $RESULTS_DIR/NAME.xml (junit), NAME.outcomes (one "nodeid outcome"
-# per line, sorted), NAME.log; prints "NAME: N passed, N failed".
+# Writes under $RESULTS_DIR: NAME.xml (junit), NAME.log (pytest output) and
+# NAME.outcomes (sorted "nodeid<TAB>outcome" lines, outcome one of passed,
+# failed, error, skipped); prints "NAME: N passed, N failed".
 run_pass() {
   local name=$1; shift
   mkdir -p "$RESULTS_DIR"
+  local xml="$RESULTS_DIR/$name.xml" log="$RESULTS_DIR/$name.log"
+  local outcomes="$RESULTS_DIR/$name.outcomes"
+  rm -f "$xml" "$log" "$outcomes"
   local hf_tmp; hf_tmp="$(mktemp -d)"
   # shared/ is read-only; the hub library may write beside its cache.
   cp -r "$HF_FIXTURES" "$hf_tmp/hf"
   chmod -R u+w "$hf_tmp"
-  local xml="$RESULTS_DIR/$name.xml" log="$RESULTS_DIR/$name.log"
-  rm -f "$xml" "$log" "$RESULTS_DIR/$name.outcomes"
-  log "pass $name: pytest ${TEST_PATHS[*]} $*"
+  log "pass $name: pytest $* <${#TEST_PATHS[@]} test paths> (log: $log)"
   local rc=0
   # Run from the sdist root: the tests import `tests.v1.core...` helpers.
-  # `python -m pytest` puts the sdist root first on sys.path, so `vllm`
-  # resolves to the sdist's (pure-Python, identical) source tree in every
-  # pass; the wheel in the venv only supplies compiled/package metadata.
+  # `python -m pytest` puts the sdist root first on sys.path, so `vllm` is
+  # the sdist's source tree in every pass (its Python files are identical to
+  # the wheel's; the wheel only adds compiled extensions and third_party/).
+  # -p no:blockpool: once the repo is pip-installed into the venv, its own
+  # pytest11 entry point (blockpool.pytest_plugin) would autoload in every
+  # pass; keep it out of both so the passes differ only by the -p plugin.
   ( cd "$SDIST_ROOT" && \
     env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \
         HF_HOME="$hf_tmp/hf" PYTHONDONTWRITEBYTECODE=1 "${PASS_ENV[@]}" \
         timeout "$PASS_TIMEOUT" "$VENV_PY" -m pytest --noconftest -p no:cacheprovider \
-          -q -rA --junitxml="$xml" -o junit_family=xunit1 "$@" "${TEST_PATHS[@]}" \
+          -p no:blockpool -q -rA --junitxml="$xml" -o junit_family=xunit1 "$@" "${TEST_PATHS[@]}" \
   ) >"$log" 2>&1 || rc=$?
   rm -rf "$hf_tmp"
-  tail -n 3 "$log" >&2
-  [[ -f "$xml" ]] || { log "pass $name produced no junit xml (pytest rc=$rc), see $log"; PASS_RC[$name]=$rc; return 0; }
-  "$VENV_PY" - "$xml" "$RESULTS_DIR/$name.outcomes" "$name" <<'EOF'
-import sys, xml.etree.ElementTree as ET
-xml, out, name = sys.argv[1:]
-counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+  PASS_ENV=()
+  tail -n 1 "$log" >&2
+  # pytest: 0 all passed, 1 some failed; anything else (interrupted, usage
+  # error, no tests, 124 timeout) means the pass itself did not work.
+  if [[ $rc -gt 1 || ! -f "$xml" ]]; then
+    log "pass $name did not complete (exit status $rc), see $log"
+    PASS_RC[$name]=1
+    return 0
+  fi
+  "$VENV_PY" - "$xml" "$outcomes" "$name" "${ADVISORY_FILES[@]}" <<'EOF'
+import collections, sys, xml.etree.ElementTree as ET
+xml, out, name, *advisory = sys.argv[1:]
+counts = collections.Counter()
+bad_by_file = collections.Counter()
 rows = []
 for tc in ET.parse(xml).getroot().iter("testcase"):
-    nodeid = tc.get("file") or tc.get("classname", "").replace(".", "/") + ".py"
-    cls = tc.get("classname", "").rsplit(".", 1)[-1]
-    test_id = f'{tc.get("classname")}::{tc.get("name")}'
     kinds = {c.tag for c in tc}
     outcome = ("error" if "error" in kinds else "failed" if "failure" in kinds
                else "skipped" if "skipped" in kinds else "passed")
+    # xunit1 classname: dotted module path (+ ".Class" for class-based tests)
+    cls = tc.get("classname", "")
+    path = tc.get("file") or cls.replace(".", "/") + ".py"
+    mod = path[:-3].replace("/", ".")
+    nodeid = path + cls[len(mod):].replace(".", "::") + "::" + tc.get("name")
     counts[outcome] += 1
-    rows.append(f"{test_id} {outcome}")
+    if outcome in ("failed", "error"):
+        bad_by_file[path] += 1
+    rows.append(f"{nodeid}\t{outcome}")
+rows.sort()
 with open(out, "w") as f:
-    f.write("\n".join(sorted(rows)) + "\n")
-print(f'{name}: {counts["passed"]} passed, {counts["failed"] + counts["error"]} failed'
-      f'  ({counts["error"]} of them errors, {counts["skipped"]} skipped)')
+    f.writelines(r + "\n" for r in rows)
+failed = counts["failed"] + counts["error"]
+print(f"{name}: {counts['passed']} passed, {failed} failed")
+extra = ", ".join(f"{k} {counts[k]}" for k in ("error", "skipped") if counts[k])
+if extra:
+    print(f"  ({extra}; 'failed' above includes errors)")
+for path, n in sorted(bad_by_file.items()):
+    note = "  [advisory: known environment gaps]" if path in advisory else ""
+    print(f"  {path}: {n} failed{note}")
 EOF
-  PASS_RC[$name]=$rc
+  PASS_RC[$name]=0
 }
-declare -A PASS_RC=()
-PASS_ENV=()   # extra VAR=value settings for the next run_pass
+
+# failures_outside_advisory OUTCOMES: count of failed/error tests that are
+# not in ADVISORY_FILES.
+failures_outside_advisory() {
+  awk -F'\t' '$2=="failed" || $2=="error" { print $1 }' "$1" \
+    | { grep -Fv -f <(printf '%s::\n' "${ADVISORY_FILES[@]}") || true; } | wc -l
+}
+
+run_plugin_off_pass() {
+  # VLLM_PLUGINS="" parses to [""], an allowlist that matches no entry point:
+  # keeps every installed vllm.general_plugins entry point (ours too, once
+  # blockpool is pip-installed into the venv) out of this pass.
+  PASS_ENV=(VLLM_PLUGINS=)
+  timed "plugin-off tests" run_pass plugin-off
+  if [[ ${PASS_RC[plugin-off]} == 0 ]]; then
+    local n; n="$(failures_outside_advisory "$RESULTS_DIR/plugin-off.outcomes")"
+    if [[ $n -gt 0 ]]; then
+      log "plugin-off: $n failures outside the advisory files (vLLM's own pool): environment problem"
+      PASS_RC[plugin-off]=1
+    fi
+  fi
+}
 
 # ---------------------------------------------------------------------------
-# 4. PLUGIN-ON PASS (our BlockPool inside vLLM)
+# 4. PLUGIN-ON PASS: the same tests with blockpool's pool installed in vLLM
 # ---------------------------------------------------------------------------
-# Skipped until $PLUGIN_FILE exists. The plugin module is a pytest plugin
-# that installs blockpool's pool into vLLM before collection.
+# Skipped until $PLUGIN_FILE exists. That module is a pytest plugin (loaded
+# with -p, so before collection) that installs our pool into vLLM. The repo
+# is pip-installed (editable, --no-deps) into the venv so the plugin imports.
 plugin_available() { [[ -f "$REPO_ROOT/$PLUGIN_FILE" ]]; }
 
 install_repo_into_venv() {
-  log "pip install -e $REPO_ROOT into $VENV_DIR (--no-deps)"
-  "$VENV_PY" -m pip install --no-deps --no-input -e "$REPO_ROOT" >"$RESULTS_DIR/pip-install-e.log" 2>&1 \
-    || { tail -n 30 "$RESULTS_DIR/pip-install-e.log" >&2; die "pip install -e . failed"; }
-  "$VENV_PY" -c "import $PLUGIN_MODULE" || die "$PLUGIN_MODULE does not import in the venv"
+  mkdir -p "$RESULTS_DIR"
+  # With its dependencies (sortedcontainers is not in the freeze list), but
+  # constrained to the freeze pins so that nothing vLLM needs can move.
+  local cons; cons="$(mktemp)"
+  freeze_requirements >"$cons"
+  log "pip install -e $REPO_ROOT into $VENV_DIR (constrained to the freeze list)"
+  "$VENV_PY" -m pip install --no-input -c "$cons" -e "$REPO_ROOT" \
+      >"$RESULTS_DIR/pip-install-e.log" 2>&1 \
+    || { tail -n 30 "$RESULTS_DIR/pip-install-e.log" >&2; rm -f "$cons"; die "pip install -e . failed"; }
+  rm -f "$cons"
+  "$VENV_PY" -W ignore -c "import $PLUGIN_MODULE" || die "$PLUGIN_MODULE does not import in the venv"
 }
 
 run_plugin_on_pass() {
@@ -332,52 +413,57 @@ run_plugin_on_pass() {
     log "plugin-on pass skipped: $PLUGIN_FILE does not exist yet"
     return 0
   fi
-  mkdir -p "$RESULTS_DIR"
   timed "repo install" install_repo_into_venv
   # Our pool comes in through the explicit pytest plugin only; entry-point
-  # plugins stay off so the two passes differ in exactly one thing.
+  # plugins stay off, so the two passes differ in exactly one thing.
   PASS_ENV=(VLLM_PLUGINS=)
   timed "plugin-on tests" run_pass plugin-on -p "$PLUGIN_MODULE"
 }
 
-# Per-test diff of the two passes (only when both ran).
+# Per-test comparison of the two passes. A regression is a test that passed
+# with plugin off and did not pass (or did not run) with plugin on.
 compare_passes() {
   local off="$RESULTS_DIR/plugin-off.outcomes" on="$RESULTS_DIR/plugin-on.outcomes"
-  [[ -f "$off" && -f "$on" ]] || return 0
-  local diff_file="$RESULTS_DIR/plugin-diff.txt"
-  if diff -u "$off" "$on" >"$diff_file"; then
-    log "plugin-on outcomes identical to plugin-off"
+  [[ -n "${PASS_RC[plugin-on]:-}" && -f "$off" && -f "$on" ]] || return 0
+  local report="$RESULTS_DIR/plugin-regressions.txt"
+  awk -F'\t' 'NR == FNR { on[$1] = $2; next }
+              $2 == "passed" && on[$1] != "passed" { print $1 "\t" (($1 in on) ? on[$1] : "missing") }' \
+      "$on" "$off" >"$report"
+  diff "$off" "$on" >"$RESULTS_DIR/plugin-diff.txt" || true
+  local n; n=$(wc -l <"$report")
+  if [[ $n -eq 0 ]]; then
+    log "plugin-on: no regressions against plugin-off"
   else
-    log "plugin-on differs from plugin-off in $(grep -c '^+[^+]' "$diff_file") tests; see $diff_file"
+    log "plugin-on: $n regressions against plugin-off, see $report"
+    head -n 20 "$report" >&2
+    PASS_RC[plugin-on]=1
   fi
 }
 
 # ---------------------------------------------------------------------------
 main() {
   check_inputs
-  df -h "$REPO_ROOT" | tail -n 1 | awk '{print "[vllm-parity] free disk: " $4}' >&2
+  log "free disk: $(df -h "$REPO_ROOT" | awk 'NR == 2 { print $4 }')"
   timed "venv build" build_venv
   timed "sdist fetch" fetch_sdist
   local p
   for p in $PASSES; do
     case "$p" in
-      off)
-        # VLLM_PLUGINS="" parses to [""], an allowlist matching no entry
-        # point: keeps any installed vllm.general_plugins (ours included,
-        # once blockpool is pip-installed in the venv) out of this pass.
-        PASS_ENV=(VLLM_PLUGINS=)
-        timed "plugin-off tests" run_pass plugin-off
-        ;;
+      off) run_plugin_off_pass ;;
       on) run_plugin_on_pass ;;
       *) die "unknown pass '$p' in VLLM_PARITY_PASSES" ;;
     esac
   done
   compare_passes
-  log "timings: $(for k in "${!TIMINGS[@]}"; do printf '%s=%ss; ' "$k" "${TIMINGS[$k]}"; done)"
+  local k t=""
+  for k in "venv build" "sdist fetch" "plugin-off tests" "repo install" "plugin-on tests"; do
+    [[ -z "${TIMINGS[$k]:-}" ]] || t+="$k ${TIMINGS[$k]}s; "
+  done
+  log "timings: $t"
   log "results in $RESULTS_DIR"
   local rc=0 n
   for n in "${!PASS_RC[@]}"; do
-    [[ "${PASS_RC[$n]}" == 0 ]] || { log "pass $n: pytest exit status ${PASS_RC[$n]}"; rc=1; }
+    [[ ${PASS_RC[$n]} == 0 ]] || { log "FAILED: pass $n"; rc=1; }
   done
   return "$rc"
 }
