@@ -1,0 +1,214 @@
+"""The plumbing of one policy's replay: pool, simulated machine, race oracle
+and event log, kept in step with each other.
+
+:class:`Machine` owns the order of things. Every token the pool issues is
+recorded in the oracle with the waits the policy honours, submitted to the
+simulator, and its block accesses are reported; every completion the
+simulator reports goes to the pool (by the simulator) and to the oracle
+before anything else is recorded, so the oracle knows exactly what the
+scheduler knew. Fences for a ``DEVICE`` stream whose work is enqueued later
+(a step's allocations) collect as *pending waits* and are enqueued before the
+stream's next token, which is what the pool assumed when it recorded the
+stream as waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from blockpool.block import KVCacheBlock
+from blockpool.hazards import AccessKind, Fence, StreamKind, Token
+from blockpool.pool import HazardAwareBlockPool
+from blockpool.replay.eventlog import EventLog
+from blockpool.replay.policies import WaitPolicy
+from blockpool.replay.state import TimedPool
+from blockpool.sanitizer import RaceOracle
+from blockpool.simulator import StreamSimulator, Work
+
+__all__ = ["Machine"]
+
+_READ, _WRITE = AccessKind.READ, AccessKind.WRITE
+_HOST = StreamKind.HOST
+
+
+class Machine:
+    """Pool + simulator + oracle (+ event log) for one policy.
+
+    Args:
+        policy: A policy name (:data:`~blockpool.replay.policies.POLICIES`).
+        streams: The simulated machine (``{name: StreamSpec}``).
+        num_blocks, block_size: The pool.
+        seed: Simulator seed.
+        events: Event log, or ``None``.
+        timeline: Works kept per stream for plots.
+
+    Attributes:
+        pool: The pool's timed operations (:class:`TimedPool`).
+        raw_pool: The pool itself (for ``check``/``stats``).
+        sim: The :class:`~blockpool.simulator.StreamSimulator`.
+        oracle: The :class:`~blockpool.sanitizer.RaceOracle`.
+        now: Scheduler time (simulated seconds).
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        streams: dict,  # type: ignore[type-arg]
+        num_blocks: int,
+        block_size: int,
+        seed: int,
+        events: EventLog | None = None,
+        timeline: int = 0,
+    ) -> None:
+        kinds = {n: s.kind for n, s in streams.items()}
+        self.kinds = kinds
+        self.policy_name = policy
+        self.newest: dict[str, Token] = {}
+        self.now = 0.0
+        self.raw_pool = HazardAwareBlockPool(
+            num_blocks,
+            enable_caching=True,
+            hash_block_size=block_size,
+            track_hazards=policy != "blind",
+            streams=kinds,
+            clock=lambda: self.now,
+        )
+        self.pool = TimedPool(self.raw_pool)
+        self.sim = StreamSimulator(streams, seed=seed, pool=self.pool, timeline=timeline)
+        self.policy = WaitPolicy(policy, kinds, self.newest, self.sim.is_ended)
+        self.oracle = RaceOracle(kinds)
+        self.events = events
+        self._pending: dict[str, list[Token]] = {n: [] for n, k in kinds.items() if k is StreamKind.DEVICE}
+        self.oracle_ns = 0
+        self.loads = 0
+        self.loads_empty = 0
+        self.load_delays: list[float] = []
+
+    # -- waits ---------------------------------------------------------------
+
+    def device_fence(self, fence: Fence, stream: str) -> None:
+        """A fence for ``stream`` (DEVICE) whose work is enqueued later: its
+        policy waits go before the stream's next token. O(len(fence))."""
+        if fence or self.policy.name in ("step-event", "device-sync"):
+            ws = self.policy.waits(fence, stream)
+            if ws:
+                self._pending[stream].extend(ws)
+
+    def _take(self, stream: str, extra: Iterable[Token] = ()) -> list[Token]:
+        """Pending waits of ``stream`` plus ``extra``, newest per DEVICE stream."""
+        pend = self._pending.get(stream)
+        toks = [*pend, *extra] if pend else list(extra)
+        if pend:
+            pend.clear()
+        if len(toks) < 2:
+            return toks
+        newest: dict[object, Token] = {}
+        for t in toks:
+            k: object = t if t.kind is _HOST else t.stream
+            cur = newest.get(k)
+            if cur is None or cur.seq < t.seq:
+                newest[k] = t
+        return sorted(newest.values(), key=lambda t: (t.stream, t.seq))
+
+    # -- tokens ----------------------------------------------------------------
+
+    def enqueue(
+        self,
+        token: Token,
+        what: str,
+        *,
+        fence: Fence | None = None,
+        transfer: bool = False,
+        duration: float | None = None,
+        num_bytes: int | None = None,
+    ) -> tuple[Work, list[Token]]:
+        """Record and submit the work of a freshly issued ``token`` after the
+        policy's waits for ``fence`` (plus the stream's pending waits).
+        Returns the work and the waits honoured. O(#waits)."""
+        self.newest[token.stream] = token
+        extra = self.policy.waits(fence, token.stream, transfer=transfer) if fence is not None else ()
+        waits = self._take(token.stream, extra)
+        t0 = time.perf_counter_ns()
+        self.oracle.record(token, waits)
+        self.oracle_ns += time.perf_counter_ns() - t0
+        w = self.sim.submit(token, ready=self.now, duration=duration, num_bytes=num_bytes, waits=waits, what=what)
+        ev = self.events
+        if ev is not None:
+            name = self.policy_name
+            ev.issue(name, str(token), token.stream, token.seq, token.kind.value, what, self.now, w.start, w.end, w.failed)
+            if waits:
+                host = token.kind is _HOST or any(t.kind is _HOST for t in waits)
+                ev.wait(name, str(token), [str(t) for t in waits], host)
+        return w, waits
+
+    def access(self, token: Token, blocks: Sequence[KVCacheBlock], kind: AccessKind, what: str) -> None:
+        """Report that ``token``'s work reads or writes ``blocks`` (null
+        blocks skipped). O(len(blocks))."""
+        ids = [b.block_id for b in blocks if not b.is_null]
+        if not ids:
+            return
+        t0 = time.perf_counter_ns()
+        self.oracle.access(token, ids, kind, what)
+        self.oracle_ns += time.perf_counter_ns() - t0
+        if self.events is not None:
+            self.events.access(self.policy_name, str(token), token.stream, ids, kind.value, what)
+
+    def load(self, blocks: list[KVCacheBlock], stream: str, block_bytes: int) -> Work:
+        """Begin a load into ``blocks`` on ``stream``; returns its work and
+        records the load-start delay and whether it waited on nothing."""
+        token, fence = self.pool.begin_load(blocks, stream)
+        w, waits = self.enqueue(token, "load", fence=fence, transfer=True, num_bytes=len(blocks) * block_bytes)
+        self.access(token, blocks, _WRITE, "load")
+        self.loads += 1
+        if self.loads == 1:
+            self.sim.mark_timeline(self.now)
+        self.loads_empty += not waits
+        self.load_delays.append((w.start - self.now) * 1e3)
+        return w
+
+    def store(self, blocks: list[KVCacheBlock], stream: str, block_bytes: int) -> Work:
+        """Begin a store from ``blocks`` on ``stream``; returns its work."""
+        token, fence = self.pool.begin_store(blocks, stream)
+        w, _ = self.enqueue(token, "store", fence=fence, transfer=True, num_bytes=len(blocks) * block_bytes)
+        self.access(token, blocks, _READ, "store")
+        return w
+
+    def copy(self, src: KVCacheBlock, dst: KVCacheBlock, stream: str, seconds: float) -> Work:
+        """Begin a copy-on-write ``src -> dst`` on ``stream``; returns its work."""
+        token, fence = self.pool.begin_copy([(src, dst)], stream)
+        w, _ = self.enqueue(token, "cow-copy", fence=fence, duration=seconds)
+        self.access(token, [src], _READ, "cow-copy")
+        self.access(token, [dst], _WRITE, "cow-copy")
+        return w
+
+    def free(self, blocks: list[KVCacheBlock], last_step: Token | None) -> None:
+        """Free a block table in reverse order: the block-table read by the
+        last enqueued step is reported, then ``free_blocks`` tags it."""
+        if not blocks:
+            return
+        if last_step is not None:
+            self.access(last_step, blocks, _READ, "forward")
+        self.pool.free_blocks(blocks[::-1], token=last_step)
+
+    # -- time ------------------------------------------------------------------
+
+    def advance(self, t: float, on_end: Callable[[Work], None]) -> None:
+        """Move scheduler time to ``t`` (never back) and deliver the
+        completions: to the pool (the simulator does), to the oracle, to
+        the event log, then to ``on_end`` one by one."""
+        self.now = max(self.now, t)
+        done = self.sim.advance(self.now)
+        if not done:
+            return
+        oracle = self.oracle
+        ev = self.events
+        t0 = time.perf_counter_ns()
+        for w in done:
+            oracle.complete(w.token)
+        self.oracle_ns += time.perf_counter_ns() - t0
+        if ev is not None:
+            for w in done:
+                ev.end(self.policy_name, str(w.token), self.now, w.failed)
+        for w in done:
+            on_end(w)

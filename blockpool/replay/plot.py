@@ -1,0 +1,84 @@
+"""The replay figure: load-start delay distribution per policy and a short
+stream timeline. matplotlib is imported inside :func:`plot_report` only
+(with the non-interactive Agg backend), so importing this module costs
+nothing and works without matplotlib installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+from blockpool.errors import BlockPoolError
+from blockpool.replay.report import ReplayReport
+
+__all__ = ["plot_report", "PlotUnavailableError", "TIMELINE_SPAN_S"]
+
+TIMELINE_SPAN_S = 0.6
+"""Simulated seconds shown each side of the first load in the timeline."""
+
+_COLORS = {"forward": "#4c72b0", "cow-copy": "#dd8452", "load": "#55a868", "store": "#c44e52"}
+
+
+class PlotUnavailableError(BlockPoolError, ImportError):
+    """matplotlib is not installed (``pip install 'blockpool[replay]'``)."""
+
+
+def plot_report(report: ReplayReport, path: str | os.PathLike[str]) -> None:
+    """Write a PNG: on top, the cumulative distribution of load-start delays
+    (simulated ms, symmetric-log axis) of every policy; below, the streams of
+    the first policy around its first load (bars: works, by what they do;
+    hatched: failed). O(loads + timeline works).
+
+    Raises:
+        PlotUnavailableError: matplotlib cannot be imported.
+        OSError: ``path`` cannot be written.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise PlotUnavailableError(f"--plot needs matplotlib ({e}); pip install 'blockpool[replay]'") from None
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 8), gridspec_kw={"height_ratios": [3, 2]})
+    for r in report.results:
+        d = sorted(r.load_delays_ms)
+        if d:
+            ys = [(i + 1) / len(d) for i in range(len(d))]
+            ax1.step(d, ys, where="post", label=f"{r.policy} (mean {r.load_delay_mean_ms:.2f} ms, n={len(d)})")
+    ax1.set_xscale("symlog", linthresh=0.01)
+    ax1.set_xlabel("load-start delay (simulated ms)")
+    ax1.set_ylabel("fraction of loads")
+    ax1.set_title(f"Load-start delay per policy: {report.source} ({report.requests} requests)")
+    ax1.grid(True, alpha=0.3)
+    if any(r.load_delays_ms for r in report.results):
+        ax1.legend(loc="lower right", fontsize=8)
+
+    if report.results:
+        first = report.results[0]
+        works = first.timeline
+        mid = first.timeline_at if first.timeline_at is not None else (works[-1].start if works else 0.0)
+        lo, hi = mid - TIMELINE_SPAN_S, mid + TIMELINE_SPAN_S
+        streams = sorted({w.token.stream for w in works})
+        for y, s in enumerate(streams):
+            for w in works:
+                if w.token.stream != s or w.end < lo or w.start > hi:
+                    continue
+                ax2.broken_barh(
+                    [(w.start, max(w.end - w.start, 1e-5))],
+                    (y - 0.35 + 0.7 * (w.lane % 4) / 4, 0.7 / 4 if w.lane or s in ("rdma", "xfer") else 0.7),
+                    facecolors=_COLORS.get(w.what, "grey"),
+                    hatch="//" if w.failed else None,
+                    edgecolor="black",
+                    linewidth=0.3,
+                )
+        ax2.set_yticks(range(len(streams)), streams)
+        ax2.set_xlim(lo, hi)
+        ax2.set_xlabel("simulated time (s)")
+        ax2.set_title(f"Streams around the first load ({first.policy})")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
+        ax2.legend(handles, list(_COLORS), loc="upper right", fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=110)
+    plt.close(fig)

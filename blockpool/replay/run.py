@@ -1,0 +1,160 @@
+"""Replay one trace under several policies and gather the report.
+
+Policies are independent runs over the same trace and seed; with ``jobs >
+1`` they run in that many worker processes (``fork``), which changes
+nothing in the figures but the wall times. The event log of each policy is
+written to a part file beside the output and the parts are joined, in policy
+order, under one header line.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from blockpool.errors import InvalidArgumentError
+from blockpool.replay.config import ReplayConfig
+from blockpool.replay.driver import run_policy
+from blockpool.replay.eventlog import EventLog
+from blockpool.replay.policies import POLICIES, parse_policies
+from blockpool.replay.report import PolicyResult, ReplayReport
+from blockpool.replay.traces import Trace, TraceRequest
+
+__all__ = ["replay"]
+
+_counts: Any = None  # the workers' shared progress counters (set by _init)
+
+
+def _init(counts: Any) -> None:
+    global _counts
+    _counts = counts
+
+
+def _one(
+    requests: tuple[TraceRequest, ...],
+    policy: str,
+    index: int,
+    config: ReplayConfig,
+    part: str | None,
+    progress: Callable[[int], None] | None,
+) -> PolicyResult:
+    if progress is None and _counts is not None:
+
+        def progress(n: int) -> None:
+            _counts[index] = n
+
+    if part is None:
+        return run_policy(requests, policy, config, progress=progress)
+    with open(part, "w", encoding="utf-8") as f:
+        return run_policy(requests, policy, config, events=EventLog(f, {"part": policy}), progress=progress)
+
+
+def replay(
+    trace: Trace,
+    policies: Sequence[str] | str = POLICIES,
+    config: ReplayConfig | None = None,
+    *,
+    jobs: int = 1,
+    events: str | os.PathLike[str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayReport:
+    """Replay ``trace`` under each policy (same trace, same seed).
+
+    Args:
+        trace: The requests (:func:`~blockpool.replay.traces.read_trace` or
+            :func:`~blockpool.replay.synthetic.synthetic_trace`).
+        policies: Names, or a comma-separated string.
+        config: The :class:`ReplayConfig` (default: defaults).
+        jobs: Worker processes (``1``: run in this process).
+        events: Write the event log (schema ``blockpool.events/1``) here.
+        progress: Called with the number of requests done so far over all
+            policies (each policy counts up to ``len(trace.requests)``).
+
+    Returns:
+        The :class:`~blockpool.replay.report.ReplayReport`.
+
+    Raises:
+        UnknownPolicyError: an unknown policy name.
+        InvalidArgumentError: ``jobs < 1``.
+        ReplayError: a policy's replay stalled or leaked blocks.
+        OSError: the event log cannot be written.
+
+    Runtime complexity: the sum of the policies' runs (see
+    :func:`~blockpool.replay.driver.run_policy`), divided among ``jobs``.
+    """
+    names = parse_policies(policies) if isinstance(policies, str) else parse_policies(",".join(policies))
+    cfg = config if config is not None else ReplayConfig()
+    if not isinstance(jobs, int) or jobs < 1:
+        raise InvalidArgumentError(f"jobs must be an int >= 1, got {jobs!r}")
+    requests = trace.requests
+    parts = [f"{os.fspath(events)}.{name}.part" for name in names] if events is not None else [None] * len(names)
+    t0 = time.perf_counter()
+    jobs = min(jobs, len(names))
+    if jobs == 1:
+        results = []
+        for i, name in enumerate(names):
+            base = i * len(requests)
+            cb = (lambda n, base=base: progress(base + n)) if progress is not None else None
+            results.append(_one(requests, name, i, cfg, parts[i], cb))
+    else:
+        results = _parallel(requests, names, cfg, parts, jobs, progress)
+    wall = time.perf_counter() - t0
+    if events is not None:
+        _join(Path(events), [p for p in parts if p is not None], trace, names, cfg)
+    return ReplayReport(
+        source=trace.source,
+        format=trace.format,
+        requests=len(requests),
+        skipped=tuple(str(s) for s in trace.skipped),
+        config={**cfg.to_json(), "policies": list(names)},
+        results=tuple(results),
+        wall_s=wall,
+    )
+
+
+def _parallel(
+    requests: tuple[TraceRequest, ...],
+    names: tuple[str, ...],
+    cfg: ReplayConfig,
+    parts: list[str | None],
+    jobs: int,
+    progress: Callable[[int], None] | None,
+) -> list[PolicyResult]:
+    ctx = multiprocessing.get_context("fork")
+    counts = ctx.Array("q", len(names), lock=False)
+    with ctx.Pool(jobs, initializer=_init, initargs=(counts,)) as pool:
+        pending = [pool.apply_async(_one, (requests, n, i, cfg, parts[i], None)) for i, n in enumerate(names)]
+        while not all(p.ready() for p in pending):
+            if progress is not None:
+                progress(sum(counts))
+            time.sleep(0.2)
+        results = [p.get() for p in pending]
+    if progress is not None:
+        progress(len(names) * len(requests))
+    return results
+
+
+def _join(path: Path, parts: list[str], trace: Trace, names: tuple[str, ...], cfg: ReplayConfig) -> None:
+    header = {
+        "source": trace.source,
+        "format": trace.format,
+        "requests": len(trace.requests),
+        "policies": list(names),
+        "block_size": cfg.block_size,
+        "num_blocks": cfg.num_blocks,
+        "seed": cfg.seed,
+        "streams": {n: s.kind.value for n, s in cfg.streams.items()},
+        "time_unit": "s",
+    }
+    with open(path, "w", encoding="utf-8") as out:
+        EventLog(out, header)
+        for part in parts:
+            with open(part, encoding="utf-8") as f:
+                f.readline()  # the part's own header
+                shutil.copyfileobj(f, out)
+            os.remove(part)

@@ -1,0 +1,246 @@
+"""The replay driver: race counts per policy, accounting, figures, events."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from blockpool.errors import InvalidArgumentError
+from blockpool.hazards import AccessKind, StreamKind, Token
+from blockpool.replay.config import ReplayConfig
+from blockpool.replay.driver import run_policy
+from blockpool.replay.eventlog import EVENTS_SCHEMA
+from blockpool.replay.policies import POLICIES, UnknownPolicyError, WaitPolicy
+from blockpool.replay.report import ReplayReport
+from blockpool.replay.run import replay
+from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
+from blockpool.replay.traces import Trace, read_trace
+from blockpool.sanitizer import RaceOracle
+
+TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
+CONVERSATION = TRACES / "conversation_trace.jsonl"
+
+SMALL = ReplayConfig(num_blocks=1024, check_every=25)
+"""Small enough to preempt, evict and load within 150 synthetic requests;
+checks the pool's invariants every 25 steps."""
+
+
+@pytest.fixture(scope="module")
+def synthetic() -> Trace:
+    return synthetic_trace(SyntheticSpec(num_requests=150), seed=0)
+
+
+@pytest.fixture(scope="module")
+def report(synthetic: Trace) -> ReplayReport:
+    return replay(synthetic, POLICIES, SMALL)
+
+
+@pytest.mark.parametrize("policy", ["exact", "step-event", "device-sync"])
+def test_synthetic_replay_shows_no_race_under_a_hazard_aware_policy(report: ReplayReport, policy: str) -> None:
+    assert report.result(policy).races == 0, report.result(policy).race_examples
+
+
+def test_synthetic_replay_shows_races_under_blind_policy(report: ReplayReport) -> None:
+    assert report.result("blind").races > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_request_finishes_or_is_aborted(report: ReplayReport, policy: str) -> None:
+    c = report.result(policy).counts
+    assert c.get("finished", 0) + c.get("aborted", 0) + c.get("rejected", 0) == report.requests
+
+
+def test_small_pool_preempts_loads_evicts_and_copies_on_write(report: ReplayReport) -> None:
+    r = report.result("exact")
+    assert (r.counts["preemptions"] > 0, r.loads > 0, r.pool_stats["evictions"] > 0, r.counts["cow_copies"] > 0) == (
+        True,
+        True,
+        True,
+        True,
+    )
+
+
+def test_some_aborts_come_while_a_load_is_in_flight(report: ReplayReport) -> None:
+    assert report.result("exact").counts["aborts_during_load"] > 0
+
+
+def test_exact_loads_start_sooner_than_step_event_loads(report: ReplayReport) -> None:
+    assert report.result("exact").load_delay_mean_ms < report.result("step-event").load_delay_mean_ms
+
+
+def test_exact_loads_wait_on_nothing_more_often_than_step_event_loads(report: ReplayReport) -> None:
+    assert report.result("exact").loads_empty_fence_pct > report.result("step-event").loads_empty_fence_pct
+
+
+def test_blind_pool_holds_nothing_back(report: ReplayReport) -> None:
+    assert report.result("blind").pool_stats["host_wait_fences"] == 0
+
+
+def test_dropping_the_exact_fences_is_caught_by_the_oracle(synthetic: Trace, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(WaitPolicy, "waits", lambda self, fence, consumer, transfer=False: ())
+    assert run_policy(synthetic.requests[:100], "exact", SMALL).races > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CONVERSATION.exists(), reason=f"Mooncake conversation trace not found at {CONVERSATION}")
+def test_conversation_trace_prefix_races_per_policy() -> None:
+    trace = read_trace(CONVERSATION, limit=150)
+    rep = replay(trace, POLICIES, ReplayConfig(check_every=200), jobs=2)
+    assert {p: rep.result(p).races > 0 for p in POLICIES} == {
+        "exact": False,
+        "step-event": False,
+        "device-sync": False,
+        "blind": True,
+    }
+
+
+# -- figures ------------------------------------------------------------------------
+
+
+def test_report_json_carries_every_figure_per_policy(report: ReplayReport) -> None:
+    fig = report.to_json()["policies"]["exact"]  # type: ignore[index]
+    assert {
+        "races",
+        "loads_empty_fence_pct",
+        "load_start_delay_ms",
+        "makespan_s",
+        "throughput_tok_s",
+        "pool_ops",
+        "pool_ns_per_op",
+    } <= set(fig)
+
+
+def test_report_json_is_serialisable(report: ReplayReport) -> None:
+    assert json.loads(json.dumps(report.to_json()))["schema"] == "blockpool.replay-report/1"
+
+
+def test_pool_operations_are_timed(report: ReplayReport) -> None:
+    ops = report.result("exact").pool_ops
+    assert all(calls > 0 and ns > 0 for calls, ns in ops.values()) and "allocate_for" in ops
+
+
+def test_parallel_policies_give_the_same_figures(synthetic: Trace) -> None:
+    small = Trace("synthetic", "synthetic", synthetic.requests[:40])
+    one = replay(small, "exact,blind", SMALL, jobs=1).to_json(timing=False)
+    two = replay(small, "exact,blind", SMALL, jobs=2).to_json(timing=False)
+    assert one == two
+
+
+# -- events ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def events(synthetic: Trace, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], ReplayReport]:  # type: ignore[type-arg]
+    path = tmp_path_factory.mktemp("ev") / "events.jsonl"
+    rep = replay(Trace("synthetic", "synthetic", synthetic.requests[:80]), "exact,blind", SMALL, events=path)
+    return [json.loads(line) for line in path.read_text().splitlines()], rep
+
+
+def test_event_log_starts_with_a_versioned_header(events: tuple[list[dict], ReplayReport]) -> None:  # type: ignore[type-arg]
+    head = events[0][0]
+    assert (head["schema"], head["policies"], head["streams"]["rdma"]) == (EVENTS_SCHEMA, ["exact", "blind"], "host")
+
+
+def test_event_log_names_only_issued_tokens(events: tuple[list[dict], ReplayReport]) -> None:  # type: ignore[type-arg]
+    issued: set[tuple[str, str]] = set()
+    unknown = []
+    for e in events[0][1:]:
+        key = (e["policy"], e["token"])
+        if e["ev"] == "issue":
+            issued.add(key)
+        elif key not in issued or any((e["policy"], t) not in issued for t in e.get("on", ())):
+            unknown.append(e)
+    assert unknown == []
+
+
+@pytest.mark.parametrize("policy", ["exact", "blind"])
+def test_event_log_lets_an_independent_oracle_reach_the_same_verdict(
+    events: tuple[list[dict], ReplayReport],  # type: ignore[type-arg]
+    policy: str,
+) -> None:
+    log, rep = events
+    kinds = {n: StreamKind(k) for n, k in log[0]["streams"].items()}
+    oracle = RaceOracle(kinds, retain=1 << 20)
+    tok = {}
+    waits: dict[str, list[Token]] = {}
+    evs = [e for e in log[1:] if e["policy"] == policy]
+    for i, e in enumerate(evs):  # a wait line follows its issue line: record on the line after the issue
+        if e["ev"] == "issue":
+            tok[e["token"]] = Token(e["stream"], e["seq"], kinds[e["stream"]])
+            nxt = evs[i + 1] if i + 1 < len(evs) else {}
+            on = nxt.get("on", []) if nxt.get("ev") == "wait" and nxt.get("token") == e["token"] else []
+            oracle.record(tok[e["token"]], [tok[t] for t in on])
+        elif e["ev"] == "access":
+            oracle.access(tok[e["token"]], e["blocks"], AccessKind(e["access"]), e["what"])
+        elif e["ev"] == "end":
+            oracle.complete(tok[e["token"]])
+    assert len(oracle.violations) == rep.result(policy).races
+
+
+# -- policies and configuration ---------------------------------------------------------
+
+
+KINDS = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "d2h": StreamKind.DEVICE, "rdma": StreamKind.HOST}
+NEWEST = {"compute": Token("compute", 9), "h2d": Token("h2d", 4), "d2h": Token("d2h", 2)}
+
+
+def _waits(policy: str, fence: tuple[Token, ...], consumer: str, transfer: bool = False, ended: tuple = ()) -> list[str]:  # type: ignore[type-arg]
+    from blockpool.hazards import Fence
+
+    p = WaitPolicy(policy, KINDS, NEWEST, lambda t: t in ended)
+    return [str(t) for t in p.waits(Fence(fence), consumer, transfer=transfer)]
+
+
+def test_exact_policy_waits_on_the_fence() -> None:
+    assert _waits("exact", (Token("compute", 3),), "h2d", True) == ["compute:3"]
+
+
+def test_step_event_waits_on_the_newest_token_of_each_named_stream() -> None:
+    assert _waits("step-event", (Token("h2d", 1),), "compute") == ["h2d:4"]
+
+
+def test_step_event_transfer_waits_on_all_compute_enqueued_before_it() -> None:
+    assert _waits("step-event", (), "d2h", transfer=True) == ["compute:9"]
+
+
+def test_device_sync_waits_on_every_other_device_stream() -> None:
+    assert _waits("device-sync", (), "compute") == ["h2d:4", "d2h:2"]
+
+
+def test_coarse_policies_keep_host_engine_tokens() -> None:
+    host = Token("rdma", 3, StreamKind.HOST)
+    assert _waits("step-event", (host,), "compute") == ["rdma:3"]
+
+
+def test_coarse_policies_drop_ended_tokens() -> None:
+    assert _waits("device-sync", (), "compute", ended=(Token("h2d", 4),)) == ["d2h:2"]
+
+
+def test_blind_policy_waits_on_nothing() -> None:
+    assert _waits("blind", (Token("compute", 3),), "h2d", True) == []
+
+
+def test_unknown_policy_is_rejected() -> None:
+    with pytest.raises(UnknownPolicyError):
+        run_policy((), "optimistic")
+
+
+def test_config_rejects_a_stream_set_without_the_named_streams() -> None:
+    from blockpool.simulator import StreamSpec
+
+    with pytest.raises(InvalidArgumentError):
+        ReplayConfig(streams={"compute": StreamSpec(StreamKind.DEVICE)})
+
+
+def test_config_rejects_a_fraction_above_one() -> None:
+    with pytest.raises(InvalidArgumentError):
+        ReplayConfig(abort_fraction=1.5)
+
+
+def test_request_too_long_for_the_pool_is_rejected_not_replayed(synthetic: Trace) -> None:
+    r = run_policy(synthetic.requests[:20], "exact", ReplayConfig(num_blocks=64))
+    assert r.counts["rejected"] > 0 and r.counts.get("finished", 0) + r.counts.get("aborted", 0) + r.counts[
+        "rejected"
+    ] == 20
