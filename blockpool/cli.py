@@ -24,7 +24,7 @@ from typing import Any
 
 from blockpool.errors import BlockPoolError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 LONG_RUN_REQUESTS = 20_000
 """Request-replays (requests x policies) from which a progress bar is shown

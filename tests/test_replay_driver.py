@@ -164,7 +164,6 @@ def test_event_log_lets_an_independent_oracle_reach_the_same_verdict(
     kinds = {n: StreamKind(k) for n, k in log[0]["streams"].items()}
     oracle = RaceOracle(kinds, retain=1 << 20)
     tok = {}
-    waits: dict[str, list[Token]] = {}
     evs = [e for e in log[1:] if e["policy"] == policy]
     for i, e in enumerate(evs):  # a wait line follows its issue line: record on the line after the issue
         if e["ev"] == "issue":

@@ -221,6 +221,8 @@ class _Scheduler(StepBuilder):
         r.load_token = None
 
     def _preempt(self, r: Request) -> None:
+        if any(e[0] is r for e in self.entries):
+            raise ReplayError(f"preempting {r}, which the step being built already scheduled")
         self._release(r)
         self._reset(r)
         self.running.remove(r)

@@ -15,7 +15,7 @@ stream as waiting.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from blockpool.block import KVCacheBlock
 from blockpool.hazards import AccessKind, Fence, StreamKind, Token
@@ -24,7 +24,7 @@ from blockpool.replay.eventlog import EventLog
 from blockpool.replay.policies import WaitPolicy
 from blockpool.replay.state import TimedPool
 from blockpool.sanitizer import RaceOracle
-from blockpool.simulator import StreamSimulator, Work
+from blockpool.simulator import StreamSimulator, StreamSpec, Work
 
 __all__ = ["Machine"]
 
@@ -54,7 +54,7 @@ class Machine:
     def __init__(
         self,
         policy: str,
-        streams: dict,  # type: ignore[type-arg]
+        streams: Mapping[str, StreamSpec],
         num_blocks: int,
         block_size: int,
         seed: int,

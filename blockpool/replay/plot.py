@@ -11,7 +11,7 @@ import os
 from blockpool.errors import BlockPoolError
 from blockpool.replay.report import ReplayReport
 
-__all__ = ["plot_report", "PlotUnavailableError", "TIMELINE_SPAN_S"]
+__all__ = ["TIMELINE_SPAN_S", "PlotUnavailableError", "plot_report"]
 
 TIMELINE_SPAN_S = 0.6
 """Simulated seconds shown each side of the first load in the timeline."""

@@ -92,7 +92,7 @@ def replay(
     if not isinstance(jobs, int) or jobs < 1:
         raise InvalidArgumentError(f"jobs must be an int >= 1, got {jobs!r}")
     requests = trace.requests
-    parts = [f"{os.fspath(events)}.{name}.part" for name in names] if events is not None else [None] * len(names)
+    parts: list[str | None] = [f"{os.fspath(events)}.{name}.part" if events is not None else None for name in names]
     t0 = time.perf_counter()
     jobs = min(jobs, len(names))
     if jobs == 1:

@@ -127,9 +127,12 @@ class StepBuilder:
                 new, fence = self.pool.allocate_for(need, "compute")
                 break
             except NoFreeBlocksError:
-                victim = next((v for v in reversed(self.running) if v is not r), None)
-                self._preempt(victim if victim is not None else r)
-                if victim is None:
+                # As vLLM: preempt the last running request. Requests are
+                # scheduled in list order, so it is not in this step yet, or
+                # it is ``r`` itself.
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is r:
                     return False
         self.m.device_fence(fence, "compute")
         r.blocks.extend(new)
