@@ -10,9 +10,15 @@
 # Output: "plugin-off: N passed, N failed" (and "plugin-on: ..."), plus per
 # pass under $VLLM_PARITY_RESULTS: NAME.xml (junit), NAME.log, NAME.outcomes
 # ("nodeid<TAB>outcome", sorted); plugin-regressions.txt once both ran.
-# Exit status: 0 = plugin-off failed nothing outside ADVISORY_FILES and
-# plugin-on (if it ran) regressed no test that passed with plugin off;
-# 1 = otherwise; 2 = setup error (missing inputs, install/fetch failure).
+# Plugin on also proves the core did the work: the pytest plugin writes what
+# HazardAwareBlockPool served to plugin-on.served.json, and the pass fails
+# unless our pool was bound in vLLM and served a non-zero number of
+# allocations. Then our own vLLM-side tests (tests/test_vllm_*.py) run in the
+# same venv ("own-tests").
+# Exit status: 0 = plugin-off failed nothing outside ADVISORY_FILES,
+# plugin-on (if it ran) regressed no test that passed with plugin off, its
+# core served allocations, and the own tests passed; 1 = otherwise;
+# 2 = setup error (missing inputs, install/fetch failure).
 #
 # Environment knobs (all optional):
 #   VLLM_VENV              venv dir, relative to the repo root  [.venv-vllm]
@@ -22,8 +28,9 @@
 #   VLLM_PARITY_PYTHON     interpreter used to create the venv  [python3.11]
 #   VLLM_PARITY_TIMEOUT    seconds allowed per pytest pass      [1800]
 #   VLLM_PARITY_SCHEDULER  1 = also run tests/v1/core/test_scheduler.py [1]
-#   VLLM_PARITY_PASSES     which passes to run: "off", "on" or "off on" [off on]
-#                          ("on" is skipped while the plugin module is absent)
+#   VLLM_PARITY_PASSES     which passes to run: "off", "on", "own" [off on own]
+#                          ("on" is skipped while the plugin module is absent;
+#                          "own" = tests/test_vllm_*.py in the venv, after "on")
 #
 # Files read at run time from the shared dir (never copied into the repo):
 #   vllm-0.33.0-cpu-freeze.txt   exact pins, each installed with --no-deps
@@ -48,7 +55,7 @@ RESULTS_DIR="${VLLM_PARITY_RESULTS:-.cache/vllm-parity}"
 BASE_PYTHON="${VLLM_PARITY_PYTHON:-python3.11}"
 PASS_TIMEOUT="${VLLM_PARITY_TIMEOUT:-1800}"
 WITH_SCHEDULER="${VLLM_PARITY_SCHEDULER:-1}"
-PASSES="${VLLM_PARITY_PASSES:-off on}"
+PASSES="${VLLM_PARITY_PASSES:-off on own}"
 PLUGIN_MODULE=blockpool.integrations.vllm_pytest
 PLUGIN_FILE=blockpool/integrations/vllm_pytest.py
 
@@ -416,8 +423,70 @@ run_plugin_on_pass() {
   timed "repo install" install_repo_into_venv
   # Our pool comes in through the explicit pytest plugin only; entry-point
   # plugins stay off, so the two passes differ in exactly one thing.
-  PASS_ENV=(VLLM_PLUGINS=)
+  local served="$RESULTS_DIR/plugin-on.served.json"
+  rm -f "$served"
+  PASS_ENV=(VLLM_PLUGINS= BLOCKPOOL_VLLM_SERVED="$served")
   timed "plugin-on tests" run_pass plugin-on -p "$PLUGIN_MODULE"
+  check_served "$served" || PASS_RC[plugin-on]=1
+}
+
+# check_served FILE: our pool was bound where vLLM builds its pool and its
+# core served allocations. Prints the counts.
+check_served() {
+  local served=$1
+  if [[ ! -f "$served" ]]; then
+    log "plugin-on: $served was not written (did the pytest plugin load?)"
+    return 1
+  fi
+  "$VENV_PY" - "$served" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+inv = r["invariants"]
+print(f"plugin-on: HazardAwareBlockPool served {r['allocations']} allocations ({r['blocks_allocated']} blocks), "
+      f"{r['frees']} frees ({r['blocks_freed']} blocks), {r['cache_hits']} prefix hits, "
+      f"{r['blocks_cached']} blocks cached, in {r['pools']} pools")
+print(f"plugin-on: scheduler wiring issued {r['steps_issued']} step tokens, ended {r['steps_ended']}, "
+      f"began {r['copy_batches']} copy batches; {r['loose_blocks_ignored']} blocks of no pool left alone")
+print(f"plugin-on: core invariants checked on {inv['pools_checked']} pools after {inv['tests_checked']} tests, "
+      f"broken after {len(inv['broken'])} (tests that edit the key map by hand or cache blocks of no pool):")
+for nodeid, msg in inv["broken"].items():
+    print(f"  {nodeid}: {msg[:100]}")
+bad = []
+if not r["installed"]:
+    bad.append("our pool was not bound in vLLM")
+for mod in ("vllm.v1.core.block_pool", "vllm.v1.core.kv_cache_coordinator"):
+    if mod not in r["modules"]:
+        bad.append(f"{mod}.BlockPool was not rebound")
+if r["allocations"] <= 0:
+    bad.append("the core served no allocation")
+for b in bad:
+    print(f"plugin-on: PROOF FAILED: {b}")
+sys.exit(1 if bad else 0)
+EOF
+}
+
+# OWN TESTS: tests/test_vllm_*.py in the venv, from the repo root (the
+# adapter against vLLM's own BlockPool, the plugin loader end to end).
+run_own_tests() {
+  if ! plugin_available; then
+    log "own tests skipped: $PLUGIN_FILE does not exist yet"
+    return 0
+  fi
+  [[ -n "${TIMINGS[repo install]:-}" ]] || timed "repo install" install_repo_into_venv
+  local log="$RESULTS_DIR/own-tests.log" rc=0
+  log "own tests: pytest tests/test_vllm_*.py in $VENV_DIR (log: $log)"
+  ( cd "$REPO_ROOT" && env -u VLLM_PLUGINS -u BLOCKPOOL_VLLM_PLUGIN PYTHONDONTWRITEBYTECODE=1 \
+      timeout "$PASS_TIMEOUT" "$VENV_PY" -m pytest -p no:cacheprovider -q -rs \
+        tests/test_vllm_adapter.py tests/test_vllm_plugin.py tests/test_vllm_hazards.py \
+  ) >"$log" 2>&1 || rc=$?
+  printf 'own-tests: %s\n' "$(tail -n 1 "$log")"
+  # A skip here means vLLM or our entry point was not found: the proof is incomplete.
+  if [[ $rc -ne 0 ]] || tail -n 1 "$log" | grep -q skipped; then
+    log "own tests failed or skipped (exit status $rc), see $log"
+    PASS_RC[own-tests]=1
+  else
+    PASS_RC[own-tests]=0
+  fi
 }
 
 # Per-test comparison of the two passes. A regression is a test that passed
@@ -431,6 +500,11 @@ compare_passes() {
       "$on" "$off" >"$report"
   diff "$off" "$on" >"$RESULTS_DIR/plugin-diff.txt" || true
   local n; n=$(wc -l <"$report")
+  local gained
+  gained=$(awk -F'\t' 'NR == FNR { off[$1] = $2; next }
+                       $2 == "passed" && off[$1] != "passed" { n++ } END { print n + 0 }' "$off" "$on")
+  printf 'pass-set diff: %d tests passed with plugin off but not on; %d passed with plugin on but not off\n' \
+    "$n" "$gained"
   if [[ $n -eq 0 ]]; then
     log "plugin-on: no regressions against plugin-off"
   else
@@ -442,6 +516,7 @@ compare_passes() {
 
 # ---------------------------------------------------------------------------
 main() {
+  local start; start=$(now)
   check_inputs
   log "free disk: $(df -h "$REPO_ROOT" | awk 'NR == 2 { print $4 }')"
   timed "venv build" build_venv
@@ -451,15 +526,16 @@ main() {
     case "$p" in
       off) run_plugin_off_pass ;;
       on) run_plugin_on_pass ;;
+      own) timed "own tests" run_own_tests ;;
       *) die "unknown pass '$p' in VLLM_PARITY_PASSES" ;;
     esac
   done
   compare_passes
   local k t=""
-  for k in "venv build" "sdist fetch" "plugin-off tests" "repo install" "plugin-on tests"; do
+  for k in "venv build" "sdist fetch" "plugin-off tests" "repo install" "plugin-on tests" "own tests"; do
     [[ -z "${TIMINGS[$k]:-}" ]] || t+="$k ${TIMINGS[$k]}s; "
   done
-  log "timings: $t"
+  log "timings: ${t}total $(( $(now) - start ))s"
   log "results in $RESULTS_DIR"
   local rc=0 n
   for n in "${!PASS_RC[@]}"; do

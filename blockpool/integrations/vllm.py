@@ -119,8 +119,9 @@ def register() -> None:
     docstring). Idempotent and thread-safe; logs one line the first time.
     O(modules loaded) for the scan of already-imported vLLM modules.
 
-    Raises:
-        ImportError: vLLM (or its ``v1`` core) cannot be imported.
+    A vLLM whose ``v1`` core cannot be imported or lacks the names rebound
+    here is left alone, with one error line in the log (the engine keeps
+    running on vLLM's pool). Written against vLLM 0.33.
     """
     with _LOCK:
         if _STATE.installed or _STATE.disabled:
@@ -133,11 +134,18 @@ def register() -> None:
                 os.environ.get(ENV_PLUGIN),
             )
             return
-        _install(hazards=_env_on(ENV_HAZARDS))
+        try:
+            _install(hazards=_env_on(ENV_HAZARDS))
+        except (ImportError, AttributeError) as exc:
+            # A vLLM without the v1 core this adapter targets: keep vLLM running.
+            _STATE.disabled = True
+            logger.error("blockpool: cannot install into this vLLM (%r); vLLM keeps its own BlockPool", exc)
+            return
         logger.info(
-            "blockpool %s: vLLM's BlockPool is now %s (HazardAwareBlockPool core; hazard tracking %s) "
+            "blockpool %s: vLLM %s's BlockPool is now %s (HazardAwareBlockPool core; hazard tracking %s) "
             "in %d modules; set %s=0 or leave 'blockpool' out of VLLM_PLUGINS to turn it off",
             _version(),
+            _vllm_version(),
             "blockpool.integrations.vllm_pool.VllmBlockPool",
             "on" if _STATE.hazards else f"off by {ENV_HAZARDS}",
             len(_STATE.modules),
@@ -149,6 +157,15 @@ def _version() -> str:
     import blockpool
 
     return blockpool.__version__
+
+
+def _vllm_version() -> str:
+    try:
+        import importlib.metadata
+
+        return importlib.metadata.version("vllm")
+    except Exception:  # noqa: BLE001  (version is only printed)
+        return "?"
 
 
 def _install(hazards: bool) -> None:
