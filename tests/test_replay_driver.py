@@ -243,3 +243,19 @@ def test_request_too_long_for_the_pool_is_rejected_not_replayed(synthetic: Trace
     assert r.counts["rejected"] > 0 and r.counts.get("finished", 0) + r.counts.get("aborted", 0) + r.counts[
         "rejected"
     ] == 20
+
+
+def test_requests_ready_after_loads_that_fill_the_pool_are_requeued_not_stalled() -> None:
+    from blockpool.replay.traces import TraceRequest
+
+    def req(i: int, t: float, segs: list[tuple[int, int]]) -> TraceRequest:
+        return TraceRequest(i, t, sum(n for _, n in segs), 4, tuple(segs), -(i + 1))
+
+    shared = [(1, 304)]  # stored by request 0, evicted from the pool by request 1
+    reqs = (
+        req(0, 0.0, shared),
+        req(1, 1.0, [(2, 736)]),
+        *(req(i, 3.0, [*shared, (10 + i, 300)]) for i in (2, 3, 4)),  # two load it, then neither fits
+    )
+    r = run_policy(reqs, "exact", ReplayConfig(num_blocks=48, remote_fraction=1.0, abort_fraction=0.0))
+    assert (r.counts["finished"], r.counts["unstuck"]) == (5, 1)

@@ -122,10 +122,12 @@ class _Scheduler(StepBuilder):
         nt = self.m.sim.next_time()
         if nt is not None:
             times.append(nt)
-        if not times and not self.running and (self.ready or self.waiting):
+        if times:
+            return min(times)
+        if not self.running and any(r.phase is not Phase.DONE for r in (*self.ready, *self.waiting)):
             self._unstick()
             return self.m.now
-        return min(times) if times else None
+        return None
 
     def _unstick(self) -> None:
         """Nothing runs and nothing will happen, but requests wait: the
@@ -134,10 +136,11 @@ class _Scheduler(StepBuilder):
         victims = [r for r in self.ready if r.phase is Phase.READY][1:]
         if not victims:
             raise ReplayError(f"replay stalled: {len(self.waiting)} requests wait and no event is left")
-        for r in victims:
+        for r in reversed(victims):
             self._release(r)
             self._reset(r)
             self.waiting.appendleft(r)
+        self.c["unstuck"] += len(victims)
         self.ready = collections.deque(r for r in self.ready if r.phase is Phase.READY)
         self.blocked = None
 
