@@ -28,7 +28,6 @@ does, by vLLM's own code on the shared key map; they never reach the core.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -253,7 +252,8 @@ class Served:
 
 
 SERVED = Served()
-"""Process-wide counters, updated by every :class:`VllmBlockPool`."""
+"""Process-wide counters, updated by every :class:`VllmBlockPool` on the
+scheduler's thread (no lock: they are a report, not state)."""
 _TRACKED: list[VllmBlockPool] | None = None
 
 
@@ -265,9 +265,6 @@ def track_new_pools(on: bool = True) -> list[VllmBlockPool]:
     kept = _TRACKED or []
     _TRACKED = [] if on else None
     return kept
-
-
-_SERVED_LOCK = threading.Lock()
 
 
 class VllmBlockPool:
@@ -356,10 +353,9 @@ class VllmBlockPool:
         self.kv_event_queue: list[VllmKVCacheEvent] = []
         self._reuse_watchers: dict[int, Callable[[Any], None]] = {}
         self._warned_loose = False
-        with _SERVED_LOCK:
-            SERVED.pools += 1
-            if _TRACKED is not None:
-                _TRACKED.append(self)
+        SERVED.pools += 1
+        if _TRACKED is not None:
+            _TRACKED.append(self)
 
     def __repr__(self) -> str:
         return (
@@ -399,18 +395,6 @@ class VllmBlockPool:
                 stored.append(ev)
         return stored
 
-    def _count_served(self, allocated: int = 0, freed: int = 0, hits: int = 0, cached: int = 0) -> None:
-        with _SERVED_LOCK:
-            s = SERVED
-            if allocated:
-                s.allocations += 1
-                s.blocks_allocated += allocated
-            if freed:
-                s.frees += 1
-                s.blocks_freed += freed
-            s.cache_hits += hits
-            s.blocks_cached += cached
-
     # ------------------------------------------------------------------
     # allocation
     # ------------------------------------------------------------------
@@ -436,7 +420,8 @@ class VllmBlockPool:
         if self.enable_kv_cache_events:
             self._pull_events()
         if blocks:
-            self._count_served(allocated=len(blocks))
+            SERVED.allocations += 1
+            SERVED.blocks_allocated += len(blocks)
         return blocks
 
     def touch(self, blocks: Sequence[Any]) -> None:
@@ -487,7 +472,8 @@ class VllmBlockPool:
         if own:
             hz = self.hazards
             self.core.free_blocks(own, hz.free_token() if hz is not None else None, _READ)
-            self._count_served(freed=len(own))
+            SERVED.frees += 1
+            SERVED.blocks_freed += len(own)
         if others:
             for pool, blocks in others.items():
                 pool.free_blocks(blocks)
@@ -496,8 +482,7 @@ class VllmBlockPool:
         # A block of no pool (made by hand, as vLLM's unit tests do) is not
         # this pool's to free: vLLM would take its ref count below zero and
         # link it into its own free queue. Left alone, reported once.
-        with _SERVED_LOCK:
-            SERVED.loose_blocks_ignored += n
+        SERVED.loose_blocks_ignored += n
         if not self._warned_loose:
             self._warned_loose = True
             logger.warning(
@@ -557,7 +542,7 @@ class VllmBlockPool:
             if b is None:
                 return None
             cached.append(b)
-        self._count_served(hits=len(cached))
+        SERVED.cache_hits += len(cached)
         return cached
 
     def cache_full_blocks(
@@ -593,7 +578,7 @@ class VllmBlockPool:
         block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
         keys = _GroupKeys(block_hashes, kv_cache_group_id)
         self.core.cache_full_blocks(blocks, keys, lo, hi, block_size, block_mask)
-        self._count_served(cached=hi - lo)
+        SERVED.blocks_cached += hi - lo
         if self.enable_kv_cache_events:
             self._pull_events()
             self.kv_event_queue.append(
