@@ -278,3 +278,22 @@ def test_free_is_tagged_with_the_last_scheduled_step() -> None:
 def test_hazards_off_gives_a_plain_pool() -> None:
     ours = VllmBlockPool(6, True, BS, track_hazards=False)
     assert ours.hazards is None and not ours.core.track_hazards
+
+
+def test_register_binds_ours_where_vllm_builds_its_pool_and_unregister_restores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import vllm.v1.core.block_pool as bp
+    import vllm.v1.core.kv_cache_coordinator as co
+
+    from blockpool.integrations import vllm as plugin
+
+    monkeypatch.delenv(plugin.ENV_PLUGIN, raising=False)
+    was_installed = plugin.is_installed()
+    plugin.register()
+    plugin.register()
+    assert plugin.is_installed() and co.BlockPool is VllmBlockPool and bp.BlockPool is VllmBlockPool
+    plugin.unregister()
+    assert co.BlockPool is VLLM_BLOCK_POOL and bp.BlockPool is VLLM_BLOCK_POOL
+    if was_installed:
+        plugin.register()
