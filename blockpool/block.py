@@ -31,9 +31,12 @@ class KVCacheBlock:
         prev_free_block, next_free_block: Links of the free queue; only
             :class:`FreeBlockQueue` touches them.
         writer: Shadow: the last write not known to have ended (a token), or ``None``.
-        readers: Shadow: reads since that write: ``None``, one token, or a dict
-            keyed by device stream name (newest read per stream) or by the
-            token itself for host engines.
+        readers: Shadow: reads since that write: ``None``, one token, or a
+            tuple of tokens (the newest read per device stream, each host
+            token apart). Immutable and shared: blocks freed or read together
+            hold the same object, so the pool does its hazard work once per
+            distinct shadow, not once per block; it replaces the value,
+            never mutates it.
 
     Memory: 8 slots (the same count as vLLM's ``KVCacheBlock``); the null
     block is a subclass instance so ``is_null`` costs no slot.
@@ -60,7 +63,7 @@ class KVCacheBlock:
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.writer: Token | None = None
-        self.readers: Token | dict[object, Token] | None = None
+        self.readers: Token | tuple[Token, ...] | None = None
 
     def reset_hash(self) -> None:
         """Forget the primary key (the pool removes the map entries)."""

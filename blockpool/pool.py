@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 _DEVICE = StreamKind.DEVICE
 _HOST = StreamKind.HOST
+_UNSET = object()  # "no previous value" for the per-call identity memos
 _READ = AccessKind.READ
 _WRITE = AccessKind.WRITE
 
@@ -75,9 +76,12 @@ _COUNTERS = (
 )
 
 
-def _key(t: Token) -> object:
-    """Shadow/candidate key: newest per device stream, each host token apart."""
-    return t if t.kind is _HOST else t.stream
+def _same_key(a: Token, b: Token) -> bool:
+    """Whether two tokens share a shadow slot: the same device stream (the
+    newer covers the older), or equal host tokens (each host token apart).
+    Compares fields, not ``==``: Token's attrs-made ``__eq__``/``__hash__``
+    are Python functions, too slow for a per-block path."""
+    return a.stream == b.stream and (a.kind is not _HOST or a.seq == b.seq)
 
 
 def _shadow_tokens(b: KVCacheBlock) -> list[Token]:
@@ -86,8 +90,27 @@ def _shadow_tokens(b: KVCacheBlock) -> list[Token]:
         out.append(b.writer)
     r = b.readers
     if r is not None:
-        out.extend([r] if type(r) is Token else r.values())  # type: ignore[union-attr]
+        out.extend([r] if type(r) is Token else r)  # type: ignore[arg-type]
     return out
+
+
+def _with_read(r: Token | tuple[Token, ...] | None, t: Token, ended: Callable[[Token], bool]) -> Token | tuple[Token, ...]:
+    """The readers of a block after a read by ``t``, from its readers ``r``:
+    newest token per device stream, each host token apart. A single earlier
+    reader that has ended is dropped. The result is a new value (readers are
+    shared between blocks and never mutated). O(len(r))."""
+    if r is None:
+        return t
+    if type(r) is Token:
+        if _same_key(r, t):  # type: ignore[arg-type]
+            return t if r.seq < t.seq else r  # type: ignore[union-attr]
+        if ended(r):  # type: ignore[arg-type]
+            return t
+        return (r, t)  # type: ignore[return-value]
+    for i, x in enumerate(r):  # type: ignore[arg-type]
+        if _same_key(x, t):
+            return r[:i] + (t,) + r[i + 1 :] if x.seq < t.seq else r  # type: ignore[index,operator,return-value]
+    return r + (t,)  # type: ignore[operator,return-value]
 
 
 class HazardAwareBlockPool:
@@ -171,6 +194,15 @@ class HazardAwareBlockPool:
         # Blocks whose content is invalid (their load failed) until rewritten.
         self._invalid: set[int] = set()
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        # Lookups and hits are counted on the hottest path (one per block of
+        # a prefix): plain ints, folded into the counters by stats().
+        self._lookups = 0
+        self._hits = 0
+        # Hot paths test these two before calling _sync (which does the work):
+        # the completion inbox (a deque, appended from any thread) and
+        # whether leases are on.
+        self._inbox = self.tracker._inbox
+        self._leases_on = lease_timeout is not None
 
     # ------------------------------------------------------------------
     # streams, tokens, completions
@@ -198,7 +230,8 @@ class HazardAwareBlockPool:
         Raises:
             UnknownStreamError: ``stream`` was never registered.
         """
-        self._sync()
+        if self._inbox or self._leases_on:
+            self._sync()
         return self.tracker.issue(stream)
 
     def last_token(self, stream: str) -> Token | None:
@@ -289,13 +322,18 @@ class HazardAwareBlockPool:
                     self._release_held(Token(st.name, seq, _HOST))
 
     def _release_held(self, token: Token) -> None:
+        # Blocks held together share one pending set (see _enqueue_free), so
+        # the set is usually the same object block after block: discard once.
         held = self._held
         release: list[KVCacheBlock] = []
+        last = None
         for b in self._held_by.pop(token, ()):
             pending = held.get(b.block_id)
-            if pending is None or token not in pending:
-                continue
-            pending.discard(token)
+            if pending is None:
+                continue  # released already (a touch took it)
+            if pending is not last:
+                last = pending
+                pending.discard(token)
             if not pending:
                 self._unhold(b.block_id)
                 release.append(b)
@@ -340,12 +378,35 @@ class HazardAwareBlockPool:
                 raise InvalidArgumentError(f"expected a KVCacheBlock, got {b!r}") from None
         raise ForeignBlockError(f"block {getattr(b, 'block_id', b)!r} does not belong to this pool")
 
+    def _own_all(self, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        """``blocks`` as a list (the caller's own list when it is one), every
+        block checked to be this pool's: one identity test per block
+        (``blocks[b.block_id] is b``); raises as :meth:`_own` otherwise."""
+        block_list = blocks if type(blocks) is list else list(blocks)
+        own = self.blocks
+        try:
+            for b in block_list:
+                if own[b.block_id] is not b:
+                    break
+            else:
+                return block_list
+        except (AttributeError, IndexError, TypeError):
+            pass
+        return [self._own(b) for b in block_list]  # raises the typed error
+
     def _data_blocks(self, blocks: Iterable[KVCacheBlock], what: str) -> list[KVCacheBlock]:
         """Own, non-null, allocated blocks (null placeholders are skipped)."""
         out = []
+        own = self.blocks
+        null = self.null_block
         for b in blocks:
-            self._own(b)
-            if b.is_null:
+            try:
+                mine = own[b.block_id] is b
+            except (AttributeError, IndexError, TypeError):
+                mine = False
+            if not mine:
+                self._own(b)
+            if b is null:
                 continue
             if b.ref_cnt <= 0:
                 raise BlockNotAllocatedError(
@@ -382,8 +443,9 @@ class HazardAwareBlockPool:
             InvalidArgumentError: ``num_blocks`` is not an int ``>= 0``.
             NoFreeBlocksError: fewer than ``num_blocks`` blocks are free.
         """
-        self._sync()
-        n = self._check_count(num_blocks)
+        if self._inbox or self._leases_on:
+            self._sync()
+        n = num_blocks if type(num_blocks) is int and num_blocks >= 0 else self._check_count(num_blocks)
         if n > self.free_block_queue.num_free_blocks:
             raise NoFreeBlocksError(
                 f"Cannot get {n} free blocks from the pool "
@@ -392,14 +454,32 @@ class HazardAwareBlockPool:
         return self._take(n)
 
     def _take(self, n: int) -> list[KVCacheBlock]:
+        """Pop ``n`` free blocks, evict their keys, give each ref count 1.
+        Eviction is inline: a block whose only key maps to it alone costs one
+        dict deletion; anything else (extra keys, a shared key, events on)
+        goes through :meth:`_drop_keys`."""
         blocks = self.free_block_queue.popleft_n(n)
-        invalid = self._invalid
+        pc = self.prefix_cache
+        m = pc._map
+        extra = pc._extra
+        slow = self.enable_kv_cache_events
+        evicted = 0
         for b in blocks:
-            if b.block_hash is not None:
-                self._drop_keys(b)
-                self._counters["evictions"] += 1
+            key = b.block_hash
+            if key is not None:
+                evicted += 1
+                if slow or (extra and b.block_id in extra) or m.get(key) is not b:
+                    self._drop_keys(b)
+                else:
+                    del m[key]
+                    b.block_hash = None
+                    b.block_hash_num_tokens = None
             b.ref_cnt = 1
-            if invalid:
+        if evicted:
+            self._counters["evictions"] += evicted
+        invalid = self._invalid
+        if invalid:
+            for b in blocks:
                 invalid.discard(b.block_id)
         return blocks
 
@@ -425,19 +505,26 @@ class HazardAwareBlockPool:
             ForeignBlockError: a hit is not a block of this pool.
             NoFreeBlocksError: not enough free blocks once the hits are taken.
         """
-        self._sync()
-        n = self._check_count(num_blocks)
-        access = self._check_access(access)
+        if self._inbox or self._leases_on:
+            self._sync()
+        n = num_blocks if type(num_blocks) is int and num_blocks >= 0 else self._check_count(num_blocks)
+        if access is not _WRITE and access is not _READ:
+            access = self._check_access(access)
         st = self.tracker.state(stream)
-        hit_list = [self._own(b) for b in hits]
-        in_queue = {b.block_id for b in hit_list if b.ref_cnt == 0 and b.prev_free_block is not None}
-        available = self.free_block_queue.num_free_blocks - len(in_queue)
+        hit_list = self._own_all(hits) if hits else []
+        in_queue = (
+            len({b.block_id for b in hit_list if b.ref_cnt == 0 and b.prev_free_block is not None})
+            if hit_list
+            else 0
+        )
+        available = self.free_block_queue.num_free_blocks - in_queue
         if n > available:
             raise NoFreeBlocksError(
                 f"Cannot allocate {n} new blocks with {len(hit_list)} prefix hits: "
-                f"{available} free once the {len(in_queue)} free hits are taken"
+                f"{available} free once the {in_queue} free hits are taken"
             )
-        self._touch(hit_list)
+        if hit_list:
+            self._touch(hit_list)
         new = self._take(n)
         if not self.track_hazards:
             return new, EMPTY_FENCE
@@ -451,15 +538,16 @@ class HazardAwareBlockPool:
         Raises:
             ForeignBlockError: a block is not of this pool (nothing changes).
         """
-        self._sync()
-        block_list = [self._own(b) for b in blocks]
-        self._touch(block_list)
+        if self._inbox or self._leases_on:
+            self._sync()
+        self._touch(self._own_all(blocks))
 
     def _touch(self, blocks: list[KVCacheBlock]) -> None:
         q = self.free_block_queue
         held = self._held
+        null = self.null_block
         for b in blocks:
-            if b.is_null:
+            if b is null:
                 continue
             if b.ref_cnt == 0:
                 if b.prev_free_block is not None:
@@ -488,19 +576,21 @@ class HazardAwareBlockPool:
             RefCountError: a ref count would go below zero (whole call rejected).
             UnknownStreamError, UnknownTokenError: a token the pool never issued.
         """
-        self._sync()
+        if self._inbox or self._leases_on:
+            self._sync()
         blocks = ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else list(ordered_blocks)
         if token is not None:
             self.tracker.validate(token)
             self._check_access(access)
         own = self.blocks
+        null = self.null_block
         zero: list[KVCacheBlock] = []
         i = 0
         try:
             for i, b in enumerate(blocks):  # noqa: B007
                 if own[b.block_id] is not b:
                     self._own(b)
-                if b.is_null:
+                if b is null:
                     continue
                 rc = b.ref_cnt - 1
                 if rc < 0:
@@ -513,7 +603,7 @@ class HazardAwareBlockPool:
                     zero.append(b)
         except Exception as exc:
             for b in blocks[:i]:
-                if not b.is_null:
+                if b is not null:
                     b.ref_cnt += 1
             if isinstance(exc, (IndexError, AttributeError, TypeError)):
                 self._own(blocks[i])  # raises the typed error
@@ -524,40 +614,79 @@ class HazardAwareBlockPool:
             self._enqueue_free(zero)
 
     def _enqueue_free(self, blocks: list[KVCacheBlock]) -> None:
+        """Put blocks that reached ref count 0 in the free queue (unkeyed to
+        the front, keyed to the back) or, when a host-engine access on them
+        has not ended, into the held set. Blocks freed together usually share
+        their shadow objects, so the hold decision is made once per distinct
+        ``(writer, readers)`` pair and the held blocks of that pair share one
+        pending set. O(len(blocks))."""
         first: list[KVCacheBlock] = []
         last: list[KVCacheBlock] = []
         caching = self.enable_caching
-        tracking = self.track_hazards
-        for b in blocks:
-            if tracking and (b.writer is not None or b.readers is not None) and self._hold(b):
-                continue
-            if b.block_hash is None or not caching:
-                first.append(b)
-            else:
-                last.append(b)
+        if self.track_hazards:
+            lw: object = _UNSET
+            lr: object = _UNSET
+            pend: tuple[set[Token], list[list[KVCacheBlock]]] | None = None
+            for b in blocks:
+                w = b.writer
+                r = b.readers
+                if w is not None or r is not None:
+                    if w is not lw or r is not lr:
+                        lw, lr = w, r
+                        pend = self._pending_host(w, r)
+                    if pend is not None:
+                        self._hold(b, pend)
+                        continue
+                if b.block_hash is None or not caching:
+                    first.append(b)
+                else:
+                    last.append(b)
+        else:
+            for b in blocks:
+                if b.block_hash is None or not caching:
+                    first.append(b)
+                else:
+                    last.append(b)
         q = self.free_block_queue
         q.prepend_n(first)
         q.append_n(last)
 
-    def _hold(self, b: KVCacheBlock) -> bool:
-        """Hold ``b`` back if a host-engine access on it has not ended."""
+    def _pending_host(
+        self, w: Token | None, r: Token | tuple[Token, ...] | None
+    ) -> tuple[set[Token], list[list[KVCacheBlock]]] | None:
+        """For a shadow ``(writer, readers)``: the host tokens in it that have
+        not ended, and the ``_held_by`` list of each; ``None`` when there are
+        none (the block need not be held)."""
+        if r is None:
+            toks: tuple[Token, ...] = () if w is None else (w,)
+        elif type(r) is Token:
+            toks = (r,) if w is None else (w, r)  # type: ignore[assignment]
+        else:
+            toks = r if w is None else (w, *r)  # type: ignore[assignment,misc]
         ended = self.tracker.is_ended
-        pending = {t for t in _shadow_tokens(b) if t.kind is _HOST and not ended(t)}
+        pending = {t for t in toks if t.kind is _HOST and not ended(t)}
         if not pending:
-            return False
+            return None
+        held_by = self._held_by
+        return pending, [held_by.setdefault(t, []) for t in pending]
+
+    def _hold(self, b: KVCacheBlock, pend: tuple[set[Token], list[list[KVCacheBlock]]]) -> None:
+        """Hold ``b`` back on the pending host tokens ``pend`` (see :meth:`_pending_host`)."""
+        pending, lists = pend
         self._held[b.block_id] = pending
-        for t in pending:
-            self._held_by.setdefault(t, []).append(b)
+        for lst in lists:
+            lst.append(b)
         if self.lease_timeout is not None:
             deadline = self._clock() + self.lease_timeout
             self._deadline[b.block_id] = deadline
             self._leases.add((deadline, b.block_id))
-        return True
 
     def _unhold(self, block_id: int) -> None:
         self._held.pop(block_id, None)
-        self._deadline.pop(block_id, None)
-        self._expired.discard(block_id)
+        if self._deadline:
+            self._deadline.pop(block_id, None)
+        if self._expired:
+            self._expired.discard(block_id)
 
     # ------------------------------------------------------------------
     # hazards: fences and accesses
@@ -582,10 +711,11 @@ class HazardAwareBlockPool:
             ForeignBlockError: a block of another pool.
             InvalidArgumentError: ``access`` is not an AccessKind.
         """
-        self._sync()
+        if self._inbox or self._leases_on:
+            self._sync()
         st = self.tracker.state(stream)
         access = self._check_access(access)
-        block_list = [self._own(b) for b in blocks]
+        block_list = self._own_all(blocks)
         if not self.track_hazards:
             return EMPTY_FENCE
         return self._fence(((block_list, access),), st)
@@ -595,31 +725,40 @@ class HazardAwareBlockPool:
         groups: Iterable[tuple[Sequence[KVCacheBlock], AccessKind]],
         st: StreamState,
     ) -> Fence:
+        # Candidates: newest token per device stream, each host token apart
+        # (keyed by (stream, seq): Token's own hash is a Python function).
+        # Blocks allocated together were mostly freed together and share
+        # their shadow objects, so a writer or readers object identical to
+        # the previous block's adds nothing and is skipped: per block, the
+        # scan is two attribute reads and two identity tests.
         cand: dict[object, Token] = {}
         why: dict[Token, FenceReason] | None = {} if self.debug else None
         get = cand.get
+        lw: object = _UNSET
+        lr: object = _UNSET
         for blocks, access in groups:
             write = access is _WRITE
             for b in blocks:
                 w = b.writer
-                r = b.readers
-                if w is None and (r is None or not write):
-                    continue
-                found: list[tuple[Token, str]] = []
-                if w is not None:
-                    found.append((w, "writer"))
-                if write and r is not None:
-                    if type(r) is Token:
-                        found.append((r, "reader"))  # type: ignore[arg-type]
-                    else:
-                        found.extend((t, "reader") for t in r.values())  # type: ignore[union-attr]
-                for t, role in found:
-                    k = t if t.kind is _HOST else t.stream
+                if w is not None and w is not lw:
+                    lw = w
+                    k: object = w.stream if w.kind is not _HOST else (w.stream, w.seq)
                     cur = get(k)
-                    if cur is None or cur.seq < t.seq:
-                        cand[k] = t
+                    if cur is None or cur.seq < w.seq:
+                        cand[k] = w
                         if why is not None:
-                            why[t] = FenceReason(t, b.block_id, role, access)
+                            why[w] = FenceReason(w, b.block_id, "writer", access)
+                if write:
+                    r = b.readers
+                    if r is not None and r is not lr:
+                        lr = r
+                        for t in (r,) if type(r) is Token else r:  # type: ignore[union-attr]
+                            k = t.stream if t.kind is not _HOST else (t.stream, t.seq)
+                            cur = get(k)
+                            if cur is None or cur.seq < t.seq:
+                                cand[k] = t
+                                if why is not None:
+                                    why[t] = FenceReason(t, b.block_id, "reader", access)
         c = self._counters
         c["fences"] += 1
         if not cand:
@@ -643,37 +782,33 @@ class HazardAwareBlockPool:
         return Fence(tokens, host_wait, reasons)
 
     def _record(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
-        """Write ``token`` into the shadows of ``blocks`` (nulls skipped)."""
+        """Write ``token`` into the shadows of ``blocks`` (nulls skipped).
+
+        A write replaces the shadow. A read joins the readers
+        (:func:`_with_read`); readers values are immutable and shared, so the
+        new value is computed once per distinct old value and assigned to
+        every block that had it: one identity test and one store per block."""
+        null = self.null_block
         if access is _WRITE:
-            invalid = self._invalid
             for b in blocks:
-                if b.is_null:
-                    continue
                 b.writer = token
                 b.readers = None
-                if invalid:
+            null.writer = null.readers = None  # the null block never has a shadow
+            invalid = self._invalid
+            if invalid:
+                for b in blocks:
                     invalid.discard(b.block_id)
             return
-        k = _key(token)
         ended = self.tracker.is_ended
+        last_in: object = _UNSET
+        last_out: Token | tuple[Token, ...] | None = None
         for b in blocks:
-            if b.is_null:
-                continue
             r = b.readers
-            if r is None:
-                b.readers = token
-            elif type(r) is Token:
-                if _key(r) == k:  # type: ignore[arg-type]
-                    if r.seq < token.seq:  # type: ignore[union-attr]
-                        b.readers = token
-                elif ended(r):  # type: ignore[arg-type]
-                    b.readers = token
-                else:
-                    b.readers = {_key(r): r, k: token}  # type: ignore[arg-type]
-            else:
-                cur = r.get(k)  # type: ignore[union-attr]
-                if cur is None or cur.seq < token.seq:
-                    r[k] = token  # type: ignore[index]
+            if r is not last_in:
+                last_in = r
+                last_out = _with_read(r, token, ended)
+            b.readers = last_out
+        null.readers = None
 
     def tag(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
         """Record that ``token``'s work accesses ``blocks`` (e.g. step N's
@@ -686,10 +821,11 @@ class HazardAwareBlockPool:
             ForeignBlockError, UnknownStreamError, UnknownTokenError,
             InvalidArgumentError: as the names say; nothing changes.
         """
-        self._sync()
+        if self._inbox or self._leases_on:
+            self._sync()
         self.tracker.validate(token)
         access = self._check_access(access)
-        block_list = [self._own(b) for b in blocks]
+        block_list = self._own_all(blocks)
         if self.track_hazards and not self.tracker.is_ended(token):
             self._record(block_list, token, access)
         elif access is _WRITE and self._invalid:
@@ -723,7 +859,8 @@ class HazardAwareBlockPool:
             BlockNotAllocatedError: a block with ref count 0.
             InvalidArgumentError: a pair is not a 2-tuple.
         """
-        self._sync()
+        if self._inbox or self._leases_on:
+            self._sync()
         st = self.tracker.state(stream)
         srcs: list[KVCacheBlock] = []
         dsts: list[KVCacheBlock] = []
@@ -752,7 +889,8 @@ class HazardAwareBlockPool:
         Raises:
             UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
         """
-        self._sync()
+        if self._inbox or self._leases_on:
+            self._sync()
         st = self.tracker.state(stream)
         data = self._data_blocks(blocks, "load")
         token, fence = self._begin(((data, _WRITE),), stream, st)
@@ -769,7 +907,8 @@ class HazardAwareBlockPool:
         Raises:
             UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
         """
-        self._sync()
+        if self._inbox or self._leases_on:
+            self._sync()
         st = self.tracker.state(stream)
         data = self._data_blocks(blocks, "store")
         return self._begin(((data, _READ),), stream, st)
@@ -780,12 +919,14 @@ class HazardAwareBlockPool:
 
     def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
         """The first cached block under ``block_hash`` (any opaque hashable),
-        or ``None``. O(1)."""
-        self._counters["lookups"] += 1
-        b = self.prefix_cache.get_one(block_hash)
-        if b is not None:
-            self._counters["hits"] += 1
-        return b
+        or ``None``. O(1): one dict lookup."""
+        self._lookups += 1
+        v = self.prefix_cache._map.get(block_hash)
+        if v is None:
+            return None
+        self._hits += 1
+        # A key shared by several blocks maps to {block_id: block} (PrefixCache).
+        return next(iter(v.values())) if type(v) is dict else v  # type: ignore[union-attr,return-value]
 
     def cache_full_blocks(
         self,
@@ -810,7 +951,8 @@ class HazardAwareBlockPool:
             HashConflictError: a block already cached under a different key
                 for the same or a longer prefix.
         """
-        self._sync()
+        if self._inbox or self._leases_on:
+            self._sync()
         lo, hi = num_cached_blocks, num_full_blocks
         if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo and hi <= len(blocks)):
             raise InvalidArgumentError(
@@ -876,7 +1018,8 @@ class HazardAwareBlockPool:
             ForeignBlockError: a block of another pool.
             InvalidArgumentError: ``num_tokens`` is not a positive int.
         """
-        self._sync()
+        if self._inbox or self._leases_on:
+            self._sync()
         b = self._own(block)
         if not isinstance(num_tokens, int) or num_tokens <= 0:
             raise InvalidArgumentError(f"num_tokens must be a positive int, got {num_tokens!r}")
@@ -980,7 +1123,8 @@ class HazardAwareBlockPool:
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (held blocks excluded). O(1) plus queued
         completions."""
-        self._sync()
+        if self._inbox or self._leases_on:
+            self._sync()
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
@@ -1012,6 +1156,9 @@ class HazardAwareBlockPool:
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
 
+    def _all_counters(self) -> dict[str, int]:
+        return {**self._counters, "lookups": self._lookups, "hits": self._hits}
+
     def stats(self) -> PoolStats:
         """Counters and occupancy. O(num_gpu_blocks)."""
         self._sync()
@@ -1027,7 +1174,7 @@ class HazardAwareBlockPool:
             cached_blocks=cached,
             cached_keys=len(self.prefix_cache),
             failed_tokens=sum(s.failed for s in self.tracker.streams.values()),
-            **self._counters,
+            **self._all_counters(),
         )
 
     # ------------------------------------------------------------------
@@ -1118,5 +1265,5 @@ class HazardAwareBlockPool:
                 (n, tuple(sorted(s.clock.dev.items())), tuple(sorted(map(str, s.clock.host))))
                 for n, s in sorted(tr.streams.items())
             ),
-            counters=tuple(sorted(self._counters.items())) + (("invalid", len(self._invalid)),),
+            counters=tuple(sorted(self._all_counters().items())) + (("invalid", len(self._invalid)),),
         )
