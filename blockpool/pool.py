@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 from sortedcontainers import SortedList
 
-from blockpool.block import FreeBlockQueue, KVCacheBlock, NullBlock
+from blockpool.block import FreeBlockQueue, KVCacheBlock, NullBlock, block_class_for_pool
 from blockpool.errors import (
     BlockNotAllocatedError,
     ForeignBlockError,
@@ -172,8 +172,11 @@ class HazardAwareBlockPool:
         self._clock = clock
 
         self.null_block: KVCacheBlock = NullBlock(0)
+        # This pool's own block class: "is b mine" becomes a type test
+        # (block_class_for_pool says why); other blocks are checked by identity.
+        self._block_cls = block_cls = block_class_for_pool()
         self.blocks: list[KVCacheBlock] = [self.null_block]
-        self.blocks.extend(KVCacheBlock(i) for i in range(1, num_gpu_blocks))
+        self.blocks.extend(map(block_cls, range(1, num_gpu_blocks)))
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
 
         self.prefix_cache = PrefixCache()
@@ -325,6 +328,7 @@ class HazardAwareBlockPool:
         # Blocks held together share one pending set (see _enqueue_free), so
         # the set is usually the same object block after block: discard once.
         held = self._held
+        leases = self._leases_on
         release: list[KVCacheBlock] = []
         last = None
         for b in self._held_by.pop(token, ()):
@@ -335,7 +339,10 @@ class HazardAwareBlockPool:
                 last = pending
                 pending.discard(token)
             if not pending:
-                self._unhold(b.block_id)
+                if leases:
+                    self._unhold(b.block_id)
+                else:
+                    del held[b.block_id]
                 release.append(b)
         if release:
             self._enqueue_free(release)
@@ -384,9 +391,10 @@ class HazardAwareBlockPool:
         (``blocks[b.block_id] is b``); raises as :meth:`_own` otherwise."""
         block_list = blocks if type(blocks) is list else list(blocks)
         own = self.blocks
+        cls = self._block_cls
         try:
             for b in block_list:
-                if own[b.block_id] is not b:
+                if b.__class__ is not cls and own[b.block_id] is not b:
                     break
             else:
                 return block_list
@@ -399,9 +407,10 @@ class HazardAwareBlockPool:
         out = []
         own = self.blocks
         null = self.null_block
+        cls = self._block_cls
         for b in blocks:
             try:
-                mine = own[b.block_id] is b
+                mine = b.__class__ is cls or own[b.block_id] is b
             except (AttributeError, IndexError, TypeError):
                 mine = False
             if not mine:
@@ -584,11 +593,12 @@ class HazardAwareBlockPool:
             self._check_access(access)
         own = self.blocks
         null = self.null_block
+        cls = self._block_cls
         zero: list[KVCacheBlock] = []
         i = 0
         try:
             for i, b in enumerate(blocks):  # noqa: B007
-                if own[b.block_id] is not b:
+                if b.__class__ is not cls and own[b.block_id] is not b:
                     self._own(b)
                 if b is null:
                     continue
@@ -627,6 +637,8 @@ class HazardAwareBlockPool:
             lw: object = _UNSET
             lr: object = _UNSET
             pend: tuple[set[Token], list[list[KVCacheBlock]]] | None = None
+            held = self._held
+            leases = self._leases_on
             for b in blocks:
                 w = b.writer
                 r = b.readers
@@ -635,7 +647,13 @@ class HazardAwareBlockPool:
                         lw, lr = w, r
                         pend = self._pending_host(w, r)
                     if pend is not None:
-                        self._hold(b, pend)
+                        # Hold b back on the pending host tokens; blocks with
+                        # this shadow share the pending set.
+                        held[b.block_id] = pend[0]
+                        for lst in pend[1]:
+                            lst.append(b)
+                        if leases:
+                            self._lease(b)
                         continue
                 if b.block_hash is None or not caching:
                     first.append(b)
@@ -670,16 +688,12 @@ class HazardAwareBlockPool:
         held_by = self._held_by
         return pending, [held_by.setdefault(t, []) for t in pending]
 
-    def _hold(self, b: KVCacheBlock, pend: tuple[set[Token], list[list[KVCacheBlock]]]) -> None:
-        """Hold ``b`` back on the pending host tokens ``pend`` (see :meth:`_pending_host`)."""
-        pending, lists = pend
-        self._held[b.block_id] = pending
-        for lst in lists:
-            lst.append(b)
-        if self.lease_timeout is not None:
-            deadline = self._clock() + self.lease_timeout
-            self._deadline[b.block_id] = deadline
-            self._leases.add((deadline, b.block_id))
+    def _lease(self, b: KVCacheBlock) -> None:
+        """Start the lease of held block ``b`` (leases on)."""
+        assert self.lease_timeout is not None
+        deadline = self._clock() + self.lease_timeout
+        self._deadline[b.block_id] = deadline
+        self._leases.add((deadline, b.block_id))
 
     def _unhold(self, block_id: int) -> None:
         self._held.pop(block_id, None)
@@ -964,32 +978,70 @@ class HazardAwareBlockPool:
             raise InvalidArgumentError(f"{len(block_hashes)} block hashes for {hi} full blocks")
         if block_mask is not None and len(block_mask) != hi - lo:
             raise InvalidArgumentError(f"block_mask has {len(block_mask)} entries, expected {hi - lo}")
-        plan: list[tuple[KVCacheBlock, Hashable, int | None, bool]] = []
+        # Pass 1 checks everything (nothing changes if it raises); pass 2
+        # publishes. A block with no key yet (the common case) is inserted
+        # inline: one dict lookup and one store; promotions and blocks that
+        # already hold a key go through the prefix cache's insert.
+        own = self.blocks
+        null = self.null_block
+        cls = self._block_cls
+        mask = block_mask
+        promote: set[int] = set()
         for i in range(lo, hi):
-            b = self._own(blocks[i])
-            if b.is_null or (block_mask is not None and not block_mask[i - lo]):
+            b = blocks[i]
+            try:
+                mine = b.__class__ is cls or own[b.block_id] is b
+            except (AttributeError, IndexError, TypeError):
+                mine = False
+            if not mine:
+                self._own(b)
+            if b is null or (mask is not None and not mask[i - lo]):
                 continue
-            key = block_hashes[i]
-            ntok = (i + 1) * block_size if block_size else None
-            promote = False
-            if b.block_hash is not None and b.block_hash != key:
-                old = b.block_hash_num_tokens
-                if old is None or ntok is None or old >= ntok:
-                    raise HashConflictError(
-                        f"block {b.block_id} is cached under {b.block_hash!r} "
-                        f"({old} tokens); it cannot also be full block {key!r} ({ntok} tokens)"
-                    )
-                promote = True
-            plan.append((b, key, ntok, promote))
+            h = b.block_hash
+            if h is not None:
+                key = block_hashes[i]
+                if h != key:
+                    ntok = (i + 1) * block_size if block_size else None
+                    old = b.block_hash_num_tokens
+                    if old is None or ntok is None or old >= ntok:
+                        raise HashConflictError(
+                            f"block {b.block_id} is cached under {h!r} "
+                            f"({old} tokens); it cannot also be full block {key!r} ({ntok} tokens)"
+                        )
+                    promote.add(i)
+        pc = self.prefix_cache
+        m = pc._map
+        invalid = self._invalid
+        events = self.enable_kv_cache_events
         stored: list[Hashable] = []
         ids: list[int] = []
-        for b, key, ntok, promote in plan:
-            if b.block_id in self._invalid:
+        for i in range(lo, hi):
+            b = blocks[i]
+            if b is null or (mask is not None and not mask[i - lo]):
+                continue
+            if invalid and b.block_id in invalid:
                 self._counters["unpublished_failed_loads"] += 1
                 continue
-            if promote:
-                self._drop_keys(b)
-            if self.prefix_cache.insert(key, b, ntok):
+            key = block_hashes[i]
+            if b.block_hash is None:
+                # PrefixCache.insert for a block holding no key, inline.
+                v = m.get(key)
+                if v is None:
+                    m[key] = b
+                elif v is b or (type(v) is dict and b.block_id in v):  # type: ignore[operator]
+                    continue
+                elif type(v) is dict:
+                    v[b.block_id] = b  # type: ignore[index]
+                else:
+                    m[key] = {v.block_id: v, b.block_id: b}  # type: ignore[union-attr,dict-item]
+                b.block_hash = key
+                b.block_hash_num_tokens = (i + 1) * block_size if block_size else None
+            else:
+                if i in promote:
+                    self._drop_keys(b)
+                if not pc.insert(key, b, (i + 1) * block_size if block_size else None):
+                    continue
+            if events:
                 stored.append(key)
                 ids.append(b.block_id)
         if stored and self.enable_kv_cache_events:
