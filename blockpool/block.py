@@ -29,7 +29,8 @@ class KVCacheBlock:
         block_hash: Primary prefix-cache key, or ``None`` when not cached.
         block_hash_num_tokens: Prefix tokens covered by ``block_hash``.
         prev_free_block, next_free_block: Links of the free queue; only
-            :class:`FreeBlockQueue` touches them.
+            :class:`FreeBlockQueue` touches them (and the pool's ``touch``,
+            which unlinks hit blocks inline, as ``FreeBlockQueue.remove`` does).
         writer: Shadow: the last write not known to have ended (a token), or ``None``.
         readers: Shadow: reads since that write: ``None``, one token, or a
             tuple of tokens (the newest read per device stream, each host

@@ -175,8 +175,9 @@ class HazardAwareBlockPool:
         # This pool's own block class: "is b mine" becomes a type test
         # (block_class_for_pool says why); other blocks are checked by identity.
         self._block_cls = block_cls = block_class_for_pool()
-        self.blocks: list[KVCacheBlock] = [self.null_block]
-        self.blocks.extend(map(block_cls, range(1, num_gpu_blocks)))
+        # Sized exactly (a list grown by appends keeps up to 1/8 spare slots).
+        self.blocks: list[KVCacheBlock] = [self.null_block] * num_gpu_blocks
+        self.blocks[1:] = map(block_cls, range(1, num_gpu_blocks))
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
 
         self.prefix_cache = PrefixCache()
@@ -552,18 +553,27 @@ class HazardAwareBlockPool:
         self._touch(self._own_all(blocks))
 
     def _touch(self, blocks: list[KVCacheBlock]) -> None:
+        # A free block leaves the queue: FreeBlockQueue.remove's unlinking,
+        # inline (the per-block method call was a third of a prefix hit).
         q = self.free_block_queue
         held = self._held
         null = self.null_block
+        removed = 0
         for b in blocks:
             if b is null:
                 continue
             if b.ref_cnt == 0:
-                if b.prev_free_block is not None:
-                    q.remove(b)
+                prev = b.prev_free_block
+                if prev is not None:
+                    nxt = b.next_free_block
+                    prev.next_free_block = nxt
+                    nxt.prev_free_block = prev  # type: ignore[union-attr]
+                    b.prev_free_block = b.next_free_block = None
+                    removed += 1
                 elif held:
                     self._unhold(b.block_id)
             b.ref_cnt += 1
+        q.num_free_blocks -= removed
 
     def free_blocks(
         self,
@@ -588,9 +598,15 @@ class HazardAwareBlockPool:
         if self._inbox or self._leases_on:
             self._sync()
         blocks = ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else list(ordered_blocks)
+        record = False
         if token is not None:
-            self.tracker.validate(token)
-            self._check_access(access)
+            st = self.tracker.validate(token)
+            if access is not _READ and access is not _WRITE:
+                self._check_access(access)
+            # Record the access unless the token has ended (tracker.is_ended, inline).
+            record = self.track_hazards and not (
+                token.seq <= st.mark or (st.kind is _HOST and token.seq in st.done)
+            )
         own = self.blocks
         null = self.null_block
         cls = self._block_cls
@@ -618,8 +634,8 @@ class HazardAwareBlockPool:
             if isinstance(exc, (IndexError, AttributeError, TypeError)):
                 self._own(blocks[i])  # raises the typed error
             raise
-        if token is not None and self.track_hazards and not self.tracker.is_ended(token):
-            self._record(blocks, token, access)
+        if record:
+            self._record(blocks, token, access)  # type: ignore[arg-type]
         if zero:
             self._enqueue_free(zero)
 
@@ -633,7 +649,7 @@ class HazardAwareBlockPool:
         first: list[KVCacheBlock] = []
         last: list[KVCacheBlock] = []
         caching = self.enable_caching
-        if self.track_hazards:
+        if self.track_hazards and self.tracker.host_pending():
             lw: object = _UNSET
             lr: object = _UNSET
             pend: tuple[set[Token], list[list[KVCacheBlock]]] | None = None
@@ -675,6 +691,8 @@ class HazardAwareBlockPool:
         """For a shadow ``(writer, readers)``: the host tokens in it that have
         not ended, and the ``_held_by`` list of each; ``None`` when there are
         none (the block need not be held)."""
+        if (w is None or w.kind is not _HOST) and (r is None or (type(r) is Token and r.kind is not _HOST)):  # type: ignore[union-attr]
+            return None  # no host token at all: the usual case
         if r is None:
             toks: tuple[Token, ...] = () if w is None else (w,)
         elif type(r) is Token:

@@ -122,11 +122,12 @@ class HazardTracker:
     :meth:`drain`.
     """
 
-    __slots__ = ("streams", "_inbox")
+    __slots__ = ("streams", "_inbox", "_hosts")
 
     def __init__(self) -> None:
         self.streams: dict[str, StreamState] = {}
         self._inbox: collections.deque[tuple[Token, bool]] = collections.deque()
+        self._hosts: list[StreamState] = []  # the HOST engines, for host_pending()
 
     # -- streams and tokens ------------------------------------------------
 
@@ -142,7 +143,9 @@ class HazardTracker:
                     f"stream {name!r} is already registered as {cur.kind.value}"
                 )
             return
-        self.streams[name] = StreamState(name, kind)
+        self.streams[name] = st = StreamState(name, kind)
+        if kind is _HOST:
+            self._hosts.append(st)
 
     def state(self, stream: str) -> StreamState:
         st = self.streams.get(stream)  # type: ignore[call-overload]
@@ -185,6 +188,15 @@ class HazardTracker:
     def is_ended(self, token: Token) -> bool:
         st = self.streams[token.stream]
         return token.seq <= st.mark or (st.kind is _HOST and token.seq in st.done)
+
+    def host_pending(self) -> bool:
+        """Whether some HOST-engine token may not have ended (one was issued
+        above its engine's mark). False lets the pool skip looking for host
+        accesses in shadows altogether. O(#host engines)."""
+        for st in self._hosts:
+            if st.last_seq > st.mark:
+                return True
+        return False
 
     # -- completions -------------------------------------------------------
 
