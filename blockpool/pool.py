@@ -113,6 +113,23 @@ def _with_read(r: Token | tuple[Token, ...] | None, t: Token, ended: Callable[[T
     return r + (t,)  # type: ignore[operator,return-value]
 
 
+def _as_list(x: Iterable[object], what: str) -> list:  # type: ignore[type-arg]
+    try:
+        return list(x)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be an iterable, got {x!r}") from None
+
+
+def _check_key(key: object) -> None:
+    """A prefix-cache key is any hashable but ``None`` (``None`` means "no key")."""
+    if key is None:
+        raise InvalidArgumentError("a block hash cannot be None (None means 'not cached')")
+    try:
+        hash(key)
+    except TypeError:
+        raise InvalidArgumentError(f"a block hash must be hashable, got {key!r}") from None
+
+
 class HazardAwareBlockPool:
     """A KV-cache block pool (vLLM v1 semantics) that hands out exact fences.
 
@@ -194,7 +211,11 @@ class HazardAwareBlockPool:
         self._deadline: dict[int, float] = {}  # lease of each held block
         self._expired: set[int] = set()
         # Loads in flight: stream -> {seq: blocks}; used to unpublish on failure.
-        self._loads: dict[str, dict[int, list[KVCacheBlock]]] = {}
+        # Writes begun by begin_load / begin_copy and not yet ended:
+        # stream -> {seq: [(block, writer before, readers before)]}. A failed
+        # write restores what it replaced (it may have failed before its
+        # waits) and unpublishes the blocks' keys.
+        self._writes: dict[str, dict[int, list[tuple[KVCacheBlock, Token | None, object]]]] = {}
         # Blocks whose content is invalid (their load failed) until rewritten.
         self._invalid: set[int] = set()
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -283,9 +304,11 @@ class HazardAwareBlockPool:
         """
         self._sync()
         self.tracker.validate(token)
-        self._counters["abandoned"] += 1
         before = set(self._held)
-        self._on_ended(token, True, self.tracker.end(token, True))
+        ended = self.tracker.end(token, True)
+        if ended:
+            self._counters["abandoned"] += 1
+        self._on_ended(token, True, ended)
         return sorted(before - set(self._held))
 
     def poll(self) -> None:
@@ -315,12 +338,12 @@ class HazardAwareBlockPool:
         self, token: Token, failed: bool, ended: list[tuple[StreamState, list[int]]]
     ) -> None:
         for st, seqs in ended:
-            loads = self._loads.get(st.name)
-            if loads:
+            writes = self._writes.get(st.name)
+            if writes:
                 for seq in seqs:
-                    blocks = loads.pop(seq, None)
-                    if blocks is not None and failed and seq == token.seq and st.name == token.stream:
-                        self._unpublish_failed_load(token, blocks)
+                    before = writes.pop(seq, None)
+                    if before is not None and failed and seq == token.seq and st.name == token.stream:
+                        self._undo_failed_write(token, before)
             if st.kind is _HOST and self._held_by:
                 for seq in seqs:
                     self._release_held(Token(st.name, seq, _HOST))
@@ -348,11 +371,29 @@ class HazardAwareBlockPool:
         if release:
             self._enqueue_free(release)
 
-    def _unpublish_failed_load(self, token: Token, blocks: list[KVCacheBlock]) -> None:
-        for b in blocks:
-            if b.writer == token:
-                self._invalid.add(b.block_id)
-                self._drop_keys(b)
+    def _undo_failed_write(
+        self, token: Token, before: list[tuple[KVCacheBlock, Token | None, object]]
+    ) -> None:
+        """A load or copy failed: it may have failed before its own waits, so
+        the accesses it replaced in each block's shadow may still run; put
+        them back (with the reads recorded since), mark the content invalid
+        and withdraw the blocks' keys."""
+        ended = self.tracker.is_ended
+        for b, writer, readers in before:
+            if b.writer is None or b.writer.stream != token.stream or b.writer.seq != token.seq:
+                continue  # rewritten since: the newer write replaced it
+            merged = readers
+            later = b.readers
+            for t in () if later is None else ((later,) if type(later) is Token else later):  # type: ignore[union-attr]
+                merged = _with_read(merged, t, ended)  # type: ignore[arg-type]
+            b.writer = writer
+            b.readers = merged  # type: ignore[assignment]
+            self._invalid.add(b.block_id)
+            self._drop_keys(b)
+            if b.ref_cnt == 0 and b.prev_free_block is not None:
+                # Free again, but the restored accesses may need a hold.
+                self.free_block_queue.remove(b)
+                self._enqueue_free([b])
 
     def _check_leases(self) -> None:
         now = self._clock()
@@ -390,7 +431,7 @@ class HazardAwareBlockPool:
         """``blocks`` as a list (the caller's own list when it is one), every
         block checked to be this pool's: one identity test per block
         (``blocks[b.block_id] is b``); raises as :meth:`_own` otherwise."""
-        block_list = blocks if type(blocks) is list else list(blocks)
+        block_list = blocks if type(blocks) is list else _as_list(blocks, "blocks")
         own = self.blocks
         cls = self._block_cls
         try:
@@ -597,7 +638,9 @@ class HazardAwareBlockPool:
         """
         if self._inbox or self._leases_on:
             self._sync()
-        blocks = ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else list(ordered_blocks)
+        blocks = (
+            ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else _as_list(ordered_blocks, "blocks")
+        )
         record = False
         if token is not None:
             st = self.tracker.validate(token)
@@ -873,6 +916,11 @@ class HazardAwareBlockPool:
         fence = self._fence(groups, st) if self.track_hazards else EMPTY_FENCE
         token = self.tracker.issue(stream, fence.tokens)
         if self.track_hazards:
+            before = [
+                (b, b.writer, b.readers) for blocks, access in groups if access is _WRITE for b in blocks
+            ]
+            if before:
+                self._writes.setdefault(stream, {})[token.seq] = before
             for blocks, access in groups:
                 self._record(blocks, token, access)
         return token, fence
@@ -925,10 +973,7 @@ class HazardAwareBlockPool:
             self._sync()
         st = self.tracker.state(stream)
         data = self._data_blocks(blocks, "load")
-        token, fence = self._begin(((data, _WRITE),), stream, st)
-        if data:
-            self._loads.setdefault(stream, {})[token.seq] = data
-        return token, fence
+        return self._begin(((data, _WRITE),), stream, st)
 
     def begin_store(self, blocks: Iterable[KVCacheBlock], stream: str) -> tuple[Token, Fence]:
         """Begin a store / offload (GPU -> external tier) from ``blocks`` on
@@ -951,9 +996,18 @@ class HazardAwareBlockPool:
 
     def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
         """The first cached block under ``block_hash`` (any opaque hashable),
-        or ``None``. O(1): one dict lookup."""
+        or ``None``. O(1): one dict lookup.
+
+        Raises:
+            InvalidArgumentError: ``block_hash`` is not hashable.
+        """
+        if self._inbox:
+            self._sync()  # a queued failed load must unpublish its keys first
+        try:
+            v = self.prefix_cache._map.get(block_hash)
+        except TypeError:
+            raise InvalidArgumentError(f"block hash must be hashable, got {block_hash!r}") from None
         self._lookups += 1
-        v = self.prefix_cache._map.get(block_hash)
         if v is None:
             return None
         self._hits += 1
@@ -978,7 +1032,8 @@ class HazardAwareBlockPool:
 
         Raises:
             InvalidArgumentError: counts out of range, too few hashes, mask
-                of the wrong length.
+                of the wrong length, a key that is ``None`` or unhashable, a
+                ``block_size`` that is not a positive int.
             ForeignBlockError: a block of another pool.
             HashConflictError: a block already cached under a different key
                 for the same or a longer prefix.
@@ -994,8 +1049,15 @@ class HazardAwareBlockPool:
             return
         if len(block_hashes) < hi:
             raise InvalidArgumentError(f"{len(block_hashes)} block hashes for {hi} full blocks")
-        if block_mask is not None and len(block_mask) != hi - lo:
-            raise InvalidArgumentError(f"block_mask has {len(block_mask)} entries, expected {hi - lo}")
+        try:
+            if block_mask is not None and len(block_mask) != hi - lo:
+                raise InvalidArgumentError(f"block_mask has {len(block_mask)} entries, expected {hi - lo}")
+        except TypeError:
+            raise InvalidArgumentError(f"block_mask must be a sequence of bool, got {block_mask!r}") from None
+        if block_size is not None and (
+            not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0
+        ):
+            raise InvalidArgumentError(f"block_size must be a positive int or None, got {block_size!r}")
         # Pass 1 checks everything (nothing changes if it raises); pass 2
         # publishes. A block with no key yet (the common case) is inserted
         # inline: one dict lookup and one store; promotions and blocks that
@@ -1015,9 +1077,10 @@ class HazardAwareBlockPool:
                 self._own(b)
             if b is null or (mask is not None and not mask[i - lo]):
                 continue
+            key = block_hashes[i]
+            _check_key(key)
             h = b.block_hash
             if h is not None:
-                key = block_hashes[i]
                 if h != key:
                     ntok = (i + 1) * block_size if block_size else None
                     old = b.block_hash_num_tokens
@@ -1086,13 +1149,15 @@ class HazardAwareBlockPool:
 
         Raises:
             ForeignBlockError: a block of another pool.
-            InvalidArgumentError: ``num_tokens`` is not a positive int.
+            InvalidArgumentError: ``num_tokens`` is not a positive int, or
+                ``block_hash`` is ``None`` or unhashable.
         """
         if self._inbox or self._leases_on:
             self._sync()
         b = self._own(block)
         if not isinstance(num_tokens, int) or num_tokens <= 0:
             raise InvalidArgumentError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        _check_key(block_hash)
         if b.is_null:
             return None
         if b.block_id in self._invalid:
@@ -1124,10 +1189,13 @@ class HazardAwareBlockPool:
 
         Raises:
             ForeignBlockError: a block of another pool.
+            NullBlockError: either block is the null block.
             HashConflictError: ``dst_block`` already holds a key.
         """
         self._sync()
         src, dst = self._own(src_block), self._own(dst_block)
+        if src.is_null or dst.is_null:
+            raise NullBlockError("the null block holds no prefix-cache keys")
         if self.prefix_cache.keys_of(dst):
             raise HashConflictError(f"block {dst.block_id} already holds prefix-cache keys")
         ntok = src.block_hash_num_tokens
@@ -1152,7 +1220,7 @@ class HazardAwareBlockPool:
                 (checked for all ids before any change).
         """
         self._sync()
-        ids = list(block_ids)
+        ids = _as_list(block_ids, "block_ids")
         for bid in ids:
             if not isinstance(bid, int) or not 0 <= bid < self.num_gpu_blocks:
                 raise InvalidArgumentError(
@@ -1206,7 +1274,13 @@ class HazardAwareBlockPool:
 
     def is_block_writable(self, block: KVCacheBlock) -> bool:
         """Whether the sole owner may write ``block`` in place (not null, ref
-        count 1, no key). O(1)."""
+        count 1, no key). O(1).
+
+        Raises:
+            InvalidArgumentError: ``block`` is not a block record.
+        """
+        if not isinstance(block, KVCacheBlock):
+            raise InvalidArgumentError(f"expected a KVCacheBlock, got {block!r}")
         return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
 
     def held_block_ids(self) -> list[int]:
@@ -1220,7 +1294,11 @@ class HazardAwareBlockPool:
         return sorted(self._expired)
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Take and clear the queued KV cache events (``[]`` when disabled). O(1)."""
+        """Take and clear the queued KV cache events (``[]`` when disabled),
+        after applying queued completions (a failed load's removed events).
+        O(1)."""
+        if self._inbox:
+            self._sync()
         if not self.enable_kv_cache_events:
             return []
         events, self.kv_event_queue = self.kv_event_queue, []

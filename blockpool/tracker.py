@@ -148,7 +148,10 @@ class HazardTracker:
             self._hosts.append(st)
 
     def state(self, stream: str) -> StreamState:
-        st = self.streams.get(stream)  # type: ignore[call-overload]
+        try:
+            st = self.streams.get(stream)  # type: ignore[call-overload]
+        except TypeError:
+            raise InvalidArgumentError(f"a stream is named by a str, got {stream!r}") from None
         if st is None:
             raise UnknownStreamError(
                 f"unknown stream {stream!r}; registered: {sorted(self.streams)}"
@@ -179,6 +182,11 @@ class HazardTracker:
         if not isinstance(token, Token):
             raise InvalidArgumentError(f"expected a Token, got {token!r}")
         st = self.state(token.stream)
+        if token.kind is not st.kind:
+            raise InvalidArgumentError(
+                f"token {token} is marked {token.kind.value} but stream {st.name!r} is a "
+                f"{st.kind.value} stream (rebuild tokens with their kind: Token.from_wire)"
+            )
         if token.seq > st.last_seq:
             raise UnknownTokenError(
                 f"token {token} was never issued (last issued on {st.name!r}: {st.last_seq})"
@@ -219,15 +227,22 @@ class HazardTracker:
         return out
 
     def end(self, token: Token, failed: bool = False) -> list[tuple[StreamState, list[int]]]:
-        """Mark ``token`` ended, and with it everything it was ordered after
-        (its issue-time clock: a work that ended had finished its waits).
+        """Mark ``token`` ended. A *completed* token also ends everything it
+        was ordered after (its issue-time clock: a work that finished had
+        finished its waits first). A *failed* one (``fail``, ``abandon``)
+        ends only itself: a transfer may fail, or its engine stop, before it
+        waited. On a DEVICE stream the tokens before a failed one completed
+        normally (the in-order stream got past them), so theirs propagate.
         Returns ``[(stream_state, newly_ended_seqs), ...]``, the token's own
         stream first; empty if it had already ended. O(#streams + host
         tokens in its clock + newly ended seqs)."""
         st = self.streams[token.stream]
         if st.is_ended(token.seq):
             return []
-        clock = st.token_clocks.get(token.seq)
+        # A failed DEVICE token still means its in-order stream got past the
+        # token before it, which completed normally (after its waits).
+        seq = token.seq - 1 if failed and st.kind is _DEVICE else token.seq
+        clock = st.token_clocks.get(seq) if not failed or seq != token.seq else None
         out = [(st, st.end(token.seq))]
         if failed:
             st.failed += 1

@@ -23,7 +23,8 @@ class HBModel:
         self.last: dict[str, Token | None] = dict.fromkeys(streams)
         # Tokens each DEVICE stream has waited on (persisting waits).
         self.waited: dict[str, set[Token]] = {s: set() for s in streams}
-        self.ended_direct: set[Token] = set()
+        self.ended_direct: set[Token] = set()  # completed
+        self.failed: set[Token] = set()  # failed or abandoned
         self.history: dict[int, list[tuple[Token, AccessKind]]] = {}
 
     # -- graph ---------------------------------------------------------------
@@ -59,7 +60,14 @@ class HBModel:
         return t in self.ancestors([u])
 
     def known_ended(self) -> set[Token]:
-        return self.ancestors(self.ended_direct)
+        """Completed tokens and everything before them; failed tokens only
+        themselves (a transfer may fail before it waited), except that on a
+        DEVICE stream the token before a failed one completed normally."""
+        roots = set(self.ended_direct)
+        for f in self.failed:
+            if self.kinds[f.stream] is StreamKind.DEVICE and f.seq > 1:
+                roots.add(Token(f.stream, f.seq - 1))
+        return self.ancestors(roots) | self.failed
 
     def consumer_position(self, stream: str) -> set[Token]:
         """What a new access on ``stream`` is already ordered after."""
@@ -121,7 +129,9 @@ class HBModel:
         for i, (t, _) in enumerate(hist):
             if self.kinds[t.stream] is not StreamKind.HOST or t in ended:
                 continue
-            if any(k is WRITE and u != t and self.hb(t, u) for u, k in hist[i + 1 :]):
+            if any(
+                k is WRITE and u != t and u not in self.failed and self.hb(t, u) for u, k in hist[i + 1 :]
+            ):
                 continue
             out.add(t)
         return out

@@ -49,6 +49,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.loads: dict[Token, list[int]] = {}
         self.requests: list[list[int]] = []
         self.tokens: list[Token] = []
+        self.transfers: set[Token] = set()  # tokens of begin_*: the ones that may fail
         self.next_key = 0
 
     # -- helpers -------------------------------------------------------------
@@ -70,6 +71,11 @@ class PoolMachine(RuleBasedStateMachine):
             if not self.hb.pending_host(b):
                 self.held.discard(b)
                 self.free.add(b)
+        for b in sorted(self.free):
+            # a failed write can restore a pending host access on a free block
+            if self.hb.pending_host(b):
+                self.free.discard(b)
+                self.held.add(b)
 
     def begin(self, kind: str, groups: list[tuple[list[int], AccessKind]], stream: str) -> Token:
         pool = self.pool
@@ -86,7 +92,9 @@ class PoolMachine(RuleBasedStateMachine):
             self.hb.access(ids_, token, access)
             if access is WRITE:
                 self.invalid -= set(ids_)
+                self.loads[token] = list(ids_)
         self.tokens.append(token)
+        self.transfers.add(token)
         return token
 
     # -- rules ---------------------------------------------------------------
@@ -179,8 +187,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), stream=st.sampled_from(["h2d", "rdma"]))
     def load(self, data: st.DataObject, stream: str) -> None:
         req = data.draw(st.sampled_from(self.requests))
-        token = self.begin("load", [(list(req), WRITE)], stream)
-        self.loads[token] = list(req)
+        self.begin("load", [(list(req), WRITE)], stream)
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data(), stream=st.sampled_from(["d2h", "rdma"]))
@@ -201,9 +208,11 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), failed=st.booleans())
     def complete(self, data: st.DataObject, failed: bool) -> None:
         token = data.draw(st.sampled_from(self.tokens))
+        failed = failed and token in self.transfers  # fail() is for transfers
         already = token in self.hb.known_ended()
         (self.pool.fail if failed else self.pool.complete)(token)
-        self.hb.ended_direct.add(token)
+        if not already:
+            (self.hb.failed if failed else self.hb.ended_direct).add(token)
         if failed and not already and token in self.loads:
             for b in self.loads[token]:
                 writes = [t for t, k in self.hb.history[b] if k is WRITE]
