@@ -329,12 +329,15 @@ class RaceOracle:
         c.add(token, ust.kind)
         st.standing = c
 
-    def complete(self, token: Token) -> None:
-        """The host observed that ``token`` ended (completed or failed): work
-        recorded afterwards, on any stream, is ordered after it and after
-        everything it was ordered after. On a ``DEVICE`` stream this ends
-        every earlier token too; on a ``HOST`` engine only ``token``.
-        Idempotent. O(#streams + in-flight host tokens).
+    def complete(self, token: Token, failed: bool = False) -> None:
+        """The host observed that ``token`` ended: work recorded afterwards,
+        on any stream, is ordered after it and, when it completed, after
+        everything it was ordered after. A *failed* token (``failed=True``:
+        a failed or abandoned transfer) may have ended before its own waits,
+        so only the token itself ends, plus, on a ``DEVICE`` stream, the
+        earlier tokens (which completed normally, in order). On a ``HOST``
+        engine only ``token`` ends. Idempotent.
+        O(#streams + in-flight host tokens).
 
         Raises:
             InvalidArgumentError: ``token`` is not a Token.
@@ -349,10 +352,11 @@ class RaceOracle:
         if self._ended(st, token.seq):
             return
         if st.kind is _DEVICE:  # a seq never recorded ends the ones before it
-            c = next((st.clocks[k] for k in reversed(st.clocks) if k <= token.seq), None)
+            upto = token.seq - 1 if failed else token.seq
+            c = next((st.clocks[k] for k in reversed(st.clocks) if k <= upto), None)
             self._done[st.name] = token.seq
         else:
-            c = st.clocks.get(token.seq)
+            c = None if failed else st.clocks.get(token.seq)
             st.live.discard(token.seq)
             st.ended.append(token.seq)
         if c is not None:

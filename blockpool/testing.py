@@ -269,7 +269,7 @@ class RaceHarness:
             UnknownStreamError, UnknownTokenError: a token never issued/recorded.
         """
         self.pool.fail(token)
-        self.oracle.complete(token)
+        self.oracle.complete(token, failed=True)
 
     def abandon(self, token: Token) -> list[int]:
         """The engine behind ``token`` stopped: :meth:`HazardAwareBlockPool.abandon`
@@ -279,7 +279,7 @@ class RaceHarness:
             UnknownStreamError, UnknownTokenError: a token never issued/recorded.
         """
         released = self.pool.abandon(token)
-        self.oracle.complete(token)
+        self.oracle.complete(token, failed=True)
         return released
 
     def check(self) -> None:

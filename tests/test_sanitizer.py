@@ -351,3 +351,18 @@ def test_waiting_on_an_ended_token_whose_clock_was_dropped_is_allowed() -> None:
     o.complete(tok("rdma:1"))
     o.record(tok("rdma:2"))  # drops rdma:1's clock
     assert run(o, "compute:1", [1], R, after=("rdma:1",)) == []
+
+
+def test_failed_token_does_not_order_later_work_after_its_waits() -> None:
+    from blockpool.hazards import AccessKind, StreamKind, Token
+    from blockpool.sanitizer import RaceOracle
+
+    oracle = RaceOracle({"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "rdma": StreamKind.HOST})
+    e1, load, dma = Token("compute", 1), Token("rdma", 1, StreamKind.HOST), Token("h2d", 1)
+    oracle.record(e1)
+    oracle.access(e1, [3], AccessKind.READ, "forward")
+    oracle.record(load, after=[e1])
+    oracle.complete(load, failed=True)  # may have failed before waiting on e1
+    oracle.record(dma)
+    (v,) = oracle.access(dma, [3], AccessKind.WRITE, "load")
+    assert (v.hazard, v.prior_token, v.token) == ("WAR", e1, dma)

@@ -205,7 +205,7 @@ class Machine:
         ev = self.events
         t0 = time.perf_counter_ns()
         for w in done:
-            oracle.complete(w.token)
+            oracle.complete(w.token, failed=w.failed)
         self.oracle_ns += time.perf_counter_ns() - t0
         if ev is not None:
             for w in done:
