@@ -85,24 +85,31 @@ class PrefixCache:
         return True
 
     def remove_block(self, block: KVCacheBlock) -> list[Hashable]:
-        """Withdraw every key of ``block``; returns them (primary first)."""
+        """Withdraw every key of ``block``; returns the keys that actually
+        mapped to it (primary first), as vLLM reports removals. The block
+        forgets all its keys either way. O(keys of the block)."""
         keys = self.keys_of(block)
         if not keys:
             return keys
         self._extra.pop(block.block_id, None)
         m = self._map
         bid = block.block_id
+        removed: list[Hashable] = []
         for key in keys:
             v = m.get(key)
             if v is block:
                 del m[key]
+                removed.append(key)
             elif type(v) is dict:
-                v.pop(bid, None)  # type: ignore[union-attr]
+                if v.pop(bid, None) is not None:  # type: ignore[union-attr]
+                    removed.append(key)
                 if len(v) == 1:  # type: ignore[arg-type]
                     m[key] = next(iter(v.values()))  # type: ignore[union-attr]
+                elif not v:
+                    del m[key]
         block.block_hash = None
         block.block_hash_num_tokens = None
-        return keys
+        return removed
 
     def clear(self) -> None:
         self._map.clear()

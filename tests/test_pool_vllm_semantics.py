@@ -211,3 +211,17 @@ def test_stats_count_cache_lookups_and_hits(pool: HazardAwareBlockPool) -> None:
     pool.get_cached_block("missing")
     s = pool.stats()
     assert (s.lookups, s.hits, s.cached_blocks, s.cached_keys, s.used, s.free) == (2, 1, 1, 1, 1, 8)
+
+
+def test_prefix_cache_removal_reports_only_keys_that_mapped_and_leaves_no_empty_entry() -> None:
+    from blockpool.block import KVCacheBlock
+    from blockpool.prefix_cache import PrefixCache
+
+    pc = PrefixCache()
+    a, b = KVCacheBlock(1), KVCacheBlock(2)
+    pc.insert("k", a, 16)
+    pc.insert("k", b, 16)
+    pc._map["k"] = {2: b}  # as left by code that pops entries directly (vLLM's tests do)
+    assert pc.remove_block(b) == ["k"]
+    assert pc.remove_block(a) == []
+    assert len(pc) == 0 and a.block_hash is None
