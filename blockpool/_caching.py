@@ -1,0 +1,290 @@
+"""The prefix-cache surface of the pool (vLLM's key model, request-agnostic
+keys): lookup, publish, partial keys, moves, eviction, reset."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+
+from blockpool._base import (
+    PoolBase,
+    _as_list,
+    _check_key,
+    logger,
+)
+from blockpool.block import KVCacheBlock
+from blockpool.errors import (
+    HashConflictError,
+    InvalidArgumentError,
+    NullBlockError,
+)
+from blockpool.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+__all__ = ["CacheOps"]
+
+
+class CacheOps(PoolBase):
+    """Prefix-cache operations of the pool."""
+
+    # ------------------------------------------------------------------
+    # prefix cache (vLLM surface, request-agnostic keys)
+    # ------------------------------------------------------------------
+
+    def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
+        """The first cached block under ``block_hash`` (any opaque hashable),
+        or ``None``. O(1): one dict lookup.
+
+        Raises:
+            InvalidArgumentError: ``block_hash`` is not hashable.
+        """
+        if self._inbox:
+            self._sync()  # a queued failed load must unpublish its keys first
+        try:
+            v = self.prefix_cache._map.get(block_hash)
+        except TypeError:
+            raise InvalidArgumentError(f"block hash must be hashable, got {block_hash!r}") from None
+        self._lookups += 1
+        if v is None:
+            return None
+        self._hits += 1
+        # A key shared by several blocks maps to {block_id: block} (PrefixCache).
+        return next(iter(v.values())) if type(v) is dict else v  # type: ignore[union-attr,return-value]
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[Hashable],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int | None = None,
+        block_mask: Sequence[bool] | None = None,
+    ) -> None:
+        """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under
+        ``block_hashes[i]`` (one key per block, aligned with ``blocks``).
+        Null or masked-out blocks are skipped; so are blocks whose load
+        failed. A block already holding a shorter-prefix key is promoted
+        (its old keys removed, with events). Emits one stored event.
+        O(num_full_blocks - num_cached_blocks).
+
+        Raises:
+            InvalidArgumentError: counts out of range, too few hashes, mask
+                of the wrong length, a key that is ``None`` or unhashable, a
+                ``block_size`` that is not a positive int.
+            ForeignBlockError: a block of another pool.
+            HashConflictError: a block already cached under a different key
+                for the same or a longer prefix.
+        """
+        if self._inbox or self._leases_on:
+            self._sync()
+        lo, hi = num_cached_blocks, num_full_blocks
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo and hi <= len(blocks)):
+            raise InvalidArgumentError(
+                f"need 0 <= num_cached_blocks <= num_full_blocks <= len(blocks), got {lo}, {hi}, {len(blocks)}"
+            )
+        if lo >= hi:
+            return
+        if len(block_hashes) < hi:
+            raise InvalidArgumentError(f"{len(block_hashes)} block hashes for {hi} full blocks")
+        try:
+            if block_mask is not None and len(block_mask) != hi - lo:
+                raise InvalidArgumentError(f"block_mask has {len(block_mask)} entries, expected {hi - lo}")
+        except TypeError:
+            raise InvalidArgumentError(f"block_mask must be a sequence of bool, got {block_mask!r}") from None
+        if block_size is not None and (
+            not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0
+        ):
+            raise InvalidArgumentError(f"block_size must be a positive int or None, got {block_size!r}")
+        # Pass 1 checks everything (nothing changes if it raises); pass 2
+        # publishes. A block with no key yet (the common case) is inserted
+        # inline: one dict lookup and one store; promotions and blocks that
+        # already hold a key go through the prefix cache's insert.
+        own = self.blocks
+        null = self.null_block
+        cls = self._block_cls
+        mask = block_mask
+        promote: set[int] = set()
+        for i in range(lo, hi):
+            b = blocks[i]
+            try:
+                mine = b.__class__ is cls or own[b.block_id] is b
+            except (AttributeError, IndexError, TypeError):
+                mine = False
+            if not mine:
+                self._own(b)
+            if b is null or (mask is not None and not mask[i - lo]):
+                continue
+            key = block_hashes[i]
+            _check_key(key)
+            h = b.block_hash
+            if h is not None:
+                if h != key:
+                    ntok = (i + 1) * block_size if block_size else None
+                    old = b.block_hash_num_tokens
+                    if old is None or ntok is None or old >= ntok:
+                        raise HashConflictError(
+                            f"block {b.block_id} is cached under {h!r} "
+                            f"({old} tokens); it cannot also be full block {key!r} ({ntok} tokens)"
+                        )
+                    promote.add(i)
+        pc = self.prefix_cache
+        m = pc._map
+        invalid = self._invalid
+        events = self.enable_kv_cache_events
+        stored: list[Hashable] = []
+        ids: list[int] = []
+        for i in range(lo, hi):
+            b = blocks[i]
+            if b is null or (mask is not None and not mask[i - lo]):
+                continue
+            if invalid and b.block_id in invalid:
+                self._counters["unpublished_failed_loads"] += 1
+                continue
+            key = block_hashes[i]
+            if b.block_hash is None:
+                # PrefixCache.insert for a block holding no key, inline.
+                v = m.get(key)
+                if v is None:
+                    m[key] = b
+                elif v is b or (type(v) is dict and b.block_id in v):  # type: ignore[operator]
+                    continue
+                elif type(v) is dict:
+                    v[b.block_id] = b  # type: ignore[index]
+                else:
+                    m[key] = {v.block_id: v, b.block_id: b}  # type: ignore[union-attr,dict-item]
+                b.block_hash = key
+                b.block_hash_num_tokens = (i + 1) * block_size if block_size else None
+            else:
+                if i in promote:
+                    self._drop_keys(b)
+                if not pc.insert(key, b, (i + 1) * block_size if block_size else None):
+                    continue
+            if events:
+                stored.append(key)
+                ids.append(b.block_id)
+        if stored and self.enable_kv_cache_events:
+            parent = block_hashes[lo - 1] if lo > 0 else None
+            self.kv_event_queue.append(
+                BlockStored(tuple(stored), parent, block_size, tuple(ids), self.medium)
+            )
+
+    def cache_partial_block(
+        self,
+        block: KVCacheBlock,
+        block_hash: Hashable,
+        num_tokens: int,
+        replace_existing_hashes: bool = False,
+        parent_block_hash: Hashable | None = None,
+    ) -> Hashable | None:
+        """Make ``block`` reachable under a partial-prefix key covering
+        ``num_tokens`` tokens (vLLM's partial entries). A block whose primary
+        key covers fewer tokens is promoted (old keys removed, with events);
+        one whose key covers more keeps it and gains ``block_hash`` as an
+        extra key. ``replace_existing_hashes``: the content was replaced, drop
+        every key first. Returns the key, or ``None`` for the null block or a
+        block whose load failed. O(keys of the block).
+
+        Raises:
+            ForeignBlockError: a block of another pool.
+            InvalidArgumentError: ``num_tokens`` is not a positive int, or
+                ``block_hash`` is ``None`` or unhashable.
+        """
+        if self._inbox or self._leases_on:
+            self._sync()
+        b = self._own(block)
+        if not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise InvalidArgumentError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        _check_key(block_hash)
+        if b.is_null:
+            return None
+        if b.block_id in self._invalid:
+            self._counters["unpublished_failed_loads"] += 1
+            return None
+        pc = self.prefix_cache
+        already = b.block_hash == block_hash or pc.contains(block_hash, b)
+        if replace_existing_hashes:
+            self._drop_keys(b)
+            already = False
+        elif (
+            not already
+            and b.block_hash is not None
+            and b.block_hash_num_tokens is not None
+            and b.block_hash_num_tokens < num_tokens
+        ):
+            self._drop_keys(b)
+        pc.insert(block_hash, b, num_tokens)
+        if not already and self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockStored((block_hash,), parent_block_hash, num_tokens, (b.block_id,), self.medium)
+            )
+        return block_hash
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Re-point every key of ``src_block`` to ``dst_block`` (the prefix
+        cache keeps a private copy while the owner keeps writing ``src``). No
+        events. O(keys).
+
+        Raises:
+            ForeignBlockError: a block of another pool.
+            NullBlockError: either block is the null block.
+            HashConflictError: ``dst_block`` already holds a key.
+        """
+        self._sync()
+        src, dst = self._own(src_block), self._own(dst_block)
+        if src.is_null or dst.is_null:
+            raise NullBlockError("the null block holds no prefix-cache keys")
+        if self.prefix_cache.keys_of(dst):
+            raise HashConflictError(f"block {dst.block_id} already holds prefix-cache keys")
+        ntok = src.block_hash_num_tokens
+        first = True
+        for key in self.prefix_cache.remove_block(src):
+            self.prefix_cache.insert(key, dst, ntok if first else None)
+            first = False
+
+    def _drop_keys(self, b: KVCacheBlock) -> None:
+        keys = self.prefix_cache.remove_block(b)
+        if keys and self.enable_kv_cache_events:
+            medium = self.medium
+            self.kv_event_queue.extend(BlockRemoved((k,), medium) for k in keys)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the prefix-cache keys of the given blocks (removed events).
+        Blocks stay where they are (in use, or free at the same queue
+        position). O(len(block_ids)).
+
+        Raises:
+            InvalidArgumentError: an id outside ``0 .. num_gpu_blocks - 1``
+                (checked for all ids before any change).
+        """
+        self._sync()
+        ids = _as_list(block_ids, "block_ids")
+        for bid in ids:
+            if not isinstance(bid, int) or not 0 <= bid < self.num_gpu_blocks:
+                raise InvalidArgumentError(
+                    f"invalid block_id {bid!r}: the pool has {self.num_gpu_blocks} blocks"
+                )
+        for bid in ids:
+            b = self.blocks[bid]
+            if self.prefix_cache.keys_of(b):
+                self._drop_keys(b)
+                self._counters["evictions"] += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every key (one all-cleared event) if no block is in use or
+        held; else change nothing and return False. O(num_gpu_blocks)."""
+        self._sync()
+        busy = self.num_gpu_blocks - 1 - self.free_block_queue.num_free_blocks
+        if busy:
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet "
+                "(%d held back for host transfers)",
+                busy,
+                len(self._held),
+            )
+            return False
+        self.prefix_cache.clear()
+        for b in self.blocks:
+            b.reset_hash()
+        self._invalid.clear()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared(self.medium))
+        logger.info("Successfully reset prefix cache")
+        return True

@@ -1,0 +1,255 @@
+"""Fences and accesses: computing the fence of an access from the blocks'
+shadows, recording accesses, and the ``begin_*`` calls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from blockpool._base import (
+    _HOST,
+    _READ,
+    _UNSET,
+    _WRITE,
+    PoolBase,
+    _with_read,
+)
+from blockpool.block import KVCacheBlock
+from blockpool.errors import (
+    InvalidArgumentError,
+    NullBlockError,
+)
+from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, Token
+from blockpool.tracker import StreamState
+
+__all__ = ["FenceOps"]
+
+
+class FenceOps(PoolBase):
+    """Fence computation and access recording of the pool."""
+
+    # ------------------------------------------------------------------
+    # hazards: fences and accesses
+    # ------------------------------------------------------------------
+
+    def fence_for(
+        self,
+        blocks: Iterable[KVCacheBlock],
+        stream: str,
+        access: AccessKind = AccessKind.WRITE,
+    ) -> Fence:
+        """The fence for an ``access`` by ``stream`` to ``blocks`` beginning
+        now, and record that ``stream`` waits on it. A write waits for each
+        block's writer and readers (WAW, WAR), a read for the writer (RAW);
+        minus ended tokens, tokens on ``stream`` itself when it is a device
+        stream, tokens ``stream`` is already ordered after, and tokens covered
+        by another token of the fence. Null blocks are skipped.
+        O(len(blocks) + k^2), k = distinct streams/host tokens found.
+
+        Raises:
+            UnknownStreamError: ``stream`` is not registered.
+            ForeignBlockError: a block of another pool.
+            InvalidArgumentError: ``access`` is not an AccessKind.
+        """
+        if self._inbox or self._leases_on:
+            self._sync()
+        st = self.tracker.state(stream)
+        access = self._check_access(access)
+        block_list = self._own_all(blocks)
+        if not self.track_hazards:
+            return EMPTY_FENCE
+        return self._fence(((block_list, access),), st)
+
+    def _fence(
+        self,
+        groups: Iterable[tuple[Sequence[KVCacheBlock], AccessKind]],
+        st: StreamState,
+    ) -> Fence:
+        # Candidates: newest token per device stream, each host token apart
+        # (keyed by (stream, seq): Token's own hash is a Python function).
+        # Blocks allocated together were mostly freed together and share
+        # their shadow objects, so a writer or readers object identical to
+        # the previous block's adds nothing and is skipped: per block, the
+        # scan is two attribute reads and two identity tests.
+        cand: dict[object, Token] = {}
+        why: dict[Token, FenceReason] | None = {} if self.debug else None
+        get = cand.get
+        lw: object = _UNSET
+        lr: object = _UNSET
+        for blocks, access in groups:
+            write = access is _WRITE
+            for b in blocks:
+                w = b.writer
+                if w is not None and w is not lw:
+                    lw = w
+                    k: object = w.stream if w.kind is not _HOST else (w.stream, w.seq)
+                    cur = get(k)
+                    if cur is None or cur.seq < w.seq:
+                        cand[k] = w
+                        if why is not None:
+                            why[w] = FenceReason(w, b.block_id, "writer", access)
+                if write:
+                    r = b.readers
+                    if r is not None and r is not lr:
+                        lr = r
+                        for t in (r,) if type(r) is Token else r:  # type: ignore[union-attr]
+                            k = t.stream if t.kind is not _HOST else (t.stream, t.seq)
+                            cur = get(k)
+                            if cur is None or cur.seq < t.seq:
+                                cand[k] = t
+                                if why is not None:
+                                    why[t] = FenceReason(t, b.block_id, "reader", access)
+        c = self._counters
+        c["fences"] += 1
+        if not cand:
+            c["empty_fences"] += 1
+            return EMPTY_FENCE
+        tokens = self.tracker.reduce(cand.values(), st)
+        if not tokens:
+            c["empty_fences"] += 1
+            return EMPTY_FENCE
+        self.tracker.wait(st, tokens)
+        host_wait = st.kind is _HOST or any(t.kind is _HOST for t in tokens)
+        c["fence_tokens"] += len(tokens)
+        if len(tokens) > c["max_fence_size"]:
+            c["max_fence_size"] = len(tokens)
+        if host_wait:
+            c["host_wait_fences"] += 1
+        reasons: tuple[FenceReason, ...] = ()
+        if why is not None:
+            tokens.sort(key=lambda t: (t.stream, t.seq))
+            reasons = tuple(why[t] for t in tokens)
+        return Fence(tokens, host_wait, reasons)
+
+    def _record(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
+        """Write ``token`` into the shadows of ``blocks`` (nulls skipped).
+
+        A write replaces the shadow. A read joins the readers
+        (:func:`_with_read`); readers values are immutable and shared, so the
+        new value is computed once per distinct old value and assigned to
+        every block that had it: one identity test and one store per block."""
+        null = self.null_block
+        if access is _WRITE:
+            for b in blocks:
+                b.writer = token
+                b.readers = None
+            null.writer = null.readers = None  # the null block never has a shadow
+            invalid = self._invalid
+            if invalid:
+                for b in blocks:
+                    invalid.discard(b.block_id)
+            return
+        ended = self.tracker.is_ended
+        last_in: object = _UNSET
+        last_out: Token | tuple[Token, ...] | None = None
+        for b in blocks:
+            r = b.readers
+            if r is not last_in:
+                last_in = r
+                last_out = _with_read(r, token, ended)
+            b.readers = last_out
+        null.readers = None
+
+    def tag(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
+        """Record that ``token``'s work accesses ``blocks`` (e.g. step N's
+        forward writes the blocks receiving new tokens). The caller ordered
+        that work after the blocks' fences (:meth:`fence_for` /
+        :meth:`allocate_for`). A write replaces the shadow; a read joins it.
+        Null blocks are skipped. O(len(blocks)).
+
+        Raises:
+            ForeignBlockError, UnknownStreamError, UnknownTokenError,
+            InvalidArgumentError: as the names say; nothing changes.
+        """
+        if self._inbox or self._leases_on:
+            self._sync()
+        self.tracker.validate(token)
+        access = self._check_access(access)
+        block_list = self._own_all(blocks)
+        if self.track_hazards and not self.tracker.is_ended(token):
+            self._record(block_list, token, access)
+        elif access is _WRITE and self._invalid:
+            for b in block_list:
+                self._invalid.discard(b.block_id)
+
+    def _begin(
+        self,
+        groups: tuple[tuple[list[KVCacheBlock], AccessKind], ...],
+        stream: str,
+        st: StreamState,
+    ) -> tuple[Token, Fence]:
+        fence = self._fence(groups, st) if self.track_hazards else EMPTY_FENCE
+        token = self.tracker.issue(stream, fence.tokens)
+        if self.track_hazards:
+            before = [
+                (b, b.writer, b.readers) for blocks, access in groups if access is _WRITE for b in blocks
+            ]
+            if before:
+                self._writes.setdefault(stream, {})[token.seq] = before
+            for blocks, access in groups:
+                self._record(blocks, token, access)
+        return token, fence
+
+    def begin_copy(
+        self, pairs: Iterable[tuple[KVCacheBlock, KVCacheBlock]], stream: str = "compute"
+    ) -> tuple[Token, Fence]:
+        """Begin copy-on-write / block copies ``(src, dst)`` on ``stream``:
+        returns the copy's token (a read of every ``src``, a write of every
+        ``dst``) and the fence the copy waits on. O(len(pairs)).
+
+        Raises:
+            UnknownStreamError: ``stream`` is not registered.
+            ForeignBlockError: a block of another pool.
+            NullBlockError: the null block as a source or destination.
+            BlockNotAllocatedError: a block with ref count 0.
+            InvalidArgumentError: a pair is not a 2-tuple.
+        """
+        if self._inbox or self._leases_on:
+            self._sync()
+        st = self.tracker.state(stream)
+        srcs: list[KVCacheBlock] = []
+        dsts: list[KVCacheBlock] = []
+        for pair in pairs:
+            try:
+                src, dst = pair
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(f"a copy is a (src, dst) pair, got {pair!r}") from None
+            for b in (src, dst):
+                self._own(b)
+                if b.is_null:
+                    raise NullBlockError("the null block cannot be copied from or into")
+            srcs.append(src)
+            dsts.append(dst)
+        self._data_blocks(srcs + dsts, "copy")
+        return self._begin(((srcs, _READ), (dsts, _WRITE)), stream, st)
+
+    def begin_load(self, blocks: Iterable[KVCacheBlock], stream: str) -> tuple[Token, Fence]:
+        """Begin a load (external tier -> GPU) into ``blocks`` on ``stream``
+        (a DMA stream or a host engine): returns the load's token (the new
+        writer of every block) and the fence it waits on (WAR on the last
+        readers, WAW on the last writer). If the load fails, the blocks lose
+        their keys and are not published until rewritten. Null placeholders
+        are skipped. O(len(blocks)).
+
+        Raises:
+            UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
+        """
+        if self._inbox or self._leases_on:
+            self._sync()
+        st = self.tracker.state(stream)
+        data = self._data_blocks(blocks, "load")
+        return self._begin(((data, _WRITE),), stream, st)
+
+    def begin_store(self, blocks: Iterable[KVCacheBlock], stream: str) -> tuple[Token, Fence]:
+        """Begin a store / offload (GPU -> external tier) from ``blocks`` on
+        ``stream``: returns the store's token (a reader of every block; a
+        later write waits on it, WAR) and the fence it waits on (RAW on the
+        last writer). Null placeholders are skipped. O(len(blocks)).
+
+        Raises:
+            UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
+        """
+        if self._inbox or self._leases_on:
+            self._sync()
+        st = self.tracker.state(stream)
+        data = self._data_blocks(blocks, "store")
+        return self._begin(((data, _READ),), stream, st)

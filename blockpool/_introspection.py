@@ -1,0 +1,183 @@
+"""Queries, counters, invariants and snapshots of the pool."""
+
+from __future__ import annotations
+
+from blockpool._base import (
+    PoolBase,
+    _shadow_tokens,
+)
+from blockpool.block import KVCacheBlock
+from blockpool.errors import (
+    InvalidArgumentError,
+    InvariantError,
+)
+from blockpool.events import KVCacheEvent
+from blockpool.stats import PoolSnapshot, PoolStats
+
+__all__ = ["IntrospectionOps"]
+
+
+class IntrospectionOps(PoolBase):
+    """Queries and invariant checks of the pool."""
+
+    # ------------------------------------------------------------------
+    # queries
+    # ------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks in the free queue (held blocks excluded). O(1) plus queued
+        completions."""
+        if self._inbox or self._leases_on:
+            self._sync()
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks not free (held count as used), in [0, 1]. O(1)."""
+        total = self.num_gpu_blocks - 1
+        if not total:
+            return 0.0
+        return 1.0 - self.get_num_free_blocks() / total
+
+    def is_block_writable(self, block: KVCacheBlock) -> bool:
+        """Whether the sole owner may write ``block`` in place (not null, ref
+        count 1, no key). O(1).
+
+        Raises:
+            InvalidArgumentError: ``block`` is not a block record.
+        """
+        if not isinstance(block, KVCacheBlock):
+            raise InvalidArgumentError(f"expected a KVCacheBlock, got {block!r}")
+        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+
+    def held_block_ids(self) -> list[int]:
+        """Blocks held back for pending host-engine accesses, sorted. O(h log h)."""
+        self._sync()
+        return sorted(self._held)
+
+    def expired_leases(self) -> list[int]:
+        """Held blocks whose lease expired (still quarantined), sorted."""
+        self._sync()
+        return sorted(self._expired)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Take and clear the queued KV cache events (``[]`` when disabled),
+        after applying queued completions (a failed load's removed events).
+        O(1)."""
+        if self._inbox:
+            self._sync()
+        if not self.enable_kv_cache_events:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    def _all_counters(self) -> dict[str, int]:
+        return {**self._counters, "lookups": self._lookups, "hits": self._hits}
+
+    def stats(self) -> PoolStats:
+        """Counters and occupancy. O(num_gpu_blocks)."""
+        self._sync()
+        free = self.free_block_queue.num_free_blocks
+        held = len(self._held)
+        usable = self.num_gpu_blocks - 1
+        cached = sum(1 for b in self.blocks if b.block_hash is not None)
+        return PoolStats(
+            num_blocks=usable,
+            free=free,
+            held=held,
+            used=usable - free - held,
+            cached_blocks=cached,
+            cached_keys=len(self.prefix_cache),
+            failed_tokens=sum(s.failed for s in self.tracker.streams.values()),
+            **self._all_counters(),
+        )
+
+    # ------------------------------------------------------------------
+    # invariants and snapshots
+    # ------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Assert every invariant; raises :class:`InvariantError` naming the
+        first one broken. O(num_gpu_blocks + cached keys).
+
+        Checked: the null block is never free, held, referenced or cached;
+        the free queue's links and count agree; free blocks have ref count 0
+        and are not held; held blocks have ref count 0 and a pending host
+        token; ref counts >= 0; free + held + used = total; no block is
+        counted twice; key map <-> block keys agree both ways.
+        """
+        free_list = self.free_block_queue.check()
+        free_ids = [b.block_id for b in free_list]
+        free_set = set(free_ids)
+        if len(free_set) != len(free_ids):
+            raise InvariantError("a block appears twice in the free queue")
+        null = self.null_block
+        if 0 in free_set or null.ref_cnt != 0 or null.block_hash is not None or 0 in self._held:
+            raise InvariantError("the null block is free, held, referenced or cached")
+        for b in self.blocks:
+            if b.ref_cnt < 0:
+                raise InvariantError(f"block {b.block_id} has ref count {b.ref_cnt}")
+            if b.block_id in free_set and b.ref_cnt != 0:
+                raise InvariantError(f"free block {b.block_id} has ref count {b.ref_cnt}")
+        for bid, pending in self._held.items():
+            if bid in free_set or self.blocks[bid].ref_cnt != 0 or not pending:
+                raise InvariantError(f"held block {bid} is free, referenced or has no pending token")
+        used = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
+        zero_not_free = sum(
+            1 for b in self.blocks[1:] if b.ref_cnt == 0 and b.block_id not in free_set
+        )
+        if zero_not_free != len(self._held):
+            raise InvariantError(
+                f"{zero_not_free} unreferenced blocks are outside the free queue but "
+                f"{len(self._held)} are held"
+            )
+        if len(free_set) + len(self._held) + used != self.num_gpu_blocks - 1:
+            raise InvariantError("free + held + used != total")
+        seen_pairs = set()
+        for key, blocks in self.prefix_cache.items():
+            if not blocks:
+                raise InvariantError(f"key {key!r} maps to no block")
+            for b in blocks:
+                if self.blocks[b.block_id] is not b or b.is_null:
+                    raise InvariantError(f"key {key!r} maps to a foreign or null block")
+                if key not in self.prefix_cache.keys_of(b):
+                    raise InvariantError(f"key {key!r} maps to block {b.block_id} which lacks it")
+                seen_pairs.add((key, b.block_id))
+        for b in self.blocks:
+            for key in self.prefix_cache.keys_of(b):
+                if (key, b.block_id) not in seen_pairs:
+                    raise InvariantError(f"block {b.block_id} holds key {key!r} the map lacks")
+        for bid, extra in self.prefix_cache.extra_keys().items():
+            if extra and self.blocks[bid].block_hash is None:
+                raise InvariantError(f"block {bid} has extra keys but no primary key")
+
+    def snapshot(self) -> PoolSnapshot:
+        """A comparable picture of all observable state (tests: take one
+        before a failing call, compare after). O(num_gpu_blocks)."""
+        pc = self.prefix_cache
+        tr = self.tracker
+        return PoolSnapshot(
+            ref_counts=tuple(b.ref_cnt for b in self.blocks),
+            free_queue=tuple(b.block_id for b in self.free_block_queue),
+            held=tuple(
+                (bid, tuple(sorted(map(str, toks)))) for bid, toks in sorted(self._held.items())
+            ),
+            cache=tuple(
+                (b.block_id, repr(k), b.block_hash_num_tokens if k == b.block_hash else None)
+                for b in self.blocks
+                for k in pc.keys_of(b)
+            ),
+            shadows=tuple(
+                (b.block_id, str(b.writer), tuple(sorted(map(str, _shadow_tokens(b)))))
+                for b in self.blocks
+                if b.writer is not None or b.readers is not None
+            ),
+            events=tuple(self.kv_event_queue),
+            marks=tuple(
+                (n, s.last_seq, s.mark, tuple(s.done)) for n, s in sorted(tr.streams.items())
+            ),
+            clocks=tuple(
+                (n, tuple(sorted(s.clock.dev.items())), tuple(sorted(map(str, s.clock.host))))
+                for n, s in sorted(tr.streams.items())
+            ),
+            counters=tuple(sorted(self._all_counters().items())) + (("invalid", len(self._invalid)),),
+        )

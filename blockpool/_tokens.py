@@ -1,0 +1,211 @@
+"""Streams, tokens and completions of the pool: issue, complete, fail,
+abandon, and what applying a completion does (held blocks released, failed
+writes undone, leases checked)."""
+
+from __future__ import annotations
+
+import warnings
+
+from blockpool._base import (
+    _HOST,
+    PoolBase,
+    _with_read,
+    logger,
+)
+from blockpool.block import KVCacheBlock
+from blockpool.errors import (
+    LeaseExpiredWarning,
+)
+from blockpool.hazards import StreamKind, Token
+from blockpool.tracker import StreamState
+
+__all__ = ["TokenOps"]
+
+
+class TokenOps(PoolBase):
+    """Token issue and completion handling of the pool."""
+
+    # ------------------------------------------------------------------
+    # streams, tokens, completions
+    # ------------------------------------------------------------------
+
+    def add_stream(self, name: str, kind: StreamKind = StreamKind.DEVICE) -> None:
+        """Register a stream (idempotent for the same kind). O(1).
+
+        Raises:
+            InvalidArgumentError: empty name, bad kind, or the name is already
+                registered with another kind.
+        """
+        self.tracker.add_stream(name, kind)
+
+    @property
+    def streams(self) -> dict[str, StreamKind]:
+        """Registered streams and their kinds."""
+        return {n: s.kind for n, s in self.tracker.streams.items()}
+
+    def issue(self, stream: str) -> Token:
+        """Issue the next token of ``stream`` (e.g. step N's "forward done"
+        on ``compute``). The token is ordered after everything the stream has
+        waited on so far. O(#streams).
+
+        Raises:
+            UnknownStreamError: ``stream`` was never registered.
+        """
+        if self._inbox or self._leases_on:
+            self._sync()
+        return self.tracker.issue(stream)
+
+    def last_token(self, stream: str) -> Token | None:
+        """The newest token issued on ``stream`` (``None`` before the first).
+        With async scheduling, this is what a free must be tagged with: step
+        N+1 may already be enqueued when step N's output frees a request.
+        O(1).
+
+        Raises:
+            UnknownStreamError: ``stream`` is not registered.
+        """
+        st = self.tracker.state(stream)
+        return Token(st.name, st.last_seq, st.kind) if st.last_seq else None
+
+    def complete(self, token: Token) -> None:
+        """The work up to ``token`` finished. Callable from any thread; applied
+        at the start of the pool's next call (or :meth:`poll`). For a
+        ``DEVICE`` stream this ends every earlier token too; for a ``HOST``
+        engine only ``token``. Idempotent. O(1) here; applying it releases
+        the blocks held on it.
+
+        Raises:
+            UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+        """
+        self.tracker.submit(token, False)
+
+    def fail(self, token: Token) -> None:
+        """The work of ``token`` ended without doing its job (a failed
+        transfer). Like :meth:`complete`, plus: blocks a failed *load* wrote
+        lose their prefix-cache keys (removed events) and are never published
+        until rewritten.
+
+        Raises:
+            UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+        """
+        self.tracker.submit(token, True)
+
+    def abandon(self, token: Token) -> list[int]:
+        """The operator's or connector's word that the engine behind ``token``
+        stopped: the token is ended as failed now, and the blocks held on it
+        are released. Returns the block ids released. O(blocks held on it).
+
+        Raises:
+            UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+        """
+        self._sync()
+        self.tracker.validate(token)
+        before = set(self._held)
+        ended = self.tracker.end(token, True)
+        if ended:
+            self._counters["abandoned"] += 1
+        self._on_ended(token, True, ended)
+        return sorted(before - set(self._held))
+
+    def poll(self) -> None:
+        """Apply queued completions and check leases now. O(completions)."""
+        self._sync()
+
+    def is_ended(self, token: Token) -> bool:
+        """Whether ``token`` is known to have ended (completed or failed).
+        Applies queued completions first.
+
+        Raises:
+            UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+        """
+        self._sync()
+        self.tracker.validate(token)
+        return self.tracker.is_ended(token)
+
+    def _sync(self) -> None:
+        tracker = self.tracker
+        if tracker._inbox:
+            for token, failed, ended in tracker.drain():
+                self._on_ended(token, failed, ended)
+        if self._leases:
+            self._check_leases()
+
+    def _on_ended(
+        self, token: Token, failed: bool, ended: list[tuple[StreamState, list[int]]]
+    ) -> None:
+        for st, seqs in ended:
+            writes = self._writes.get(st.name)
+            if writes:
+                for seq in seqs:
+                    before = writes.pop(seq, None)
+                    if before is not None and failed and seq == token.seq and st.name == token.stream:
+                        self._undo_failed_write(token, before)
+            if st.kind is _HOST and self._held_by:
+                for seq in seqs:
+                    self._release_held(Token(st.name, seq, _HOST))
+
+    def _release_held(self, token: Token) -> None:
+        # Blocks held together share one pending set (see _enqueue_free), so
+        # the set is usually the same object block after block: discard once.
+        held = self._held
+        leases = self._leases_on
+        release: list[KVCacheBlock] = []
+        last = None
+        for b in self._held_by.pop(token, ()):
+            pending = held.get(b.block_id)
+            if pending is None:
+                continue  # released already (a touch took it)
+            if pending is not last:
+                last = pending
+                pending.discard(token)
+            if not pending:
+                if leases:
+                    self._unhold(b.block_id)
+                else:
+                    del held[b.block_id]
+                release.append(b)
+        if release:
+            self._enqueue_free(release)
+
+    def _undo_failed_write(
+        self, token: Token, before: list[tuple[KVCacheBlock, Token | None, Token | tuple[Token, ...] | None]]
+    ) -> None:
+        """A load or copy failed: it may have failed before its own waits, so
+        the accesses it replaced in each block's shadow may still run; put
+        them back (with the reads recorded since), mark the content invalid
+        and withdraw the blocks' keys."""
+        ended = self.tracker.is_ended
+        for b, writer, readers in before:
+            if b.writer is None or b.writer.stream != token.stream or b.writer.seq != token.seq:
+                continue  # rewritten since: the newer write replaced it
+            merged = readers
+            later = b.readers
+            for t in () if later is None else ((later,) if type(later) is Token else later):  # type: ignore[union-attr]
+                merged = _with_read(merged, t, ended)  # type: ignore[arg-type]
+            b.writer = writer
+            b.readers = merged  # type: ignore[assignment]
+            self._invalid.add(b.block_id)
+            self._drop_keys(b)
+            if b.ref_cnt == 0 and b.prev_free_block is not None:
+                # Free again, but the restored accesses may need a hold.
+                self.free_block_queue.remove(b)
+                self._enqueue_free([b])
+
+    def _check_leases(self) -> None:
+        now = self._clock()
+        leases = self._leases
+        expired: list[int] = []
+        while leases and leases[0][0] <= now:
+            deadline, bid = leases.pop(0)
+            if self._deadline.get(bid) == deadline and bid not in self._expired:
+                self._expired.add(bid)
+                expired.append(bid)
+        if expired:
+            self._counters["leases_expired"] += len(expired)
+            tokens = sorted({str(t) for bid in expired for t in self._held[bid]})
+            msg = (
+                f"lease expired for held blocks {expired}: host transfers {tokens} "
+                "have not ended; the blocks stay quarantined until abandon()"
+            )
+            logger.warning(msg)
+            warnings.warn(msg, LeaseExpiredWarning, stacklevel=3)
