@@ -45,9 +45,10 @@ class IntrospectionOps(PoolBase):
         Raises:
             InvalidArgumentError: ``block`` is not a block record.
         """
-        if not isinstance(block, KVCacheBlock):
-            raise InvalidArgumentError(f"expected a KVCacheBlock, got {block!r}")
-        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+        try:
+            return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+        except AttributeError:
+            raise InvalidArgumentError(f"expected a KVCacheBlock, got {block!r}") from None
 
     def held_block_ids(self) -> list[int]:
         """Blocks held back for pending host-engine accesses, sorted. O(h log h)."""
