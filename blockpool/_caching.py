@@ -113,7 +113,12 @@ class CacheOps(PoolBase):
             if b is null or (mask is not None and not mask[i - lo]):
                 continue
             key = block_hashes[i]
-            _check_key(key)
+            if key is None:
+                _check_key(key)  # raises
+            try:
+                hash(key)  # _check_key, inline: a call per block showed in profiles
+            except TypeError:
+                _check_key(key)  # raises the typed error
             h = b.block_hash
             if h is not None:
                 if h != key:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from blockpool._base import (
+    _DEVICE,
     _HOST,
     _READ,
     _UNSET,
@@ -70,9 +71,13 @@ class FenceOps(PoolBase):
         # their shadow objects, so a writer or readers object identical to
         # the previous block's adds nothing and is skipped: per block, the
         # scan is two attribute reads and two identity tests.
+        # Tokens on the consumer itself, when it is an in-order device
+        # stream, are never waited on (HazardTracker.reduce drops them
+        # first); the scan skips them before they become candidates.
         cand: dict[object, Token] = {}
         why: dict[Token, FenceReason] | None = {} if self.debug else None
         get = cand.get
+        own = st.name if st.kind is _DEVICE else None
         lw: object = _UNSET
         lr: object = _UNSET
         for blocks, access in groups:
@@ -81,17 +86,20 @@ class FenceOps(PoolBase):
                 w = b.writer
                 if w is not None and w is not lw:
                     lw = w
-                    k: object = w.stream if w.kind is not _HOST else (w.stream, w.seq)
-                    cur = get(k)
-                    if cur is None or cur.seq < w.seq:
-                        cand[k] = w
-                        if why is not None:
-                            why[w] = FenceReason(w, b.block_id, "writer", access)
+                    if w.stream != own:
+                        k: object = w.stream if w.kind is not _HOST else (w.stream, w.seq)
+                        cur = get(k)
+                        if cur is None or cur.seq < w.seq:
+                            cand[k] = w
+                            if why is not None:
+                                why[w] = FenceReason(w, b.block_id, "writer", access)
                 if write:
                     r = b.readers
                     if r is not None and r is not lr:
                         lr = r
                         for t in (r,) if type(r) is Token else r:  # type: ignore[union-attr]
+                            if t.stream == own:
+                                continue
                             k = t.stream if t.kind is not _HOST else (t.stream, t.seq)
                             cur = get(k)
                             if cur is None or cur.seq < t.seq:

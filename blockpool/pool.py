@@ -362,9 +362,10 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         """Put blocks that reached ref count 0 in the free queue (unkeyed to
         the front, keyed to the back) or, when a host-engine access on them
         has not ended, into the held set. Blocks freed together usually share
-        their shadow objects, so the hold decision is made once per distinct
-        ``(writer, readers)`` pair and the held blocks of that pair share one
-        pending set. O(len(blocks))."""
+        their readers value, so the hold decision is made once per distinct
+        ``(host writer, readers)`` pair (a device writer never holds a block)
+        and the held blocks of that pair share one pending set.
+        O(len(blocks))."""
         first: list[KVCacheBlock] = []
         last: list[KVCacheBlock] = []
         caching = self.enable_caching
@@ -377,7 +378,12 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             for b in blocks:
                 w = b.writer
                 r = b.readers
-                if w is not None or r is not None:
+                if w is not None and w.kind is not _HOST:
+                    w = None  # a device writer never holds a block back
+                if w is not None or (r is not None and (type(r) is not Token or r.kind is _HOST)):  # type: ignore[union-attr]
+                    # Some host token in the shadow. The decision depends on
+                    # the host writer (rare) and the readers value, which
+                    # blocks read together share: recompute only on change.
                     if w is not lw or r is not lr:
                         lw, lr = w, r
                         pend = self._pending_host(w, r)
