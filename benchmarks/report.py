@@ -50,8 +50,8 @@ def _fmt_time(s: float | None) -> str:
     return f"{s * 1e9:.2g} ns"
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return "–" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+def _ratio(a: float | None, b: float | None, digits: int = 2) -> str:
+    return "–" if a is None or b is None or b == 0 else f"{a / b:.{digits}f}"
 
 
 def load(path: Path) -> tuple[dict[str, Any], dict[tuple[str, str], dict[str, Any]], list[str]]:
@@ -117,11 +117,15 @@ def build(data: dict[str, Any], rows: dict[tuple[str, str], dict[str, Any]], ord
             out += ["| figure | on | off | vLLM | on / vLLM | off / vLLM | on / off |", "|---|---|---|---|---|---|---|"]
             for scen in scens:
                 vals = {k: rows.get((scen, k)) for k in ("on", "off", "vllm")}
-                for key, label in (("bytes_per_block", "bytes per block (new pool)"), ("bytes_per_block_after_use", "bytes per block (after one use)")):
+                for key, label in (
+                    ("bytes_per_block", "bytes per block (new pool)"),
+                    ("bytes_per_block_after_use", "bytes per block (after one use)"),
+                ):
                     v = {k: (r[key] if r else None) for k, r in vals.items()}
+                    b2 = {k: "–" if x is None else f"{x:.2f}" for k, x in v.items()}
                     out.append(
-                        f"| {label} | {_num(v['on'])} | {_num(v['off'])} | {_num(v['vllm'])} | "
-                        f"{_ratio(v['on'], v['vllm'])} | {_ratio(v['off'], v['vllm'])} | {_ratio(v['on'], v['off'])} |"
+                        f"| {label} | {b2['on']} | {b2['off']} | {b2['vllm']} | "
+                        f"{_ratio(v['on'], v['vllm'], 4)} | {_ratio(v['off'], v['vllm'], 4)} | {_ratio(v['on'], v['off'], 4)} |"
                     )
                 m = {k: med(scen, k) for k in ("on", "off", "vllm")}
                 out.append(
@@ -210,7 +214,8 @@ def _targets(rows: dict[tuple[str, str], dict[str, Any]], order: list[str]) -> l
 def _target_row(name: str, goal: str, r: float | None, limit: float) -> str:
     if r is None:
         return f"| {name} | {goal} | – | not measured |"
-    return f"| {name} | {goal} | {r:.2f} | {'yes' if r <= limit else 'no'} |"
+    shown = f"{r:.4f}" if abs(r - limit) < 0.01 else f"{r:.2f}"
+    return f"| {name} | {goal} | {shown} | {'yes' if r <= limit else 'no'} |"
 
 
 def chart_png(chart: list[tuple[str, float | None, float | None, float | None]], path: Path, title: str) -> str | None:
