@@ -5,6 +5,7 @@ writes undone, leases checked)."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 from blockpool._base import (
     _HOST,
@@ -175,21 +176,44 @@ class TokenOps(PoolBase):
         them back (with the reads recorded since), mark the content invalid
         and withdraw the blocks' keys."""
         ended = self.tracker.is_ended
+
+        def merge(base: object, extra: object) -> object:
+            for t in () if extra is None else ((extra,) if type(extra) is Token else extra):  # type: ignore[attr-defined]
+                base = _with_read(base, t, ended)  # type: ignore[arg-type]
+            return base
+
         for b, writer, readers in before:
-            if b.writer is None or b.writer.stream != token.stream or b.writer.seq != token.seq:
-                continue  # rewritten since: the newer write replaced it
-            merged = readers
-            later = b.readers
-            for t in () if later is None else ((later,) if type(later) is Token else later):  # type: ignore[union-attr]
-                merged = _with_read(merged, t, ended)  # type: ignore[arg-type]
+            w = b.writer
+            if w is None or w.stream != token.stream or w.seq != token.seq:
+                # Rewritten since: the newer write saved this failed one as
+                # what it replaced; hand it what the failed write replaced.
+                self._resave_replaced(b, token, writer, readers, merge)
+                continue
             b.writer = writer
-            b.readers = merged  # type: ignore[assignment]
+            b.readers = merge(readers, b.readers)  # type: ignore[assignment]
             self._invalid.add(b.block_id)
             self._drop_keys(b)
             if b.ref_cnt == 0 and b.prev_free_block is not None:
                 # Free again, but the restored accesses may need a hold.
                 self.free_block_queue.remove(b)
                 self._enqueue_free([b])
+
+    def _resave_replaced(
+        self,
+        b: KVCacheBlock,
+        failed: Token,
+        writer: Token | None,
+        readers: Token | tuple[Token, ...] | None,
+        merge: Callable[[object, object], object],
+    ) -> None:
+        """In the saved shadow of every later pending write of ``b`` that
+        replaced the failed write ``failed``, put back what ``failed`` had
+        replaced. O(pending writes); failures are rare."""
+        for per_stream in self._writes.values():
+            for entries in per_stream.values():
+                for i, (blk, w, r) in enumerate(entries):
+                    if blk is b and w is not None and w.stream == failed.stream and w.seq == failed.seq:
+                        entries[i] = (blk, writer, merge(readers, r))  # type: ignore[assignment]
 
     def _check_leases(self) -> None:
         now = self._clock()

@@ -62,11 +62,17 @@ class HBModel:
     def known_ended(self) -> set[Token]:
         """Completed tokens and everything before them; failed tokens only
         themselves (a transfer may fail before it waited), except that on a
-        DEVICE stream the token before a failed one completed normally."""
+        DEVICE stream the last token before a failed one that did not fail
+        itself completed normally."""
         roots = set(self.ended_direct)
         for f in self.failed:
-            if self.kinds[f.stream] is StreamKind.DEVICE and f.seq > 1:
-                roots.add(Token(f.stream, f.seq - 1))
+            if self.kinds[f.stream] is not StreamKind.DEVICE:
+                continue
+            seq = f.seq - 1  # the last token before f that did not fail itself
+            while seq >= 1 and Token(f.stream, seq) in self.failed:
+                seq -= 1
+            if seq >= 1:
+                roots.add(Token(f.stream, seq))
         return self.ancestors(roots) | self.failed
 
     def consumer_position(self, stream: str) -> set[Token]:
