@@ -161,3 +161,18 @@ def test_abandon_of_an_ended_token_is_not_counted() -> None:
     pool.poll()
     assert pool.abandon(t) == []
     assert pool.stats().abandoned == 0
+
+
+def test_two_failed_writes_in_a_row_restore_the_access_before_both(pool: HazardAwareBlockPool) -> None:
+    (b,) = pool.get_new_blocks(1)
+    l0, _ = pool.begin_load([b], "rdma")
+    l1, _ = pool.begin_load([b], "h2d")
+    l2, _ = pool.begin_load([b], "h2d")
+    pool.fail(l1)  # b was rewritten by l2 since: l2 now stands on l0
+    pool.free_blocks([b])
+    assert pool.held_block_ids() == []
+    pool.fail(l2)
+    assert pool.held_block_ids() == [b.block_id]  # l0 may still be writing
+    pool.complete(l0)
+    assert pool.held_block_ids() == [] and pool.get_num_free_blocks() == 9
+    pool.check()
