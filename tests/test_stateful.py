@@ -290,8 +290,9 @@ class DroppingMachine(PoolMachine):
     pool_cls = _DroppingPool
 
 
-def test_negative_control_dropped_fence_token_is_caught() -> None:
-    run = DroppingMachine.TestCase("runTest")
+def run_negative_control(machine: type[PoolMachine], match: str) -> None:
+    """Run ``machine`` until the judge fails; the failure must match."""
+    run = machine.TestCase("runTest")
     run.settings = settings(
         max_examples=200,
         stateful_step_count=50,
@@ -300,8 +301,12 @@ def test_negative_control_dropped_fence_token_is_caught() -> None:
         derandomize=True,
         suppress_health_check=list(HealthCheck),
     )
-    with pytest.raises(AssertionError, match="missed hazard|needs_host_wait"):
+    with pytest.raises(AssertionError, match=match):
         run.runTest()
+
+
+def test_negative_control_dropped_fence_token_is_caught() -> None:
+    run_negative_control(DroppingMachine, "missed hazard|needs_host_wait")
 
 
 class _PaddingPool(HazardAwareBlockPool):
@@ -323,14 +328,4 @@ class PaddingMachine(PoolMachine):
 
 
 def test_negative_control_padded_fence_is_caught_as_redundant() -> None:
-    run = PaddingMachine.TestCase("runTest")
-    run.settings = settings(
-        max_examples=200,
-        stateful_step_count=50,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
-    with pytest.raises(AssertionError, match="redundant wait"):
-        run.runTest()
+    run_negative_control(PaddingMachine, "redundant wait")
