@@ -117,6 +117,10 @@ def _replay(args: argparse.Namespace) -> int:
         jobs = args.jobs if args.jobs is not None else max(1, min(len(policies), os.cpu_count() or 1))
         if jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {jobs}")
+        for out in (args.json, args.plot, args.events):
+            # Fail before a long replay, not after it.
+            if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+                raise ValueError(f"cannot write {out}: no such directory")
     except (BlockPoolError, ValueError) as e:
         _err(str(e))
         return 2

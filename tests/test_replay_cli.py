@@ -137,3 +137,11 @@ def test_importing_the_cli_and_replay_loads_neither_tqdm_nor_matplotlib() -> Non
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"
+
+
+def test_output_in_a_missing_directory_is_refused_before_the_replay(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from blockpool.cli import main
+
+    rc = main(["replay", "--limit", "5", "--json", str(tmp_path / "nope" / "r.json")])
+    assert rc == 2
+    assert "no such directory" in capsys.readouterr().err
