@@ -178,26 +178,16 @@ class PoolBase:
         return [self._own(b) for b in block_list]  # raises the typed error
 
     def _data_blocks(self, blocks: Iterable[KVCacheBlock], what: str) -> list[KVCacheBlock]:
-        """Own, non-null, allocated blocks (null placeholders are skipped)."""
-        out = []
-        own = self.blocks
+        """Own (:meth:`_own_all`), non-null, allocated blocks; null
+        placeholders are skipped."""
         null = self.null_block
-        cls = self._block_cls
-        for b in blocks:
-            try:
-                mine = b.__class__ is cls or own[b.block_id] is b
-            except (AttributeError, IndexError, TypeError):
-                mine = False
-            if not mine:
-                self._own(b)
-            if b is null:
-                continue
+        out = [b for b in self._own_all(blocks) if b is not null]
+        for b in out:
             if b.ref_cnt <= 0:
                 raise BlockNotAllocatedError(
                     f"{what}: block {b.block_id} is not allocated (ref count 0); "
                     "hold a reference (allocate or touch) for the transfer's duration"
                 )
-            out.append(b)
         return out
 
     @staticmethod

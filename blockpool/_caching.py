@@ -97,19 +97,12 @@ class CacheOps(PoolBase):
         # publishes. A block with no key yet (the common case) is inserted
         # inline: one dict lookup and one store; promotions and blocks that
         # already hold a key go through the prefix cache's insert.
-        own = self.blocks
+        self._own_all(blocks[lo:hi])
         null = self.null_block
-        cls = self._block_cls
         mask = block_mask
         promote: set[int] = set()
         for i in range(lo, hi):
             b = blocks[i]
-            try:
-                mine = b.__class__ is cls or own[b.block_id] is b
-            except (AttributeError, IndexError, TypeError):
-                mine = False
-            if not mine:
-                self._own(b)
             if b is null or (mask is not None and not mask[i - lo]):
                 continue
             key = block_hashes[i]

@@ -35,13 +35,6 @@ class PrefixCache:
         """Number of distinct keys."""
         return len(self._map)
 
-    def get_one(self, key: Hashable) -> KVCacheBlock | None:
-        """The first-inserted block under ``key``, or ``None``."""
-        v = self._map.get(key)
-        if v is None or type(v) is not dict:
-            return v  # type: ignore[return-value]
-        return next(iter(v.values()))
-
     def blocks_of(self, key: Hashable) -> list[KVCacheBlock]:
         v = self._map.get(key)
         if v is None:

@@ -213,9 +213,6 @@ class HazardTracker:
         self.validate(token)
         self._inbox.append((token, failed))
 
-    def has_pending(self) -> bool:
-        return bool(self._inbox)
-
     def drain(self) -> list[tuple[Token, bool, list[tuple[StreamState, list[int]]]]]:
         """Apply queued completions in arrival order. Returns, per applied
         completion, ``(token, failed, ended)`` with ``ended`` as in :meth:`end`."""
