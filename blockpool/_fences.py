@@ -230,6 +230,14 @@ class FenceOps(PoolBase):
         self._data_blocks(srcs + dsts, "copy")
         return self._begin(((srcs, _READ), (dsts, _WRITE)), stream, st)
 
+    def _begin_transfer(
+        self, blocks: Iterable[KVCacheBlock], stream: str, access: AccessKind, what: str
+    ) -> tuple[Token, Fence]:
+        if self._inbox or self._leases_on:
+            self._sync()
+        st = self.tracker.state(stream)
+        return self._begin(((self._data_blocks(blocks, what), access),), stream, st)
+
     def begin_load(self, blocks: Iterable[KVCacheBlock], stream: str) -> tuple[Token, Fence]:
         """Begin a load (external tier -> GPU) into ``blocks`` on ``stream``
         (a DMA stream or a host engine): returns the load's token (the new
@@ -241,11 +249,7 @@ class FenceOps(PoolBase):
         Raises:
             UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
         """
-        if self._inbox or self._leases_on:
-            self._sync()
-        st = self.tracker.state(stream)
-        data = self._data_blocks(blocks, "load")
-        return self._begin(((data, _WRITE),), stream, st)
+        return self._begin_transfer(blocks, stream, _WRITE, "load")
 
     def begin_store(self, blocks: Iterable[KVCacheBlock], stream: str) -> tuple[Token, Fence]:
         """Begin a store / offload (GPU -> external tier) from ``blocks`` on
@@ -256,8 +260,4 @@ class FenceOps(PoolBase):
         Raises:
             UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
         """
-        if self._inbox or self._leases_on:
-            self._sync()
-        st = self.tracker.state(stream)
-        data = self._data_blocks(blocks, "store")
-        return self._begin(((data, _READ),), stream, st)
+        return self._begin_transfer(blocks, stream, _READ, "store")
