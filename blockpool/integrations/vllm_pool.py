@@ -233,7 +233,9 @@ class _GroupKeys(Sequence):  # type: ignore[type-arg]
 class Served:
     """Work done by every :class:`VllmBlockPool` core in this process (the
     proof that the core, not vLLM's pool, served vLLM's calls), and by the
-    scheduler wiring (steps issued and ended, copy batches begun)."""
+    scheduler wiring (steps issued and ended, copy batches begun) and by the
+    connector wiring (transfers begun with a fence, and how many of those
+    fences were non-empty)."""
 
     pools: int = 0
     allocations: int = 0
@@ -246,6 +248,8 @@ class Served:
     steps_issued: int = 0
     steps_ended: int = 0
     copy_batches: int = 0
+    transfers_fenced: int = 0
+    fences_nonempty: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)
