@@ -15,3 +15,31 @@ if _missing("vllm"):
     collect_ignore_glob += ["blockpool/integrations/vllm.py", "blockpool/integrations/vllm_pool.py"]
 if _missing("torch"):
     collect_ignore_glob += ["blockpool/torch_events.py", "docs/worker.md", "docs/examples/*.py"]
+
+
+def _vllm_test_fixtures() -> None:
+    """Where vLLM is installed (the parity venv), point the Hugging Face hub
+    at a temporary copy of ``../shared/vllm-parity/hf`` (shape-only model
+    configs; shared/ is read-only and the hub may write beside its cache),
+    offline, before any test imports vLLM. Tests that build a model config
+    skip unless ``BLOCKPOOL_TEST_HF_FIXTURES`` is set."""
+    import os
+    import pathlib
+    import shutil
+    import tempfile
+
+    src = pathlib.Path(__file__).resolve().parent.parent / "shared" / "vllm-parity" / "hf"
+    if os.environ.get("BLOCKPOOL_TEST_HF_FIXTURES") or not src.is_dir():
+        return
+    dst = pathlib.Path(tempfile.mkdtemp(prefix="blockpool-hf-")) / "hf"
+    shutil.copytree(src, dst)
+    for p in [dst, *dst.rglob("*")]:
+        p.chmod(p.stat().st_mode | 0o200)
+    os.environ.setdefault("HF_HOME", str(dst))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["BLOCKPOOL_TEST_HF_FIXTURES"] = str(dst)
+
+
+if not _missing("vllm"):
+    _vllm_test_fixtures()

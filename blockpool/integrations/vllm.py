@@ -82,7 +82,10 @@ class InstallState:
         hazards: Hazard tracking and scheduler wiring are on.
         modules: The modules whose ``BlockPool`` name was rebound.
         original: vLLM's ``BlockPool`` class.
-        patched: ``(owner, attribute, original function)`` of each wrapper.
+        patched: ``(owner, attribute, original function)`` of each wrapper
+            (``None``: the attribute was inherited and is deleted on undo).
+        connectors: Names of the KV connectors wired
+            (:mod:`~blockpool.integrations.vllm_connectors`).
     """
 
     installed: bool = False
@@ -91,6 +94,7 @@ class InstallState:
     modules: list[str] = attrs.field(factory=list)
     original: Any = None
     patched: list[tuple[Any, str, Any]] = attrs.field(factory=list)
+    connectors: list[str] = attrs.field(factory=list)
 
 
 _STATE = InstallState()
@@ -143,12 +147,14 @@ def register() -> None:
             return
         logger.info(
             "blockpool %s: vLLM %s's BlockPool is now %s (HazardAwareBlockPool core; hazard tracking %s) "
-            "in %d modules; set %s=0 or leave 'blockpool' out of VLLM_PLUGINS to turn it off",
+            "in %d modules; KV connectors wired: %s; set %s=0 or leave 'blockpool' out of VLLM_PLUGINS "
+            "to turn it off",
             _version(),
             _vllm_version(),
             "blockpool.integrations.vllm_pool.VllmBlockPool",
             "on" if _STATE.hazards else f"off by {ENV_HAZARDS}",
             len(_STATE.modules),
+            ", ".join(_STATE.connectors) or "none",
             ENV_PLUGIN,
         )
 
@@ -190,6 +196,7 @@ def _install(hazards: bool) -> None:
     _STATE.hazards = hazards
     if hazards:
         _wire_scheduler()
+        _wire_connectors()
     _STATE.installed = True
 
 
@@ -208,7 +215,13 @@ def unregister() -> None:
                 ) is VllmBlockPool:
                     mod.BlockPool = original  # type: ignore[attr-defined]
         for owner, attr, fn in reversed(_STATE.patched):
-            setattr(owner, attr, fn)
+            if fn is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, fn)
+        from blockpool.integrations import vllm_connectors
+
+        vllm_connectors.unwire()
         VllmBlockPool.default_track_hazards = True
         _STATE.__init__()  # type: ignore[misc]
 
@@ -236,13 +249,17 @@ def _served() -> Any:
 
 
 def _patch(owner: Any, attr: str, make: Any) -> None:
-    original = owner.__dict__[attr]
-    if getattr(original, "__blockpool_wrapped__", False):
+    """Replace ``owner.attr`` by ``make(original)``, once; recorded for
+    :func:`unregister`. An inherited attribute is wrapped on ``owner`` and
+    deleted again on undo."""
+    original = getattr(owner, attr)
+    if getattr(original, "__blockpool_wrapped__", False) and attr in owner.__dict__:
         return
+    own = owner.__dict__.get(attr)
     wrapper = make(original)
     wrapper.__blockpool_wrapped__ = True
     setattr(owner, attr, wrapper)
-    _STATE.patched.append((owner, attr, original))
+    _STATE.patched.append((owner, attr, own))
 
 
 def _wire_scheduler() -> None:
@@ -285,9 +302,37 @@ def _wire_scheduler() -> None:
 
         return take_kv_cache_block_copies
 
+    def wrap_init(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            orig(self, *args, **kwargs)
+            connector = getattr(self, "connector", None)
+            if connector is not None and _hazards_of_scheduler(self) is not None:
+                from blockpool.integrations.vllm_connectors import report_unwired
+
+                report_unwired(connector)
+
+        return __init__
+
+    _patch(Scheduler, "__init__", wrap_init)
     _patch(Scheduler, "schedule", wrap_schedule)
     _patch(Scheduler, "update_from_output", wrap_update)
     _patch(KVCacheManager, "take_kv_cache_block_copies", wrap_take_copies)
+
+
+def _wire_connectors() -> None:
+    """Scheduler half (:mod:`~blockpool.integrations.vllm_connectors`) and,
+    where torch imports, worker half (:mod:`~blockpool.integrations.vllm_worker`)
+    of the connector wiring."""
+    from blockpool.integrations import vllm_connectors
+
+    _STATE.connectors = vllm_connectors.wire(_patch)
+    try:
+        from blockpool.integrations import vllm_worker
+    except ImportError as exc:  # no torch: a scheduler-only process
+        logger.debug("blockpool: worker-side connector wiring unavailable (%r)", exc)
+        return
+    vllm_worker.wire(_patch, _STATE.connectors)
 
 
 def __getattr__(name: str) -> Any:

@@ -55,13 +55,13 @@ from __future__ import annotations
 
 import collections
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import attrs
 
 from blockpool.block import KVCacheBlock
-from blockpool.hazards import EMPTY_FENCE, Fence, StreamKind, Token
+from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token
 from blockpool.pool import HazardAwareBlockPool
 
 __all__ = ["COMPUTE", "StepHazards", "StepRecord", "Transfer"]
@@ -186,10 +186,14 @@ class StepHazards:
         self.steps_ended = 0
         self.copies_begun = 0
         self.copy_pairs_skipped = 0
+        self.transfers_begun = 0
+        self.fences_nonempty = 0
         self._steps: collections.OrderedDict[int, tuple[Any, StepRecord]] = collections.OrderedDict()
         self._pending_copy: tuple[Token, Fence] | None = None
-        self._loads: dict[str, list[Transfer]] = {}
-        self._stores: dict[str, list[Transfer]] = {}
+        self.transfer_blocks_skipped = 0
+        self._loads: dict[Hashable, list[Transfer]] = {}
+        self._stores: dict[Hashable, list[Transfer]] = {}
+        self._writes_tagged = 0
 
     # ------------------------------------------------------------------
     # steps
@@ -254,6 +258,55 @@ class StepHazards:
             self._steps.popitem(last=False)
         return record
 
+    def tag_step_writes(self, scheduler_output: object, block_size: int) -> Fence:
+        """Record that step N's forward writes the blocks receiving its new
+        tokens, so that a store of those blocks waits on ``eN`` (RAW) and a
+        store of blocks written by an ended step waits on nothing.
+
+        Reads ``num_scheduled_tokens``, the requests' ``num_computed_tokens``
+        and their current block tables from ``kv_connector_block_state``
+        (vLLM builds it only when a connector is configured); a request's
+        blocks from index ``num_computed_tokens // block_size`` on are
+        tagged. Pass the smallest block size of the KV cache groups: with
+        mixed sizes this tags a superset, never too few. Once per step,
+        however many connectors call it; a step without a block state tags
+        nothing.
+
+        Returns the fence the forward must wait on before it writes those
+        blocks: empty unless a transfer on another stream or engine still
+        reads or writes one of them (say, a store of a partial block the
+        step appends to). The worker waits on it when it binds the step's
+        connector metadata, before the forward. O(blocks tagged).
+        """
+        record = self.step_record(scheduler_output)
+        if record is None or record.index == self._writes_tagged:
+            return EMPTY_FENCE
+        self._writes_tagged = record.index
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+        if state is None or not scheduled or block_size <= 0:
+            return EMPTY_FENCE
+        computed: dict[str, int] = {
+            r.req_id: r.num_computed_tokens for r in getattr(scheduler_output, "scheduled_new_reqs", ())
+        }
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        ids: list[int] = []
+        for req_id in scheduled:
+            c = computed.get(req_id)
+            groups = state.get_block_ids(req_id) if c is not None else None
+            if groups:
+                first = c // block_size
+                for group in groups:
+                    ids.extend(group[first:])
+        blocks = self.blocks_of(ids)
+        if not blocks:
+            return EMPTY_FENCE
+        fence = self.pool.fence_for(blocks, self.stream, AccessKind.WRITE)
+        self.pool.tag(blocks, record.forward, AccessKind.WRITE)
+        return fence
+
     def end_step(self, scheduler_output: object) -> StepRecord | None:
         """Step N's model output came back: end ``eN`` (and every earlier
         compute token). Records of earlier steps are dropped too. Returns
@@ -291,12 +344,34 @@ class StepHazards:
         """
         self.pool.add_stream(name, kind)
 
-    def begin_load(self, request_id: str, blocks: Iterable[KVCacheBlock], stream: str) -> Transfer:
+    def blocks_of(self, block_ids: Iterable[int]) -> list[KVCacheBlock]:
+        """The pool's blocks for ``block_ids``, in order, as a transfer may
+        name them: the null block, ids outside the pool and blocks with ref
+        count 0 are left out (counted in ``transfer_blocks_skipped``; vLLM's
+        connectors never name them for a real transfer, its unit tests
+        sometimes do). O(len(block_ids)).
+        """
+        own = self.pool.blocks
+        n = len(own)
+        out: list[KVCacheBlock] = []
+        for bid in block_ids:
+            if type(bid) is int and 0 < bid < n and own[bid].ref_cnt > 0:
+                out.append(own[bid])
+            else:
+                self.transfer_blocks_skipped += 1
+        return out
+
+    def begin_load(
+        self, request_id: str, blocks: Iterable[KVCacheBlock], stream: str, *, key: Hashable = None
+    ) -> Transfer:
         """A connector begins loading ``blocks`` of ``request_id`` (call it
         from ``update_state_after_alloc``, where the blocks are allocated,
         and ship ``transfer.to_wire()`` from ``build_connector_meta``). The
         load token becomes the blocks' writer: the step that reads them gets
-        it in its fence (RAW); a failed load drops their hashes. O(len(blocks)).
+        it in its fence (RAW); a failed load drops their hashes. ``key``
+        (default: ``request_id``) is what :meth:`finish` ends it by; loads
+        are also ended by request id through :meth:`end_transfers`.
+        O(len(blocks)).
 
         Raises:
             UnknownStreamError: ``stream`` was not added.
@@ -305,13 +380,18 @@ class StepHazards:
         block_list = list(blocks)
         token, fence = self.pool.begin_load(block_list, stream)
         t = Transfer(request_id, "load", token, fence, tuple(b.block_id for b in block_list))
-        self._loads.setdefault(request_id, []).append(t)
+        self._loads.setdefault(request_id if key is None else key, []).append(t)
+        self.transfers_begun += 1
+        self.fences_nonempty += bool(fence.tokens)
         return t
 
-    def begin_store(self, request_id: str, blocks: Iterable[KVCacheBlock], stream: str) -> Transfer:
+    def begin_store(
+        self, request_id: str, blocks: Iterable[KVCacheBlock], stream: str, *, key: Hashable = None
+    ) -> Transfer:
         """A connector begins storing (offloading, sending) ``blocks`` of
         ``request_id``: the store token is a reader of each block, so a later
-        write into them waits for it (WAR). O(len(blocks)).
+        write into them waits for it (WAR). ``key`` (default:
+        ``request_id``) is what :meth:`finish` ends it by. O(len(blocks)).
 
         Raises:
             UnknownStreamError: ``stream`` was not added.
@@ -320,8 +400,25 @@ class StepHazards:
         block_list = list(blocks)
         token, fence = self.pool.begin_store(block_list, stream)
         t = Transfer(request_id, "store", token, fence, tuple(b.block_id for b in block_list))
-        self._stores.setdefault(request_id, []).append(t)
+        self._stores.setdefault(request_id if key is None else key, []).append(t)
+        self.transfers_begun += 1
+        self.fences_nonempty += bool(fence.tokens)
         return t
+
+    def finish(self, key: Hashable, *, failed: bool = False) -> int:
+        """End every load and store begun under ``key`` (for connectors that
+        report completions by job id rather than request id): ``failed``
+        fails loads (their blocks lose their keys) and stores alike. Unknown
+        keys are ignored. Returns the number of transfers ended. O(transfers
+        under ``key``).
+        """
+        n = 0
+        end = self.pool.fail if failed else self.pool.complete
+        for table in (self._loads, self._stores):
+            for t in table.pop(key, ()):
+                end(t.token)
+                n += 1
+        return n
 
     def end_transfers(
         self,

@@ -1,0 +1,410 @@
+"""Worker-side wiring of vLLM's KV connectors: real events for the step
+tokens, and each wired transfer waits on exactly its own fence before it
+touches GPU memory.
+
+The scheduler half (:mod:`blockpool.integrations.vllm_connectors`) puts the
+step's record on each wired connector's metadata and a transfer's
+:class:`~blockpool.integrations.vllm_hazards.Transfer` on the item its
+worker reads. Here, in every worker process, a :class:`WorkerHazards`
+(one :class:`~blockpool.torch_events.EventLedger` per process, i.e. per
+rank) turns them into waits:
+
+- when a connector binds a step's metadata (before the forward, after the
+  step's block copies were enqueued on the compute stream), the copy token
+  is recorded on the compute stream and the compute stream waits on the
+  forward's fence (usually empty);
+- when the forward was launched (the connector's ``wait_for_save``), the
+  forward token ``eN`` is recorded on the compute stream;
+- **MooncakeStore**: the receive thread waits on the host for its load's
+  fence before it issues the GETs (:meth:`EventLedger.wait_host`), and the
+  send thread, where vLLM synchronizes one event recorded after the whole
+  forward (``req_meta.current_event``), waits on the store's own fence
+  instead; both threads report their tokens' ends to the ledger. Without a
+  fence (hazards off, connector unwired) vLLM's code runs unchanged;
+- **Offloading**: a job's copy stream waits on the job's fence
+  (``stream.wait_event`` per token, no host block) right before its copy
+  kernels, after vLLM's own ``wait_stream(compute)`` barrier (kept: it also
+  orders the zeroing of new blocks, which the pool does not track), and the
+  job's token is recorded on that stream after them.
+
+:func:`install` sets the process's :class:`WorkerHazards` (tests pass CPU
+stand-ins, :mod:`blockpool.testing_streams`); without one, the first wired
+call builds one on CUDA when CUDA is available, else fences are ignored and
+vLLM's own synchronisation runs (a CPU-only worker has no streams to race).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from blockpool.hazards import Fence, StreamKind, Token
+from blockpool.integrations.vllm_connectors import (
+    META_LOAD,
+    META_STEP,
+    META_STORE,
+    MOONCAKE,
+    OFFLOADING,
+)
+from blockpool.integrations.vllm_hazards import StepRecord, Transfer
+from blockpool.torch_events import EventLedger, event_factory
+
+__all__ = ["FenceWait", "WorkerHazards", "current", "install", "wire"]
+
+logger = logging.getLogger("vllm.plugins.blockpool")
+
+
+class WorkerHazards:
+    """The wired connectors' events and waits in one worker process.
+
+    Args:
+        ledger: The rank's event ledger.
+        current_stream: Returns the calling thread's current device stream
+            (``torch.cuda.current_stream`` on CUDA; a stand-in in tests).
+        timeout: Seconds a host wait may take before it fails (the
+            transfer is then reported failed, never run unordered).
+
+    Thread safety: :meth:`on_bind`, :meth:`forward_done` and the job table
+    are used by the worker's main thread; :meth:`wait` and :meth:`ended` by
+    transfer threads (the ledger is thread-safe).
+    """
+
+    def __init__(
+        self, ledger: EventLedger, current_stream: Callable[[], Any], *, timeout: float = 60.0
+    ) -> None:
+        self.ledger = ledger
+        self.current_stream = current_stream
+        self.timeout = timeout
+        self.jobs: dict[Any, Transfer] = {}
+        self.waits = 0
+        self.tokens_waited = 0
+        self._recorded: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def record(self, token: Token | None, stream: Any = None) -> bool:
+        """Record ``token``'s event on ``stream`` (default: the current
+        stream) unless it or a later token of its stream was recorded
+        already (several connectors carry the same step). Returns whether
+        it recorded. O(1)."""
+        if token is None or token.kind is not StreamKind.DEVICE:
+            return False
+        with self._lock:
+            if token.seq <= self._recorded.get(token.stream, 0):
+                return False
+            self._recorded[token.stream] = token.seq
+        self.ledger.record(token, self.current_stream() if stream is None else stream)
+        return True
+
+    def on_bind(self, metadata: object) -> StepRecord | None:
+        """A connector bound a step's metadata (before the forward): record
+        the step's copy token and order the compute stream after the
+        forward's fence. Returns the step's record, or ``None`` when the
+        metadata carries none. O(fence size)."""
+        step = getattr(metadata, META_STEP, None)
+        if step is None:
+            return None
+        record = StepRecord.from_wire(step[0])
+        self.ledger.poll()  # recycle the events of ended tokens
+        self.record(record.copies)
+        fence = Fence.from_wire(step[1])
+        if fence.tokens:
+            self.ledger.wait_device(fence, self.current_stream(), allow_host_wait=True, timeout=self.timeout)
+        return record
+
+    def forward_done(self, metadata: object) -> StepRecord | None:
+        """The step's forward was launched: record ``eN`` on the current
+        stream. O(1)."""
+        step = getattr(metadata, META_STEP, None)
+        if step is None:
+            return None
+        record = StepRecord.from_wire(step[0])
+        self.record(record.forward)
+        return record
+
+    def wait(self, transfer: Transfer) -> tuple[Token, ...]:
+        """Block the calling (transfer) thread until ``transfer``'s fence
+        ended. Returns the tokens waited on.
+
+        Raises:
+            FenceTimeoutError: not within ``timeout``.
+        """
+        waited = self.ledger.wait_host(transfer.fence, timeout=self.timeout)
+        self.waits += 1
+        self.tokens_waited += len(waited)
+        return waited
+
+    def ended(self, transfer: Transfer, *, failed: bool = False) -> None:
+        """A host engine's transfer ended (wakes threads waiting on it)."""
+        if transfer.token.kind is StreamKind.HOST:
+            self.ledger.mark_host_complete(transfer.token, failed=failed)
+
+    def add_jobs(self, key: str, jobs: Any, attr: str) -> None:
+        """Remember the transfers of ``{job_id: item}`` whose items carry
+        ``attr``, under ``(key, job_id)``."""
+        for job_id, item in (jobs or {}).items():
+            wire_form = getattr(item, attr, None)
+            if wire_form is not None:
+                self.jobs[(key, job_id)] = Transfer.from_wire(wire_form)
+
+
+class FenceWait:
+    """Stands in for MooncakeStore's ``req_meta.current_event``: its
+    ``synchronize()`` waits on the store's exact fence instead of on one
+    event recorded after the whole forward."""
+
+    __slots__ = ("hazards", "transfer")
+
+    def __init__(self, hazards: WorkerHazards, transfer: Transfer) -> None:
+        self.hazards = hazards
+        self.transfer = transfer
+
+    def synchronize(self) -> None:
+        self.hazards.wait(self.transfer)
+
+    def query(self) -> bool:
+        return self.hazards.ledger.is_complete(self.transfer.token) or all(
+            self.hazards.ledger.is_complete(t) for t in self.transfer.fence
+        )
+
+
+_CURRENT: WorkerHazards | None = None
+_CURRENT_LOCK = threading.Lock()
+
+
+def install(hazards: WorkerHazards | None) -> None:
+    """Set (or, with ``None``, clear) this process's :class:`WorkerHazards`."""
+    global _CURRENT
+    with _CURRENT_LOCK:
+        _CURRENT = hazards
+
+
+def current() -> WorkerHazards | None:
+    """This process's :class:`WorkerHazards`: the installed one, else one
+    built on CUDA the first time (when CUDA is available), else ``None``."""
+    global _CURRENT
+    if _CURRENT is not None:
+        return _CURRENT
+    if not torch.cuda.is_available():
+        return None
+    with _CURRENT_LOCK:
+        if _CURRENT is None:
+            _CURRENT = WorkerHazards(
+                EventLedger(event_factory("cuda"), rank=_rank()), torch.cuda.current_stream
+            )
+        return _CURRENT
+
+
+def _rank() -> int:
+    try:
+        return int(torch.distributed.get_rank()) if torch.distributed.is_initialized() else 0
+    except Exception:  # noqa: BLE001  (the rank only labels reports)
+        return 0
+
+
+# ----------------------------------------------------------------------
+# the wrappers
+# ----------------------------------------------------------------------
+
+Patcher = Callable[[Any, str, Callable[[Any], Any]], None]
+
+
+def _wire_base(patch: Patcher) -> None:
+    base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+
+    def wrap_bind(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def bind_connector_metadata(self: Any, connector_metadata: Any) -> None:
+            orig(self, connector_metadata)
+            if getattr(connector_metadata, META_STEP, None) is not None:
+                wh = current()
+                if wh is not None:
+                    wh.on_bind(connector_metadata)
+
+        return bind_connector_metadata
+
+    patch(base.KVConnectorBase_V1, "bind_connector_metadata", wrap_bind)
+
+
+def _wire_mooncake(patch: Patcher) -> None:
+    mod = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker")
+
+    def wrap_wait_for_save(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def wait_for_save(self: Any, metadata: Any) -> None:
+            wh = current() if getattr(metadata, META_STEP, None) is not None else None
+            if wh is None:
+                return orig(self, metadata)
+            wh.forward_done(metadata)
+            if self._capacity_only or not self.can_put:
+                return None
+            coarse = None
+            for request in metadata.requests:
+                if not request.can_save:
+                    continue
+                wire_form = getattr(request, META_STORE, None)
+                if wire_form is not None:
+                    request.current_event = FenceWait(wh, Transfer.from_wire(wire_form))
+                else:  # a store the pool did not see: vLLM's coarse event
+                    if coarse is None:
+                        coarse = torch.cuda.Event()
+                        coarse.record()
+                    request.current_event = coarse
+                self.kv_send_thread.add_request(request)
+            return None
+
+        return wait_for_save
+
+    def wrap_recv(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def _handle_request(self: Any, req_meta: Any) -> Any:
+            wire_form = getattr(req_meta, META_LOAD, None)
+            wh = current() if wire_form is not None else None
+            if wh is None:
+                return orig(self, req_meta)
+            transfer = Transfer.from_wire(wire_form)
+            try:
+                wh.wait(transfer)
+            except Exception:
+                # Never GET into blocks whose earlier accesses may still run:
+                # report the load failed, as a failed GET is reported.
+                logger.exception("blockpool: load of %s not started: its fence did not end", req_meta.req_id)
+                self._report_load_error(req_meta.req_id, list(transfer.block_ids))
+                self.set_finished_request(req_meta.req_id)
+                self.request_queue.task_done()
+                wh.ended(transfer, failed=True)
+                return None
+            failed = False
+            try:
+                return orig(self, req_meta)
+            except BaseException:
+                failed = True
+                raise
+            finally:
+                wh.ended(transfer, failed=failed or req_meta.req_id in _failed_of(self))
+
+        return _handle_request
+
+    def wrap_finish_store(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def finish_store_job(self: Any, req_meta: Any) -> None:
+            orig(self, req_meta)
+            wire_form = getattr(req_meta, META_STORE, None)
+            wh = current() if wire_form is not None else None
+            if wh is not None:
+                wh.ended(Transfer.from_wire(wire_form))
+
+        return finish_store_job
+
+    patch(mod.MooncakeStoreWorker, "wait_for_save", wrap_wait_for_save)
+    patch(mod.KVCacheStoreRecvingThread, "_handle_request", wrap_recv)
+    patch(mod.KVCacheStoreSendingThread, "finish_store_job", wrap_finish_store)
+
+
+def _failed_of(thread: Any) -> Iterable[str]:
+    lock = getattr(thread, "done_task_lock", None)
+    failed = getattr(thread, "_failed_requests", ())
+    if lock is None:
+        return set(failed)
+    with lock:
+        return set(failed)
+
+
+def _wire_offloading(patch: Patcher) -> None:
+    wmod = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker")
+    gmod = importlib.import_module("vllm.v1.kv_offload.cpu.gpu_worker")
+
+    def wrap_prepare_store(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def prepare_store_kv(self: Any, metadata: Any) -> None:
+            wh = current() if getattr(metadata, META_STEP, None) is not None else None
+            if wh is not None:
+                wh.forward_done(metadata)
+                if getattr(self, "_is_store_writer", True):
+                    wh.add_jobs(OFFLOADING, metadata.store_jobs, META_STORE)
+                else:  # this rank copies nothing for these jobs: their points are now
+                    for job in metadata.store_jobs.values():
+                        wire_form = getattr(job, META_STORE, None)
+                        if wire_form is not None:
+                            wh.record(Transfer.from_wire(wire_form).token)
+            return orig(self, metadata)
+
+        return prepare_store_kv
+
+    def wrap_collect(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def collect(self: Any, metadata: Any) -> None:
+            wh = current() if getattr(metadata, META_STEP, None) is not None else None
+            if wh is not None:
+                wh.add_jobs(OFFLOADING, metadata.load_jobs, META_LOAD)
+                if getattr(self, "_is_store_writer", True):
+                    wh.add_jobs(OFFLOADING, {j: metadata.store_jobs[j] for j in metadata.jobs_to_flush or ()
+                                             if j in metadata.store_jobs}, META_STORE)
+            return orig(self, metadata)
+
+        return collect
+
+    def wrap_transfer(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def transfer_async(self: Any, job_id: int, *args: Any, **kwargs: Any) -> bool:
+            wh = current()
+            transfer = wh.jobs.pop((OFFLOADING, job_id), None) if wh is not None else None
+            if transfer is None:
+                return orig(self, job_id, *args, **kwargs)
+            swap = self._swap_blocks_batch
+
+            def fenced_swap(*a: Any, **k: Any) -> Any:
+                # Runs with the job's copy stream current, before its kernels.
+                wh.ledger.wait_device(
+                    transfer.fence, wh.current_stream(), allow_host_wait=True, timeout=wh.timeout
+                )
+                wh.waits += 1
+                return swap(*a, **k)
+
+            self._swap_blocks_batch = fenced_swap
+            try:
+                ok = orig(self, job_id, *args, **kwargs)
+            finally:
+                self._swap_blocks_batch = swap
+            if ok and self._transfers:
+                wh.record(transfer.token, self._transfers[-1].stream)
+            return ok
+
+        return transfer_async
+
+    patch(wmod.OffloadingConnectorWorker, "prepare_store_kv", wrap_prepare_store)
+    patch(wmod.OffloadingConnectorWorker, "start_kv_transfers", wrap_collect)
+    patch(wmod.OffloadingConnectorWorker, "handle_preemptions", wrap_collect)
+    patch(gmod.SingleDirectionOffloadingHandler, "transfer_async", wrap_transfer)
+
+
+_WORKER_WIRING: dict[str, Callable[[Patcher], None]] = {
+    MOONCAKE: _wire_mooncake,
+    OFFLOADING: _wire_offloading,
+}
+
+
+def wire(patch: Patcher, connectors: Iterable[str]) -> list[str]:
+    """Install the worker-side wrappers of the named connectors (those the
+    scheduler half wired) and the step-record hook on
+    ``KVConnectorBase_V1.bind_connector_metadata``. A connector whose worker
+    module does not import is skipped. Returns the names wired. O(connectors).
+    """
+    names = [n for n in connectors if n in _WORKER_WIRING]
+    if not names:
+        return []
+    _wire_base(patch)
+    done = []
+    for name in names:
+        try:
+            _WORKER_WIRING[name](patch)
+        except (ImportError, AttributeError) as exc:
+            logger.debug("blockpool: cannot wire the worker half of %s (%r)", name, exc)
+            continue
+        done.append(name)
+    return done

@@ -1,0 +1,396 @@
+"""vLLM's own connectors wait on exact fences: vLLM's real ``Scheduler``
+with its real MooncakeStore and Offloading connectors, our pool bound in
+it, the worker half on CPU stand-in streams and events, judged by the race
+oracle. Needs vLLM (skipped otherwise; the parity script runs these in its
+venv) and the shape-only model configs of ``../shared/vllm-parity/hf``
+(the root ``conftest.py`` points ``HF_HOME`` at a copy of them).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+from unittest.mock import MagicMock, patch
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler")
+torch = pytest.importorskip("torch")
+if not os.environ.get("BLOCKPOOL_TEST_HF_FIXTURES"):
+    pytest.skip("no shape-only model configs (../shared/vllm-parity/hf)", allow_module_level=True)
+
+from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token  # noqa: E402
+from blockpool.integrations import vllm as plugin  # noqa: E402
+from blockpool.integrations import vllm_connectors as vc  # noqa: E402
+from blockpool.integrations import vllm_worker as vw  # noqa: E402
+from blockpool.integrations.vllm_hazards import StepRecord, Transfer  # noqa: E402
+from blockpool.sanitizer import RaceOracle  # noqa: E402
+from blockpool.testing_streams import StandInDevice  # noqa: E402
+from blockpool.torch_events import EventLedger  # noqa: E402
+
+BS = 16
+MOONCAKE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store"
+
+
+@pytest.fixture
+def registered(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The plugin installed in this process, hazards on or off
+    (``request.param``), undone afterwards."""
+    hazards = getattr(request, "param", True)
+    plugin.unregister()
+    env = {plugin.ENV_PLUGIN: "1", plugin.ENV_HAZARDS: "1" if hazards else "0"}
+    with patch.dict(os.environ, env):
+        plugin.register()
+    try:
+        yield hazards
+    finally:
+        plugin.unregister()
+
+
+def make_scheduler(connector: str, extra: dict[str, Any] | None = None, num_blocks: int = 64) -> Any:
+    """vLLM's real Scheduler for a tiny model shape, with ``connector``."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.utils.hashing import sha256
+
+    init_none_hash(sha256)
+    model = ModelConfig(model="facebook/opt-125m", trust_remote_code=True, dtype="float16", seed=42)
+    sched = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        max_model_len=4096,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    cache = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, enable_prefix_caching=True)
+    cache.kv_cache_layout = "LBNHC"
+    transfer = KVTransferConfig(kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra or {})
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=sched,
+        cache_config=cache,
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    config.cache_config.num_gpu_blocks = num_blocks
+    with set_current_vllm_config(config), patch(f"{MOONCAKE}.scheduler.LookupKeyClient"):
+        return Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv,
+            log_stats=False,
+            structured_output_manager=MagicMock(),
+            block_size=BS,
+        )
+
+
+def make_request(rid: str, tokens: list[int], max_tokens: int = 64) -> Any:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=max_tokens)
+    params.update_from_generation_config({}, 50256)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(BS, sha256),
+    )
+
+
+def model_output(scheduler_output: Any, **connector: Any) -> Any:
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    ids = list(scheduler_output.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[7] for _ in ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=KVConnectorOutput(**connector) if connector else None,
+    )
+
+
+def lookup(hit_tokens: int) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeLookupResult
+
+    return MooncakeLookupResult(hit_length=hit_tokens)
+
+
+def inject_partial_hit_cow(scheduler: Any, req_id: str, idx: int, cached_block: Any) -> None:
+    """When ``req_id``'s blocks are allocated, redirect its block ``idx`` to
+    a private copy of ``cached_block`` through vLLM's own ``_apply_cow`` --
+    what vLLM's allocation does on a partial prefix-cache hit (a hit ending
+    inside ``cached_block``), which this single-group test model cannot
+    produce by itself (partial hits need a hybrid model). The copy
+    ``cached_block -> the request's block idx`` then runs on the compute
+    stream before the step, as vLLM ships it in ``kv_cache_block_copies``."""
+    manager = scheduler.kv_cache_manager
+    single = manager.coordinator.single_type_managers[0]
+    allocate = manager.allocate_slots
+
+    def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+        out = allocate(request, *args, **kwargs)
+        if request.request_id == req_id and out is not None:
+            blocks = single.req_to_blocks[req_id]
+            own = blocks[idx]
+            manager.block_pool.touch([cached_block])  # the hit's reference
+            blocks[idx] = cached_block
+            single._apply_cow(req_id, idx, cached_block, own)
+        return out
+
+    manager.allocate_slots = allocate_slots
+
+
+def worker(dev: StandInDevice, compute: Any) -> vw.WorkerHazards:
+    ledger = EventLedger(dev.new_event, streams={"compute": compute})
+    wh = vw.WorkerHazards(ledger, lambda: compute, timeout=5.0)
+    vw.install(wh)
+    return wh
+
+
+def wrapper(installer: Any, owner_name: str, attr: str, orig: Any) -> Any:
+    """The plugin's wrapper of ``owner_name.attr`` applied to ``orig``."""
+    made = {}
+
+    def capture(owner: Any, a: str, make: Any) -> None:
+        made[(owner.__name__, a)] = make
+
+    installer(capture)
+    return made[(owner_name, attr)](orig)
+
+
+# ----------------------------------------------------------------------
+# MooncakeStore: the seed scenario
+# ----------------------------------------------------------------------
+
+
+def run_seed_scenario(scheduler: Any) -> tuple[Any, Any, list[int], int]:
+    """Request A fills blocks; request B shares A's first 40 tokens (a
+    partial hit ending inside A's third block: vLLM copies that block into
+    B's own block ``d``) and MooncakeStore has B's first 64 tokens: its GET
+    writes B's blocks from index 2 -- ``d`` among them. Returns step 2's
+    scheduler output, B's ReqMeta and B's block table."""
+    cs = scheduler.connector.connector_scheduler
+    cs.client.lookup.return_value = lookup(0)
+    a = make_request("A", list(range(1, 41)))
+    scheduler.add_request(a)
+    out1 = scheduler.schedule()
+    scheduler.update_from_output(out1, model_output(out1))
+    a_third = scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["A"][2]
+    b = make_request("B", list(range(1, 41)) + list(range(100, 140)))
+    inject_partial_hit_cow(scheduler, "B", 2, a_third)
+    cs.client.lookup.return_value = lookup(64)
+    scheduler.add_request(b)
+    out2 = scheduler.schedule()
+    (meta,) = [rm for rm in out2.kv_connector_metadata.requests if rm.req_id == "B"]
+    table = [blk.block_id for blk in scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["B"]]
+    return out2, meta, table, a_third.block_id
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_mooncake_get_into_a_cow_destination_waits_for_exactly_the_copy(registered: bool) -> None:
+    scheduler = make_scheduler("MooncakeStoreConnector")
+    out2, meta, table, src = run_seed_scenario(scheduler)
+    d = table[2]
+    assert [(c.src_block_id, c.dst_block_id) for c in out2.kv_cache_block_copies] == [(src, d)]
+    step = StepRecord.from_wire(getattr(out2.kv_connector_metadata, vc.META_STEP)[0])
+    assert step.copies is not None
+    load = Transfer.from_wire(getattr(meta, vc.META_LOAD))
+    assert load.block_ids == (d, table[3])
+    assert load.token.stream == "mooncake_store" and load.token.kind is StreamKind.HOST
+    assert load.fence.tokens == (step.copies,)
+
+
+@pytest.mark.parametrize("registered", [False], indirect=True)
+def test_hazards_off_leaves_mooncake_metadata_as_vllm_builds_it(registered: bool) -> None:
+    scheduler = make_scheduler("MooncakeStoreConnector")
+    out2, meta, _, _ = run_seed_scenario(scheduler)
+    assert not hasattr(meta, vc.META_LOAD)
+    assert not hasattr(out2.kv_connector_metadata, vc.META_STEP)
+
+
+def replay_get_on_worker(out2: Any, meta: Any, table: list[int], fenced: bool) -> tuple[dict[int, str], list[str]]:
+    """The worker half on stand-ins: the step's CoW copy is enqueued on the
+    compute stream (it has not run yet), the step's metadata is bound, then
+    MooncakeStore's receive thread handles B's GET through the plugin's
+    wrapper. Returns block ``d``'s final content and the race oracle's
+    reports."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import worker as mw
+
+    dev = StandInDevice()
+    compute = dev.new_stream("compute")
+    wh = worker(dev, compute)
+    oracle = RaceOracle({"compute": StreamKind.DEVICE, "mooncake_store": StreamKind.HOST})
+    kv = {b: "" for b in table}
+    races: list[str] = []
+    (copy,) = out2.kv_cache_block_copies
+    step = getattr(out2.kv_connector_metadata, vc.META_STEP, None)
+    copy_token = StepRecord.from_wire(step[0]).copies if step else Token("compute", 1)
+    load = Transfer.from_wire(getattr(meta, vc.META_LOAD)) if fenced else None
+    get_token = load.token if load else Token("mooncake_store", 1, StreamKind.HOST)
+
+    compute.enqueue(lambda: kv.__setitem__(copy.dst_block_id, "copied prefix"), "cow copy")
+    oracle.record(copy_token)
+    races += map(str, oracle.access(copy_token, [copy.dst_block_id], AccessKind.WRITE, "cow copy"))
+    mw.KVCacheStoreSendingThread  # noqa: B018  (imported: the wrapper targets it)
+    if step is not None:
+        wh.on_bind(out2.kv_connector_metadata)
+    waited: list[Token] = []
+
+    def get(thread: Any, req_meta: Any) -> None:  # the real GET writes every destination block
+        # Ordered after exactly the tokens the device has finished by now.
+        wh.ledger.poll()
+        waited.extend(t for t in (copy_token,) if wh.ledger.is_complete(t))
+        oracle.record(get_token, after=waited)
+        races.extend(map(str, oracle.access(get_token, list(load.block_ids) if load else table[2:4],
+                                            AccessKind.WRITE, "mooncake GET")))
+        for b in (load.block_ids if load else table[2:4]):
+            kv[b] = "remote KV"
+
+    handle = wrapper(vw._wire_mooncake, "KVCacheStoreRecvingThread", "_handle_request", get)
+    thread = SimpleNamespace(done_task_lock=threading.Lock(), _failed_requests=set())
+    t = threading.Thread(target=handle, args=(thread, meta))
+    t.start()
+    t.join(10)
+    dev.run()  # the device catches up
+    vw.install(None)
+    return kv, races
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_seed_scenario_on_stand_ins_is_race_free_with_the_fence(registered: bool) -> None:
+    scheduler = make_scheduler("MooncakeStoreConnector")
+    out2, meta, table, _ = run_seed_scenario(scheduler)
+    kv, races = replay_get_on_worker(out2, meta, table, fenced=True)
+    assert races == []
+    assert kv[table[2]] == "remote KV"
+
+
+@pytest.mark.parametrize("registered", [False], indirect=True)
+def test_seed_scenario_races_without_the_fence(registered: bool) -> None:
+    scheduler = make_scheduler("MooncakeStoreConnector")
+    out2, meta, table, _ = run_seed_scenario(scheduler)
+    kv, races = replay_get_on_worker(out2, meta, table, fenced=False)
+    assert len(races) == 1 and races[0].startswith(f"WAW race on block {table[2]}")
+    assert kv[table[2]] == "copied prefix"  # the copy ran after the GET: the remote KV is lost
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_mooncake_store_waits_on_the_step_that_wrote_its_blocks_not_the_whole_forward(registered: bool) -> None:
+    scheduler = make_scheduler("MooncakeStoreConnector")
+    cs = scheduler.connector.connector_scheduler
+    cs.client.lookup.return_value = lookup(0)
+    a = make_request("A", list(range(1, 41)))
+    scheduler.add_request(a)
+    out1 = scheduler.schedule()
+    step1 = StepRecord.from_wire(getattr(out1.kv_connector_metadata, vc.META_STEP)[0])
+    (store_meta,) = [rm for rm in out1.kv_connector_metadata.requests if rm.can_save]
+    store = Transfer.from_wire(getattr(store_meta, vc.META_STORE))
+    a_blocks = [b.block_id for b in scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["A"]]
+    # The send thread reads the two full blocks (32 of 40 tokens), after step 1 wrote them.
+    assert store.block_ids == tuple(a_blocks[:2])
+    assert store.fence.tokens == (step1.forward,)
+    # Step 2 appends to A's third block: the forward waits on nothing (the
+    # PUT does not read that block), and step 1's store is not in its way.
+    scheduler.update_from_output(out1, model_output(out1))
+    out2 = scheduler.schedule()
+    assert Fence.from_wire(getattr(out2.kv_connector_metadata, vc.META_STEP)[1]) == EMPTY_FENCE
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_mooncake_send_thread_synchronizes_on_the_stores_own_fence(registered: bool) -> None:
+    scheduler = make_scheduler("MooncakeStoreConnector")
+    scheduler.connector.connector_scheduler.client.lookup.return_value = lookup(0)
+    scheduler.add_request(make_request("A", list(range(1, 41))))
+    out1 = scheduler.schedule()
+    meta = out1.kv_connector_metadata
+    dev = StandInDevice()
+    compute = dev.new_stream("compute")
+    wh = worker(dev, compute)
+    try:
+        wh.on_bind(meta)
+        compute.enqueue(lambda: None, "step 1 forward")
+        sent: list[Any] = []
+        store_worker = SimpleNamespace(
+            _capacity_only=False, can_put=True, kv_send_thread=SimpleNamespace(add_request=sent.append)
+        )
+        wait_for_save = wrapper(vw._wire_mooncake, "MooncakeStoreWorker", "wait_for_save", None)
+        wait_for_save(store_worker, meta)
+        (req,) = sent
+        assert isinstance(req.current_event, vw.FenceWait)
+        assert not wh.ledger.is_complete(StepRecord.from_wire(getattr(meta, vc.META_STEP)[0]).forward)
+        req.current_event.synchronize()  # what the send thread calls before reading the blocks
+        assert [op for op in dev.log if op[0] == "synchronize"] == [("synchronize", "MainThread", "ev0")]
+        assert wh.tokens_waited == 1
+    finally:
+        vw.install(None)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_mooncake_load_into_untouched_blocks_has_an_empty_fence(registered: bool) -> None:
+    scheduler = make_scheduler("MooncakeStoreConnector")
+    cs = scheduler.connector.connector_scheduler
+    cs.client.lookup.return_value = lookup(48)
+    scheduler.add_request(make_request("B", list(range(1, 81))))
+    out = scheduler.schedule()
+    (meta,) = [rm for rm in out.kv_connector_metadata.requests if rm.req_id == "B"]
+    load = Transfer.from_wire(getattr(meta, vc.META_LOAD))
+    assert len(load.block_ids) == 3
+    assert load.fence.tokens == ()
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_mooncake_completions_end_the_transfers_in_the_pool(registered: bool) -> None:
+    scheduler = make_scheduler("MooncakeStoreConnector")
+    out2, meta, table, _ = run_seed_scenario(scheduler)
+    load = Transfer.from_wire(getattr(meta, vc.META_LOAD))
+    core = scheduler.kv_cache_manager.block_pool.core
+    assert not core.is_ended(load.token)
+    scheduler.update_from_output(out2, model_output(out2, finished_recving={"B"}))
+    assert core.is_ended(load.token)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_scheduler_binding_an_unwired_connector_logs_one_line(registered: bool, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    vc._LOGGED.discard("ExampleConnector")
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.blockpool"):
+        make_scheduler("ExampleConnector", {"shared_storage_path": "/tmp/blockpool-test-example"})
+        make_scheduler("ExampleConnector", {"shared_storage_path": "/tmp/blockpool-test-example"})
+    lines = [r.getMessage() for r in caplog.records if "not wired" in r.getMessage()]
+    assert lines == [lines[0]] and "ExampleConnector" in lines[0]
+
+
+def test_unwired_env_leaves_a_connector_as_vllm_built_it() -> None:
+    plugin.unregister()
+    env = {plugin.ENV_PLUGIN: "1", plugin.ENV_HAZARDS: "1", vc.ENV_UNWIRED: "mooncake_store"}
+    with patch.dict(os.environ, env):
+        plugin.register()
+    try:
+        assert "mooncake_store" not in plugin.install_state().connectors
+        scheduler = make_scheduler("MooncakeStoreConnector")
+        assert vc.wiring_of(scheduler.connector.connector_scheduler) is None
+    finally:
+        plugin.unregister()
