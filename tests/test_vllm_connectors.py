@@ -394,3 +394,95 @@ def test_unwired_env_leaves_a_connector_as_vllm_built_it() -> None:
         assert vc.wiring_of(scheduler.connector.connector_scheduler) is None
     finally:
         plugin.unregister()
+
+
+# ----------------------------------------------------------------------
+# Offloading (CPU offload on CUDA copy streams)
+# ----------------------------------------------------------------------
+
+OFFLOAD = {"cpu_bytes_to_use": 1 << 24, "block_size": BS}
+
+
+def offload_step(scheduler: Any, out: Any, completed: dict[int, int] | None = None) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+    meta = OffloadingWorkerMetadata(completed_jobs=completed) if completed else None
+    scheduler.update_from_output(out, model_output(out, kv_connector_worker_meta=meta) if meta else model_output(out))
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_offload_store_waits_on_the_step_that_wrote_its_blocks(registered: bool) -> None:
+    scheduler = make_scheduler("OffloadingConnector", OFFLOAD)
+    scheduler.add_request(make_request("A", list(range(1, 41))))
+    out1 = scheduler.schedule()
+    step1 = StepRecord.from_wire(getattr(out1.kv_connector_metadata, vc.META_STEP)[0])
+    ((job_id, job),) = out1.kv_connector_metadata.store_jobs.items()
+    store = Transfer.from_wire(getattr(job, vc.META_STORE))
+    a_blocks = [b.block_id for b in scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["A"]]
+    assert store.block_ids == tuple(a_blocks[:2])
+    assert (store.token.stream, store.token.kind) == ("offload_d2h", StreamKind.DEVICE)
+    assert store.fence.tokens == (step1.forward,)
+    core = scheduler.kv_cache_manager.block_pool.core
+    offload_step(scheduler, out1)
+    assert not core.is_ended(store.token)
+    out2 = scheduler.schedule()
+    offload_step(scheduler, out2, completed={job_id: 1})  # every worker (one here) reported the job
+    assert core.is_ended(store.token)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_offload_load_into_untouched_blocks_has_an_empty_fence(registered: bool) -> None:
+    scheduler = make_scheduler("OffloadingConnector", OFFLOAD)
+    scheduler.add_request(make_request("A", list(range(1, 41)), max_tokens=1))
+    out1 = scheduler.schedule()
+    ((job_id, _),) = out1.kv_connector_metadata.store_jobs.items()
+    offload_step(scheduler, out1)
+    out2 = scheduler.schedule()
+    offload_step(scheduler, out2, completed={job_id: 1})
+    assert scheduler.kv_cache_manager.reset_prefix_cache()  # the GPU copy is gone, the CPU one stays
+    scheduler.add_request(make_request("B", list(range(1, 41)) + [9] * 8))
+    out3 = scheduler.schedule()
+    loads = out3.kv_connector_metadata.load_jobs
+    assert len(loads) == 1
+    (job,) = loads.values()
+    load = Transfer.from_wire(getattr(job, vc.META_LOAD))
+    assert load.token.stream in ("offload_h2d", "offload_h2d_sync")
+    assert len(load.block_ids) == 2
+    assert load.fence.tokens == ()
+
+
+def test_offload_worker_orders_the_copy_stream_after_the_fence_and_records_the_job() -> None:
+    dev = StandInDevice()
+    compute, copy_stream = dev.new_stream("compute"), dev.new_stream("copy")
+    wh = worker(dev, compute)
+    try:
+        e1 = Token("compute", 1)
+        compute.enqueue(lambda: None, "step 1 forward")
+        wh.record(e1)
+        transfer = Transfer("A", "store", Token("offload_d2h", 1), Fence([e1]), (1, 2))
+        wh.jobs[("offloading", 0)] = transfer
+        ran: list[str] = []
+
+        class Handler:  # the part of SingleDirectionOffloadingHandler the wrapper touches
+            def __init__(self) -> None:
+                self._transfers: list[Any] = []
+                self._swap_blocks_batch = lambda *a: copy_stream.enqueue(lambda: ran.append("d2h copy"), "swap")
+
+        def transfer_async(self: Any, job_id: int, src: Any, dst: Any) -> bool:
+            wh.current_stream = lambda: copy_stream  # vLLM runs the swap with the copy stream current
+            self._swap_blocks_batch(src, dst)
+            self._transfers.append(SimpleNamespace(stream=copy_stream))
+            wh.current_stream = lambda: compute
+            return True
+
+        wrapped = wrapper(vw._wire_offloading, "SingleDirectionOffloadingHandler", "transfer_async", transfer_async)
+        assert wrapped(Handler(), 0, None, None) is True
+        waits = [op for op in dev.log if op[0] == "wait_event"]
+        assert waits == [("wait_event", "copy", "ev0")]  # exactly e1's event, on the copy stream
+        assert wh.ledger.event_of(Token("offload_d2h", 1)) is not None  # the job's point is recorded
+        copy_stream.run()
+        assert ran == []  # blocked behind step 1's forward
+        dev.run()
+        assert ran == ["d2h copy"]
+    finally:
+        vw.install(None)
