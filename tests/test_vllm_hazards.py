@@ -201,3 +201,84 @@ def test_wire_form_is_msgspec_encodable() -> None:
     data = msgspec.msgpack.decode(msgspec.msgpack.encode(t.to_wire()))
     assert Transfer.from_wire(data) == t
     assert Token.from_wire(msgspec.json.decode(msgspec.json.encode(t.token.to_wire()))) == t.token
+
+
+class BlockState:
+    """Stands for vLLM's KVConnectorBlockState (current block tables)."""
+
+    def __init__(self, tables: dict[str, tuple[list[int], ...]]) -> None:
+        self.tables = tables
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...] | None:
+        return self.tables.get(req_id)
+
+
+class StepOut(Out):
+    """A SchedulerOutput with the fields step-write tagging reads."""
+
+    def __init__(self, scheduled: dict[str, int], computed: dict[str, int], tables: dict[str, tuple[list[int], ...]]) -> None:
+        super().__init__(sum(scheduled.values()))
+        self.num_scheduled_tokens = scheduled
+        self.scheduled_new_reqs = []
+        self.scheduled_cached_reqs = type("Cached", (), {"req_ids": list(computed), "num_computed_tokens": list(computed.values())})()
+        self.kv_connector_block_state = BlockState(tables)
+
+
+def test_step_writes_make_a_store_of_those_blocks_wait_on_that_step() -> None:
+    pool, hz = make()
+    blocks = pool.get_new_blocks(4)
+    table = ([b.block_id for b in blocks],)
+    out = StepOut({"r": 20}, {"r": 40}, {"r": table})  # tokens 40..59: blocks 2 and 3 (16-token blocks)
+    assert hz.tag_step_writes(out, 16).tokens == ()
+    e1 = hz.step_record(out).forward
+    assert toks(hz.begin_store("r", blocks[2:], "d2h").fence) == {str(e1)}
+    assert hz.begin_store("r", blocks[:2], "d2h").fence.tokens == ()  # written before this step
+
+
+def test_step_writes_are_tagged_once_per_step_and_return_the_same_fence() -> None:
+    pool, hz = make()
+    blocks = pool.get_new_blocks(2)
+    store = hz.begin_store("r", blocks, "nixl")  # a host engine still reads both blocks
+    out = StepOut({"r": 8}, {"r": 20}, {"r": ([b.block_id for b in blocks],)})
+    first = hz.tag_step_writes(out, 16)
+    assert first.tokens == (store.token,) and first.needs_host_wait
+    assert hz.tag_step_writes(out, 16) == first  # a second connector of the same step
+    # A later write waits on the forward, which the worker ordered after the store.
+    assert toks(pool.fence_for(blocks[1:], "h2d")) == {str(hz.step_record(out).forward)}
+
+
+def test_step_without_a_block_state_tags_nothing() -> None:
+    pool, hz = make()
+    blocks = pool.get_new_blocks(1)
+    assert hz.tag_step_writes(Out(), 16).tokens == ()
+    assert hz.begin_store("r", blocks, "d2h").fence.tokens == ()
+
+
+def test_blocks_of_leaves_out_null_foreign_and_free_ids() -> None:
+    pool, hz = make()
+    used = pool.get_new_blocks(2)
+    free_id = next(i for i in range(1, 16) if i not in ids(used))
+    assert ids(hz.blocks_of([0, used[0].block_id, free_id, 99, used[1].block_id, "x"])) == ids(used)  # type: ignore[list-item]
+    assert hz.transfer_blocks_skipped == 4
+
+
+def test_finish_ends_every_transfer_under_a_job_key() -> None:
+    pool, hz = make()
+    (a, b) = pool.get_new_blocks(2)
+    load = hz.begin_load("req", [a], "h2d", key=("job", 1))
+    store = hz.begin_store("req", [b], "d2h", key=("job", 1))
+    other = hz.begin_store("req", [a], "d2h", key=("job", 2))
+    assert hz.finish(("job", 1)) == 2
+    assert pool.is_ended(load.token) and pool.is_ended(store.token) and not pool.is_ended(other.token)
+    assert hz.finish(("job", 1)) == 0
+    assert (hz.transfers_begun, hz.fences_nonempty) == (3, 1)
+
+
+def test_finish_failed_fails_the_load_and_drops_its_keys() -> None:
+    pool, hz = make()
+    (b,) = pool.get_new_blocks(1)
+    hz.begin_load("req", [b], "h2d", key=("job", 7))
+    pool.cache_full_blocks([b], ["k"], 0, 1, block_size=16)
+    hz.finish(("job", 7), failed=True)
+    pool.poll()
+    assert pool.get_cached_block("k") is None

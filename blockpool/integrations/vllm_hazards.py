@@ -193,7 +193,7 @@ class StepHazards:
         self.transfer_blocks_skipped = 0
         self._loads: dict[Hashable, list[Transfer]] = {}
         self._stores: dict[Hashable, list[Transfer]] = {}
-        self._writes_tagged = 0
+        self._step_writes: tuple[int, Fence] = (0, EMPTY_FENCE)
 
     # ------------------------------------------------------------------
     # steps
@@ -276,12 +276,16 @@ class StepHazards:
         blocks: empty unless a transfer on another stream or engine still
         reads or writes one of them (say, a store of a partial block the
         step appends to). The worker waits on it when it binds the step's
-        connector metadata, before the forward. O(blocks tagged).
+        connector metadata, before the forward; ``eN`` then stands for those
+        accesses too (later fences name ``eN``, which ends after them).
+        Later calls for the same step return the same fence. O(blocks tagged).
         """
         record = self.step_record(scheduler_output)
-        if record is None or record.index == self._writes_tagged:
+        if record is None:
             return EMPTY_FENCE
-        self._writes_tagged = record.index
+        if record.index == self._step_writes[0]:
+            return self._step_writes[1]
+        self._step_writes = (record.index, EMPTY_FENCE)
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
         if state is None or not scheduled or block_size <= 0:
@@ -305,6 +309,7 @@ class StepHazards:
             return EMPTY_FENCE
         fence = self.pool.fence_for(blocks, self.stream, AccessKind.WRITE)
         self.pool.tag(blocks, record.forward, AccessKind.WRITE)
+        self._step_writes = (record.index, fence)
         return fence
 
     def end_step(self, scheduler_output: object) -> StepRecord | None:
