@@ -37,6 +37,9 @@ connector                     stream / engine                            kind
 ``MooncakeStoreConnector``    ``mooncake_store`` (send and recv threads)  HOST
 ``OffloadingConnector``       ``offload_h2d``, ``offload_h2d_sync``,      DEVICE
                               ``offload_d2h`` (CUDA copy streams)
+``SimpleCPUOffloadConnector`` ``simple_cpu_h2d``, ``simple_cpu_d2h``      DEVICE
+                              (scheduler side only)
+``NixlConnector`` (pull/push) ``nixl`` (remote reads into decode blocks)  HOST
 ============================  =========================================  ======
 
 Any other connector logs one line when a scheduler binds it to our pool:
@@ -381,6 +384,122 @@ def _patch_offloading(mod: Any, patch: Callable[[Any, str, Callable[[Any], Any]]
     patch(cls, "update_connector_output", wrap_update)
 
 
+SIMPLE_H2D = "simple_cpu_h2d"
+SIMPLE_D2H = "simple_cpu_d2h"
+SIMPLE = "simple_cpu_offload"
+NIXL = "nixl"
+
+
+def _patch_simple_cpu_offload(mod: Any, patch: Callable[[Any, str, Callable[[Any], Any]], None]) -> None:
+    cls = mod.SimpleCPUOffloadScheduler
+
+    def wrap_bind(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def bind_gpu_block_pool(self: Any, gpu_block_pool: Any) -> None:
+            orig(self, gpu_block_pool)
+            attach(
+                self,
+                gpu_block_pool,
+                SIMPLE,
+                min_block_size(getattr(self, "kv_cache_config", None), getattr(self, "block_size", 0) or 0),
+            )
+
+        return bind_gpu_block_pool
+
+    def wrap_build(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
+            w = wiring_of(self)
+            if w is None:
+                return orig(self, scheduler_output)
+            step = w.begin_step(scheduler_output)
+            meta = orig(self, scheduler_output)
+            loads = {}
+            for req_id in meta.load_event_to_reqs.get(meta.load_event, ()):
+                state = self._reqs_to_load.get(req_id)
+                transfer = getattr(state, "transfer_meta", None)
+                if transfer is not None:
+                    wire_load = w.load(req_id, transfer.gpu_block_ids, SIMPLE_H2D)
+                    if wire_load is not None:
+                        loads[req_id] = wire_load
+            setattr(meta, META_LOAD, loads)
+            if meta.store_event >= 0:
+                wire_store = w.store("", meta.store_gpu_blocks, SIMPLE_D2H, key=(SIMPLE, meta.store_event))
+                if wire_store is not None:
+                    setattr(meta, META_STORE, wire_store)
+            if step is not None:
+                setattr(meta, META_STEP, step)
+            return meta
+
+        return build_connector_meta
+
+    def wrap_update(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def update_connector_output(self: Any, connector_output: Any) -> None:
+            w = wiring_of(self)
+            events = getattr(
+                getattr(connector_output, "kv_connector_worker_meta", None), "completed_store_events", None
+            )
+            if w is not None and events:
+                # Before vLLM releases the store's block references.
+                for event, count in events.items():
+                    if self._store_event_pending_counts.get(event, 0) + count >= self._expected_worker_count:
+                        w.finish((SIMPLE, event))
+            return orig(self, connector_output)
+
+        return update_connector_output
+
+    patch(cls, "bind_gpu_block_pool", wrap_bind)
+    patch(cls, "build_connector_meta", wrap_build)
+    patch(cls, "update_connector_output", wrap_update)
+
+
+def _patch_nixl(mod: Any, patch: Callable[[Any, str, Callable[[Any], Any]], None]) -> None:
+    conn = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector")
+    base = mod.NixlBaseConnectorScheduler
+
+    def wrap_bind(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def bind_gpu_block_pool(self: Any, gpu_block_pool: Any) -> None:
+            orig(self, gpu_block_pool)
+            inner = getattr(self, "connector_scheduler", None)
+            if inner is not None:
+                attach(
+                    inner,
+                    gpu_block_pool,
+                    NIXL,
+                    min_block_size(getattr(self, "_kv_cache_config", None), _cache_block_size(self)),
+                )
+
+        return bind_gpu_block_pool
+
+    def wrap_build(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
+            w = wiring_of(self)
+            if w is None:
+                return orig(self, scheduler_output)
+            step = w.begin_step(scheduler_output)
+            meta = orig(self, scheduler_output)
+            for req_id, rm in meta.reqs_to_recv.items():
+                # Only a read the scheduler awaits is reported back
+                # (finished_recving / failed_recving / invalid_block_ids).
+                if not rm.awaiting_kvs:
+                    continue
+                ids = [b for group in rm.local_block_ids for b in group]
+                wire_load = w.load(req_id, ids, NIXL)
+                if wire_load is not None:
+                    setattr(rm, META_LOAD, wire_load)
+            if step is not None:
+                setattr(meta, META_STEP, step)
+            return meta
+
+        return build_connector_meta
+
+    patch(conn.NixlBaseConnector, "bind_gpu_block_pool", wrap_bind)
+    patch(base, "build_connector_meta", wrap_build)
+
+
 def _spec_block_ids(spec: Any) -> list[int]:
     ids = getattr(spec, "block_ids", None)
     if ids is None:
@@ -405,6 +524,16 @@ CONNECTORS: dict[str, ConnectorSpec] = {
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
         {OFFLOAD_H2D: StreamKind.DEVICE, OFFLOAD_H2D_SYNC: StreamKind.DEVICE, OFFLOAD_D2H: StreamKind.DEVICE},
         _patch_offloading,
+    ),
+    SIMPLE: ConnectorSpec(
+        "vllm.v1.simple_kv_offload.manager",
+        {SIMPLE_H2D: StreamKind.DEVICE, SIMPLE_D2H: StreamKind.DEVICE},
+        _patch_simple_cpu_offload,
+    ),
+    NIXL: ConnectorSpec(
+        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler",
+        {NIXL: StreamKind.HOST},
+        _patch_nixl,
     ),
 }
 """Every connector this module can wire, by name."""

@@ -25,7 +25,9 @@ rank) turns them into waits:
   (``stream.wait_event`` per token, no host block) right before its copy
   kernels, after vLLM's own ``wait_stream(compute)`` barrier (kept: it also
   orders the zeroing of new blocks, which the pool does not track), and the
-  job's token is recorded on that stream after them.
+  job's token is recorded on that stream after them;
+- **NIXL** (pull mode): the worker waits on the host for a read's fence
+  before it posts the READ into the decode blocks.
 
 :func:`install` sets the process's :class:`WorkerHazards` (tests pass CPU
 stand-ins, :mod:`blockpool.testing_streams`); without one, the first wired
@@ -50,6 +52,7 @@ from blockpool.integrations.vllm_connectors import (
     META_STEP,
     META_STORE,
     MOONCAKE,
+    NIXL,
     OFFLOADING,
 )
 from blockpool.integrations.vllm_hazards import StepRecord, Transfer
@@ -383,9 +386,32 @@ def _wire_offloading(patch: Patcher) -> None:
     patch(gmod.SingleDirectionOffloadingHandler, "transfer_async", wrap_transfer)
 
 
+def _wire_nixl(patch: Patcher) -> None:
+    mod = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker")
+
+    def wrap_read(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def _read_blocks_for_req(self: Any, req_id: str, meta: Any) -> Any:
+            wire_form = getattr(meta, META_LOAD, None)
+            wh = current() if wire_form is not None else None
+            if wh is not None:
+                try:
+                    wh.wait(Transfer.from_wire(wire_form))
+                except Exception:
+                    # Never post the READ into blocks whose earlier accesses may still run.
+                    logger.exception("blockpool: NIXL read of %s not posted: its fence did not end", req_id)
+                    return self._handle_failed_transfer(req_id, None, self._recv_failures)
+            return orig(self, req_id, meta)
+
+        return _read_blocks_for_req
+
+    patch(mod.NixlPullConnectorWorker, "_read_blocks_for_req", wrap_read)
+
+
 _WORKER_WIRING: dict[str, Callable[[Patcher], None]] = {
     MOONCAKE: _wire_mooncake,
     OFFLOADING: _wire_offloading,
+    NIXL: _wire_nixl,
 }
 
 
