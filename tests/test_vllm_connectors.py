@@ -50,7 +50,9 @@ def registered(request: pytest.FixtureRequest) -> Iterator[bool]:
         plugin.unregister()
 
 
-def make_scheduler(connector: str, extra: dict[str, Any] | None = None, num_blocks: int = 64) -> Any:
+def make_scheduler(
+    connector: str, extra: dict[str, Any] | None = None, num_blocks: int = 64, role: str = "kv_both"
+) -> Any:
     """vLLM's real Scheduler for a tiny model shape, with ``connector``."""
     from vllm.config import (
         CacheConfig,
@@ -77,7 +79,7 @@ def make_scheduler(connector: str, extra: dict[str, Any] | None = None, num_bloc
     )
     cache = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, enable_prefix_caching=True)
     cache.kv_cache_layout = "LBNHC"
-    transfer = KVTransferConfig(kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra or {})
+    transfer = KVTransferConfig(kv_connector=connector, kv_role=role, kv_connector_extra_config=extra or {})
     config = VllmConfig(
         model_config=model,
         scheduler_config=sched,
@@ -98,7 +100,7 @@ def make_scheduler(connector: str, extra: dict[str, Any] | None = None, num_bloc
         )
 
 
-def make_request(rid: str, tokens: list[int], max_tokens: int = 64) -> Any:
+def make_request(rid: str, tokens: list[int], max_tokens: int = 64, transfer: dict[str, Any] | None = None) -> Any:
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -106,7 +108,7 @@ def make_request(rid: str, tokens: list[int], max_tokens: int = 64) -> Any:
 
     params = SamplingParams(max_tokens=max_tokens)
     params.update_from_generation_config({}, 50256)
-    return Request(
+    req = Request(
         request_id=rid,
         prompt_token_ids=tokens,
         sampling_params=params,
@@ -114,6 +116,8 @@ def make_request(rid: str, tokens: list[int], max_tokens: int = 64) -> Any:
         mm_features=None,
         block_hasher=get_request_block_hasher(BS, sha256),
     )
+    req.kv_transfer_params = transfer
+    return req
 
 
 def model_output(scheduler_output: Any, **connector: Any) -> Any:
@@ -484,5 +488,67 @@ def test_offload_worker_orders_the_copy_stream_after_the_fence_and_records_the_j
         assert ran == []  # blocked behind step 1's forward
         dev.run()
         assert ran == ["d2h copy"]
+    finally:
+        vw.install(None)
+
+
+# ----------------------------------------------------------------------
+# NIXL (remote reads into decode blocks) and SimpleCPUOffload
+# ----------------------------------------------------------------------
+
+
+def remote_prefill(num_blocks: int) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "prefill-engine",
+        "remote_request_id": "prefill-B",
+        "remote_block_ids": list(range(num_blocks)),
+        "remote_host": "127.0.0.1",
+        "remote_port": 1234,
+        "tp_size": 1,
+    }
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+@pytest.mark.parametrize("outcome", ["finished_recving", "failed_recving"])
+def test_nixl_remote_read_begins_on_the_pool_and_ends_with_the_connectors_report(
+    registered: bool, outcome: str
+) -> None:
+    scheduler = make_scheduler("NixlConnector", role="kv_consumer", num_blocks=16)
+    scheduler.add_request(make_request("B", list(range(200, 240)), transfer=remote_prefill(3)))
+    out = scheduler.schedule()
+    rm = out.kv_connector_metadata.reqs_to_recv["B"]
+    load = Transfer.from_wire(getattr(rm, vc.META_LOAD))
+    assert list(load.block_ids) == [b for group in rm.local_block_ids for b in group]
+    assert (load.token.stream, load.token.kind) == ("nixl", StreamKind.HOST)
+    assert load.fence.tokens == ()  # blocks nobody touched
+    core = scheduler.kv_cache_manager.block_pool.core
+    failed_before = core.stats().failed_tokens
+    scheduler.update_from_output(out, model_output(out, **{outcome: {"B"}}))
+    core.poll()
+    assert core.is_ended(load.token)
+    assert core.stats().failed_tokens - failed_before == (outcome == "failed_recving")
+
+
+def test_nixl_worker_waits_on_the_host_before_it_posts_the_read() -> None:
+    dev = StandInDevice()
+    compute = dev.new_stream("compute")
+    wh = worker(dev, compute)
+    try:
+        e1 = Token("compute", 1)
+        order: list[str] = []
+        compute.enqueue(lambda: order.append("step 1 reads the blocks"), "forward")
+        wh.record(e1)
+        meta = SimpleNamespace()
+        setattr(meta, vc.META_LOAD, Transfer("B", "load", Token("nixl", 1, StreamKind.HOST), Fence([e1]), (3, 4)).to_wire())
+
+        def read(self: Any, req_id: str, m: Any) -> None:
+            order.append("READ posted")
+
+        wrapped = wrapper(vw._wire_nixl, "NixlPullConnectorWorker", "_read_blocks_for_req", read)
+        wrapped(SimpleNamespace(), "B", meta)
+        assert order == ["step 1 reads the blocks", "READ posted"]
+        assert ("synchronize", "MainThread", "ev0") in dev.log
     finally:
         vw.install(None)
