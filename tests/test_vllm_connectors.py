@@ -51,7 +51,11 @@ def registered(request: pytest.FixtureRequest) -> Iterator[bool]:
 
 
 def make_scheduler(
-    connector: str, extra: dict[str, Any] | None = None, num_blocks: int = 64, role: str = "kv_both"
+    connector: str,
+    extra: dict[str, Any] | None = None,
+    num_blocks: int = 64,
+    role: str = "kv_both",
+    kv: Any = None,
 ) -> Any:
     """vLLM's real Scheduler for a tiny model shape, with ``connector``."""
     from vllm.config import (
@@ -88,7 +92,8 @@ def make_scheduler(
         device_config=DeviceConfig("cpu"),
     )
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    if kv is None:
+        kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
     config.cache_config.num_gpu_blocks = num_blocks
     with set_current_vllm_config(config), patch(f"{MOONCAKE}.scheduler.LookupKeyClient"):
         return Scheduler(
@@ -552,3 +557,34 @@ def test_nixl_worker_waits_on_the_host_before_it_posts_the_read() -> None:
         assert ("synchronize", "MainThread", "ev0") in dev.log
     finally:
         vw.install(None)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_simple_cpu_offload_store_begins_on_the_pool_and_ends_when_every_worker_reported(
+    registered: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    page = spec.page_size_bytes
+    kv = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[KVCacheTensor(size=page * 16, layers=["layer"], layer_stride=page * 16, block_stride=page)],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    scheduler = make_scheduler("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": page * 8}, kv=kv)
+    assert not any("SimpleCPUOffloadConnector is not wired" in r.getMessage() for r in caplog.records)
+    scheduler.add_request(make_request("A", list(range(1, 41)), max_tokens=3))
+    out1 = scheduler.schedule()
+    scheduler.update_from_output(out1, model_output(out1))
+    out2 = scheduler.schedule()  # the store of step 1's full blocks is planned now
+    meta = out2.kv_connector_metadata
+    store = Transfer.from_wire(getattr(meta, vc.META_STORE))
+    assert list(store.block_ids) == meta.store_gpu_blocks and len(store.block_ids) == 2
+    assert (store.token.stream, store.token.kind) == ("simple_cpu_d2h", StreamKind.DEVICE)
+    assert store.fence.tokens == ()  # step 1 wrote them and has ended
+    core = scheduler.kv_cache_manager.block_pool.core
+    done = SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
+    scheduler.update_from_output(out2, model_output(out2, kv_connector_worker_meta=done))
+    assert core.is_ended(store.token)

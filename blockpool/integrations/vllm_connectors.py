@@ -602,7 +602,7 @@ def report_unwired(connector: object) -> list[str]:
     O(connectors)."""
     out = []
     for c in leaf_connectors(connector):
-        inner = [c, getattr(c, "connector_scheduler", None)]
+        inner = [c, getattr(c, "connector_scheduler", None), getattr(c, "scheduler_manager", None)]
         if any(wiring_of(x) is not None for x in inner if x is not None):
             continue
         name = type(c).__name__
