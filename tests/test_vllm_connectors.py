@@ -460,43 +460,6 @@ def test_offload_load_into_untouched_blocks_has_an_empty_fence(registered: bool)
     assert load.fence.tokens == ()
 
 
-def test_offload_worker_orders_the_copy_stream_after_the_fence_and_records_the_job() -> None:
-    dev = StandInDevice()
-    compute, copy_stream = dev.new_stream("compute"), dev.new_stream("copy")
-    wh = worker(dev, compute)
-    try:
-        e1 = Token("compute", 1)
-        compute.enqueue(lambda: None, "step 1 forward")
-        wh.record(e1)
-        transfer = Transfer("A", "store", Token("offload_d2h", 1), Fence([e1]), (1, 2))
-        wh.jobs[("offloading", 0)] = transfer
-        ran: list[str] = []
-
-        class Handler:  # the part of SingleDirectionOffloadingHandler the wrapper touches
-            def __init__(self) -> None:
-                self._transfers: list[Any] = []
-                self._swap_blocks_batch = lambda *a: copy_stream.enqueue(lambda: ran.append("d2h copy"), "swap")
-
-        def transfer_async(self: Any, job_id: int, src: Any, dst: Any) -> bool:
-            wh.current_stream = lambda: copy_stream  # vLLM runs the swap with the copy stream current
-            self._swap_blocks_batch(src, dst)
-            self._transfers.append(SimpleNamespace(stream=copy_stream))
-            wh.current_stream = lambda: compute
-            return True
-
-        wrapped = wrapper(vw._wire_offloading, "SingleDirectionOffloadingHandler", "transfer_async", transfer_async)
-        assert wrapped(Handler(), 0, None, None) is True
-        waits = [op for op in dev.log if op[0] == "wait_event"]
-        assert waits == [("wait_event", "copy", "ev0")]  # exactly e1's event, on the copy stream
-        assert wh.ledger.event_of(Token("offload_d2h", 1)) is not None  # the job's point is recorded
-        copy_stream.run()
-        assert ran == []  # blocked behind step 1's forward
-        dev.run()
-        assert ran == ["d2h copy"]
-    finally:
-        vw.install(None)
-
-
 # ----------------------------------------------------------------------
 # NIXL (remote reads into decode blocks) and SimpleCPUOffload
 # ----------------------------------------------------------------------

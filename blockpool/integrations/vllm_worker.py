@@ -58,7 +58,7 @@ from blockpool.integrations.vllm_connectors import (
 from blockpool.integrations.vllm_hazards import StepRecord, Transfer
 from blockpool.torch_events import EventLedger, event_factory
 
-__all__ = ["FenceWait", "WorkerHazards", "current", "install", "wire"]
+__all__ = ["FenceWait", "WorkerHazards", "current", "install", "offload_transfer_async", "wire"]
 
 logger = logging.getLogger("vllm.plugins.blockpool")
 
@@ -318,6 +318,39 @@ def _failed_of(thread: Any) -> Iterable[str]:
         return set(failed)
 
 
+def offload_transfer_async(orig: Any) -> Any:
+    """Wrap vLLM's ``SingleDirectionOffloadingHandler.transfer_async(job_id,
+    ...)``: when the rank's :class:`WorkerHazards` holds a transfer for the
+    job, the job's copy stream waits on exactly its fence right before the
+    copy kernels (``_swap_blocks_batch`` runs with that stream current) and
+    the job's token is recorded on that stream after them; otherwise vLLM's
+    code runs unchanged. Importable without vLLM (the GPU check uses it)."""
+
+    @functools.wraps(orig)
+    def transfer_async(self: Any, job_id: int, *args: Any, **kwargs: Any) -> bool:
+        wh = current()
+        transfer = wh.jobs.pop((OFFLOADING, job_id), None) if wh is not None else None
+        if wh is None or transfer is None:
+            return orig(self, job_id, *args, **kwargs)
+        swap = self._swap_blocks_batch
+
+        def fenced_swap(*a: Any, **k: Any) -> Any:
+            wh.ledger.wait_device(transfer.fence, wh.current_stream(), allow_host_wait=True, timeout=wh.timeout)
+            wh.waits += 1
+            return swap(*a, **k)
+
+        self._swap_blocks_batch = fenced_swap
+        try:
+            ok = orig(self, job_id, *args, **kwargs)
+        finally:
+            self._swap_blocks_batch = swap
+        if ok and self._transfers:
+            wh.record(transfer.token, self._transfers[-1].stream)
+        return ok
+
+    return transfer_async
+
+
 def _wire_offloading(patch: Patcher) -> None:
     wmod = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker")
     gmod = importlib.import_module("vllm.v1.kv_offload.cpu.gpu_worker")
@@ -352,38 +385,10 @@ def _wire_offloading(patch: Patcher) -> None:
 
         return collect
 
-    def wrap_transfer(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def transfer_async(self: Any, job_id: int, *args: Any, **kwargs: Any) -> bool:
-            wh = current()
-            transfer = wh.jobs.pop((OFFLOADING, job_id), None) if wh is not None else None
-            if transfer is None:
-                return orig(self, job_id, *args, **kwargs)
-            swap = self._swap_blocks_batch
-
-            def fenced_swap(*a: Any, **k: Any) -> Any:
-                # Runs with the job's copy stream current, before its kernels.
-                wh.ledger.wait_device(
-                    transfer.fence, wh.current_stream(), allow_host_wait=True, timeout=wh.timeout
-                )
-                wh.waits += 1
-                return swap(*a, **k)
-
-            self._swap_blocks_batch = fenced_swap
-            try:
-                ok = orig(self, job_id, *args, **kwargs)
-            finally:
-                self._swap_blocks_batch = swap
-            if ok and self._transfers:
-                wh.record(transfer.token, self._transfers[-1].stream)
-            return ok
-
-        return transfer_async
-
     patch(wmod.OffloadingConnectorWorker, "prepare_store_kv", wrap_prepare_store)
     patch(wmod.OffloadingConnectorWorker, "start_kv_transfers", wrap_collect)
     patch(wmod.OffloadingConnectorWorker, "handle_preemptions", wrap_collect)
-    patch(gmod.SingleDirectionOffloadingHandler, "transfer_async", wrap_transfer)
+    patch(gmod.SingleDirectionOffloadingHandler, "transfer_async", offload_transfer_async)
 
 
 def _wire_nixl(patch: Patcher) -> None:
