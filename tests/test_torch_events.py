@@ -737,4 +737,9 @@ def test_gpu_check_dry_run_on_stand_ins_keeps_data_with_fences(capsys: pytest.Ca
 def test_gpu_check_dry_run_observes_corruption_without_the_fences(capsys: pytest.CaptureFixture[str]) -> None:
     _load("benchmarks/gpu_hazard_check.py").main(["--dry-run-cpu"])
     result = json.loads(capsys.readouterr().out)
-    assert result["summary"]["corruption_without_fence"] == {"war_free_then_reload": True, "cow_then_load": True}
+    assert result["summary"]["corruption_without_fence"] == {
+        "war_free_then_reload": True,
+        "cow_then_load": True,
+        "offload_store_then_reload": True,
+    }
+    assert result["offload_store_then_reload"]["with_fence"]["fence"] == ["offload_d2h:1"]
