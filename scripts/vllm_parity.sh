@@ -1,23 +1,36 @@
 #!/usr/bin/env bash
-# vLLM 0.33.0 parity harness: run vLLM's own block-pool tests on a CPU-only
-# machine, first against vLLM's own BlockPool ("plugin off") and, once
+# vLLM 0.33.0 parity harness: run vLLM's own block-pool, scheduler and KV
+# connector / offloading unit tests on a CPU-only machine, first against
+# vLLM's own BlockPool ("plugin off") and, once
 # blockpool/integrations/vllm_pytest.py exists, against ours ("plugin on").
 #
 # Usage (from anywhere):   bash scripts/vllm_parity.sh
+#   e.g. only plugin off:  VLLM_PARITY_PASSES=off bash scripts/vllm_parity.sh
 #
-# Idempotent: the venv and the unpacked sdist are reused when present.
+# Idempotent: the venv and the unpacked sdist are reused when present (the
+# venv is re-synced when the freeze list or EXTRA_PINS below change).
+#
+# Both passes run from the sdist root with --confcutdir=tests/v1 (the
+# conftests under tests/v1 load, tests/conftest.py does not) and
+# -p vllm_parity_fixtures (scripts/vllm_parity_fixtures.py: the few
+# fixtures of tests/conftest.py the selection uses), --timeout per test.
 #
 # Output: "plugin-off: N passed, N failed" (and "plugin-on: ..."), plus per
 # pass under $VLLM_PARITY_RESULTS: NAME.xml (junit), NAME.log, NAME.outcomes
-# ("nodeid<TAB>outcome", sorted); plugin-regressions.txt once both ran.
-# Plugin on also proves the core did the work: the pytest plugin writes what
-# HazardAwareBlockPool served to plugin-on.served.json, and the pass fails
-# unless our pool was bound in vLLM and served a non-zero number of
-# allocations. Then our own vLLM-side tests (tests/test_vllm_*.py) run in the
-# same venv ("own-tests").
-# Exit status: 0 = plugin-off failed nothing outside ADVISORY_FILES,
-# plugin-on (if it ran) regressed no test that passed with plugin off, its
-# core served allocations, and the own tests passed; 1 = otherwise;
+# ("nodeid<TAB>outcome", sorted), NAME.unexpected (failed tests that are not
+# known environment failures, see KNOWN_ENV_FAILURES); plugin-regressions.txt
+# once both ran. Plugin on also proves the core did the work: the pytest
+# plugin writes what HazardAwareBlockPool served to plugin-on.served.json,
+# and the pass fails unless our pool was bound in vLLM and served a non-zero
+# number of allocations; it also prints a table, per test file, of the
+# connector transfers our pool fenced and how many fences were non-empty
+# ("fenced_by_file" in that JSON; zeros are printed, not judged). Then our
+# own vLLM-side tests (tests/test_vllm_*.py) run in the same venv
+# ("own-tests"). Last: the timings of each step.
+# Exit status: 0 = plugin-off failed nothing outside KNOWN_ENV_FAILURES and
+# KNOWN_FLAKY, plugin-on (if it ran) regressed no test that passed with
+# plugin off (KNOWN_FLAKY regressions are reported, not judged), its core
+# served allocations, and the own tests passed; 1 = otherwise;
 # 2 = setup error (missing inputs, install/fetch failure).
 #
 # Environment knobs (all optional):
@@ -27,13 +40,17 @@
 #   VLLM_PARITY_SHARED     shared fixtures dir                  [../shared/vllm-parity]
 #   VLLM_PARITY_PYTHON     interpreter used to create the venv  [python3.11]
 #   VLLM_PARITY_TIMEOUT    seconds allowed per pytest pass      [1800]
+#   VLLM_PARITY_TEST_TIMEOUT seconds allowed per test (pytest-timeout) [300]
 #   VLLM_PARITY_SCHEDULER  1 = also run tests/v1/core/test_scheduler.py [1]
+#   VLLM_PARITY_CONNECTORS 1 = also run the KV connector / offloading unit
+#                          tests (CONNECTOR_PATHS below)            [1]
 #   VLLM_PARITY_PASSES     which passes to run: "off", "on", "own" [off on own]
 #                          ("on" is skipped while the plugin module is absent;
 #                          "own" = tests/test_vllm_*.py in the venv, after "on")
 #
 # Files read at run time from the shared dir (never copied into the repo):
 #   vllm-0.33.0-cpu-freeze.txt   exact pins, each installed with --no-deps
+#                                (plus EXTRA_PINS below, also --no-deps)
 #   hf/                          minimal HF hub cache (config.json only),
 #                                copied to a temp dir per pass
 set -euo pipefail
@@ -54,10 +71,43 @@ SRC_CACHE="${VLLM_SRC_CACHE:-.cache/vllm-src}"
 RESULTS_DIR="${VLLM_PARITY_RESULTS:-.cache/vllm-parity}"
 BASE_PYTHON="${VLLM_PARITY_PYTHON:-python3.11}"
 PASS_TIMEOUT="${VLLM_PARITY_TIMEOUT:-1800}"
+TEST_TIMEOUT="${VLLM_PARITY_TEST_TIMEOUT:-300}"
 WITH_SCHEDULER="${VLLM_PARITY_SCHEDULER:-1}"
+WITH_CONNECTORS="${VLLM_PARITY_CONNECTORS:-1}"
 PASSES="${VLLM_PARITY_PASSES:-off on own}"
 PLUGIN_MODULE=blockpool.integrations.vllm_pytest
 PLUGIN_FILE=blockpool/integrations/vllm_pytest.py
+# Test fixtures from vLLM's tests/conftest.py (which --confcutdir keeps out),
+# loaded in both passes from scripts/ (so plugin off needs no blockpool).
+FIXTURES_MODULE=vllm_parity_fixtures
+FIXTURES_DIR="$REPO_ROOT/scripts"
+
+# Packages the freeze list lacks that the connector / offloading tests and
+# test_scheduler.py import (vLLM itself, the tests, or vLLM's optional
+# tokenizer and model code); each installed with --no-deps like the freeze
+# list, and part of the venv's stamp, so an existing venv gets them on its
+# next run. Not torchvision: the index's wheel is a CUDA build whose _C
+# extension does not load against the CPU torch, and once installed it breaks
+# every import of transformers' vision processors (see KNOWN_ENV_FAILURES).
+EXTRA_PINS=(
+  pytest-timeout==2.4.0           # --timeout
+  blake3==1.0.11                  # vllm hashing
+  msgpack==1.2.4                  # mooncake store, offloading
+  orjson==3.13.0
+  loguru==0.7.3
+  compressed-tensors==0.17.0
+  mistral_common==1.13.1          # tokenizer code on test_scheduler's models
+  pycountry==26.2.16
+  pydantic-extra-types==2.11.1
+  sentencepiece==0.2.3
+  tiktoken==0.14.0
+  jsonschema==4.26.0
+  jsonschema-specifications==2025.9.1
+  referencing==0.37.0
+  rpds-py==2026.9.1
+  ray==2.58.0                     # imported by test_nixl_connector.py
+  protobuf==6.33.6                # ray's import
+)
 
 # Make the dirs absolute (the test passes run from the sdist root).
 abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$REPO_ROOT/$1" ;; esac; }
@@ -81,6 +131,34 @@ TEST_PATHS=(
 )
 if [[ "$WITH_SCHEDULER" == 1 ]]; then
   TEST_PATHS+=(tests/v1/core/test_scheduler.py)
+fi
+# The unit tests of the connectors our pool is wired to, and of vLLM's KV
+# offloading (about 3 min per pass on 2 cores). Left out: the other
+# connectors' tests (lmcache, moriio, hf3fs, flexkv, umbp, mooncake transfer
+# engine, ...), and tests/v1/kv_offload/cpu/test_gpu_worker.py and
+# test_swap_blocks_triton.py (GPU only).
+CONNECTOR_PATHS=(
+  tests/v1/kv_connector/unit/test_mooncake_store_connector.py
+  tests/v1/kv_connector/unit/test_mooncake_store_coordinator.py
+  tests/v1/kv_connector/unit/test_mooncake_store_hma_e2e.py
+  tests/v1/kv_connector/unit/test_mooncake_store_layout.py
+  tests/v1/kv_connector/unit/test_mooncake_store_scheduler.py
+  tests/v1/kv_connector/unit/test_mooncake_store_worker.py
+  tests/v1/kv_connector/unit/test_offloading_connector.py
+  tests/v1/kv_connector/unit/offloading_connector
+  tests/v1/kv_connector/unit/test_simple_cpu_offload_connector.py
+  tests/v1/kv_connector/unit/test_nixl_connector.py
+  tests/v1/kv_connector/unit/test_multi_connector.py
+  tests/v1/kv_offload
+)
+CONNECTOR_IGNORES=(
+  tests/v1/kv_offload/cpu/test_gpu_worker.py
+  tests/v1/kv_offload/cpu/test_swap_blocks_triton.py
+)
+IGNORE_ARGS=()
+if [[ "$WITH_CONNECTORS" == 1 ]]; then
+  TEST_PATHS+=("${CONNECTOR_PATHS[@]}")
+  for p in "${CONNECTOR_IGNORES[@]}"; do IGNORE_ARGS+=("--ignore=$p"); done
 fi
 
 log() { printf '[vllm-parity] %s\n' "$*" >&2; }
@@ -108,9 +186,11 @@ check_inputs() {
 freeze_requirements() {
   grep -Ev '^[[:space:]]*(#|$)' "$FREEZE_FILE" \
     | sed -E "s/^torch[[:space:]]*==.*/torch==$TORCH_VERSION/"
+  printf '%s\n' "${EXTRA_PINS[@]}"
 }
 
-freeze_digest() { sha256sum "$FREEZE_FILE" | cut -d' ' -f1; }
+# The venv's stamp: the freeze list plus EXTRA_PINS.
+freeze_digest() { freeze_requirements | sha256sum | cut -d' ' -f1; }
 
 # ---------------------------------------------------------------------------
 # 1. venv with the exact freeze list, every package --no-deps
@@ -128,7 +208,7 @@ EOF
 
 build_venv() {
   if venv_ok; then
-    log "venv $VENV_DIR is ready (vllm $VLLM_VERSION importable, freeze list unchanged)"
+    log "venv $VENV_DIR is ready (vllm $VLLM_VERSION importable, freeze list and extra pins unchanged)"
     return 0
   fi
   if [[ ! -x "$VENV_PY" ]]; then
@@ -288,13 +368,35 @@ download_sdist_via_pip() {
 # ---------------------------------------------------------------------------
 # 3. one pytest pass
 # ---------------------------------------------------------------------------
-# Files whose failures are known environment gaps on a CPU box with only the
-# shared hf/ configs (test_scheduler.py: llava-hf/llava-1.5-7b-hf and
-# Qwen3-Next configs are absent, one fixture lives in the disabled conftest,
-# async scheduling with pipeline parallelism is refused here). Their failures
-# do not fail the plugin-off pass; in the plugin-on pass every file is judged
-# the same way: against the plugin-off outcomes, test by test.
-ADVISORY_FILES=(tests/v1/core/test_scheduler.py)
+# Known environment failures on a CPU box with only the shared hf/ configs,
+# by node id (pytest's -k-free prefix match: a test id, or a test function's
+# id without its [params]): they fail with vLLM's own pool, so they do not
+# fail the plugin-off pass. In the plugin-on pass every test is judged the
+# same way: against the plugin-off outcomes, test by test.
+KNOWN_ENV_FAILURES=(
+  # Async scheduling with pipeline parallelism needs Model Runner V2 (Triton):
+  # "not supported by the V1 model runner with pipeline parallelism".
+  tests/v1/core/test_scheduler.py::test_async_scheduling_pp_allows_rescheduling_with_output_placeholders
+  # These build a real LLM (model weights, vLLM's compiled _C ops).
+  tests/v1/kv_connector/unit/test_offloading_connector.py::test_tiering_offloading
+  tests/v1/kv_connector/unit/test_offloading_connector.py::test_fs_tiering_offloading
+  tests/v1/kv_connector/unit/test_offloading_connector.py::test_tiering_cache_reset_resumes_promotions_on_idle_engine
+  tests/v1/kv_connector/unit/test_nixl_connector.py::test_abort_timeout_on_prefiller
+  tests/v1/kv_connector/unit/test_multi_connector.py::test_multi_example_connector_consistency
+)
+# ...and by failure message (a Python regex on the junit failure message):
+# the llava-hf/llava-1.5-7b-hf tests of test_scheduler.py need transformers'
+# Pixtral image processor, which imports torchvision, and no CPU build of
+# torchvision 0.28 is on this machine's indexes.
+KNOWN_ENV_FAILURE_MESSAGES=(
+  "Model architectures \\['LlavaForConditionalGeneration'\\] failed to be inspected"
+)
+# Timing-sensitive under load (failed with either pool once, passes in
+# isolation both ways): never fails plugin-off; a plugin-on regression here is
+# reported, not judged.
+KNOWN_FLAKY=(
+  tests/v1/kv_offload/tiering/p2p/test_manager.py::TestBidirectionalManager::test_lookup_expiry_allows_zmq_reconnect
+)
 
 declare -A PASS_RC=()   # pass name -> 0 ok / 1 failed
 PASS_ENV=()             # extra VAR=value settings for the next run_pass
@@ -322,11 +424,16 @@ run_pass() {
   # -p no:blockpool: once the repo is pip-installed into the venv, its own
   # pytest11 entry point (blockpool.pytest_plugin) would autoload in every
   # pass; keep it out of both so the passes differ only by the -p plugin.
+  # --confcutdir=tests/v1: the conftests under tests/v1 load (the connector
+  # tests' autouse CPU fixtures), tests/conftest.py does not (GPU-side
+  # imports); the fixtures the selection needs from it come from
+  # $FIXTURES_MODULE, on PYTHONPATH from scripts/.
   ( cd "$SDIST_ROOT" && \
     env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \
-        HF_HOME="$hf_tmp/hf" PYTHONDONTWRITEBYTECODE=1 "${PASS_ENV[@]}" \
-        timeout "$PASS_TIMEOUT" "$VENV_PY" -m pytest --noconftest -p no:cacheprovider \
-          -p no:blockpool -q -rA --junitxml="$xml" -o junit_family=xunit1 "$@" "${TEST_PATHS[@]}" \
+        HF_HOME="$hf_tmp/hf" PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$FIXTURES_DIR" "${PASS_ENV[@]}" \
+        timeout "$PASS_TIMEOUT" "$VENV_PY" -m pytest --confcutdir=tests/v1 -p "$FIXTURES_MODULE" \
+          -p no:cacheprovider -p no:blockpool --timeout="$TEST_TIMEOUT" -q -rA \
+          --junitxml="$xml" -o junit_family=xunit1 "$@" "${IGNORE_ARGS[@]}" "${TEST_PATHS[@]}" \
   ) >"$log" 2>&1 || rc=$?
   rm -rf "$hf_tmp"
   PASS_ENV=()
@@ -338,12 +445,26 @@ run_pass() {
     PASS_RC[$name]=1
     return 0
   fi
-  "$VENV_PY" - "$xml" "$outcomes" "$name" "${ADVISORY_FILES[@]}" <<'EOF'
-import collections, sys, xml.etree.ElementTree as ET
-xml, out, name, *advisory = sys.argv[1:]
+  local known_ids known_msgs flaky
+  known_ids="$(printf '%s\n' "${KNOWN_ENV_FAILURES[@]}")"
+  known_msgs="$(printf '%s\n' "${KNOWN_ENV_FAILURE_MESSAGES[@]}")"
+  flaky="$(printf '%s\n' "${KNOWN_FLAKY[@]}")"
+  KNOWN_IDS="$known_ids" KNOWN_MSGS="$known_msgs" FLAKY_IDS="$flaky" \
+  "$VENV_PY" - "$xml" "$outcomes" "$name" "$RESULTS_DIR/$name.unexpected" <<'EOF'
+import collections, os, re, sys, xml.etree.ElementTree as ET
+xml, out, name, unexpected_out = sys.argv[1:]
+def lines(var):
+    return [l for l in os.environ.get(var, "").splitlines() if l.strip()]
+known_ids, flaky = lines("KNOWN_IDS"), lines("FLAKY_IDS")
+known_msgs = [re.compile(m) for m in lines("KNOWN_MSGS")]
+def id_match(nodeid, ids):
+    # a test id, or a test function's id without its [params]
+    return any(nodeid == i or nodeid.startswith(i + "[") for i in ids)
 counts = collections.Counter()
 bad_by_file = collections.Counter()
+known_by_file = collections.Counter()
 rows = []
+unexpected = []
 for tc in ET.parse(xml).getroot().iter("testcase"):
     kinds = {c.tag for c in tc}
     outcome = ("error" if "error" in kinds else "failed" if "failure" in kinds
@@ -356,28 +477,32 @@ for tc in ET.parse(xml).getroot().iter("testcase"):
     counts[outcome] += 1
     if outcome in ("failed", "error"):
         bad_by_file[path] += 1
+        msg = " ".join((c.get("message") or "") + " " + (c.text or "")
+                       for c in tc if c.tag in ("failure", "error"))
+        if (id_match(nodeid, known_ids) or id_match(nodeid, flaky)
+                or any(m.search(msg) for m in known_msgs)):
+            known_by_file[path] += 1
+        else:
+            unexpected.append(nodeid)
     rows.append(f"{nodeid}\t{outcome}")
 rows.sort()
 with open(out, "w") as f:
     f.writelines(r + "\n" for r in rows)
+with open(unexpected_out, "w") as f:
+    f.writelines(n + "\n" for n in sorted(unexpected))
 failed = counts["failed"] + counts["error"]
 print(f"{name}: {counts['passed']} passed, {failed} failed")
 extra = ", ".join(f"{k} {counts[k]}" for k in ("error", "skipped") if counts[k])
 if extra:
     print(f"  ({extra}; 'failed' above includes errors)")
 for path, n in sorted(bad_by_file.items()):
-    note = "  [advisory: known environment gaps]" if path in advisory else ""
+    k = known_by_file[path]
+    note = f"  [{k} known environment failures or flaky]" if k else ""
     print(f"  {path}: {n} failed{note}")
 EOF
   PASS_RC[$name]=0
 }
 
-# failures_outside_advisory OUTCOMES: count of failed/error tests that are
-# not in ADVISORY_FILES.
-failures_outside_advisory() {
-  awk -F'\t' '$2=="failed" || $2=="error" { print $1 }' "$1" \
-    | { grep -Fv -f <(printf '%s::\n' "${ADVISORY_FILES[@]}") || true; } | wc -l
-}
 
 run_plugin_off_pass() {
   # VLLM_PLUGINS="" parses to [""], an allowlist that matches no entry point:
@@ -386,9 +511,10 @@ run_plugin_off_pass() {
   PASS_ENV=(VLLM_PLUGINS=)
   timed "plugin-off tests" run_pass plugin-off
   if [[ ${PASS_RC[plugin-off]} == 0 ]]; then
-    local n; n="$(failures_outside_advisory "$RESULTS_DIR/plugin-off.outcomes")"
+    local n; n="$(wc -l <"$RESULTS_DIR/plugin-off.unexpected")"
     if [[ $n -gt 0 ]]; then
-      log "plugin-off: $n failures outside the advisory files (vLLM's own pool): environment problem"
+      log "plugin-off: $n failures that are not known environment failures (vLLM's own pool): environment problem"
+      head -n 20 "$RESULTS_DIR/plugin-off.unexpected" >&2
       PASS_RC[plugin-off]=1
     fi
   fi
@@ -452,6 +578,18 @@ print(f"plugin-on: core invariants checked on {inv['pools_checked']} pools after
       f"broken after {len(inv['broken'])} (tests that edit the key map by hand or cache blocks of no pool):")
 for nodeid, msg in inv["broken"].items():
     print(f"  {nodeid}: {msg[:100]}")
+# Connector transfers our pool fenced, per test file (zeros too: a wired
+# connector whose tests show 0 never reached our pool). Printed, not judged.
+fenced = r.get("fenced_by_file")
+if fenced is None:
+    print("plugin-on: the pytest plugin wrote no fenced_by_file counts")
+else:
+    print(f"plugin-on: connector transfers fenced by our pool, per test file "
+          f"(total {r.get('transfers_fenced', 0)} fenced, {r.get('fences_nonempty', 0)} non-empty fences):")
+    w = max([len(p) for p in fenced] + [4])
+    print(f"  {'file':<{w}}  {'fenced':>7}  {'non-empty':>9}")
+    for path, c in sorted(fenced.items()):
+        print(f"  {path:<{w}}  {c['transfers']:>7}  {c['nonempty']:>9}")
 bad = []
 if not r["installed"]:
     bad.append("our pool was not bound in vLLM")
@@ -500,6 +638,15 @@ compare_passes() {
               $2 == "passed" && on[$1] != "passed" { print $1 "\t" (($1 in on) ? on[$1] : "missing") }' \
       "$on" "$off" >"$report"
   diff "$off" "$on" >"$RESULTS_DIR/plugin-diff.txt" || true
+  # KNOWN_FLAKY regressions are moved to their own report, not judged.
+  local flaky_report="$RESULTS_DIR/plugin-flaky.txt"
+  { grep -F -f <(printf '%s\t\n' "${KNOWN_FLAKY[@]}") "$report" || true; } >"$flaky_report"
+  if [[ -s "$flaky_report" ]]; then
+    { grep -v -F -f <(printf '%s\t\n' "${KNOWN_FLAKY[@]}") "$report" || true; } >"$report.tmp"
+    mv "$report.tmp" "$report"
+    log "plugin-on: $(wc -l <"$flaky_report") known timing-flaky tests passed with plugin off but not on (not judged):"
+    cat "$flaky_report" >&2
+  fi
   local n; n=$(wc -l <"$report")
   local gained
   gained=$(awk -F'\t' 'NR == FNR { off[$1] = $2; next }

@@ -20,6 +20,15 @@ and the invariant results: in the terminal summary and, when
 ``BLOCKPOOL_VLLM_SERVED`` names a file, as JSON there (the parity script
 asserts the allocation count is non-zero).
 
+It also counts, per test file, the connector transfers the core fenced
+(``SERVED.transfers_fenced``) and how many of those fences were non-empty
+(``SERVED.fences_nonempty``), as the difference of those process-wide
+counters around each test, summed over the file's tests; files that fenced
+nothing are listed with zeros, so a wired connector that never reaches our
+pool shows up. In the JSON: ``"fenced_by_file": {path: {"transfers": n,
+"nonempty": m}}`` (paths as in the node ids). Work done in other processes
+(spawned workers) is not counted.
+
 ``BLOCKPOOL_VLLM_PLUGIN`` is ignored here: loading this plugin is the
 request to install the pool.
 """
@@ -44,6 +53,12 @@ _plugin.register()
 from blockpool.integrations import vllm_pool as _pool
 
 _CHECKS: dict[str, Any] = {"pools_checked": 0, "tests_checked": 0, "broken": {}}
+_FENCED: dict[str, dict[str, int]] = {}
+"""Per test file: connector transfers fenced and non-empty fences."""
+
+
+def _fence_counts() -> tuple[int, int]:
+    return _pool.SERVED.transfers_fenced, _pool.SERVED.fences_nonempty
 
 
 def _report() -> dict[str, Any]:
@@ -58,6 +73,7 @@ def _report() -> dict[str, Any]:
             "tests_checked": _CHECKS["tests_checked"],
             "broken": dict(sorted(_CHECKS["broken"].items())),
         },
+        "fenced_by_file": {path: dict(c) for path, c in sorted(_FENCED.items())},
     }
 
 
@@ -68,10 +84,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, None]:
+    fenced0, nonempty0 = _fence_counts()
     _pool.track_new_pools(True)
     try:
         yield
     finally:
+        fenced1, nonempty1 = _fence_counts()
+        per_file = _FENCED.setdefault(item.nodeid.split("::", 1)[0], {"transfers": 0, "nonempty": 0})
+        per_file["transfers"] += fenced1 - fenced0
+        per_file["nonempty"] += nonempty1 - nonempty0
         pools = _pool.track_new_pools(False)
         if pools:
             _CHECKS["tests_checked"] += 1
@@ -110,3 +131,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     )
     for nodeid, msg in inv["broken"].items():
         write(f"  {nodeid}: {msg}")
+    fenced = r["fenced_by_file"]
+    write(
+        f"blockpool: {r['transfers_fenced']} connector transfers fenced ({r['fences_nonempty']} non-empty fences), "
+        f"in {sum(1 for c in fenced.values() if c['transfers'])} of {len(fenced)} test files"
+    )
