@@ -21,6 +21,7 @@ from blockpool.errors import (
     RefCountError,
     UnknownStreamError,
     UnknownTokenError,
+    ForeignTokenError,
 )
 from blockpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, StreamKind, Token
@@ -55,6 +56,7 @@ __all__ = [
     "BlockNotAllocatedError",
     "UnknownStreamError",
     "UnknownTokenError",
+    "ForeignTokenError",
     "HashConflictError",
     "InvariantError",
     "LeaseExpiredWarning",

@@ -105,6 +105,7 @@ class PoolBase:
     validate arguments before it changes anything."""
 
     num_gpu_blocks: int
+    pool_id: int
     enable_caching: bool
     hash_block_size: int
     enable_kv_cache_events: bool

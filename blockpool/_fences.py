@@ -137,7 +137,22 @@ class FenceOps(PoolBase):
         every block that had it: one identity test and one store per block."""
         null = self.null_block
         if access is _WRITE:
+            # Save what the write replaces, whatever records it (tag, a
+            # free with WRITE, begin_load, begin_copy): a failed write may
+            # have failed before its waits, so its fail() puts this back
+            # (TokenOps._undo_failed_write). Dropped when the token ends.
+            per_stream = self._writes.get(token.stream)
+            if per_stream is None:
+                per_stream = self._writes[token.stream] = {}
+            saved = per_stream.get(token.seq)
+            if saved is None:
+                saved = per_stream[token.seq] = []
+            seq = token.seq
+            stream = token.stream
             for b in blocks:
+                w = b.writer
+                if b is not null and (w is None or w.seq != seq or w.stream != stream):
+                    saved.append((b, w, b.readers))
                 b.writer = token
                 b.readers = None
             null.writer = null.readers = None  # the null block never has a shadow
@@ -165,7 +180,7 @@ class FenceOps(PoolBase):
         Null blocks are skipped. O(len(blocks)).
 
         Raises:
-            ForeignBlockError, UnknownStreamError, UnknownTokenError,
+            ForeignBlockError, UnknownStreamError, UnknownTokenError, ForeignTokenError,
             InvalidArgumentError: as the names say; nothing changes.
         """
         if self._inbox or self._leases_on:
@@ -187,12 +202,14 @@ class FenceOps(PoolBase):
     ) -> tuple[Token, Fence]:
         fence = self._fence(groups, st) if self.track_hazards else EMPTY_FENCE
         token = self.tracker.issue(stream, fence.tokens)
+        # A transfer writes new content: the destinations' keys named the
+        # content they held before, so they are withdrawn (removed events).
+        for blocks, access in groups:
+            if access is _WRITE:
+                for b in blocks:
+                    if b.block_hash is not None:
+                        self._drop_keys(b)
         if self.track_hazards:
-            before = [
-                (b, b.writer, b.readers) for blocks, access in groups if access is _WRITE for b in blocks
-            ]
-            if before:
-                self._writes.setdefault(stream, {})[token.seq] = before
             for blocks, access in groups:
                 self._record(blocks, token, access)
         return token, fence

@@ -20,6 +20,7 @@ __all__ = [
     "BlockNotAllocatedError",
     "UnknownStreamError",
     "UnknownTokenError",
+    "ForeignTokenError",
     "HashConflictError",
     "InvariantError",
     "LeaseExpiredWarning",
@@ -65,6 +66,12 @@ class UnknownStreamError(BlockPoolError, LookupError):
 
 class UnknownTokenError(BlockPoolError, LookupError):
     """A token the pool never issued (its ``seq`` is beyond the stream's counter)."""
+
+
+class ForeignTokenError(BlockPoolError, ValueError):
+    """A token issued by another pool (its ``Token.pool`` names another
+    pool): completing, failing or tagging with it would act on this pool's
+    unrelated token of the same ``(stream, seq)``."""
 
 
 class HashConflictError(BlockPoolError, ValueError):

@@ -25,6 +25,7 @@ Example (doctest)::
 """
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -127,7 +128,11 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         self.prefix_cache = PrefixCache()
         self.kv_event_queue: list[KVCacheEvent] = []
 
-        self.tracker = HazardTracker()
+        # This pool's identity, stamped on its tokens (Token.pool): a token
+        # of another pool is refused (ForeignTokenError). Random, so that
+        # pools in different processes differ too.
+        self.pool_id: int = secrets.randbits(62) + 1
+        self.tracker = HazardTracker(self.pool_id)
         for name, kind in (streams if streams is not None else {"compute": _DEVICE}).items():
             self.tracker.add_stream(name, kind)
 
@@ -311,6 +316,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             ForeignBlockError: a block of another pool.
             RefCountError: a ref count would go below zero (whole call rejected).
             UnknownStreamError, UnknownTokenError: a token the pool never issued.
+            ForeignTokenError: a token issued by another pool.
         """
         if self._inbox or self._leases_on:
             self._sync()

@@ -302,7 +302,7 @@ class EventLedger:
         self._host_done: dict[str, set[int]] = {}
         self._free: list[EventLike] = []
         # Completions observed and not yet reported.
-        self._new_dev: dict[str, int] = {}
+        self._new_dev: dict[str, Token] = {}
         self._new_host: list[Token] = []
         self._new_failed: list[Token] = []
 
@@ -387,18 +387,18 @@ class EventLedger:
         """
         with self._cond:
             for stream, q in self._pending.items():
-                newest = 0
+                newest: Token | None = None
                 while q and q[0].event.query():
                     entry = q.popleft()
                     entry.done = True
                     del self._by_token[entry.token]
-                    newest = entry.token.seq
+                    newest = entry.token  # the recorded token: keeps its pool id
                     if entry.pins == 0:
                         self._recycle(entry.event)
-                if newest:
-                    self._mark[stream] = newest
+                if newest is not None:
+                    self._mark[stream] = newest.seq
                     self._new_dev[stream] = newest
-            completed = [Token(s, n, _DEVICE) for s, n in sorted(self._new_dev.items())]
+            completed = [t for _, t in sorted(self._new_dev.items())]
             completed += self._new_host
             report = CompletionReport.of(self.rank, completed, self._new_failed)
             self._new_dev = {}

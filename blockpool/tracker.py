@@ -19,7 +19,12 @@ from collections.abc import Iterable
 
 from sortedcontainers import SortedSet
 
-from blockpool.errors import InvalidArgumentError, UnknownStreamError, UnknownTokenError
+from blockpool.errors import (
+    ForeignTokenError,
+    InvalidArgumentError,
+    UnknownStreamError,
+    UnknownTokenError,
+)
 from blockpool.hazards import StreamKind, Token
 
 __all__ = ["VectorClock", "StreamState", "HazardTracker"]
@@ -122,9 +127,11 @@ class HazardTracker:
     :meth:`drain`.
     """
 
-    __slots__ = ("streams", "_inbox", "_hosts")
+    __slots__ = ("streams", "_inbox", "_hosts", "pool_id")
 
-    def __init__(self) -> None:
+    def __init__(self, pool_id: int = 0) -> None:
+        # Identity stamped on every token issued here (Token.pool); 0: unbound.
+        self.pool_id = pool_id
         self.streams: dict[str, StreamState] = {}
         self._inbox: collections.deque[tuple[Token, bool]] = collections.deque()
         self._hosts: list[StreamState] = []  # the HOST engines, for host_pending()
@@ -164,7 +171,7 @@ class HazardTracker:
         O(#streams + len(after))."""
         st = self.state(stream)
         st.last_seq += 1
-        tok = Token(st.name, st.last_seq, st.kind)
+        tok = Token(st.name, st.last_seq, st.kind, self.pool_id)
         clock = st.clock.copy()
         for t in after:
             tc = self.streams[t.stream].token_clocks.get(t.seq)
@@ -178,9 +185,15 @@ class HazardTracker:
         return tok
 
     def validate(self, token: object) -> StreamState:
-        """The state of ``token``'s stream; raises if the pool never issued it."""
+        """The state of ``token``'s stream; raises if the pool never issued it
+        (another pool's token: :class:`ForeignTokenError`)."""
         if not isinstance(token, Token):
             raise InvalidArgumentError(f"expected a Token, got {token!r}")
+        if token.pool and token.pool != self.pool_id:
+            raise ForeignTokenError(
+                f"token {token} was issued by another pool (pool id {token.pool}, "
+                f"this pool's is {self.pool_id})"
+            )
         st = self.state(token.stream)
         if token.kind is not st.kind:
             raise InvalidArgumentError(

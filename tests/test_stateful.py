@@ -48,7 +48,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.held: set[int] = set()
         self.keys: dict[int, list[str]] = {}  # block id -> keys it holds
         self.invalid: set[int] = set()
-        self.loads: dict[Token, list[int]] = {}
+        self.loads: dict[Token, list[int]] = {}  # every write: tag, free WRITE, load, copy
         self.requests: list[list[int]] = []
         self.tokens: list[Token] = []
         self.transfers: set[Token] = set()  # tokens of begin_*: the ones that may fail
@@ -94,7 +94,9 @@ class PoolMachine(RuleBasedStateMachine):
             self.hb.access(ids_, token, access)
             if access is WRITE:
                 self.invalid -= set(ids_)
-                self.loads[token] = list(ids_)
+                for b in ids_:  # a transfer's new content withdraws the old keys
+                    self.keys.pop(b, None)
+                self.loads.setdefault(token, []).extend(ids_)
         self.tokens.append(token)
         self.transfers.add(token)
         return token
@@ -137,8 +139,13 @@ class PoolMachine(RuleBasedStateMachine):
             self.requests.append(hit_ids + new_ids)
 
     @precondition(lambda self: self.requests)
-    @rule(data=st.data(), which_token=st.sampled_from(["none", "last", "any"]), dup=st.booleans())
-    def free_request(self, data: st.DataObject, which_token: str, dup: bool) -> None:
+    @rule(
+        data=st.data(),
+        which_token=st.sampled_from(["none", "last", "any"]),
+        dup=st.booleans(),
+        write=st.booleans(),
+    )
+    def free_request(self, data: st.DataObject, which_token: str, dup: bool, write: bool) -> None:
         i = data.draw(st.integers(0, len(self.requests) - 1))
         req = self.requests[i]
         listed = list(reversed(req)) + ([req[0]] if dup else [])
@@ -147,16 +154,28 @@ class PoolMachine(RuleBasedStateMachine):
             token = self.pool.last_token("compute")
         elif which_token == "any" and self.tokens:
             token = data.draw(st.sampled_from(self.tokens))
+        access = WRITE if write else READ
         counts = {b: listed.count(b) for b in listed}
         if any(c > self.ref[b] for b, c in counts.items()):
             before = self.pool.snapshot()
             with pytest.raises(RefCountError):
-                self.pool.free_blocks(self.blocks(listed), token=token)
+                self.pool.free_blocks(self.blocks(listed), token=token, access=access)
             assert self.pool.snapshot() == before
             return
-        self.pool.free_blocks(self.blocks(listed), token=token)
+        if access is WRITE:
+            # A last step that writes the blocks it frees: it waited on
+            # their fence, then was issued.
+            fence = self.pool.fence_for(self.blocks(listed), "compute", WRITE)
+            self.judge_and_wait(fence, [(listed, WRITE)], "compute")
+            token = self.pool.issue("compute")
+            self.hb.issue(token)
+            self.tokens.append(token)
+        self.pool.free_blocks(self.blocks(listed), token=token, access=access)
         if token is not None:
-            self.hb.access(listed, token, READ)
+            self.hb.access(listed, token, access)
+            if access is WRITE:
+                self.invalid -= set(listed)
+                self.loads.setdefault(token, []).extend(listed)
         for b, c in counts.items():
             self.ref[b] -= c
             if self.ref[b] == 0:
@@ -184,6 +203,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.tag(self.blocks(target), token, WRITE)
             self.hb.access(target, token, WRITE)
             self.invalid -= set(target)
+            self.loads.setdefault(token, []).extend(target)
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data(), stream=st.sampled_from(["h2d", "rdma"]))
@@ -210,12 +230,14 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), failed=st.booleans())
     def complete(self, data: st.DataObject, failed: bool) -> None:
         token = data.draw(st.sampled_from(self.tokens))
-        failed = failed and token in self.transfers  # fail() is for transfers
         already = token in self.hb.known_ended()
         (self.pool.fail if failed else self.pool.complete)(token)
         if not already:
             (self.hb.failed if failed else self.hb.ended_direct).add(token)
-        if failed and not already and token in self.loads:
+        if failed and token in self.loads:
+            # A failure withdraws the keys of every block whose write in
+            # effect is the token's, also when reported late (after the
+            # token ended through another token's completion).
             for b in self.loads[token]:
                 # the write in effect: failed writes were undone
                 writes = [t for t, k in self.hb.history[b] if k is WRITE and (t == token or t not in self.hb.failed)]
