@@ -22,6 +22,7 @@ from blockpool.errors import (
     UnknownStreamError,
     UnknownTokenError,
     ForeignTokenError,
+    FenceFailedError,
 )
 from blockpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, StreamKind, Token
@@ -57,6 +58,7 @@ __all__ = [
     "UnknownStreamError",
     "UnknownTokenError",
     "ForeignTokenError",
+    "FenceFailedError",
     "HashConflictError",
     "InvariantError",
     "LeaseExpiredWarning",
