@@ -246,3 +246,40 @@ def test_last_token_is_bound_to_its_pool(pool: HazardAwareBlockPool) -> None:
     pool.issue("compute")
     last = pool.last_token("compute")
     assert last is not None and last.pool == pool.pool_id
+
+
+# -- check() covers the hazard half --------------------------------------------
+
+
+def test_check_catches_a_held_block_whose_token_ended(pool: HazardAwareBlockPool) -> None:
+    from blockpool import InvariantError
+
+    (b,) = pool.get_new_blocks(1)
+    load, _ = pool.begin_load([b], "rdma")
+    pool.free_blocks([b])
+    assert pool.held_block_ids() == [b.block_id]
+    pool.check()
+    pool.tracker.end(load)  # behind the pool's back: the hold is now stale
+    with pytest.raises(InvariantError, match="has ended"):
+        pool.check()
+
+
+def test_check_catches_a_lease_on_a_block_that_is_not_held() -> None:
+    from blockpool import InvariantError
+
+    pool = make_pool(lease_timeout=5.0, clock=lambda: 0.0)
+    pool.check()
+    pool._deadline[3] = 5.0
+    with pytest.raises(InvariantError, match="lease"):
+        pool.check()
+
+
+def test_check_catches_saved_shadows_of_an_ended_write(pool: HazardAwareBlockPool) -> None:
+    from blockpool import InvariantError
+
+    (b,) = pool.get_new_blocks(1)
+    load, _ = pool.begin_load([b], "h2d")
+    pool.check()
+    pool.tracker.end(load)
+    with pytest.raises(InvariantError, match="ended"):
+        pool.check()
