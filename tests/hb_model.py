@@ -63,7 +63,14 @@ class HBModel:
         """Completed tokens and everything before them; failed tokens only
         themselves (a transfer may fail before it waited), except that on a
         DEVICE stream the last token before a failed one that did not fail
-        itself completed normally."""
+        itself completed normally.
+
+        "Everything before" a completed token goes through failed tokens
+        too: by the protocol (docs/hazard-model.md, "Failure and coverage")
+        a consumer proceeds only past fence tokens that completed, so a
+        completed token's whole chain of waits completed, and a failure
+        reported for a token on that chain speaks of its content only (a
+        late failure: it withdraws keys, and restores nothing)."""
         roots = set(self.ended_direct)
         for f in self.failed:
             if self.kinds[f.stream] is not StreamKind.DEVICE:

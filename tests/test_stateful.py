@@ -3,6 +3,13 @@ store / complete / fail sequences against a deliberately simple reference
 model; ``check()`` after every step; every fence judged by the independent
 brute-force happens-before model in ``tests/hb_model.py`` (0 missed hazards,
 0 redundant waits). A negative control proves the judge can fail.
+
+Failures are on: any token may fail — a step's tagged write, a step that
+writes the blocks it frees (``free_blocks(..., access=WRITE)``), a load, a
+copy, a store, a plain step — including *late* (after it ended through
+another token's completion or a later token of its stream); completions end
+what their token waited on (transitive ends). ``pytest
+--hypothesis-show-statistics`` lists how often each kind occurred.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -51,7 +58,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.loads: dict[Token, list[int]] = {}  # every write: tag, free WRITE, load, copy
         self.requests: list[list[int]] = []
         self.tokens: list[Token] = []
-        self.transfers: set[Token] = set()  # tokens of begin_*: the ones that may fail
+        self.transfers: set[Token] = set()  # tokens of begin_*
+        self.kinds: dict[Token, str] = {}  # the writer kind of each token (for statistics)
         self.next_key = 0
 
     # -- helpers -------------------------------------------------------------
@@ -99,6 +107,7 @@ class PoolMachine(RuleBasedStateMachine):
                 self.loads.setdefault(token, []).extend(ids_)
         self.tokens.append(token)
         self.transfers.add(token)
+        self.kinds[token] = kind
         return token
 
     # -- rules ---------------------------------------------------------------
@@ -170,6 +179,7 @@ class PoolMachine(RuleBasedStateMachine):
             token = self.pool.issue("compute")
             self.hb.issue(token)
             self.tokens.append(token)
+            self.kinds[token] = "free-write"
         self.pool.free_blocks(self.blocks(listed), token=token, access=access)
         if token is not None:
             self.hb.access(listed, token, access)
@@ -204,6 +214,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.hb.access(target, token, WRITE)
             self.invalid -= set(target)
             self.loads.setdefault(token, []).extend(target)
+            self.kinds[token] = "tag-write"
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data(), stream=st.sampled_from(["h2d", "rdma"]))
@@ -231,10 +242,15 @@ class PoolMachine(RuleBasedStateMachine):
     def complete(self, data: st.DataObject, failed: bool) -> None:
         token = data.draw(st.sampled_from(self.tokens))
         already = token in self.hb.known_ended()
+        failed_before = token in self.hb.failed  # a repeated failure report changes nothing
+        if failed:
+            event(f"fail {self.kinds.get(token, 'step')}{' (late)' if already else ''}")
+        elif not already:
+            event("complete")
         (self.pool.fail if failed else self.pool.complete)(token)
         if not already:
             (self.hb.failed if failed else self.hb.ended_direct).add(token)
-        if failed and token in self.loads:
+        if failed and not failed_before and token in self.loads:
             # A failure withdraws the keys of every block whose write in
             # effect is the token's, also when reported late (after the
             # token ended through another token's completion).
