@@ -11,7 +11,9 @@ from blockpool.block import FreeBlockQueue, KVCacheBlock
 from blockpool.errors import (
     BlockNotAllocatedError,
     BlockPoolError,
+    FenceFailedError,
     ForeignBlockError,
+    ForeignTokenError,
     HashConflictError,
     InvalidArgumentError,
     InvariantError,
@@ -21,8 +23,6 @@ from blockpool.errors import (
     RefCountError,
     UnknownStreamError,
     UnknownTokenError,
-    ForeignTokenError,
-    FenceFailedError,
 )
 from blockpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, StreamKind, Token

@@ -176,8 +176,11 @@ class FenceOps(PoolBase):
         """Record that ``token``'s work accesses ``blocks`` (e.g. step N's
         forward writes the blocks receiving new tokens). The caller ordered
         that work after the blocks' fences (:meth:`fence_for` /
-        :meth:`allocate_for`). A write replaces the shadow; a read joins it.
-        Null blocks are skipped. O(len(blocks)).
+        :meth:`allocate_for`). A write replaces the shadow (what it replaced
+        is kept until ``token`` ends: if ``token`` fails, it is restored and
+        the blocks lose their keys, see :meth:`fail`); a read joins it.
+        Keys are kept (the scheduler publishes a block's key for the content
+        its step writes). Null blocks are skipped. O(len(blocks)).
 
         Raises:
             ForeignBlockError, UnknownStreamError, UnknownTokenError, ForeignTokenError,
@@ -219,7 +222,11 @@ class FenceOps(PoolBase):
     ) -> tuple[Token, Fence]:
         """Begin copy-on-write / block copies ``(src, dst)`` on ``stream``:
         returns the copy's token (a read of every ``src``, a write of every
-        ``dst``) and the fence the copy waits on. O(len(pairs)).
+        ``dst``) and the fence the copy waits on. Keys a ``dst`` is
+        published under are withdrawn (``BlockRemoved`` events): the copy
+        replaces its content. If the copy fails, the destinations' replaced
+        accesses are restored and they are not published until rewritten.
+        O(len(pairs) + keys withdrawn).
 
         Raises:
             UnknownStreamError: ``stream`` is not registered.
@@ -259,9 +266,12 @@ class FenceOps(PoolBase):
         """Begin a load (external tier -> GPU) into ``blocks`` on ``stream``
         (a DMA stream or a host engine): returns the load's token (the new
         writer of every block) and the fence it waits on (WAR on the last
-        readers, WAW on the last writer). If the load fails, the blocks lose
-        their keys and are not published until rewritten. Null placeholders
-        are skipped. O(len(blocks)).
+        readers, WAW on the last writer). The load replaces the blocks'
+        content, so keys they are published under are withdrawn now
+        (``BlockRemoved`` events; publish the loaded keys after this call).
+        If the load fails, the accesses it replaced are restored and the
+        blocks are not published until rewritten. Null placeholders are
+        skipped. O(len(blocks) + keys withdrawn).
 
         Raises:
             UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.

@@ -202,7 +202,7 @@ class Fence:
             return "fence " + ", ".join(map(str, self.tokens)) + " (no reasons: debug off)"
         return "\n".join(str(r) for r in self.reasons)
 
-    def to_wire(self) -> tuple[list[tuple[str, int, str]], bool]:
+    def to_wire(self) -> tuple[list[tuple[str, int, str] | tuple[str, int, str, int]], bool]:
         """A plain structure for msgspec/JSON. O(k)."""
         return ([t.to_wire() for t in self.tokens], self.needs_host_wait)
 

@@ -309,7 +309,8 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         back if cached (LRU), or into the held set while a host-engine access
         on it has not ended. ``token``: the last enqueued access to the blocks
         (e.g. the newest scheduled step on ``compute``), recorded as an
-        ``access`` in their shadows. Null blocks are skipped. A block may
+        ``access`` in their shadows (a ``WRITE`` is undone if ``token``
+        fails, as for :meth:`tag`). Null blocks are skipped. A block may
         repeat as often as it is referenced. O(len(ordered_blocks)).
 
         Raises:
