@@ -193,9 +193,22 @@ class FenceOps(PoolBase):
         block_list = self._own_all(blocks)
         if self.track_hazards and not self.tracker.is_ended(token):
             self._record(block_list, token, access)
-        elif access is _WRITE and self._invalid:
-            for b in block_list:
-                self._invalid.discard(b.block_id)
+        elif access is _WRITE:
+            if self.tracker.has_failed(token):
+                self._unwritten(block_list)  # the write never happened
+            elif self._invalid:
+                for b in block_list:
+                    self._invalid.discard(b.block_id)
+
+    def _unwritten(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """A write recorded after its token had failed: it never happened,
+        so the blocks' content is not what their keys name: withdraw the
+        keys and mark the content invalid (no shadow changes). O(len(blocks))."""
+        null = self.null_block
+        for b in blocks:
+            if b is not null:
+                self._invalid.add(b.block_id)
+                self._drop_keys(b)
 
     def _begin(
         self,

@@ -362,6 +362,8 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             raise
         if record:
             self._record(blocks, token, access)  # type: ignore[arg-type]
+        elif access is _WRITE and token is not None and self.tracker.has_failed(token):
+            self._unwritten(blocks)  # a write by a token that failed never happened
         if zero:
             self._enqueue_free(zero)
 

@@ -78,7 +78,7 @@ class VectorClock:
 class StreamState:
     """Per-stream bookkeeping: counter, completion mark, clocks."""
 
-    __slots__ = ("name", "kind", "last_seq", "mark", "done", "clock", "token_clocks", "failed")
+    __slots__ = ("name", "kind", "last_seq", "mark", "done", "clock", "token_clocks", "failed", "failed_seqs")
 
     def __init__(self, name: str, kind: StreamKind):
         self.name = name
@@ -95,6 +95,9 @@ class StreamState:
         self.token_clocks: dict[int, VectorClock] = {}
         # Failed seqs not yet forgotten (for stats and explain()).
         self.failed = 0
+        # Seqs reported failed (one entry per failure report; failures are
+        # rare): a write recorded after its token failed did not happen.
+        self.failed_seqs: set[int] = set()
 
     def is_ended(self, seq: int) -> bool:
         return seq <= self.mark or (self.kind is _HOST and seq in self.done)
@@ -210,6 +213,10 @@ class HazardTracker:
         st = self.streams[token.stream]
         return token.seq <= st.mark or (st.kind is _HOST and token.seq in st.done)
 
+    def has_failed(self, token: Token) -> bool:
+        """Whether a failure (``fail``, ``abandon``) was applied for ``token``. O(1)."""
+        return token.seq in self.streams[token.stream].failed_seqs
+
     def host_pending(self) -> bool:
         """Whether some HOST-engine token may not have ended (one was issued
         above its engine's mark). False lets the pool skip looking for host
@@ -247,6 +254,8 @@ class HazardTracker:
         stream first; empty if it had already ended. O(#streams + host
         tokens in its clock + newly ended seqs)."""
         st = self.streams[token.stream]
+        if failed:
+            st.failed_seqs.add(token.seq)
         if st.is_ended(token.seq):
             return []
         # A failed DEVICE token still means its in-order stream got past the

@@ -84,6 +84,36 @@ def test_failed_compute_write_withdraws_the_keys_published_for_it(pool: HazardAw
     pool.check()
 
 
+def test_write_tagged_after_its_token_failed_withdraws_the_keys(pool: HazardAwareBlockPool) -> None:
+    (b,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([b], ["k"], 0, 1)
+    ew = pool.issue("compute")
+    pool.fail(ew)
+    pool.tag([b], ew, W)  # the step's write is reported after its failure
+    assert pool.get_cached_block("k") is None
+    pool.cache_full_blocks([b], ["k"], 0, 1)
+    assert pool.get_cached_block("k") is None
+
+
+def test_write_freed_after_its_token_failed_withdraws_the_keys(pool: HazardAwareBlockPool) -> None:
+    (b,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([b], ["k"], 0, 1)
+    ew = pool.issue("compute")
+    pool.fail(ew)
+    pool.free_blocks([b], token=ew, access=W)
+    assert pool.get_cached_block("k") is None
+    pool.check()
+
+
+def test_write_tagged_after_its_token_completed_keeps_the_keys(pool: HazardAwareBlockPool) -> None:
+    (b,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([b], ["k"], 0, 1)
+    ew = pool.issue("compute")
+    pool.complete(ew)
+    pool.tag([b], ew, W)
+    assert pool.get_cached_block("k") is b
+
+
 # -- 3. a failure reported after the token already ended still counts ---------
 
 
