@@ -133,6 +133,27 @@ class HBModel:
         )
         assert fence.needs_host_wait == want_host, f"needs_host_wait={fence.needs_host_wait}, want {want_host}"
 
+    # -- failures and content ------------------------------------------------
+
+    def report(self, token: Token, failed: bool) -> bool:
+        """Apply a completion report; returns whether it is a *late* failure
+        (``token`` had already ended, through another token's completion or
+        a later token of its in-order stream): that one ends nothing and
+        restores nothing, it speaks of ``token``'s content only."""
+        if token in self.known_ended():
+            return failed
+        (self.failed if failed else self.ended_direct).add(token)
+        return False
+
+    def write_in_effect(self, block_id: int) -> Token | None:
+        """The write whose content the block holds: the last write of its
+        history that was not undone (a token that failed before it ended
+        restores what it replaced). A late failure undoes nothing."""
+        for t, k in reversed(self.history.get(block_id, [])):
+            if k is WRITE and t not in self.failed:
+                return t
+        return None
+
     def pending_host(self, block_id: int) -> set[Token]:
         """Host tokens that still may access the block: not known to have
         ended and not ordered before a later write of it."""

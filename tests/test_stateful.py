@@ -247,17 +247,16 @@ class PoolMachine(RuleBasedStateMachine):
             event(f"fail {self.kinds.get(token, 'step')}{' (late)' if already else ''}")
         elif not already:
             event("complete")
+        # the content each block holds before the report (failed writes undone)
+        in_effect = {b: self.hb.write_in_effect(b) for b in self.loads.get(token, ())}
         (self.pool.fail if failed else self.pool.complete)(token)
-        if not already:
-            (self.hb.failed if failed else self.hb.ended_direct).add(token)
-        if failed and not failed_before and token in self.loads:
+        self.hb.report(token, failed)
+        if failed and not failed_before:
             # A failure withdraws the keys of every block whose write in
             # effect is the token's, also when reported late (after the
             # token ended through another token's completion).
-            for b in self.loads[token]:
-                # the write in effect: failed writes were undone
-                writes = [t for t, k in self.hb.history[b] if k is WRITE and (t == token or t not in self.hb.failed)]
-                if writes and writes[-1] == token:
+            for b, t in in_effect.items():
+                if t == token:
                     self.invalid.add(b)
                     self.keys.pop(b, None)
         self.settle()
