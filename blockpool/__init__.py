@@ -11,7 +11,9 @@ from blockpool.block import FreeBlockQueue, KVCacheBlock
 from blockpool.errors import (
     BlockNotAllocatedError,
     BlockPoolError,
+    FenceFailedError,
     ForeignBlockError,
+    ForeignTokenError,
     HashConflictError,
     InvalidArgumentError,
     InvariantError,
@@ -55,6 +57,8 @@ __all__ = [
     "BlockNotAllocatedError",
     "UnknownStreamError",
     "UnknownTokenError",
+    "ForeignTokenError",
+    "FenceFailedError",
     "HashConflictError",
     "InvariantError",
     "LeaseExpiredWarning",

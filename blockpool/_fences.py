@@ -137,7 +137,22 @@ class FenceOps(PoolBase):
         every block that had it: one identity test and one store per block."""
         null = self.null_block
         if access is _WRITE:
+            # Save what the write replaces, whatever records it (tag, a
+            # free with WRITE, begin_load, begin_copy): a failed write may
+            # have failed before its waits, so its fail() puts this back
+            # (TokenOps._undo_failed_write). Dropped when the token ends.
+            per_stream = self._writes.get(token.stream)
+            if per_stream is None:
+                per_stream = self._writes[token.stream] = {}
+            saved = per_stream.get(token.seq)
+            if saved is None:
+                saved = per_stream[token.seq] = []
+            seq = token.seq
+            stream = token.stream
             for b in blocks:
+                w = b.writer
+                if b is not null and (w is None or w.seq != seq or w.stream != stream):
+                    saved.append((b, w, b.readers))
                 b.writer = token
                 b.readers = None
             null.writer = null.readers = None  # the null block never has a shadow
@@ -161,11 +176,14 @@ class FenceOps(PoolBase):
         """Record that ``token``'s work accesses ``blocks`` (e.g. step N's
         forward writes the blocks receiving new tokens). The caller ordered
         that work after the blocks' fences (:meth:`fence_for` /
-        :meth:`allocate_for`). A write replaces the shadow; a read joins it.
-        Null blocks are skipped. O(len(blocks)).
+        :meth:`allocate_for`). A write replaces the shadow (what it replaced
+        is kept until ``token`` ends: if ``token`` fails, it is restored and
+        the blocks lose their keys, see :meth:`fail`); a read joins it.
+        Keys are kept (the scheduler publishes a block's key for the content
+        its step writes). Null blocks are skipped. O(len(blocks)).
 
         Raises:
-            ForeignBlockError, UnknownStreamError, UnknownTokenError,
+            ForeignBlockError, UnknownStreamError, UnknownTokenError, ForeignTokenError,
             InvalidArgumentError: as the names say; nothing changes.
         """
         if self._inbox or self._leases_on:
@@ -175,9 +193,22 @@ class FenceOps(PoolBase):
         block_list = self._own_all(blocks)
         if self.track_hazards and not self.tracker.is_ended(token):
             self._record(block_list, token, access)
-        elif access is _WRITE and self._invalid:
-            for b in block_list:
-                self._invalid.discard(b.block_id)
+        elif access is _WRITE:
+            if self.tracker.has_failed(token):
+                self._unwritten(block_list)  # the write never happened
+            elif self._invalid:
+                for b in block_list:
+                    self._invalid.discard(b.block_id)
+
+    def _unwritten(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """A write recorded after its token had failed: it never happened,
+        so the blocks' content is not what their keys name: withdraw the
+        keys and mark the content invalid (no shadow changes). O(len(blocks))."""
+        null = self.null_block
+        for b in blocks:
+            if b is not null:
+                self._invalid.add(b.block_id)
+                self._drop_keys(b)
 
     def _begin(
         self,
@@ -187,12 +218,14 @@ class FenceOps(PoolBase):
     ) -> tuple[Token, Fence]:
         fence = self._fence(groups, st) if self.track_hazards else EMPTY_FENCE
         token = self.tracker.issue(stream, fence.tokens)
+        # A transfer writes new content: the destinations' keys named the
+        # content they held before, so they are withdrawn (removed events).
+        for blocks, access in groups:
+            if access is _WRITE:
+                for b in blocks:
+                    if b.block_hash is not None:
+                        self._drop_keys(b)
         if self.track_hazards:
-            before = [
-                (b, b.writer, b.readers) for blocks, access in groups if access is _WRITE for b in blocks
-            ]
-            if before:
-                self._writes.setdefault(stream, {})[token.seq] = before
             for blocks, access in groups:
                 self._record(blocks, token, access)
         return token, fence
@@ -202,7 +235,11 @@ class FenceOps(PoolBase):
     ) -> tuple[Token, Fence]:
         """Begin copy-on-write / block copies ``(src, dst)`` on ``stream``:
         returns the copy's token (a read of every ``src``, a write of every
-        ``dst``) and the fence the copy waits on. O(len(pairs)).
+        ``dst``) and the fence the copy waits on. Keys a ``dst`` is
+        published under are withdrawn (``BlockRemoved`` events): the copy
+        replaces its content. If the copy fails, the destinations' replaced
+        accesses are restored and they are not published until rewritten.
+        O(len(pairs) + keys withdrawn).
 
         Raises:
             UnknownStreamError: ``stream`` is not registered.
@@ -242,9 +279,12 @@ class FenceOps(PoolBase):
         """Begin a load (external tier -> GPU) into ``blocks`` on ``stream``
         (a DMA stream or a host engine): returns the load's token (the new
         writer of every block) and the fence it waits on (WAR on the last
-        readers, WAW on the last writer). If the load fails, the blocks lose
-        their keys and are not published until rewritten. Null placeholders
-        are skipped. O(len(blocks)).
+        readers, WAW on the last writer). The load replaces the blocks'
+        content, so keys they are published under are withdrawn now
+        (``BlockRemoved`` events; publish the loaded keys after this call).
+        If the load fails, the accesses it replaced are restored and the
+        blocks are not published until rewritten. Null placeholders are
+        skipped. O(len(blocks) + keys withdrawn).
 
         Raises:
             UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.

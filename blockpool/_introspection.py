@@ -12,6 +12,7 @@ from blockpool.errors import (
     InvariantError,
 )
 from blockpool.events import KVCacheEvent
+from blockpool.hazards import StreamKind
 from blockpool.stats import PoolSnapshot, PoolStats
 
 __all__ = ["IntrospectionOps"]
@@ -98,13 +99,18 @@ class IntrospectionOps(PoolBase):
 
     def check(self) -> None:
         """Assert every invariant; raises :class:`InvariantError` naming the
-        first one broken. O(num_gpu_blocks + cached keys).
+        first one broken.
 
         Checked: the null block is never free, held, referenced or cached;
         the free queue's links and count agree; free blocks have ref count 0
         and are not held; held blocks have ref count 0 and a pending host
         token; ref counts >= 0; free + held + used = total; no block is
-        counted twice; key map <-> block keys agree both ways.
+        counted twice; key map <-> block keys agree both ways. The hazard
+        half: every held block waits on host-engine tokens that have not
+        ended and is listed under each; leases exist exactly for held
+        blocks; saved shadows of pending writes belong to tokens that have
+        not ended and to this pool's data blocks; invalid marks name data
+        blocks. O(num_gpu_blocks + cached keys + held + pending writes).
         """
         free_list = self.free_block_queue.check()
         free_ids = [b.block_id for b in free_list]
@@ -150,6 +156,49 @@ class IntrospectionOps(PoolBase):
         for bid, extra in self.prefix_cache.extra_keys().items():
             if extra and self.blocks[bid].block_hash is None:
                 raise InvariantError(f"block {bid} has extra keys but no primary key")
+        self._check_hazards()
+
+    def _check_hazards(self) -> None:
+        """The hazard half of :meth:`check`: held sets, leases, pending
+        writes, invalid marks. O(held + pending write entries + invalid)."""
+        tracker = self.tracker
+        host = StreamKind.HOST
+        for bid, pending in self._held.items():
+            for t in pending:
+                st = tracker.streams.get(t.stream)
+                if st is None or st.kind is not host or t.kind is not host:
+                    raise InvariantError(f"held block {bid} waits on {t}, not a host-engine token")
+                if tracker.is_ended(t):
+                    raise InvariantError(f"held block {bid} still waits on {t}, which has ended")
+                if not any(b.block_id == bid for b in self._held_by.get(t, ())):
+                    raise InvariantError(f"held block {bid} is not listed under its pending token {t}")
+        if self._held_by and not tracker.host_pending():
+            live = [t for t, blocks in self._held_by.items() if any(b.block_id in self._held for b in blocks)]
+            if live:
+                raise InvariantError(f"blocks held on {live[0]} with no host token pending")
+        if self._leases_on:
+            for bid in self._held:
+                if bid not in self._deadline:
+                    raise InvariantError(f"held block {bid} has no lease")
+        for bid in self._deadline:
+            if bid not in self._held:
+                raise InvariantError(f"block {bid} has a lease but is not held")
+        for bid in self._expired:
+            if bid not in self._held:
+                raise InvariantError(f"block {bid} has an expired lease but is not held")
+        for stream, per_seq in self._writes.items():
+            st = tracker.streams.get(stream)
+            if st is None:
+                raise InvariantError(f"pending writes on unknown stream {stream!r}")
+            for seq, entries in per_seq.items():
+                if st.is_ended(seq):
+                    raise InvariantError(f"saved shadows of {stream}:{seq}, which has ended")
+                for b, _w, _r in entries:
+                    if self.blocks[b.block_id] is not b or b.is_null:
+                        raise InvariantError(f"{stream}:{seq} saved the shadow of a foreign or null block")
+        for bid in self._invalid:
+            if not (isinstance(bid, int) and 0 < bid < self.num_gpu_blocks):
+                raise InvariantError(f"invalid mark on {bid!r}, not a data block")
 
     def snapshot(self) -> PoolSnapshot:
         """A comparable picture of all observable state (tests: take one

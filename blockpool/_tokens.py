@@ -66,7 +66,7 @@ class TokenOps(PoolBase):
             UnknownStreamError: ``stream`` is not registered.
         """
         st = self.tracker.state(stream)
-        return Token(st.name, st.last_seq, st.kind) if st.last_seq else None
+        return Token(st.name, st.last_seq, st.kind, self.pool_id) if st.last_seq else None
 
     def complete(self, token: Token) -> None:
         """The work up to ``token`` finished. Callable from any thread; applied
@@ -77,17 +77,31 @@ class TokenOps(PoolBase):
 
         Raises:
             UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+            ForeignTokenError: ``token`` was issued by another pool.
+            InvalidArgumentError: ``token`` is not a Token, or its kind is not its stream's.
         """
         self.tracker.submit(token, False)
 
     def fail(self, token: Token) -> None:
         """The work of ``token`` ended without doing its job (a failed
-        transfer). Like :meth:`complete`, plus: blocks a failed *load* wrote
-        lose their prefix-cache keys (removed events) and are never published
-        until rewritten.
+        transfer or step). Like :meth:`complete`, except that it ends only
+        ``token`` (and, on a ``DEVICE`` stream, the tokens before it), not
+        what ``token`` waited for: it may have failed before its waits. Every
+        write ``token`` made, however it was recorded (:meth:`tag`,
+        :meth:`free_blocks` with ``WRITE``, :meth:`begin_load`,
+        :meth:`begin_copy`), is undone: the accesses it replaced are put
+        back in the blocks' shadows (a free block whose restored access is a
+        pending host-engine one is held again), and the blocks lose their
+        prefix-cache keys (removed events) and are never published until
+        rewritten. A failure reported after ``token`` already ended
+        (through another token's completion) still withdraws the keys of
+        the blocks it was the last write of. O(1) here; applying it is
+        O(blocks it wrote), or O(num_gpu_blocks) for a late report.
 
         Raises:
             UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+            ForeignTokenError: ``token`` was issued by another pool.
+            InvalidArgumentError: ``token`` is not a Token, or its kind is not its stream's.
         """
         self.tracker.submit(token, True)
 
@@ -98,6 +112,8 @@ class TokenOps(PoolBase):
 
         Raises:
             UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+            ForeignTokenError: ``token`` was issued by another pool.
+            InvalidArgumentError: ``token`` is not a Token, or its kind is not its stream's.
         """
         self._sync()
         self.tracker.validate(token)
@@ -118,6 +134,8 @@ class TokenOps(PoolBase):
 
         Raises:
             UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+            ForeignTokenError: ``token`` was issued by another pool.
+            InvalidArgumentError: ``token`` is not a Token, or its kind is not its stream's.
         """
         self._sync()
         self.tracker.validate(token)
@@ -127,7 +145,10 @@ class TokenOps(PoolBase):
         tracker = self.tracker
         if tracker._inbox:
             for token, failed, ended in tracker.drain():
-                self._on_ended(token, failed, ended)
+                if failed and not ended:
+                    self._late_failure(token)
+                else:
+                    self._on_ended(token, failed, ended)
         if self._leases:
             self._check_leases()
 
@@ -168,10 +189,26 @@ class TokenOps(PoolBase):
         if release:
             self._enqueue_free(release)
 
+    def _late_failure(self, token: Token) -> None:
+        """``token`` failed after it had already ended (through another
+        token's completion, or a later token of its in-order stream): the
+        accesses it replaced had ended, but its content was never written.
+        Every block whose write in effect is still ``token``'s loses its keys
+        and is not published until rewritten. O(num_gpu_blocks); failures
+        are rare."""
+        stream, seq = token.stream, token.seq
+        invalid = self._invalid
+        for b in self.blocks:
+            w = b.writer
+            if w is not None and w.seq == seq and w.stream == stream:
+                invalid.add(b.block_id)
+                self._drop_keys(b)
+
     def _undo_failed_write(
         self, token: Token, before: list[tuple[KVCacheBlock, Token | None, Token | tuple[Token, ...] | None]]
     ) -> None:
-        """A load or copy failed: it may have failed before its own waits, so
+        """A write (tag, free with WRITE, load, copy) failed: it may have
+        failed before its own waits, so
         the accesses it replaced in each block's shadow may still run; put
         them back (with the reads recorded since), mark the content invalid
         and withdraw the blocks' keys."""

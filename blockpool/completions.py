@@ -40,8 +40,9 @@ from blockpool.hazards import StreamKind, Token
 
 __all__ = ["CompletionReport", "CompletionSink", "RankMerger", "WireToken"]
 
-WireToken = tuple[str, int, str]
-"""A token as :meth:`Token.to_wire` gives it: ``(stream, seq, kind)``."""
+WireToken = tuple  # (stream, seq, kind) or (stream, seq, kind, pool)
+"""A token as :meth:`Token.to_wire` gives it: ``(stream, seq, kind, pool)``
+(``(stream, seq, kind)`` for an unbound token)."""
 
 
 class CompletionSink(Protocol):
@@ -170,7 +171,7 @@ class RankMerger:
         InvalidArgumentError: ``world_size`` is not an int ``>= 1``.
     """
 
-    __slots__ = ("_host", "_marks", "_merged", "world_size")
+    __slots__ = ("_host", "_marks", "_merged", "_pools", "world_size")
 
     def __init__(self, world_size: int) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -180,6 +181,8 @@ class RankMerger:
         self._marks: dict[str, list[int]] = {}
         # stream -> merged mark already reported
         self._merged: dict[str, int] = {}
+        # stream -> issuing pool of its tokens (Token.pool), kept on merged tokens
+        self._pools: dict[str, int] = {}
         # host token -> (ranks that reported it, failed on some rank)
         self._host: dict[Token, tuple[set[int], bool]] = {}
 
@@ -208,6 +211,8 @@ class RankMerger:
             if t.kind is StreamKind.HOST:
                 self._host_report(t, r, False, done, bad)
                 continue
+            if t.pool:
+                self._pools[t.stream] = t.pool
             marks = self._marks.setdefault(t.stream, [0] * self.world_size)
             if marks[r] < t.seq:
                 marks[r] = t.seq
@@ -218,7 +223,7 @@ class RankMerger:
             low = min(self._marks[stream])
             if low > self._merged.get(stream, 0):
                 self._merged[stream] = low
-                done.append(Token(stream, low, StreamKind.DEVICE))
+                done.append(Token(stream, low, StreamKind.DEVICE, self._pools.get(stream, 0)))
         return CompletionReport.of(0, done, bad)
 
     def _host_report(self, t: Token, rank: int, failed: bool, done: list[Token], bad: list[Token]) -> None:

@@ -20,8 +20,10 @@ __all__ = [
     "BlockNotAllocatedError",
     "UnknownStreamError",
     "UnknownTokenError",
+    "ForeignTokenError",
     "HashConflictError",
     "InvariantError",
+    "FenceFailedError",
     "LeaseExpiredWarning",
 ]
 
@@ -67,10 +69,36 @@ class UnknownTokenError(BlockPoolError, LookupError):
     """A token the pool never issued (its ``seq`` is beyond the stream's counter)."""
 
 
+class ForeignTokenError(BlockPoolError, ValueError):
+    """A token issued by another pool (its ``Token.pool`` names another
+    pool): completing, failing or tagging with it would act on this pool's
+    unrelated token of the same ``(stream, seq)``."""
+
+
 class HashConflictError(BlockPoolError, ValueError):
     """A block already cached under a full-block key was claimed by another
     key for the same (or a shorter) prefix: the two keys name different
     content, which vLLM's key model forbids (vLLM asserts)."""
+
+
+class FenceFailedError(BlockPoolError, RuntimeError):
+    """A fence the caller waited on names tokens that *failed* (their
+    transfer ended without doing its job). Raised by the worker ledger's
+    ``wait_host`` / ``wait_device`` after the wait, before anything was
+    enqueued: the consumer must not run (the data it would read never
+    arrived, and a failed token may have failed before its own waits, so
+    nothing orders the consumer after them); it reports its own token
+    failed instead. See ``docs/hazard-model.md``, "Failure and coverage".
+
+    Attributes:
+        tokens: The failed tokens of the fence, in fence order.
+        waited: The tokens actually waited on before raising.
+    """
+
+    def __init__(self, message: str, tokens: tuple[object, ...] = (), waited: tuple[object, ...] = ()) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.waited = waited
 
 
 class InvariantError(BlockPoolError, AssertionError):

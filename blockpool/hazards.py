@@ -59,15 +59,24 @@ class Token:
     equal, and hash alike, when ``stream`` and ``seq`` are; ``kind`` rides
     along (it is fixed per stream) so a worker can tell how to wait on it.
 
+    A token also carries the identity of the pool that issued it
+    (``pool``, not part of equality): a pool refuses another pool's token
+    (:class:`~blockpool.errors.ForeignTokenError`). ``pool=0`` is an
+    *unbound* token (made by hand, or decoded from the old three-field wire
+    form), which any pool accepts.
+
     Attributes:
         stream: Name of the stream or engine.
         seq: Per-stream sequence number, ``>= 1``.
         kind: :class:`StreamKind` of the stream (not part of equality).
+        pool: Identity of the issuing pool (``0``: unbound; not part of
+            equality).
     """
 
     stream: str = attrs.field(validator=_check_stream)
     seq: int = attrs.field()
     kind: StreamKind = attrs.field(default=StreamKind.DEVICE, eq=False, repr=False)
+    pool: int = attrs.field(default=0, eq=False, repr=False)
 
     @seq.validator
     def _check_seq(self, _: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
@@ -82,16 +91,28 @@ class Token:
     def __str__(self) -> str:
         return f"{self.stream}:{self.seq}"
 
-    def to_wire(self) -> tuple[str, int, str]:
-        """A plain tuple for msgspec/JSON: ``(stream, seq, kind)``. O(1)."""
+    def to_wire(self) -> tuple[str, int, str] | tuple[str, int, str, int]:
+        """A plain tuple for msgspec/JSON: ``(stream, seq, kind, pool)``, or
+        the old ``(stream, seq, kind)`` for an unbound token (``pool == 0``).
+        O(1)."""
+        if self.pool:
+            return (self.stream, self.seq, self.kind.value, self.pool)
         return (self.stream, self.seq, self.kind.value)
 
     @classmethod
     def from_wire(cls, data: Iterable[object]) -> Token:
-        """Inverse of :meth:`to_wire`. Raises ``ValueError``/``TypeError`` on
+        """Inverse of :meth:`to_wire`; also decodes the old three-field form
+        (an unbound token). O(1). Raises ``ValueError``/``TypeError`` on
         malformed data."""
-        stream, seq, kind = data
-        return cls(stream, seq, StreamKind(kind))  # type: ignore[arg-type]
+        fields = tuple(data)
+        if len(fields) == 3:
+            stream, seq, kind = fields
+            pool: object = 0
+        else:
+            stream, seq, kind, pool = fields  # ValueError on any other length
+        if not isinstance(pool, int) or isinstance(pool, bool) or pool < 0:
+            raise ValueError(f"pool must be an int >= 0, got {pool!r}")
+        return cls(stream, seq, StreamKind(kind), pool)  # type: ignore[arg-type]
 
 
 @attrs.frozen(slots=True)
@@ -181,7 +202,7 @@ class Fence:
             return "fence " + ", ".join(map(str, self.tokens)) + " (no reasons: debug off)"
         return "\n".join(str(r) for r in self.reasons)
 
-    def to_wire(self) -> tuple[list[tuple[str, int, str]], bool]:
+    def to_wire(self) -> tuple[list[tuple[str, int, str] | tuple[str, int, str, int]], bool]:
         """A plain structure for msgspec/JSON. O(k)."""
         return ([t.to_wire() for t in self.tokens], self.needs_host_wait)
 

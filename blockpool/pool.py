@@ -25,6 +25,7 @@ Example (doctest)::
 """
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -127,7 +128,11 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         self.prefix_cache = PrefixCache()
         self.kv_event_queue: list[KVCacheEvent] = []
 
-        self.tracker = HazardTracker()
+        # This pool's identity, stamped on its tokens (Token.pool): a token
+        # of another pool is refused (ForeignTokenError). Random, so that
+        # pools in different processes differ too.
+        self.pool_id: int = secrets.randbits(62) + 1
+        self.tracker = HazardTracker(self.pool_id)
         for name, kind in (streams if streams is not None else {"compute": _DEVICE}).items():
             self.tracker.add_stream(name, kind)
 
@@ -304,13 +309,15 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         back if cached (LRU), or into the held set while a host-engine access
         on it has not ended. ``token``: the last enqueued access to the blocks
         (e.g. the newest scheduled step on ``compute``), recorded as an
-        ``access`` in their shadows. Null blocks are skipped. A block may
+        ``access`` in their shadows (a ``WRITE`` is undone if ``token``
+        fails, as for :meth:`tag`). Null blocks are skipped. A block may
         repeat as often as it is referenced. O(len(ordered_blocks)).
 
         Raises:
             ForeignBlockError: a block of another pool.
             RefCountError: a ref count would go below zero (whole call rejected).
             UnknownStreamError, UnknownTokenError: a token the pool never issued.
+            ForeignTokenError: a token issued by another pool.
         """
         if self._inbox or self._leases_on:
             self._sync()
@@ -355,6 +362,8 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             raise
         if record:
             self._record(blocks, token, access)  # type: ignore[arg-type]
+        elif access is _WRITE and token is not None and self.tracker.has_failed(token):
+            self._unwritten(blocks)  # a write by a token that failed never happened
         if zero:
             self._enqueue_free(zero)
 

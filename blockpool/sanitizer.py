@@ -165,11 +165,14 @@ class _Stream:
 
 
 class _Shadow:
-    __slots__ = ("readers", "writer")
+    __slots__ = ("others", "readers", "writer")
 
     def __init__(self) -> None:
         self.writer: tuple[Token, str] | None = None
         self.readers: dict[Token, str] = {}  # mutually unordered reads since the write
+        # Earlier writes the current one raced with (not ordered before it):
+        # a later access must still be checked against them.
+        self.others: dict[Token, str] = {}
 
 
 class RaceOracle:
@@ -455,13 +458,25 @@ class RaceOracle:
             late = self._before(t, w[0])
             if not late:
                 out.append(RaceViolation(bid, "WAW" if write else "RAW", w[0], _WRITE, w[1], t, kind, what))
+        others = sh.others
+        for o, owhat in others.items():
+            if o != t and not c.covers(o) and not self._before(t, o):
+                out.append(RaceViolation(bid, "WAW" if write else "RAW", o, _WRITE, owhat, t, kind, what))
         readers = sh.readers
         if write:
+            racy: dict[Token, str] = {}
             for r, rwhat in readers.items():
                 if r != t and not c.covers(r) and not self._before(t, r):
                     out.append(RaceViolation(bid, "WAR", r, _READ, rwhat, t, kind, what))
+                    racy[r] = rwhat
             if rec and not late:
-                sh.writer, sh.readers = (t, what), {}
+                # Accesses the write raced with stay in the shadow: they are
+                # not ordered before it, so a later access ordered after it
+                # may still race with them, and must be reported too.
+                prior = {o: ow for o, ow in others.items() if o != t and not c.covers(o) and not self._before(t, o)}
+                if w is not None and w[0] != t and not c.covers(w[0]):
+                    prior[w[0]] = w[1]
+                sh.writer, sh.readers, sh.others = (t, what), racy, prior
             return
         if not rec or late or t in readers or (w is not None and w[0] == t):
             return  # nothing to add: t's own write stands for this read

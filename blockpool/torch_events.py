@@ -70,7 +70,7 @@ from typing import Any, Protocol
 import torch
 
 from blockpool.completions import CompletionReport
-from blockpool.errors import BlockPoolError, InvalidArgumentError
+from blockpool.errors import BlockPoolError, FenceFailedError, InvalidArgumentError
 from blockpool.hazards import StreamKind, Token
 
 __all__ = [
@@ -79,6 +79,7 @@ __all__ = [
     "EventLedger",
     "EventLike",
     "EventNotRecordedError",
+    "FenceFailedError",
     "FenceTimeoutError",
     "HostWaitRequiredError",
     "StreamLike",
@@ -300,9 +301,12 @@ class EventLedger:
         # HOST engines: every seq <= mark ended; ended seqs above it.
         self._host_mark: dict[str, int] = {}
         self._host_done: dict[str, set[int]] = {}
+        # HOST engines: seqs that ended failed (kept: a later wait must
+        # still learn it; one entry per failure).
+        self._host_failed: dict[str, set[int]] = {}
         self._free: list[EventLike] = []
         # Completions observed and not yet reported.
-        self._new_dev: dict[str, int] = {}
+        self._new_dev: dict[str, Token] = {}
         self._new_host: list[Token] = []
         self._new_failed: list[Token] = []
 
@@ -374,6 +378,8 @@ class EventLedger:
                 mark += 1
                 done.discard(mark)
             self._host_mark[token.stream] = mark
+            if failed:
+                self._host_failed.setdefault(token.stream, set()).add(token.seq)
             (self._new_failed if failed else self._new_host).append(token)
             self._cond.notify_all()
 
@@ -387,18 +393,18 @@ class EventLedger:
         """
         with self._cond:
             for stream, q in self._pending.items():
-                newest = 0
+                newest: Token | None = None
                 while q and q[0].event.query():
                     entry = q.popleft()
                     entry.done = True
                     del self._by_token[entry.token]
-                    newest = entry.token.seq
+                    newest = entry.token  # the recorded token: keeps its pool id
                     if entry.pins == 0:
                         self._recycle(entry.event)
-                if newest:
-                    self._mark[stream] = newest
+                if newest is not None:
+                    self._mark[stream] = newest.seq
                     self._new_dev[stream] = newest
-            completed = [Token(s, n, _DEVICE) for s, n in sorted(self._new_dev.items())]
+            completed = [t for _, t in sorted(self._new_dev.items())]
             completed += self._new_host
             report = CompletionReport.of(self.rank, completed, self._new_failed)
             self._new_dev = {}
@@ -463,6 +469,10 @@ class EventLedger:
             InvalidArgumentError: the fence holds a non-Token, or a bad timeout.
             HostWaitRequiredError: ``HOST`` tokens not known complete and
                 ``allow_host_wait`` is false (nothing was enqueued).
+            FenceFailedError: a ``HOST`` token of the fence failed
+                (:meth:`mark_host_complete` with ``failed=True``); raised
+                after the host wait, with nothing enqueued. The consumer
+                must not run: it reports its own work failed.
             EventNotRecordedError: a ``DEVICE`` token has no event here yet
                 (nothing was enqueued).
             FenceTimeoutError: the host wait ran past ``timeout`` (nothing
@@ -476,6 +486,7 @@ class EventLedger:
             with self._cond:
                 open_host = [t for t in host if not self._host_ended(t)]
                 if open_host and not allow_host_wait:
+                    self._raise_failed(tokens, ())  # a known failure says more
                     raise HostWaitRequiredError(
                         f"fence names HOST tokens {[str(t) for t in open_host]}: no stream wait "
                         "covers them; wait on the host first (allow_host_wait=True) or hold the blocks"
@@ -486,6 +497,8 @@ class EventLedger:
                 if self._wait_host_token(t, deadline):
                     waited.add(t)
         with self._cond:
+            # A failed token: raise before anything is enqueued.
+            self._raise_failed(tokens, tuple(t for t in tokens if t in waited))
             for t, entry in self._resolve(tokens):
                 stream.wait_event(entry.event)
                 waited.add(t)
@@ -509,6 +522,10 @@ class EventLedger:
             InvalidArgumentError: the fence holds a non-Token, or a bad timeout.
             FenceTimeoutError: a token was not recorded (``DEVICE``) or not
                 completed (``HOST``) within ``timeout``.
+            FenceFailedError: a ``HOST`` token of the fence ended failed
+                (:meth:`mark_host_complete` with ``failed=True``); raised
+                after waiting for every token of the fence. The consumer
+                must not post: it reports its own work failed.
         """
         tokens = _tokens(fence)
         deadline = time.monotonic() + _check_timeout(timeout)
@@ -541,7 +558,25 @@ class EventLedger:
                     if entry.pins == 0 and entry.done:
                         self._recycle(entry.event)
             waited.append(t)
+        with self._cond:
+            self._raise_failed(tokens, tuple(waited))
         return tuple(waited)
+
+    def _raise_failed(self, tokens: list[Token], waited: tuple[Token, ...]) -> None:
+        """Raise :class:`FenceFailedError` if a token of the fence is known
+        to have failed (lock held)."""
+        failed = self._host_failed
+        if not failed:
+            return
+        bad = tuple(t for t in tokens if t.kind is _HOST and t.seq in failed.get(t.stream, ()))
+        if bad:
+            raise FenceFailedError(
+                f"fence tokens {[str(t) for t in bad]} failed on rank {self.rank}: the data they "
+                "were to write never arrived, and they may have failed before their own waits; "
+                "do not run the consumer (report its token failed)",
+                bad,
+                waited,
+            )
 
     # -- internals ---------------------------------------------------------------
 

@@ -19,7 +19,12 @@ from collections.abc import Iterable
 
 from sortedcontainers import SortedSet
 
-from blockpool.errors import InvalidArgumentError, UnknownStreamError, UnknownTokenError
+from blockpool.errors import (
+    ForeignTokenError,
+    InvalidArgumentError,
+    UnknownStreamError,
+    UnknownTokenError,
+)
 from blockpool.hazards import StreamKind, Token
 
 __all__ = ["VectorClock", "StreamState", "HazardTracker"]
@@ -73,7 +78,7 @@ class VectorClock:
 class StreamState:
     """Per-stream bookkeeping: counter, completion mark, clocks."""
 
-    __slots__ = ("name", "kind", "last_seq", "mark", "done", "clock", "token_clocks", "failed")
+    __slots__ = ("name", "kind", "last_seq", "mark", "done", "clock", "token_clocks", "failed", "failed_seqs")
 
     def __init__(self, name: str, kind: StreamKind):
         self.name = name
@@ -90,6 +95,9 @@ class StreamState:
         self.token_clocks: dict[int, VectorClock] = {}
         # Failed seqs not yet forgotten (for stats and explain()).
         self.failed = 0
+        # Seqs reported failed (one entry per failure report; failures are
+        # rare): a write recorded after its token failed did not happen.
+        self.failed_seqs: set[int] = set()
 
     def is_ended(self, seq: int) -> bool:
         return seq <= self.mark or (self.kind is _HOST and seq in self.done)
@@ -122,9 +130,11 @@ class HazardTracker:
     :meth:`drain`.
     """
 
-    __slots__ = ("streams", "_inbox", "_hosts")
+    __slots__ = ("streams", "_inbox", "_hosts", "pool_id")
 
-    def __init__(self) -> None:
+    def __init__(self, pool_id: int = 0) -> None:
+        # Identity stamped on every token issued here (Token.pool); 0: unbound.
+        self.pool_id = pool_id
         self.streams: dict[str, StreamState] = {}
         self._inbox: collections.deque[tuple[Token, bool]] = collections.deque()
         self._hosts: list[StreamState] = []  # the HOST engines, for host_pending()
@@ -164,7 +174,7 @@ class HazardTracker:
         O(#streams + len(after))."""
         st = self.state(stream)
         st.last_seq += 1
-        tok = Token(st.name, st.last_seq, st.kind)
+        tok = Token(st.name, st.last_seq, st.kind, self.pool_id)
         clock = st.clock.copy()
         for t in after:
             tc = self.streams[t.stream].token_clocks.get(t.seq)
@@ -178,9 +188,15 @@ class HazardTracker:
         return tok
 
     def validate(self, token: object) -> StreamState:
-        """The state of ``token``'s stream; raises if the pool never issued it."""
+        """The state of ``token``'s stream; raises if the pool never issued it
+        (another pool's token: :class:`ForeignTokenError`)."""
         if not isinstance(token, Token):
             raise InvalidArgumentError(f"expected a Token, got {token!r}")
+        if token.pool and token.pool != self.pool_id:
+            raise ForeignTokenError(
+                f"token {token} was issued by another pool (pool id {token.pool}, "
+                f"this pool's is {self.pool_id})"
+            )
         st = self.state(token.stream)
         if token.kind is not st.kind:
             raise InvalidArgumentError(
@@ -196,6 +212,10 @@ class HazardTracker:
     def is_ended(self, token: Token) -> bool:
         st = self.streams[token.stream]
         return token.seq <= st.mark or (st.kind is _HOST and token.seq in st.done)
+
+    def has_failed(self, token: Token) -> bool:
+        """Whether a failure (``fail``, ``abandon``) was applied for ``token``. O(1)."""
+        return token.seq in self.streams[token.stream].failed_seqs
 
     def host_pending(self) -> bool:
         """Whether some HOST-engine token may not have ended (one was issued
@@ -234,6 +254,8 @@ class HazardTracker:
         stream first; empty if it had already ended. O(#streams + host
         tokens in its clock + newly ended seqs)."""
         st = self.streams[token.stream]
+        if failed:
+            st.failed_seqs.add(token.seq)
         if st.is_ended(token.seq):
             return []
         # A failed DEVICE token still means its in-order stream got past the

@@ -63,7 +63,14 @@ class HBModel:
         """Completed tokens and everything before them; failed tokens only
         themselves (a transfer may fail before it waited), except that on a
         DEVICE stream the last token before a failed one that did not fail
-        itself completed normally."""
+        itself completed normally.
+
+        "Everything before" a completed token goes through failed tokens
+        too: by the protocol (docs/hazard-model.md, "Failure and coverage")
+        a consumer proceeds only past fence tokens that completed, so a
+        completed token's whole chain of waits completed, and a failure
+        reported for a token on that chain speaks of its content only (a
+        late failure: it withdraws keys, and restores nothing)."""
         roots = set(self.ended_direct)
         for f in self.failed:
             if self.kinds[f.stream] is not StreamKind.DEVICE:
@@ -125,6 +132,27 @@ class HBModel:
             self.kinds[stream] is StreamKind.HOST or any(self.kinds[t.stream] is StreamKind.HOST for t in tokens)
         )
         assert fence.needs_host_wait == want_host, f"needs_host_wait={fence.needs_host_wait}, want {want_host}"
+
+    # -- failures and content ------------------------------------------------
+
+    def report(self, token: Token, failed: bool) -> bool:
+        """Apply a completion report; returns whether it is a *late* failure
+        (``token`` had already ended, through another token's completion or
+        a later token of its in-order stream): that one ends nothing and
+        restores nothing, it speaks of ``token``'s content only."""
+        if token in self.known_ended():
+            return failed
+        (self.failed if failed else self.ended_direct).add(token)
+        return False
+
+    def write_in_effect(self, block_id: int) -> Token | None:
+        """The write whose content the block holds: the last write of its
+        history that was not undone (a token that failed before it ended
+        restores what it replaced). A late failure undoes nothing."""
+        for t, k in reversed(self.history.get(block_id, [])):
+            if k is WRITE and t not in self.failed:
+                return t
+        return None
 
     def pending_host(self, block_id: int) -> set[Token]:
         """Host tokens that still may access the block: not known to have

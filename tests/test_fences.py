@@ -140,8 +140,8 @@ def test_debug_fence_explains_each_token() -> None:
 
 def test_device_consumer_fence_with_host_token_needs_host_wait(pool: HazardAwareBlockPool) -> None:
     (b,) = pool.get_new_blocks(1)
-    pool.cache_full_blocks([b], ["h"], 0, 1)
     load, _ = pool.begin_load([b], "rdma")
+    pool.cache_full_blocks([b], ["h"], 0, 1)  # published for the content being loaded
     _, fence = pool.allocate_for(0, "compute", hits=[pool.get_cached_block("h")])
     assert list(fence) == [load] and fence.needs_host_wait
 

@@ -366,3 +366,25 @@ def test_failed_token_does_not_order_later_work_after_its_waits() -> None:
     oracle.record(dma)
     (v,) = oracle.access(dma, [3], AccessKind.WRITE, "load")
     assert (v.hazard, v.prior_token, v.token) == ("WAR", e1, dma)
+
+
+def test_second_racy_write_after_a_racy_write_is_reported_too(oracle: RaceOracle) -> None:
+    run(oracle, "compute:1", [1], R)
+    first = run(oracle, "h2d:1", [1], W)  # forgot to wait on compute:1
+    assert [v.hazard for v in first] == ["WAR"]
+    second = run(oracle, "h2d:2", [1], W)  # ordered after h2d:1, still not after compute:1
+    assert second == [RaceViolation(1, "WAR", tok("compute:1"), R, "store", tok("h2d:2"), W, "load")]
+
+
+def test_access_after_a_racy_write_is_checked_against_the_write_it_raced(oracle: RaceOracle) -> None:
+    run(oracle, "rdma:1", [1], W)
+    run(oracle, "h2d:1", [1], W)  # WAW with rdma:1
+    found = run(oracle, "h2d:2", [1], R)  # reads after h2d:1, rdma:1 may still write
+    assert found == [RaceViolation(1, "RAW", tok("rdma:1"), W, "load", tok("h2d:2"), R, "store")]
+
+
+def test_ordered_write_clears_what_the_racy_write_raced_with(oracle: RaceOracle) -> None:
+    run(oracle, "compute:1", [1], R)
+    run(oracle, "h2d:1", [1], W)  # races
+    assert run(oracle, "d2h:1", [1], W, after=("h2d:1", "compute:1")) == []
+    assert run(oracle, "d2h:2", [1], W) == []

@@ -3,6 +3,13 @@ store / complete / fail sequences against a deliberately simple reference
 model; ``check()`` after every step; every fence judged by the independent
 brute-force happens-before model in ``tests/hb_model.py`` (0 missed hazards,
 0 redundant waits). A negative control proves the judge can fail.
+
+Failures are on: any token may fail — a step's tagged write, a step that
+writes the blocks it frees (``free_blocks(..., access=WRITE)``), a load, a
+copy, a store, a plain step — including *late* (after it ended through
+another token's completion or a later token of its stream); completions end
+what their token waited on (transitive ends). ``pytest
+--hypothesis-show-statistics`` lists how often each kind occurred.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -48,10 +55,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.held: set[int] = set()
         self.keys: dict[int, list[str]] = {}  # block id -> keys it holds
         self.invalid: set[int] = set()
-        self.loads: dict[Token, list[int]] = {}
+        self.loads: dict[Token, list[int]] = {}  # every write: tag, free WRITE, load, copy
         self.requests: list[list[int]] = []
         self.tokens: list[Token] = []
-        self.transfers: set[Token] = set()  # tokens of begin_*: the ones that may fail
+        self.transfers: set[Token] = set()  # tokens of begin_*
+        self.kinds: dict[Token, str] = {}  # the writer kind of each token (for statistics)
         self.next_key = 0
 
     # -- helpers -------------------------------------------------------------
@@ -94,9 +102,12 @@ class PoolMachine(RuleBasedStateMachine):
             self.hb.access(ids_, token, access)
             if access is WRITE:
                 self.invalid -= set(ids_)
-                self.loads[token] = list(ids_)
+                for b in ids_:  # a transfer's new content withdraws the old keys
+                    self.keys.pop(b, None)
+                self.loads.setdefault(token, []).extend(ids_)
         self.tokens.append(token)
         self.transfers.add(token)
+        self.kinds[token] = kind
         return token
 
     # -- rules ---------------------------------------------------------------
@@ -137,8 +148,13 @@ class PoolMachine(RuleBasedStateMachine):
             self.requests.append(hit_ids + new_ids)
 
     @precondition(lambda self: self.requests)
-    @rule(data=st.data(), which_token=st.sampled_from(["none", "last", "any"]), dup=st.booleans())
-    def free_request(self, data: st.DataObject, which_token: str, dup: bool) -> None:
+    @rule(
+        data=st.data(),
+        which_token=st.sampled_from(["none", "last", "any"]),
+        dup=st.booleans(),
+        write=st.booleans(),
+    )
+    def free_request(self, data: st.DataObject, which_token: str, dup: bool, write: bool) -> None:
         i = data.draw(st.integers(0, len(self.requests) - 1))
         req = self.requests[i]
         listed = list(reversed(req)) + ([req[0]] if dup else [])
@@ -147,16 +163,29 @@ class PoolMachine(RuleBasedStateMachine):
             token = self.pool.last_token("compute")
         elif which_token == "any" and self.tokens:
             token = data.draw(st.sampled_from(self.tokens))
+        access = WRITE if write else READ
         counts = {b: listed.count(b) for b in listed}
         if any(c > self.ref[b] for b, c in counts.items()):
             before = self.pool.snapshot()
             with pytest.raises(RefCountError):
-                self.pool.free_blocks(self.blocks(listed), token=token)
+                self.pool.free_blocks(self.blocks(listed), token=token, access=access)
             assert self.pool.snapshot() == before
             return
-        self.pool.free_blocks(self.blocks(listed), token=token)
+        if access is WRITE:
+            # A last step that writes the blocks it frees: it waited on
+            # their fence, then was issued.
+            fence = self.pool.fence_for(self.blocks(listed), "compute", WRITE)
+            self.judge_and_wait(fence, [(listed, WRITE)], "compute")
+            token = self.pool.issue("compute")
+            self.hb.issue(token)
+            self.tokens.append(token)
+            self.kinds[token] = "free-write"
+        self.pool.free_blocks(self.blocks(listed), token=token, access=access)
         if token is not None:
-            self.hb.access(listed, token, READ)
+            self.hb.access(listed, token, access)
+            if access is WRITE:
+                self.invalid -= set(listed)
+                self.loads.setdefault(token, []).extend(listed)
         for b, c in counts.items():
             self.ref[b] -= c
             if self.ref[b] == 0:
@@ -184,6 +213,8 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.tag(self.blocks(target), token, WRITE)
             self.hb.access(target, token, WRITE)
             self.invalid -= set(target)
+            self.loads.setdefault(token, []).extend(target)
+            self.kinds[token] = "tag-write"
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data(), stream=st.sampled_from(["h2d", "rdma"]))
@@ -210,16 +241,22 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), failed=st.booleans())
     def complete(self, data: st.DataObject, failed: bool) -> None:
         token = data.draw(st.sampled_from(self.tokens))
-        failed = failed and token in self.transfers  # fail() is for transfers
         already = token in self.hb.known_ended()
+        failed_before = token in self.hb.failed  # a repeated failure report changes nothing
+        if failed:
+            event(f"fail {self.kinds.get(token, 'step')}{' (late)' if already else ''}")
+        elif not already:
+            event("complete")
+        # the content each block holds before the report (failed writes undone)
+        in_effect = {b: self.hb.write_in_effect(b) for b in self.loads.get(token, ())}
         (self.pool.fail if failed else self.pool.complete)(token)
-        if not already:
-            (self.hb.failed if failed else self.hb.ended_direct).add(token)
-        if failed and not already and token in self.loads:
-            for b in self.loads[token]:
-                # the write in effect: failed writes were undone
-                writes = [t for t, k in self.hb.history[b] if k is WRITE and (t == token or t not in self.hb.failed)]
-                if writes and writes[-1] == token:
+        self.hb.report(token, failed)
+        if failed and not failed_before:
+            # A failure withdraws the keys of every block whose write in
+            # effect is the token's, also when reported late (after the
+            # token ended through another token's completion).
+            for b, t in in_effect.items():
+                if t == token:
                     self.invalid.add(b)
                     self.keys.pop(b, None)
         self.settle()

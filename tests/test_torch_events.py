@@ -30,6 +30,7 @@ from blockpool.torch_events import (
     BackendUnavailableError,
     EventLedger,
     EventNotRecordedError,
+    FenceFailedError,
     FenceTimeoutError,
     HostWaitRequiredError,
     TokenOrderError,
@@ -575,9 +576,44 @@ def test_host_consumer_waits_for_the_engines_completion_of_a_host_token(
     assert ("error" not in box, dev.log) == (True, [])
 
 
-def test_host_consumer_treats_a_failed_host_token_as_ended(ledger: EventLedger) -> None:
+def test_host_consumer_learns_that_a_fence_token_failed(ledger: EventLedger) -> None:
     ledger.mark_host_complete(rdma(1), failed=True)
-    assert ledger.wait_host(Fence([rdma(1)], True)) == ()
+    with pytest.raises(FenceFailedError) as info:
+        ledger.wait_host(Fence([rdma(1)], True))
+    assert info.value.tokens == (rdma(1),) and isinstance(info.value, BlockPoolError)
+
+
+def test_host_consumer_raises_for_a_failed_token_only_after_waiting_for_the_rest(
+    ledger: EventLedger,
+) -> None:
+    ledger.mark_host_complete(rdma(1), failed=True)
+    th, box = in_thread("send-thread", ledger.wait_host, Fence([rdma(1), rdma(2)], True), timeout=20)
+    th.join(0.05)
+    assert th.is_alive()  # still waiting for rdma:2
+    ledger.mark_host_complete(rdma(2))
+    th.join(30)
+    err = box["error"]
+    assert isinstance(err, FenceFailedError)
+    assert (err.tokens, err.waited) == ((rdma(1),), (rdma(2),))
+
+
+def test_device_consumer_learns_that_a_fence_token_failed_and_nothing_is_enqueued(
+    ledger: EventLedger, compute: StandInStream, h2d: StandInStream, dev: StandInDevice
+) -> None:
+    kernel(compute)
+    ledger.record(c(1))
+    ledger.mark_host_complete(rdma(1), failed=True)
+    for allow in (True, False):
+        with pytest.raises(FenceFailedError) as info:
+            ledger.wait_device(Fence([c(1), rdma(1)], True), h2d, allow_host_wait=allow)
+        assert info.value.tokens == (rdma(1),)
+    assert waits(dev) == []
+
+
+def test_a_completed_host_token_still_passes_after_another_failed(ledger: EventLedger) -> None:
+    ledger.mark_host_complete(rdma(1), failed=True)
+    ledger.mark_host_complete(rdma(2))
+    assert ledger.wait_host(Fence([rdma(2)], True)) == ()
 
 
 def test_host_consumer_times_out_when_the_engine_never_completes(ledger: EventLedger) -> None:
