@@ -26,7 +26,7 @@ Example (doctest)::
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 from sortedcontainers import SortedList
 
@@ -144,6 +144,11 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         self._writes: dict[str, dict[int, list[tuple[KVCacheBlock, Token | None, Token | tuple[Token, ...] | None]]]] = {}
         # Blocks whose content is invalid (their load failed) until rewritten.
         self._invalid: set[int] = set()
+        # Prefix-cache bookkeeping beside the key map: blocks whose primary
+        # key is a partial key (cache_partial_block), and keys retired from a
+        # block by a promotion (never republished for it until it is reused).
+        self._partial: set[int] = set()
+        self._retired: dict[int, set[Hashable]] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
         # Lookups and hits are counted on the hottest path (one per block of
         # a prefix): plain ints, folded into the counters by stats().
@@ -208,6 +213,11 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         if invalid:
             for b in blocks:
                 invalid.discard(b.block_id)
+        if self._partial or self._retired:  # new content: forget the old one's keys
+            partial, retired = self._partial, self._retired
+            for b in blocks:
+                partial.discard(b.block_id)
+                retired.pop(b.block_id, None)
         return blocks
 
     def allocate_for(

@@ -1,0 +1,169 @@
+"""Tried as a new user would (issue #13): one test per expected behaviour.
+
+The CLI's behaviour (outputs, progress, interrupts, the table) is pinned in
+``tests/test_replay_cli.py``; packaging in ``tests/test_packaging.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from blockpool import BlockRemoved, BlockStored, HazardAwareBlockPool, InvalidArgumentError
+from tests.conftest import make_pool
+
+# 8. Bad prefix-cache arguments are typed errors that change nothing ----------
+
+
+def test_cache_full_blocks_with_more_cached_than_full_is_an_error_and_changes_nothing() -> None:
+    pool = make_pool()
+    blocks = pool.get_new_blocks(4)
+    before = pool.snapshot()
+    with pytest.raises(InvalidArgumentError, match="num_cached_blocks <= num_full_blocks"):
+        pool.cache_full_blocks(blocks, ["k0", "k1", "k2", "k3"], num_cached_blocks=3, num_full_blocks=1)
+    assert pool.snapshot() == before
+
+
+def test_cache_full_blocks_with_equal_counts_is_a_no_op() -> None:
+    pool = make_pool()
+    blocks = pool.get_new_blocks(2)
+    before = pool.snapshot()
+    pool.cache_full_blocks(blocks, ["k0", "k1"], 1, 1, block_size=16)
+    assert pool.snapshot() == before
+
+
+def test_partial_key_past_the_end_of_a_full_block_is_an_error_and_changes_nothing() -> None:
+    pool = make_pool()
+    (p,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([p], ["full@16"], 0, 1, block_size=16)
+    pool.take_events()
+    before = pool.snapshot()
+    with pytest.raises(InvalidArgumentError, match="cannot cover 99 tokens"):
+        pool.cache_partial_block(p, "part@99", num_tokens=99)
+    assert pool.snapshot() == before
+    assert pool.get_cached_block("part@99") is None
+    assert pool.get_cached_block("full@16") is p
+
+
+def test_partial_key_inside_a_full_block_is_still_an_extra_key() -> None:
+    pool = make_pool()
+    (p,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([p], ["full@16"], 0, 1, block_size=16)
+    assert pool.cache_partial_block(p, "part@8", 8) == "part@8"
+    assert pool.get_cached_block("part@8") is p and pool.get_cached_block("full@16") is p
+
+
+def test_a_longer_partial_key_still_promotes_a_partial_one() -> None:
+    pool = make_pool()
+    (p,) = pool.get_new_blocks(1)
+    pool.cache_partial_block(p, "part@8", 8)
+    assert pool.cache_partial_block(p, "part@12", 12) == "part@12"
+    assert pool.get_cached_block("part@8") is None and pool.get_cached_block("part@12") is p
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 8.0, "8"])
+def test_partial_key_with_a_bad_token_count_is_an_error_and_changes_nothing(bad: object) -> None:
+    pool = make_pool()
+    (p,) = pool.get_new_blocks(1)
+    before = pool.snapshot()
+    with pytest.raises(InvalidArgumentError, match="num_tokens"):
+        pool.cache_partial_block(p, "k", bad)  # type: ignore[arg-type]
+    assert pool.snapshot() == before
+
+
+# 10. A key retired by promotion stays retired for its block --------------------
+
+
+def _promoted(pool: HazardAwareBlockPool):  # type: ignore[no-untyped-def]
+    (p,) = pool.get_new_blocks(1)
+    pool.cache_partial_block(p, "part@8", 8)
+    pool.cache_full_blocks([p], ["full@16"], 0, 1, block_size=16)
+    assert pool.take_events() == [
+        BlockStored(("part@8",), None, 8, (p.block_id,)),
+        BlockRemoved(("part@8",)),
+        BlockStored(("full@16",), None, 16, (p.block_id,)),
+    ]
+    return p
+
+
+def test_partial_key_retired_by_promotion_is_not_republished() -> None:
+    pool = make_pool()
+    p = _promoted(pool)
+    for _ in range(3):  # the engine's per-step repeat
+        assert pool.cache_partial_block(p, "part@8", 8) is None
+    assert pool.take_events() == []
+    assert pool.get_cached_block("part@8") is None
+    assert pool.get_cached_block("full@16") is p
+    pool.check()
+
+
+def test_partial_key_retired_by_a_longer_partial_key_is_not_republished() -> None:
+    pool = make_pool()
+    (p,) = pool.get_new_blocks(1)
+    pool.cache_partial_block(p, "part@8", 8)
+    pool.cache_partial_block(p, "part@12", 12)
+    pool.take_events()
+    assert pool.cache_partial_block(p, "part@8", 8) is None
+    assert pool.take_events() == [] and pool.get_cached_block("part@8") is None
+
+
+def test_retired_key_may_be_published_again_once_the_block_is_reused() -> None:
+    pool = make_pool(2)  # one usable block: it comes back
+    p = _promoted(pool)
+    pool.free_blocks([p])
+    (q,) = pool.get_new_blocks(1)
+    assert q is p
+    pool.take_events()
+    assert pool.cache_partial_block(q, "part@8", 8) == "part@8"
+    assert pool.take_events() == [BlockStored(("part@8",), None, 8, (q.block_id,))]
+
+
+def test_retired_key_may_be_published_again_when_the_content_is_replaced() -> None:
+    pool = make_pool()
+    p = _promoted(pool)
+    assert pool.cache_partial_block(p, "part@8", 8, replace_existing_hashes=True) == "part@8"
+    assert pool.get_cached_block("part@8") is p and pool.get_cached_block("full@16") is None
+
+
+def test_retired_keys_move_with_move_block_hashes() -> None:
+    pool = make_pool()
+    p = _promoted(pool)
+    (dst,) = pool.get_new_blocks(1)
+    pool.move_block_hashes(p, dst)
+    assert pool.cache_partial_block(dst, "part@8", 8) is None
+    assert pool.cache_partial_block(p, "part@8", 8) == "part@8"  # src's content now differs
+    pool.check()
+
+
+# 11. A removal event only when the last block holding the key goes ----------
+
+
+def _two_blocks_under_h3(pool: HazardAwareBlockPool):  # type: ignore[no-untyped-def]
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_blocks([a], ["H3"], 0, 1, block_size=16)
+    pool.cache_full_blocks([b], ["H3"], 0, 1, block_size=16)
+    pool.take_events()
+    return a, b
+
+
+def test_evicting_one_of_two_blocks_under_a_key_sends_no_removal() -> None:
+    pool = make_pool()
+    a, b = _two_blocks_under_h3(pool)
+    pool.evict_blocks([a.block_id])
+    assert pool.take_events() == []
+    assert pool.get_cached_block("H3") is b
+    pool.evict_blocks([b.block_id])
+    assert pool.take_events() == [BlockRemoved(("H3",))]
+    assert pool.get_cached_block("H3") is None
+
+
+def test_reusing_one_of_two_blocks_under_a_key_sends_no_removal() -> None:
+    pool = make_pool(3)  # two usable blocks
+    a, b = _two_blocks_under_h3(pool)
+    pool.free_blocks([a])
+    (again,) = pool.get_new_blocks(1)
+    assert again is a
+    assert pool.take_events() == []
+    assert pool.get_cached_block("H3") is b
+    pool.free_blocks([b])
+    pool.get_new_blocks(1)
+    assert pool.take_events() == [BlockRemoved(("H3",))]
