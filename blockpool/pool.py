@@ -50,7 +50,7 @@ from blockpool.errors import (
     RefCountError,
 )
 from blockpool.events import MEDIUM_GPU, KVCacheEvent
-from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token
+from blockpool.hazards import EMPTY_FENCE, LAST_STEP, AccessKind, Fence, FreeTag, StreamKind, Token
 from blockpool.prefix_cache import PrefixCache
 from blockpool.tracker import HazardTracker
 
@@ -305,22 +305,32 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
     def free_blocks(
         self,
         ordered_blocks: Iterable[KVCacheBlock],
-        token: Token | None = None,
+        token: Token | FreeTag | None = LAST_STEP,
         access: AccessKind = AccessKind.READ,
     ) -> None:
         """Drop one reference per listed block, in eviction order (first =
         evicted first). A block reaching ref count 0 goes to the front of the
         free queue if it has no key (reused first) or caching is off, to the
         back if cached (LRU), or into the held set while a host-engine access
-        on it has not ended. ``token``: the last enqueued access to the blocks
-        (e.g. the newest scheduled step on ``compute``), recorded as an
-        ``access`` in their shadows. Null blocks are skipped. A block may
-        repeat as often as it is referenced. O(len(ordered_blocks)).
+        on it has not ended. Null blocks are skipped. A block may repeat as
+        often as it is referenced. O(len(ordered_blocks)).
+
+        ``token``: the last enqueued access to the blocks, recorded as an
+        ``access`` in their shadows, so the next user of the blocks waits for
+        it. Safe by default: the default, :data:`~blockpool.hazards.LAST_STEP`,
+        is the newest token issued on the pool's ``compute`` stream (the last
+        enqueued step, as the hazard model asks), or nothing when no token
+        was issued there, no ``compute`` stream is registered, or hazards are
+        off. Pass the token explicitly to tag another access, or
+        ``token=None`` to record none (opt-out: the caller knows nothing in
+        flight touches the blocks).
 
         Raises:
             ForeignBlockError: a block of another pool.
             RefCountError: a ref count would go below zero (whole call rejected).
             UnknownStreamError, UnknownTokenError: a token the pool never issued.
+            InvalidArgumentError: ``access`` is not an :class:`AccessKind`,
+                or ``blocks`` is not iterable.
         """
         if self._inbox or self._leases_on:
             self._sync()
@@ -328,6 +338,9 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else _as_list(ordered_blocks, "blocks")
         )
         record = False
+        if token is LAST_STEP:
+            st = self.tracker.streams.get("compute") if self.track_hazards else None
+            token = Token(st.name, st.last_seq, st.kind) if st is not None and st.last_seq else None
         if token is not None:
             st = self.tracker.validate(token)
             if access is not _READ and access is not _WRITE:

@@ -167,3 +167,68 @@ def test_reusing_one_of_two_blocks_under_a_key_sends_no_removal() -> None:
     pool.free_blocks([b])
     pool.get_new_blocks(1)
     assert pool.take_events() == [BlockRemoved(("H3",))]
+
+
+# 2. A free without a token is safe by default --------------------------------
+
+
+def test_free_without_token_tags_the_last_compute_step() -> None:
+    pool = make_pool()
+    b, _ = pool.allocate_for(2, "compute")
+    e1 = pool.issue("compute")
+    pool.free_blocks(b)
+    again, fence = pool.allocate_for(2, "h2d")
+    assert sorted(x.block_id for x in again) == sorted(x.block_id for x in b)
+    assert list(fence) == [e1]
+
+
+def test_free_with_token_none_opts_out() -> None:
+    pool = make_pool()
+    b, _ = pool.allocate_for(2, "compute")
+    pool.issue("compute")
+    pool.free_blocks(b, token=None)
+    again, fence = pool.allocate_for(2, "h2d")
+    assert sorted(x.block_id for x in again) == sorted(x.block_id for x in b) and not fence
+
+
+def test_free_without_token_before_any_step_or_after_it_ended_records_nothing() -> None:
+    pool = make_pool()
+    b, _ = pool.allocate_for(2, "compute")
+    pool.free_blocks(b)  # no step issued yet
+    b, fence = pool.allocate_for(2, "h2d")
+    assert not fence
+    e1 = pool.issue("compute")
+    pool.complete(e1)
+    pool.free_blocks(b)
+    _, fence = pool.allocate_for(2, "h2d")
+    assert not fence
+
+
+def test_free_without_token_equals_the_explicit_last_token() -> None:
+    def run(explicit: bool):  # type: ignore[no-untyped-def]
+        pool = make_pool()
+        b, _ = pool.allocate_for(3, "compute")
+        pool.issue("compute")
+        pool.issue("compute")
+        if explicit:
+            pool.free_blocks(b, token=pool.last_token("compute"))
+        else:
+            pool.free_blocks(b)
+        return pool.snapshot()
+
+    assert run(True) == run(False)
+
+
+def test_free_without_token_on_a_pool_without_hazards_or_compute_stream_records_nothing() -> None:
+    from blockpool import StreamKind
+
+    plain = make_pool(track_hazards=False)
+    b, _ = plain.allocate_for(2, "compute")
+    plain.issue("compute")
+    plain.free_blocks(b)
+    assert all(x.readers is None for x in b)
+    other = make_pool(streams={"gpu": StreamKind.DEVICE})
+    b, _ = other.allocate_for(2, "gpu")
+    other.issue("gpu")
+    other.free_blocks(b)
+    assert not other.allocate_for(2, "gpu")[1]
