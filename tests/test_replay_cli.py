@@ -311,3 +311,61 @@ def test_interrupt_exits_with_the_conventional_status_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
     time.sleep(0.2)
     assert [k for k in kids if _alive(k)] == []
+
+
+# The table and the plot (#13 point 6) -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_report():  # type: ignore[no-untyped-def]
+    import attrs
+
+    from blockpool.replay.config import ReplayConfig
+    from blockpool.replay.run import replay
+    from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
+
+    rep = replay(synthetic_trace(SyntheticSpec(num_requests=40)), "exact,step-event,blind", ReplayConfig(num_blocks=1024))
+    no_loads = attrs.evolve(rep.result("step-event"), loads=0, loads_empty_fence=0, load_delays_ms=())
+    return attrs.evolve(rep, results=(rep.results[0], no_loads, rep.results[2]))
+
+
+def test_table_labels_the_control_the_mean_and_simulated_versus_measured(small_report) -> None:  # type: ignore[no-untyped-def]
+    from blockpool.replay.report import format_table
+
+    lines = format_table(small_report).splitlines()
+    head = re.split(r"\s{2,}", lines[0].strip())
+    kind = dict(zip(reversed(head), reversed(re.split(r"\s{2,}", lines[1].strip()))))
+    assert head[:2] == ["policy", "races"] and "mean delay ms" in head
+    assert {c for c, k in kind.items() if k == "simulated"} == {"mean delay ms", "p99 delay ms", "makespan s", "tok/s"}
+    assert {c for c, k in kind.items() if k == "measured"} == {"ns/op", "wall s"}
+    rows = {re.split(r"\s{2,}", x)[0]: re.split(r"\s{2,}", x) for x in lines[3:6]}
+    assert "blind (negative control)" in rows and "blind" not in rows
+    assert rows["step-event"][2:6] == ["0", "n/a", "n/a", "n/a"]
+    assert rows["exact"][3] != "n/a"
+    assert any("negative control" in x or "waits on nothing" in x for x in lines[6:])
+
+
+def test_plot_shows_blind_races_keeps_the_legend_off_the_curves_and_skips_empty_series(small_report) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("matplotlib")
+    from blockpool.replay.plot import figure
+
+    fig = figure(small_report)
+    try:
+        fig.canvas.draw()
+        ax1, ax2 = fig.axes
+        labels = [t.get_text() for t in ax1.get_legend().get_texts()]
+        assert len(labels) == 2 and not any(x.startswith("step-event") for x in labels)
+        blind = small_report.result("blind")
+        assert f"blind (negative control): {blind.races} races" in labels[1]
+        assert "no loads: step-event" in ax1.get_title()
+        renderer = fig.canvas.get_renderer()
+        for ax in (ax1, ax2):
+            legend = ax.get_legend()
+            if legend is not None:
+                assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+        drawn = {t.get_text() for t in ax2.get_legend().get_texts()}
+        assert drawn and drawn <= {"forward", "cow-copy", "load", "store", "other"}
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
