@@ -153,7 +153,7 @@ class CacheOps(PoolBase):
                 b.block_hash_num_tokens = (i + 1) * block_size if block_size else None
             else:
                 if i in promote:
-                    self._retire(b, self._drop_keys(b))
+                    self._retire(b, self._drop_keys(b, "promoted"))
                 if not pc.insert(key, b, (i + 1) * block_size if block_size else None):
                     continue
             if events:
@@ -234,10 +234,10 @@ class CacheOps(PoolBase):
             if retired is not None and block_hash in retired:
                 return None
         if replace_existing_hashes:
-            self._drop_keys(b)
+            self._drop_keys(b, "replaced")
             already = False
         elif not already and b.block_hash is not None and old is not None and old < num_tokens:
-            self._retire(b, self._drop_keys(b))  # a longer partial key of the same block
+            self._retire(b, self._drop_keys(b, "promoted"))  # a longer partial key of the same block
         if b.block_hash is None:
             self._partial.add(bid)  # the key becomes the primary one
         pc.insert(block_hash, b, num_tokens)
@@ -278,16 +278,21 @@ class CacheOps(PoolBase):
             self.prefix_cache.insert(key, dst, ntok if first else None)
             first = False
 
-    def _drop_keys(self, b: KVCacheBlock) -> list[Hashable]:
+    def _drop_keys(self, b: KVCacheBlock, reason: str | None = None) -> list[Hashable]:
         """Withdraw every key of ``b``; a removed event for each key that no
         block holds any more (a key another block still holds stays
-        published, so no event). Returns the keys withdrawn from ``b``."""
+        published, so no event). ``reason`` (see :class:`BlockRemoved`): by
+        default ``"load_failed"`` for a block whose load failed (marked
+        invalid before its keys go), else ``"evicted"``. Returns the keys
+        withdrawn from ``b``."""
         keys = self.prefix_cache.remove_block(b)
         self._partial.discard(b.block_id)
         if keys and self.enable_kv_cache_events:
+            if reason is None:
+                reason = "load_failed" if b.block_id in self._invalid else "evicted"
             medium = self.medium
             m = self.prefix_cache._map
-            self.kv_event_queue.extend(BlockRemoved((k,), medium) for k in keys if k not in m)
+            self.kv_event_queue.extend(BlockRemoved((k,), medium, reason) for k in keys if k not in m)
         return keys
 
     def _retire(self, b: KVCacheBlock, keys: list[Hashable]) -> None:
@@ -315,15 +320,25 @@ class CacheOps(PoolBase):
         for bid in ids:
             b = self.blocks[bid]
             if self.prefix_cache.keys_of(b):
-                self._drop_keys(b)
+                self._drop_keys(b, "evicted")
                 self._counters["evictions"] += 1
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every key (one all-cleared event) if no block is in use or
-        held; else change nothing and return False. O(num_gpu_blocks)."""
+    def reset_prefix_cache(self, *, while_running: bool = False) -> bool:
+        """Drop every key (one all-cleared event).
+
+        By default (vLLM's behaviour) only when no block is in use or held:
+        otherwise nothing changes and it returns False. With
+        ``while_running=True`` it withdraws every key even while requests
+        run: blocks in use or held keep their content, ref counts, shadows and
+        places (in-use blocks stay in use, free blocks keep their queue
+        positions, held blocks stay held), only their keys go, so nothing is
+        a prefix hit afterwards until published again. Blocks whose load
+        failed stay unpublishable until rewritten. Returns True when the keys
+        were dropped. O(num_gpu_blocks).
+        """
         self._sync()
         busy = self.num_gpu_blocks - 1 - self.free_block_queue.num_free_blocks
-        if busy:
+        if busy and not while_running:
             logger.warning(
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet "
                 "(%d held back for host transfers)",
@@ -334,10 +349,11 @@ class CacheOps(PoolBase):
         self.prefix_cache.clear()
         for b in self.blocks:
             b.reset_hash()
-        self._invalid.clear()
+        if not busy:
+            self._invalid.clear()  # every block is free: each is rewritten before it is published
         self._partial.clear()
         self._retired.clear()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared(self.medium))
-        logger.info("Successfully reset prefix cache")
+        logger.info("Successfully reset prefix cache%s", f" ({busy} blocks in use or held kept)" if busy else "")
         return True

@@ -38,6 +38,7 @@ from blockpool._base import (
     _UNSET,
     _WRITE,
     _as_list,
+    _shadow_tokens,
 )
 from blockpool._caching import CacheOps
 from blockpool._fences import FenceOps
@@ -380,6 +381,46 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             self._record(blocks, token, access)  # type: ignore[arg-type]
         if zero:
             self._enqueue_free(zero)
+
+    def allocatable_if_freed(self, blocks: Iterable[KVCacheBlock]) -> list[bool]:
+        """Whether freeing ``blocks`` now (one reference per listing, as
+        :meth:`free_blocks`) would make each allocatable at once: its ref
+        count reaches 0 and no host-engine access on it is pending (else
+        :meth:`free_blocks` would hold it back). One answer per listed
+        block, in order; the null block is never allocatable. A device
+        access still in flight does not prevent it (the next user gets a
+        fence instead). Changes nothing (it applies queued completions
+        first, like every call). O(len(blocks)).
+
+        Raises:
+            ForeignBlockError: a block of another pool.
+            InvalidArgumentError: ``blocks`` is not iterable.
+            RefCountError: a block is listed more often than it is
+                referenced (:meth:`free_blocks` would refuse the call).
+        """
+        if self._inbox or self._leases_on:
+            self._sync()
+        block_list = self._own_all(blocks)
+        listed: dict[int, int] = {}
+        for b in block_list:
+            if b is not self.null_block:
+                listed[b.block_id] = listed.get(b.block_id, 0) + 1
+        for bid, n in listed.items():
+            if self.blocks[bid].ref_cnt < n:
+                raise RefCountError(
+                    f"block {bid} is listed {n} times but referenced {self.blocks[bid].ref_cnt} times"
+                )
+        check_host = self.track_hazards and self.tracker.host_pending()
+        out = []
+        for b in block_list:
+            if b is self.null_block or b.ref_cnt != listed[b.block_id]:
+                out.append(False)
+            elif check_host:
+                ended = self.tracker.is_ended
+                out.append(not any(t.kind is _HOST and not ended(t) for t in _shadow_tokens(b)))
+            else:
+                out.append(True)
+        return out
 
     def _enqueue_free(self, blocks: list[KVCacheBlock]) -> None:
         """Put blocks that reached ref count 0 in the free queue (unkeyed to

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from blockpool import BlockRemoved, BlockStored, HazardAwareBlockPool, InvalidArgumentError
+from blockpool import AccessKind, BlockRemoved, BlockStored, HazardAwareBlockPool, InvalidArgumentError
 from tests.conftest import make_pool
 
 # 8. Bad prefix-cache arguments are typed errors that change nothing ----------
@@ -232,3 +232,98 @@ def test_free_without_token_on_a_pool_without_hazards_or_compute_stream_records_
     other.issue("gpu")
     other.free_blocks(b)
     assert not other.allocate_for(2, "gpu")[1]
+
+
+# 12. Reset while running, removal reasons, "allocatable if freed" ------------
+
+
+def test_reset_while_running_withdraws_every_key_and_keeps_in_use_blocks() -> None:
+    from blockpool import AllBlocksCleared
+
+    pool = make_pool()
+    used = pool.get_new_blocks(2)
+    free = pool.get_new_blocks(1)
+    pool.cache_full_blocks(used, ["a", "b"], 0, 2, block_size=16)
+    pool.cache_full_blocks(free, ["c"], 0, 1, block_size=16)
+    pool.free_blocks(free)
+    e1 = pool.issue("compute")
+    pool.take_events()
+    assert pool.reset_prefix_cache() is False  # vLLM's behaviour stays the default
+    before = pool.snapshot()
+    assert pool.reset_prefix_cache(while_running=True) is True
+    after = pool.snapshot()
+    assert all(pool.get_cached_block(k) is None for k in "abc")
+    assert pool.take_events() == [AllBlocksCleared()]
+    assert (after.ref_counts, after.free_queue, after.held, after.shadows) == (
+        before.ref_counts,
+        before.free_queue,
+        before.held,
+        before.shadows,
+    )
+    assert after.cache == ()
+    pool.free_blocks(used, token=e1)
+    pool.check()
+
+
+def test_removal_events_carry_a_reason() -> None:
+    pool = make_pool(3)
+    (p,) = pool.get_new_blocks(1)
+    pool.cache_partial_block(p, "part@8", 8)
+    pool.cache_full_blocks([p], ["full@16"], 0, 1, block_size=16)
+    pool.cache_partial_block(p, "in@4", 4)
+    pool.cache_partial_block(p, "new@8", 8, replace_existing_hashes=True)
+    (q,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([q], ["q"], 0, 1, block_size=16)
+    pool.evict_blocks([q.block_id])
+    pool.free_blocks([p])
+    pool.get_new_blocks(1)
+    removed = [(e.block_hashes[0], e.reason) for e in pool.take_events() if isinstance(e, BlockRemoved)]
+    assert removed == [
+        ("part@8", "promoted"),
+        ("full@16", "replaced"),
+        ("in@4", "replaced"),
+        ("q", "evicted"),
+        ("new@8", "evicted"),
+    ]
+
+
+def test_removal_reason_of_a_failed_load() -> None:
+    pool = make_pool()
+    blocks, _ = pool.allocate_for(1, "h2d")
+    tok, _ = pool.begin_load(blocks, "h2d")
+    pool.cache_full_blocks(blocks, ["L"], 0, 1, block_size=16)
+    pool.take_events()
+    pool.fail(tok)
+    assert [(e.block_hashes, e.reason) for e in pool.take_events()] == [(("L",), "load_failed")]
+
+
+def test_allocatable_if_freed_answers_without_changing_anything() -> None:
+    from blockpool import RefCountError
+
+    pool = make_pool()
+    a, b, c = pool.get_new_blocks(3)
+    pool.touch([b])  # b: two references
+    rd = pool.issue("rdma")
+    pool.tag([c], rd, AccessKind.READ)  # a host engine still reads c
+    pool.issue("compute")  # a device step in flight does not hold a block back
+    before = pool.snapshot()
+    assert pool.allocatable_if_freed([a, b, c, pool.null_block]) == [True, False, False, False]
+    assert pool.allocatable_if_freed([b, b]) == [True, True]
+    with pytest.raises(RefCountError):
+        pool.allocatable_if_freed([a, a])
+    assert pool.snapshot() == before
+    pool.complete(rd)
+    assert pool.allocatable_if_freed([c]) == [True]
+    pool.free_blocks([a, b, b, c])
+    assert pool.held_block_ids() == [] and pool.get_num_free_blocks() == 9
+
+
+def test_allocatable_if_freed_agrees_with_free_blocks() -> None:
+    pool = make_pool()
+    blocks = pool.get_new_blocks(4)
+    rd = pool.issue("rdma")
+    pool.tag(blocks[:2], rd, AccessKind.READ)
+    answer = pool.allocatable_if_freed(blocks)
+    pool.free_blocks(blocks)
+    free = {b.block_id for b in pool.free_block_queue}
+    assert answer == [b.block_id in free for b in blocks] == [False, False, True, True]
