@@ -128,6 +128,7 @@ class PoolBase:
     _writes: dict[str, dict[int, list[tuple[KVCacheBlock, Token | None, Token | tuple[Token, ...] | None]]]]
     _invalid: set[int]
     _partial: set[int]
+    _removal_each: bool
     _retired: dict[int, set[Hashable]]
     _counters: dict[str, int]
     _lookups: int

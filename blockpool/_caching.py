@@ -281,7 +281,8 @@ class CacheOps(PoolBase):
     def _drop_keys(self, b: KVCacheBlock, reason: str | None = None) -> list[Hashable]:
         """Withdraw every key of ``b``; a removed event for each key that no
         block holds any more (a key another block still holds stays
-        published, so no event). ``reason`` (see :class:`BlockRemoved`): by
+        published, so no event), or for every key with
+        ``removal_events="each"``. ``reason`` (see :class:`BlockRemoved`): by
         default ``"load_failed"`` for a block whose load failed (marked
         invalid before its keys go), else ``"evicted"``. Returns the keys
         withdrawn from ``b``."""
@@ -292,7 +293,8 @@ class CacheOps(PoolBase):
                 reason = "load_failed" if b.block_id in self._invalid else "evicted"
             medium = self.medium
             m = self.prefix_cache._map
-            self.kv_event_queue.extend(BlockRemoved((k,), medium, reason) for k in keys if k not in m)
+            each = self._removal_each
+            self.kv_event_queue.extend(BlockRemoved((k,), medium, reason) for k in keys if each or k not in m)
         return keys
 
     def _retire(self, b: KVCacheBlock, keys: list[Hashable]) -> None:

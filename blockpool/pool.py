@@ -80,10 +80,16 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             tests and replays.
         debug: Fences carry :class:`~blockpool.hazards.FenceReason` per token.
         medium: Storage medium reported in events.
+        removal_events: When a ``BlockRemoved`` is sent for a key: ``"last"``
+            (default) when the last block holding it loses it, so an event
+            always means the key is gone; ``"each"`` whenever a block loses
+            it, even while another block still holds it (vLLM 0.33's events,
+            which the vLLM adapter reproduces).
 
     Raises:
-        InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``, or a
-            stream spec is bad.
+        InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``, a
+            stream spec is bad, or ``removal_events`` is not ``"last"`` or
+            ``"each"``.
 
     Runtime complexity: construction is O(num_gpu_blocks).
     """
@@ -101,11 +107,15 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         clock: Callable[[], float] = time.monotonic,
         debug: bool = False,
         medium: str = MEDIUM_GPU,
+        removal_events: str = "last",
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool) or num_gpu_blocks < 1:
             raise InvalidArgumentError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
         if lease_timeout is not None and not lease_timeout > 0:
             raise InvalidArgumentError(f"lease_timeout must be > 0 or None, got {lease_timeout!r}")
+        if removal_events not in ("last", "each"):
+            raise InvalidArgumentError(f"removal_events must be 'last' or 'each', got {removal_events!r}")
+        self._removal_each = removal_events == "each"
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size

@@ -327,3 +327,16 @@ def test_allocatable_if_freed_agrees_with_free_blocks() -> None:
     pool.free_blocks(blocks)
     free = {b.block_id for b in pool.free_block_queue}
     assert answer == [b.block_id in free for b in blocks] == [False, False, True, True]
+
+
+def test_removal_events_each_reproduces_vllm_per_block_removals() -> None:
+    pool = make_pool(removal_events="each")
+    a, b = _two_blocks_under_h3(pool)
+    pool.evict_blocks([a.block_id])
+    assert pool.take_events() == [BlockRemoved(("H3",))]
+    assert pool.get_cached_block("H3") is b
+
+
+def test_removal_events_must_be_last_or_each() -> None:
+    with pytest.raises(InvalidArgumentError, match="removal_events"):
+        make_pool(removal_events="some")
