@@ -25,7 +25,16 @@ from blockpool.errors import (
     UnknownTokenError,
 )
 from blockpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, StreamKind, Token
+from blockpool.hazards import (
+    EMPTY_FENCE,
+    LAST_STEP,
+    AccessKind,
+    Fence,
+    FenceReason,
+    FreeTag,
+    StreamKind,
+    Token,
+)
 from blockpool.pool import HazardAwareBlockPool
 from blockpool.stats import PoolSnapshot, PoolStats
 
@@ -42,6 +51,8 @@ __all__ = [
     "Fence",
     "FenceReason",
     "EMPTY_FENCE",
+    "LAST_STEP",
+    "FreeTag",
     "PoolStats",
     "PoolSnapshot",
     "KVCacheEvent",

@@ -4,7 +4,7 @@ shadow helpers, the attributes every part uses and the argument checks."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedList
@@ -128,6 +128,9 @@ class PoolBase:
     _expired: set[int]
     _writes: dict[str, dict[int, list[tuple[KVCacheBlock, Token | None, Token | tuple[Token, ...] | None]]]]
     _invalid: set[int]
+    _partial: set[int]
+    _removal_each: bool
+    _retired: dict[int, set[Hashable]]
     _counters: dict[str, int]
     _lookups: int
     _hits: int
@@ -145,7 +148,7 @@ class PoolBase:
             self, groups: Iterable[tuple[Sequence[KVCacheBlock], AccessKind]], st: StreamState
         ) -> Fence: ...
         def _record(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None: ...
-        def _drop_keys(self, b: KVCacheBlock) -> None: ...
+        def _drop_keys(self, b: KVCacheBlock, reason: str | None = None) -> list[Hashable]: ...
         def _unwritten(self, blocks: Iterable[KVCacheBlock]) -> None: ...
         def get_num_free_blocks(self) -> int: ...
 

@@ -66,7 +66,8 @@ class CacheOps(PoolBase):
         O(num_full_blocks - num_cached_blocks).
 
         Raises:
-            InvalidArgumentError: counts out of range, too few hashes, mask
+            InvalidArgumentError: counts out of range (``num_cached_blocks >
+                num_full_blocks`` included), too few hashes, mask
                 of the wrong length, a key that is ``None`` or unhashable, a
                 ``block_size`` that is not a positive int.
             ForeignBlockError: a block of another pool.
@@ -76,11 +77,11 @@ class CacheOps(PoolBase):
         if self._inbox or self._leases_on:
             self._sync()
         lo, hi = num_cached_blocks, num_full_blocks
-        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo and hi <= len(blocks)):
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= len(blocks)):
             raise InvalidArgumentError(
-                f"need 0 <= num_cached_blocks <= num_full_blocks <= len(blocks), got {lo}, {hi}, {len(blocks)}"
+                f"need 0 <= num_cached_blocks <= num_full_blocks <= len(blocks), got {lo!r}, {hi!r}, {len(blocks)}"
             )
-        if lo >= hi:
+        if lo == hi:
             return
         if len(block_hashes) < hi:
             raise InvalidArgumentError(f"{len(block_hashes)} block hashes for {hi} full blocks")
@@ -152,7 +153,7 @@ class CacheOps(PoolBase):
                 b.block_hash_num_tokens = (i + 1) * block_size if block_size else None
             else:
                 if i in promote:
-                    self._drop_keys(b)
+                    self._retire(b, self._drop_keys(b, "promoted"))
                 if not pc.insert(key, b, (i + 1) * block_size if block_size else None):
                     continue
             if events:
@@ -173,52 +174,83 @@ class CacheOps(PoolBase):
         parent_block_hash: Hashable | None = None,
     ) -> Hashable | None:
         """Make ``block`` reachable under a partial-prefix key covering
-        ``num_tokens`` tokens (vLLM's partial entries). A block whose primary
-        key covers fewer tokens is promoted (old keys removed, with events);
-        one whose key covers more keeps it and gains ``block_hash`` as an
-        extra key. ``replace_existing_hashes``: the content was replaced, drop
-        every key first. Returns the key, or ``None`` for the null block or a
-        block whose load failed. O(keys of the block).
+        ``num_tokens`` tokens of the sequence (the prefix length up to the
+        key's boundary, counted as in :meth:`cache_full_blocks`, where full
+        block ``i`` covers ``(i + 1) * block_size`` tokens; vLLM's partial
+        entries). A block whose primary key is a partial key covering fewer
+        tokens is promoted (old keys removed, with events, and retired); one
+        whose key covers more keeps it and gains ``block_hash`` as an extra
+        key. ``replace_existing_hashes``: the content was replaced, drop every
+        key (and forget the retired ones) first.
+
+        A key retired from this block by a promotion (here or in
+        :meth:`cache_full_blocks`) stays retired for the block until its
+        content changes (it is handed out again, its content is replaced, or
+        the prefix cache is reset): publishing it again does nothing, emits
+        no event and returns ``None`` (an engine that repeats its partial
+        publication every step does not bring a stale key back).
+
+        Returns the key, or ``None`` for the null block, a block whose load
+        failed, or a retired key. O(keys of the block).
 
         Raises:
             ForeignBlockError: a block of another pool.
             InvalidArgumentError: ``num_tokens`` is not a positive int, or
-                ``block_hash`` is ``None`` or unhashable.
+                reaches past the end of the block: the block's primary key
+                is a full-block key covering fewer tokens (a partial key lies
+                inside its block); or ``block_hash`` is ``None`` or
+                unhashable. Nothing changes.
         """
         if self._inbox or self._leases_on:
             self._sync()
         b = self._own(block)
-        if not isinstance(num_tokens, int) or num_tokens <= 0:
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens <= 0:
             raise InvalidArgumentError(f"num_tokens must be a positive int, got {num_tokens!r}")
         _check_key(block_hash)
         if b.is_null:
             return None
-        if b.block_id in self._invalid:
+        bid = b.block_id
+        old = b.block_hash_num_tokens
+        if (
+            not replace_existing_hashes
+            and b.block_hash is not None
+            and bid not in self._partial
+            and old is not None
+            and num_tokens > old
+        ):
+            raise InvalidArgumentError(
+                f"block {bid} is a full block covering {old} tokens (key {b.block_hash!r}); "
+                f"a partial key inside it cannot cover {num_tokens} tokens"
+            )
+        if bid in self._invalid:
             self._counters["unpublished_failed_loads"] += 1
             return None
         pc = self.prefix_cache
         already = b.block_hash == block_hash or pc.contains(block_hash, b)
         if replace_existing_hashes:
-            self._drop_keys(b)
+            self._retired.pop(bid, None)
+        elif not already:
+            retired = self._retired.get(bid)
+            if retired is not None and block_hash in retired:
+                return None
+        if replace_existing_hashes:
+            self._drop_keys(b, "replaced")
             already = False
-        elif (
-            not already
-            and b.block_hash is not None
-            and b.block_hash_num_tokens is not None
-            and b.block_hash_num_tokens < num_tokens
-        ):
-            self._drop_keys(b)
+        elif not already and b.block_hash is not None and old is not None and old < num_tokens:
+            self._retire(b, self._drop_keys(b, "promoted"))  # a longer partial key of the same block
+        if b.block_hash is None:
+            self._partial.add(bid)  # the key becomes the primary one
         pc.insert(block_hash, b, num_tokens)
         if not already and self.enable_kv_cache_events:
             self.kv_event_queue.append(
-                BlockStored((block_hash,), parent_block_hash, num_tokens, (b.block_id,), self.medium)
+                BlockStored((block_hash,), parent_block_hash, num_tokens, (bid,), self.medium)
             )
         return block_hash
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
         """Re-point every key of ``src_block`` to ``dst_block`` (the prefix
         cache keeps a private copy while the owner keeps writing ``src``). No
-        events. O(keys).
+        events; the keys retired from ``src`` move with them. O(keys).
 
         Raises:
             ForeignBlockError: a block of another pool.
@@ -232,16 +264,44 @@ class CacheOps(PoolBase):
         if self.prefix_cache.keys_of(dst):
             raise HashConflictError(f"block {dst.block_id} already holds prefix-cache keys")
         ntok = src.block_hash_num_tokens
+        partial = self._partial
+        was_partial = src.block_id in partial
+        partial.discard(src.block_id)
+        if was_partial:
+            partial.add(dst.block_id)
+        retired = self._retired.pop(src.block_id, None)
+        self._retired.pop(dst.block_id, None)
+        if retired:
+            self._retired[dst.block_id] = retired
         first = True
         for key in self.prefix_cache.remove_block(src):
             self.prefix_cache.insert(key, dst, ntok if first else None)
             first = False
 
-    def _drop_keys(self, b: KVCacheBlock) -> None:
+    def _drop_keys(self, b: KVCacheBlock, reason: str | None = None) -> list[Hashable]:
+        """Withdraw every key of ``b``; a removed event for each key that no
+        block holds any more (a key another block still holds stays
+        published, so no event), or for every key with
+        ``removal_events="each"``. ``reason`` (see :class:`BlockRemoved`): by
+        default ``"load_failed"`` for a block whose load failed (marked
+        invalid before its keys go), else ``"evicted"``. Returns the keys
+        withdrawn from ``b``."""
         keys = self.prefix_cache.remove_block(b)
+        self._partial.discard(b.block_id)
         if keys and self.enable_kv_cache_events:
+            if reason is None:
+                reason = "load_failed" if b.block_id in self._invalid else "evicted"
             medium = self.medium
-            self.kv_event_queue.extend(BlockRemoved((k,), medium) for k in keys)
+            m = self.prefix_cache._map
+            each = self._removal_each
+            self.kv_event_queue.extend(BlockRemoved((k,), medium, reason) for k in keys if each or k not in m)
+        return keys
+
+    def _retire(self, b: KVCacheBlock, keys: list[Hashable]) -> None:
+        """Remember ``keys``, withdrawn from ``b`` by a promotion, as retired
+        for ``b`` (see :meth:`cache_partial_block`)."""
+        if keys:
+            self._retired.setdefault(b.block_id, set()).update(keys)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the prefix-cache keys of the given blocks (removed events).
@@ -262,15 +322,25 @@ class CacheOps(PoolBase):
         for bid in ids:
             b = self.blocks[bid]
             if self.prefix_cache.keys_of(b):
-                self._drop_keys(b)
+                self._drop_keys(b, "evicted")
                 self._counters["evictions"] += 1
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every key (one all-cleared event) if no block is in use or
-        held; else change nothing and return False. O(num_gpu_blocks)."""
+    def reset_prefix_cache(self, *, while_running: bool = False) -> bool:
+        """Drop every key (one all-cleared event).
+
+        By default (vLLM's behaviour) only when no block is in use or held:
+        otherwise nothing changes and it returns False. With
+        ``while_running=True`` it withdraws every key even while requests
+        run: blocks in use or held keep their content, ref counts, shadows and
+        places (in-use blocks stay in use, free blocks keep their queue
+        positions, held blocks stay held), only their keys go, so nothing is
+        a prefix hit afterwards until published again. Blocks whose load
+        failed stay unpublishable until rewritten. Returns True when the keys
+        were dropped. O(num_gpu_blocks).
+        """
         self._sync()
         busy = self.num_gpu_blocks - 1 - self.free_block_queue.num_free_blocks
-        if busy:
+        if busy and not while_running:
             logger.warning(
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet "
                 "(%d held back for host transfers)",
@@ -281,8 +351,11 @@ class CacheOps(PoolBase):
         self.prefix_cache.clear()
         for b in self.blocks:
             b.reset_hash()
-        self._invalid.clear()
+        if not busy:
+            self._invalid.clear()  # every block is free: each is rewritten before it is published
+        self._partial.clear()
+        self._retired.clear()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared(self.medium))
-        logger.info("Successfully reset prefix cache")
+        logger.info("Successfully reset prefix cache%s", f" ({busy} blocks in use or held kept)" if busy else "")
         return True

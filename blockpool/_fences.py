@@ -224,7 +224,7 @@ class FenceOps(PoolBase):
             if access is _WRITE:
                 for b in blocks:
                     if b.block_hash is not None:
-                        self._drop_keys(b)
+                        self._drop_keys(b, "replaced")
         if self.track_hazards:
             for blocks, access in groups:
                 self._record(blocks, token, access)

@@ -6,12 +6,19 @@ prints one summary row per policy, and optionally writes the JSON report,
 a PNG and the event log. See ``docs/replay.md``.
 
 Exit status: 0 done; 1 the ``exact`` policy showed a race; 2 bad usage or
-bad input (unreadable trace, bad line, unknown policy); 3 the replay itself
-failed (stalled, leaked blocks) or an output could not be written.
+bad input (unreadable trace, bad line, unknown policy, an output path that
+cannot be written, checked before the replay); 3 the replay itself failed
+(stalled, leaked blocks) or an output could not be written; 130 interrupted
+(SIGINT, Ctrl-C); 143 terminated (SIGTERM). An interrupted run prints one
+line, leaves no output or part file behind and no worker process running.
+
+Progress goes to stderr (never with ``--quiet``): a tqdm bar on a terminal;
+otherwise one line every :data:`PROGRESS_INTERVAL_S` seconds (requests done,
+rate, ETA), so logs of long runs show it too.
 
 tqdm and matplotlib (the ``replay`` extra) are imported only when used; the
-command works without them (no progress bar; ``--plot`` then fails with
-status 2).
+command works without them (no bar on a terminal, progress lines elsewhere;
+``--plot`` then fails with status 2).
 """
 
 from __future__ import annotations
@@ -26,9 +33,18 @@ from blockpool.errors import BlockPoolError
 
 __all__ = ["build_parser", "main"]
 
-LONG_RUN_REQUESTS = 20_000
-"""Request-replays (requests x policies) from which a progress bar is shown
-even when stderr is not a terminal."""
+PROGRESS_INTERVAL_S = 5.0
+"""Seconds between progress lines on stderr when it is not a terminal."""
+
+EXIT_SIGINT = 130
+"""Exit status after SIGINT (Ctrl-C): 128 + the signal number, as shells report."""
+EXIT_SIGTERM = 143
+"""Exit status after SIGTERM: 128 + 15."""
+
+
+class Terminated(BaseException):
+    """Raised in the main thread when SIGTERM arrives, so that the replay
+    unwinds (stops its workers, removes its part files) like on Ctrl-C."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,21 +86,110 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ProgressLines:
+    """Progress as plain lines on ``stream`` (stderr that is not a terminal):
+    at most one every ``interval`` seconds, plus one at the end if any was
+    printed. Each names the requests done, the rate and the ETA. O(1) per
+    update."""
+
+    def __init__(self, total: int, stream: Any, interval: float, clock: Callable[[], float]) -> None:
+        self.total, self.stream, self.interval, self.clock = total, stream, interval, clock
+        self.t0 = self.last = clock()
+        self.n = 0
+        self.printed = False
+
+    def update(self, n: int) -> None:
+        self.n = max(self.n, n)
+        now = self.clock()
+        if now - self.last >= self.interval:
+            self.last = now
+            self._line(now)
+
+    def _line(self, now: float) -> None:
+        elapsed = max(now - self.t0, 1e-9)
+        rate = self.n / elapsed
+        left = self.total - self.n
+        eta = _hms(left / rate) if rate > 0 else "?"
+        pct = 100.0 * self.n / self.total if self.total else 100.0
+        print(
+            f"replay: {self.n}/{self.total} requests ({pct:.0f}%), {rate:.1f} req/s, "
+            f"elapsed {_hms(elapsed)}, ETA {eta}",
+            file=self.stream,
+            flush=True,
+        )
+        self.printed = True
+
+    def close(self) -> None:
+        if self.printed:
+            self._line(self.clock())
+
+
+def _hms(seconds: float) -> str:
+    s = round(seconds)
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
 def _progress_bar(total: int, quiet: bool) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
-    """A progress callback backed by tqdm, when wanted and installed."""
-    if quiet or not (sys.stderr.isatty() or total >= LONG_RUN_REQUESTS):
+    """A progress callback and its closer: a tqdm bar on a terminal (when
+    tqdm is installed), progress lines otherwise, nothing with ``quiet``."""
+    import time
+
+    if quiet:
         return None, lambda: None
+    if not sys.stderr.isatty():
+        lines = _ProgressLines(total, sys.stderr, PROGRESS_INTERVAL_S, time.monotonic)
+        return lines.update, lines.close
     try:
         from tqdm import tqdm
     except ImportError:
         return None, lambda: None
-    bar: Any = tqdm(total=total, unit="req", desc="replay", file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 30)
+    bar: Any = tqdm(total=total, unit="req", desc="replay", file=sys.stderr, mininterval=0.5)
 
     def update(n: int) -> None:
         if n > bar.n:
             bar.update(n - bar.n)
 
     return update, bar.close
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before the replay, an output path that cannot be written: a
+    directory, a missing or unwritable directory, an unwritable file, the
+    trace itself, or one path given for two outputs. Creates and removes a
+    probe file beside each output. O(outputs).
+
+    Raises:
+        ValueError: naming the option and the path.
+    """
+    import os
+    import tempfile
+
+    seen: dict[str, str] = {}
+    trace = os.path.realpath(args.trace) if args.trace else None
+    for opt, out in (("--json", args.json), ("--plot", args.plot), ("--events", args.events)):
+        if not out:
+            continue
+        full = os.path.realpath(out)
+        if full in seen:
+            raise ValueError(f"{opt} {out}: the same file as {seen[full]}")
+        seen[full] = opt
+        if full == trace:
+            raise ValueError(f"{opt} {out}: that is the trace being read")
+        if os.path.isdir(full):
+            raise ValueError(f"cannot write {opt} {out}: it is a directory")
+        d = os.path.dirname(full)
+        if not os.path.isdir(d):
+            raise ValueError(f"cannot write {opt} {out}: no such directory")
+        if os.path.exists(full) and not os.access(full, os.W_OK):
+            raise ValueError(f"cannot write {opt} {out}: permission denied")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".blockpool-probe-", dir=d)
+        except OSError as e:
+            raise ValueError(f"cannot write {opt} {out}: cannot create a file in {d}: {e.strerror or e}") from None
+        os.close(fd)
+        os.remove(probe)
 
 
 def _err(msg: str) -> None:
@@ -97,7 +202,7 @@ def _replay(args: argparse.Namespace) -> int:
     from blockpool.replay.config import DEFAULT_NUM_BLOCKS, SYNTHETIC_NUM_BLOCKS, ReplayConfig, ReplayError
     from blockpool.replay.policies import parse_policies
     from blockpool.replay.report import format_table
-    from blockpool.replay.run import replay
+    from blockpool.replay.run import replay, write_atomic
     from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
     from blockpool.replay.traces import read_trace
 
@@ -117,10 +222,7 @@ def _replay(args: argparse.Namespace) -> int:
         jobs = args.jobs if args.jobs is not None else max(1, min(len(policies), os.cpu_count() or 1))
         if jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {jobs}")
-        for out in (args.json, args.plot, args.events):
-            # Fail before a long replay, not after it.
-            if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-                raise ValueError(f"cannot write {out}: no such directory")
+        _check_outputs(args)  # fail before a long replay, not after it
     except (BlockPoolError, ValueError) as e:
         _err(str(e))
         return 2
@@ -138,18 +240,25 @@ def _replay(args: argparse.Namespace) -> int:
         close()
         _err(f"cannot write {args.events}: {e}")
         return 3
+    except BaseException:
+        close()
+        raise
     close()
     print(format_table(report))
     try:
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(report.to_json(), f, indent=2)
-                f.write("\n")
+
+            def write_json(tmp: str) -> None:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(report.to_json(), f, indent=2)
+                    f.write("\n")
+
+            write_atomic(args.json, write_json)
         if args.plot:
             from blockpool.replay.plot import PlotUnavailableError, plot_report
 
             try:
-                plot_report(report, args.plot)
+                write_atomic(args.plot, lambda tmp: plot_report(report, tmp))
             except PlotUnavailableError as e:
                 _err(str(e))
                 return 2
@@ -167,6 +276,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     and return the exit status (see the module docstring). argparse exits
     with status 2 itself on bad usage."""
     args = build_parser().parse_args(argv)
-    if args.command == "replay":
+    if args.command != "replay":  # pragma: no cover (argparse requires a known command)
+        return 2
+    import signal
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = None
+    if main_thread:
+
+        def on_term(signum: int, frame: object) -> None:
+            raise Terminated()
+
+        previous = signal.signal(signal.SIGTERM, on_term)
+    try:
         return _replay(args)
-    return 2  # pragma: no cover (argparse requires a known command)
+    except KeyboardInterrupt:
+        _err("interrupted (SIGINT)")
+        return EXIT_SIGINT
+    except Terminated:
+        _err("terminated (SIGTERM)")
+        return EXIT_SIGTERM
+    finally:
+        if main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)

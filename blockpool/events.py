@@ -11,9 +11,12 @@ from collections.abc import Hashable
 
 import attrs
 
-__all__ = ["KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared", "MEDIUM_GPU"]
+__all__ = ["KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared", "MEDIUM_GPU", "REMOVAL_REASONS"]
 
 MEDIUM_GPU = "GPU"
+
+REMOVAL_REASONS = ("evicted", "promoted", "replaced", "load_failed")
+"""The values of :attr:`BlockRemoved.reason`."""
 
 
 @attrs.frozen(slots=True)
@@ -37,10 +40,25 @@ class BlockStored:
 
 @attrs.frozen(slots=True)
 class BlockRemoved:
-    """Keys withdrawn from the prefix cache (eviction, promotion, failed load)."""
+    """Keys withdrawn from the prefix cache: sent when the last block holding
+    a key loses it (while another block still holds the key, it stays
+    published and nothing is sent).
+
+    Attributes:
+        block_hashes: Keys withdrawn.
+        medium: Storage medium (``"GPU"``).
+        reason: Why: ``"evicted"`` (the block was handed out again, or
+            ``evict_blocks``), ``"promoted"`` (a longer key of the same block
+            replaced it), ``"replaced"`` (new content: ``replace_existing_hashes``,
+            or a load or copy began writing the block) or ``"load_failed"``
+            (the write that last wrote the block -- a load, copy or step --
+            failed); ``None`` when unknown. Informational: not part of
+            equality, so events compare as before.
+    """
 
     block_hashes: tuple[Hashable, ...]
     medium: str = MEDIUM_GPU
+    reason: str | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen(slots=True)

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 
 import attrs
 
-__all__ = ["StreamKind", "AccessKind", "Token", "Fence", "EMPTY_FENCE"]
+__all__ = ["StreamKind", "AccessKind", "Token", "Fence", "EMPTY_FENCE", "FreeTag", "LAST_STEP"]
 
 
 class StreamKind(enum.Enum):
@@ -215,3 +215,19 @@ class Fence:
 
 EMPTY_FENCE = Fence()
 """The empty fence (shared instance)."""
+
+
+class FreeTag(enum.Enum):
+    """Default of ``free_blocks(token=...)``; its one member is :data:`LAST_STEP`."""
+
+    LAST_STEP = "last_step"
+
+    def __repr__(self) -> str:
+        return "LAST_STEP"
+
+
+LAST_STEP = FreeTag.LAST_STEP
+"""``free_blocks``'s default ``token``: tag the freed blocks with the newest
+token issued on the pool's ``compute`` stream (the last enqueued step), as if
+it still reads them. Pass ``token=None`` to record no access (the caller
+knows nothing in flight touches the blocks)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 from sortedcontainers import SortedList
 
@@ -39,6 +39,7 @@ from blockpool._base import (
     _UNSET,
     _WRITE,
     _as_list,
+    _shadow_tokens,
 )
 from blockpool._caching import CacheOps
 from blockpool._fences import FenceOps
@@ -51,7 +52,7 @@ from blockpool.errors import (
     RefCountError,
 )
 from blockpool.events import MEDIUM_GPU, KVCacheEvent
-from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token
+from blockpool.hazards import EMPTY_FENCE, LAST_STEP, AccessKind, Fence, FreeTag, StreamKind, Token
 from blockpool.prefix_cache import PrefixCache
 from blockpool.tracker import HazardTracker
 
@@ -80,10 +81,16 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             tests and replays.
         debug: Fences carry :class:`~blockpool.hazards.FenceReason` per token.
         medium: Storage medium reported in events.
+        removal_events: When a ``BlockRemoved`` is sent for a key: ``"last"``
+            (default) when the last block holding it loses it, so an event
+            always means the key is gone; ``"each"`` whenever a block loses
+            it, even while another block still holds it (vLLM 0.33's events,
+            which the vLLM adapter reproduces).
 
     Raises:
-        InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``, or a
-            stream spec is bad.
+        InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``, a
+            stream spec is bad, or ``removal_events`` is not ``"last"`` or
+            ``"each"``.
 
     Runtime complexity: construction is O(num_gpu_blocks).
     """
@@ -101,11 +108,15 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         clock: Callable[[], float] = time.monotonic,
         debug: bool = False,
         medium: str = MEDIUM_GPU,
+        removal_events: str = "last",
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool) or num_gpu_blocks < 1:
             raise InvalidArgumentError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
         if lease_timeout is not None and not lease_timeout > 0:
             raise InvalidArgumentError(f"lease_timeout must be > 0 or None, got {lease_timeout!r}")
+        if removal_events not in ("last", "each"):
+            raise InvalidArgumentError(f"removal_events must be 'last' or 'each', got {removal_events!r}")
+        self._removal_each = removal_events == "each"
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -149,6 +160,11 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         self._writes: dict[str, dict[int, list[tuple[KVCacheBlock, Token | None, Token | tuple[Token, ...] | None]]]] = {}
         # Blocks whose content is invalid (their load failed) until rewritten.
         self._invalid: set[int] = set()
+        # Prefix-cache bookkeeping beside the key map: blocks whose primary
+        # key is a partial key (cache_partial_block), and keys retired from a
+        # block by a promotion (never republished for it until it is reused).
+        self._partial: set[int] = set()
+        self._retired: dict[int, set[Hashable]] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
         # Lookups and hits are counted on the hottest path (one per block of
         # a prefix): plain ints, folded into the counters by stats().
@@ -213,6 +229,11 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         if invalid:
             for b in blocks:
                 invalid.discard(b.block_id)
+        if self._partial or self._retired:  # new content: forget the old one's keys
+            partial, retired = self._partial, self._retired
+            for b in blocks:
+                partial.discard(b.block_id)
+                retired.pop(b.block_id, None)
         return blocks
 
     def allocate_for(
@@ -300,24 +321,34 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
     def free_blocks(
         self,
         ordered_blocks: Iterable[KVCacheBlock],
-        token: Token | None = None,
+        token: Token | FreeTag | None = LAST_STEP,
         access: AccessKind = AccessKind.READ,
     ) -> None:
         """Drop one reference per listed block, in eviction order (first =
         evicted first). A block reaching ref count 0 goes to the front of the
         free queue if it has no key (reused first) or caching is off, to the
         back if cached (LRU), or into the held set while a host-engine access
-        on it has not ended. ``token``: the last enqueued access to the blocks
-        (e.g. the newest scheduled step on ``compute``), recorded as an
-        ``access`` in their shadows (a ``WRITE`` is undone if ``token``
-        fails, as for :meth:`tag`). Null blocks are skipped. A block may
-        repeat as often as it is referenced. O(len(ordered_blocks)).
+        on it has not ended. Null blocks are skipped. A block may repeat as
+        often as it is referenced. O(len(ordered_blocks)).
+
+        ``token``: the last enqueued access to the blocks, recorded as an
+        ``access`` in their shadows, so the next user of the blocks waits for
+        it. Safe by default: the default, :data:`~blockpool.hazards.LAST_STEP`,
+        is the newest token issued on the pool's ``compute`` stream (the last
+        enqueued step, as the hazard model asks), or nothing when no token
+        was issued there, no ``compute`` stream is registered, or hazards are
+        off. Pass the token explicitly to tag another access, or
+        ``token=None`` to record none (opt-out: the caller knows nothing in
+        flight touches the blocks). A ``WRITE`` is undone if ``token`` fails,
+        as for :meth:`tag`.
 
         Raises:
             ForeignBlockError: a block of another pool.
             RefCountError: a ref count would go below zero (whole call rejected).
             UnknownStreamError, UnknownTokenError: a token the pool never issued.
             ForeignTokenError: a token issued by another pool.
+            InvalidArgumentError: ``access`` is not an :class:`AccessKind`,
+                or ``blocks`` is not iterable.
         """
         if self._inbox or self._leases_on:
             self._sync()
@@ -325,6 +356,9 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else _as_list(ordered_blocks, "blocks")
         )
         record = False
+        if token is LAST_STEP:
+            st = self.tracker.streams.get("compute") if self.track_hazards else None
+            token = Token(st.name, st.last_seq, st.kind) if st is not None and st.last_seq else None
         if token is not None:
             st = self.tracker.validate(token)
             if access is not _READ and access is not _WRITE:
@@ -366,6 +400,46 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             self._unwritten(blocks)  # a write by a token that failed never happened
         if zero:
             self._enqueue_free(zero)
+
+    def allocatable_if_freed(self, blocks: Iterable[KVCacheBlock]) -> list[bool]:
+        """Whether freeing ``blocks`` now (one reference per listing, as
+        :meth:`free_blocks`) would make each allocatable at once: its ref
+        count reaches 0 and no host-engine access on it is pending (else
+        :meth:`free_blocks` would hold it back). One answer per listed
+        block, in order; the null block is never allocatable. A device
+        access still in flight does not prevent it (the next user gets a
+        fence instead). Changes nothing (it applies queued completions
+        first, like every call). O(len(blocks)).
+
+        Raises:
+            ForeignBlockError: a block of another pool.
+            InvalidArgumentError: ``blocks`` is not iterable.
+            RefCountError: a block is listed more often than it is
+                referenced (:meth:`free_blocks` would refuse the call).
+        """
+        if self._inbox or self._leases_on:
+            self._sync()
+        block_list = self._own_all(blocks)
+        listed: dict[int, int] = {}
+        for b in block_list:
+            if b is not self.null_block:
+                listed[b.block_id] = listed.get(b.block_id, 0) + 1
+        for bid, n in listed.items():
+            if self.blocks[bid].ref_cnt < n:
+                raise RefCountError(
+                    f"block {bid} is listed {n} times but referenced {self.blocks[bid].ref_cnt} times"
+                )
+        check_host = self.track_hazards and self.tracker.host_pending()
+        out = []
+        for b in block_list:
+            if b is self.null_block or b.ref_cnt != listed[b.block_id]:
+                out.append(False)
+            elif check_host:
+                ended = self.tracker.is_ended
+                out.append(not any(t.kind is _HOST and not ended(t) for t in _shadow_tokens(b)))
+            else:
+                out.append(True)
+        return out
 
     def _enqueue_free(self, blocks: list[KVCacheBlock]) -> None:
         """Put blocks that reached ref count 0 in the free queue (unkeyed to

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,226 @@ def test_output_in_a_missing_directory_is_refused_before_the_replay(tmp_path, ca
     rc = main(["replay", "--limit", "5", "--json", str(tmp_path / "nope" / "r.json")])
     assert rc == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+# Issue #13: outputs checked before the replay, interrupts, progress lines ----
+
+
+@pytest.mark.parametrize("opt", ["--json", "--plot", "--events"])
+def test_output_that_is_a_directory_is_refused_before_the_replay(
+    opt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import blockpool.replay.run as run_mod
+
+    def no_replay(*a: object, **k: object) -> None:
+        raise AssertionError("the replay started")
+
+    monkeypatch.setattr(run_mod, "replay", no_replay)
+    assert main(["replay", *SMALL, opt, str(tmp_path)]) == 2
+    assert f"cannot write {opt} {tmp_path}: it is a directory" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("opt", ["--json", "--plot", "--events"])
+def test_output_that_cannot_be_created_is_refused_before_the_replay(
+    opt: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import blockpool.replay.run as run_mod
+
+    monkeypatch.setattr(run_mod, "replay", lambda *a, **k: pytest.fail("the replay started"))
+    out = "/proc/blockpool-out.json"  # no file can be created in /proc, not even by root
+    assert main(["replay", *SMALL, opt, out]) == 2
+    assert f"cannot write {opt} {out}: cannot create a file in /proc" in capsys.readouterr().err
+
+
+def test_unwritable_existing_output_is_refused_before_the_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    import blockpool.replay.run as run_mod
+
+    out = tmp_path / "r.json"
+    out.write_text("keep")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: False if str(p) == str(out) else real_access(p, m))
+    monkeypatch.setattr(run_mod, "replay", lambda *a, **k: pytest.fail("the replay started"))
+    assert main(["replay", *SMALL, "--json", str(out)]) == 2
+    assert "permission denied" in capsys.readouterr().err and out.read_text() == "keep"
+
+
+def test_one_path_for_two_outputs_or_the_trace_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = str(tmp_path / "x")
+    assert main(["replay", *SMALL, "--json", out, "--events", out]) == 2
+    assert "the same file as --json" in capsys.readouterr().err
+    trace = _trace(tmp_path)
+    assert main(["replay", str(trace), *SMALL, "--json", str(trace)]) == 2
+    assert "that is the trace being read" in capsys.readouterr().err
+
+
+def test_outputs_are_written_whole_with_no_part_file_left(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    args = ["--json", str(tmp_path / "r.json"), "--events", str(tmp_path / "e.jsonl"), "--plot", str(tmp_path / "r.png")]
+    assert main(["replay", *SMALL, "--policy", "exact,blind", "--jobs", "2", *args]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.jsonl", "r.json", "r.png"]
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from blockpool import cli
+
+    monkeypatch.setattr(cli, "PROGRESS_INTERVAL_S", 0.0)
+    assert main(["replay", *SMALL[:-1], "--limit", "200", "--policy", "exact"]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("replay: ")]
+    assert len(lines) >= 2
+    assert all(re.fullmatch(r"replay: \d+/200 requests \(\d+%\), [\d.]+ req/s, elapsed \S+, ETA \S+", x) for x in lines)
+    assert lines[-1].startswith("replay: 200/200 requests (100%)")
+
+
+def test_no_progress_lines_with_quiet(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from blockpool import cli
+
+    monkeypatch.setattr(cli, "PROGRESS_INTERVAL_S", 0.0)
+    assert main(["replay", *SMALL, "--policy", "exact"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_lines_name_rate_and_eta() -> None:
+    import io
+
+    from blockpool.cli import _ProgressLines
+
+    t = [0.0]
+    buf = io.StringIO()
+    p = _ProgressLines(1000, buf, 5.0, lambda: t[0])
+    t[0] = 1.0
+    p.update(100)  # before the interval: nothing
+    t[0] = 5.0
+    p.update(250)
+    t[0] = 6.0
+    p.update(300)  # within the interval again: nothing
+    p.close()
+    assert buf.getvalue().splitlines() == [
+        "replay: 250/1000 requests (25%), 50.0 req/s, elapsed 00:05, ETA 00:15",
+        "replay: 300/1000 requests (30%), 50.0 req/s, elapsed 00:06, ETA 00:14",
+    ]
+
+
+def _children(pid: int) -> set[int]:
+    import os
+
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.add(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+@pytest.mark.parametrize(("sig", "status", "jobs"), [("SIGINT", 130, "2"), ("SIGTERM", 143, "2"), ("SIGINT", 130, "1")])
+def test_interrupt_exits_with_the_conventional_status_and_leaves_nothing(
+    sig: str, status: int, jobs: str, tmp_path: Path
+) -> None:
+    import os
+    import signal
+    import time
+
+    outs = ["--json", "r.json", "--events", "e.jsonl"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blockpool", "replay", "--limit", "3000", "--jobs", jobs, "--quiet", *outs],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("*.part")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.3)  # mid-replay
+    kids = _children(proc.pid)
+    assert proc.poll() is None, "the replay ended before it could be interrupted"
+    assert len(kids) >= (2 if jobs == "2" else 0)
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == status, err
+    assert err.splitlines() == [f"blockpool replay: error: {'interrupted' if sig == 'SIGINT' else 'terminated'} ({sig})"]
+    assert "Traceback" not in err and out == ""
+    assert list(tmp_path.iterdir()) == []
+    time.sleep(0.2)
+    assert [k for k in kids if _alive(k)] == []
+
+
+# The table and the plot (#13 point 6) -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_report():  # type: ignore[no-untyped-def]
+    import attrs
+
+    from blockpool.replay.config import ReplayConfig
+    from blockpool.replay.run import replay
+    from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
+
+    rep = replay(synthetic_trace(SyntheticSpec(num_requests=40)), "exact,step-event,blind", ReplayConfig(num_blocks=1024))
+    no_loads = attrs.evolve(rep.result("step-event"), loads=0, loads_empty_fence=0, load_delays_ms=())
+    return attrs.evolve(rep, results=(rep.results[0], no_loads, rep.results[2]))
+
+
+def test_table_labels_the_control_the_mean_and_simulated_versus_measured(small_report) -> None:  # type: ignore[no-untyped-def]
+    from blockpool.replay.report import format_table
+
+    lines = format_table(small_report).splitlines()
+    head = re.split(r"\s{2,}", lines[0].strip())
+    kind = dict(zip(reversed(head), reversed(re.split(r"\s{2,}", lines[1].strip()))))
+    assert head[:2] == ["policy", "races"] and "mean delay ms" in head
+    assert {c for c, k in kind.items() if k == "simulated"} == {"mean delay ms", "p99 delay ms", "makespan s", "tok/s"}
+    assert {c for c, k in kind.items() if k == "measured"} == {"ns/op", "wall s"}
+    rows = {re.split(r"\s{2,}", x)[0]: re.split(r"\s{2,}", x) for x in lines[3:6]}
+    assert "blind (negative control)" in rows and "blind" not in rows
+    assert rows["step-event"][2:6] == ["0", "n/a", "n/a", "n/a"]
+    assert rows["exact"][3] != "n/a"
+    assert any("negative control" in x or "waits on nothing" in x for x in lines[6:])
+
+
+def test_plot_shows_blind_races_keeps_the_legend_off_the_curves_and_skips_empty_series(small_report) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("matplotlib")
+    from blockpool.replay.plot import figure
+
+    fig = figure(small_report)
+    try:
+        fig.canvas.draw()
+        ax1, ax2 = fig.axes
+        labels = [t.get_text() for t in ax1.get_legend().get_texts()]
+        assert len(labels) == 2 and not any(x.startswith("step-event") for x in labels)
+        blind = small_report.result("blind")
+        assert f"blind (negative control): {blind.races} races" in labels[1]
+        assert "no loads: step-event" in ax1.get_title()
+        renderer = fig.canvas.get_renderer()
+        for ax in (ax1, ax2):
+            legend = ax.get_legend()
+            if legend is not None:
+                assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+        drawn = {t.get_text() for t in ax2.get_legend().get_texts()}
+        assert drawn and drawn <= {"forward", "cow-copy", "load", "store", "other"}
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)

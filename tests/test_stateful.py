@@ -55,6 +55,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.held: set[int] = set()
         self.keys: dict[int, list[str]] = {}  # block id -> keys it holds
         self.invalid: set[int] = set()
+        self.retired: dict[int, set[str]] = {}  # block id -> keys retired by a promotion
         self.loads: dict[Token, list[int]] = {}  # every write: tag, free WRITE, load, copy
         self.requests: list[list[int]] = []
         self.tokens: list[Token] = []
@@ -144,6 +145,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.ref[b] = 1
             self.keys.pop(b, None)
             self.invalid.discard(b)
+            self.retired.pop(b, None)
         if hit_ids or new_ids:
             self.requests.append(hit_ids + new_ids)
 
@@ -276,12 +278,14 @@ class PoolMachine(RuleBasedStateMachine):
         block = self.pool.blocks[b]
         if partial:
             self.pool.cache_partial_block(block, key, 8)
-            if b not in self.invalid and key not in held_keys:
+            if b not in self.invalid and key not in held_keys and key not in self.retired.get(b, ()):
                 self.keys[b] = [*held_keys, key]
         elif not held_keys or (block.block_hash_num_tokens == 8 and key != block.block_hash):
             # publish, or promote a partial block to full (its other keys go)
             self.pool.cache_full_blocks([block], [key], 0, 1, block_size=16)
             if b not in self.invalid:
+                if held_keys:  # promoted: the partial keys are retired for b
+                    self.retired.setdefault(b, set()).update(held_keys)
                 self.keys[b] = [key]
 
     @rule()

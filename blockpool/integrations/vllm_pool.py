@@ -330,6 +330,7 @@ class VllmBlockPool:
             track_hazards=track,
             streams={COMPUTE: StreamKind.DEVICE, **(streams or {})},
             medium=medium,
+            removal_events="each",  # vLLM 0.33's events: a removal per block that loses a key
         )
         # The core builds its own block records; hand it vLLM-typed ones
         # before anything refers to them (core request: a block factory).

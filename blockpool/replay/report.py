@@ -28,7 +28,7 @@ import attrs
 
 from blockpool.simulator import Work
 
-__all__ = ["REPORT_SCHEMA", "PolicyResult", "ReplayReport", "format_table", "percentile"]
+__all__ = ["NEGATIVE_CONTROL", "REPORT_SCHEMA", "PolicyResult", "ReplayReport", "format_table", "percentile"]
 
 REPORT_SCHEMA = "blockpool.replay-report/1"
 """Name and version of the JSON report's schema."""
@@ -208,22 +208,32 @@ class ReplayReport:
         return out
 
 
+NEGATIVE_CONTROL = "blind"
+"""The policy that waits on nothing: it must race (the oracle's negative control)."""
+
+
 def format_table(report: ReplayReport) -> str:
-    """The terminal summary: one row per policy. O(policies)."""
+    """The terminal summary: one row per policy, under a header that says
+    which columns are simulated (cost model, simulated clock) and which are
+    measured (real time on this machine). The negative control is labelled
+    as such; a policy with no loads shows ``n/a`` for the load figures.
+    O(policies)."""
     head = (
-        "policy", "races", "loads", "empty%", "delay ms", "p99 ms",
+        "policy", "races", "loads", "empty%", "mean delay ms", "p99 delay ms",
         "makespan s", "tok/s", "ns/op", "wall s",
     )  # fmt: skip
-    rows = [head]
+    kind = ("", "", "", "", "simulated", "simulated", "simulated", "simulated", "measured", "measured")
+    rows = [head, kind]
     for r in report.results:
+        loads = bool(r.loads)
         rows.append(
             (
-                r.policy,
+                f"{r.policy} (negative control)" if r.policy == NEGATIVE_CONTROL else r.policy,
                 str(r.races),
                 str(r.loads),
-                f"{r.loads_empty_fence_pct:.1f}",
-                f"{r.load_delay_mean_ms:.3f}",
-                f"{r.load_delay_p99_ms:.3f}",
+                f"{r.loads_empty_fence_pct:.1f}" if loads else "n/a",
+                f"{r.load_delay_mean_ms:.3f}" if loads else "n/a",
+                f"{r.load_delay_p99_ms:.3f}" if loads else "n/a",
                 f"{r.makespan_s:.1f}",
                 f"{r.throughput_tok_s:.0f}",
                 f"{r.pool_ns_per_op:.0f}",
@@ -232,7 +242,8 @@ def format_table(report: ReplayReport) -> str:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = [x.rstrip() for x in lines]
+    lines.insert(2, "  ".join("-" * w for w in widths))
     first = report.results[0] if report.results else None
     if first is not None:
         c = first.counts
@@ -243,6 +254,9 @@ def format_table(report: ReplayReport) -> str:
             f"evictions {first.pool_stats.get('evictions', 0)}, cow copies {c.get('cow_copies', 0)}, "
             f"load failures {c.get('load_failures', 0)}"
         )
+    lines.append("simulated: cost model on the simulated clock; measured: real time on this machine")
+    if any(r.policy == NEGATIVE_CONTROL for r in report.results):
+        lines.append(f"{NEGATIVE_CONTROL} waits on nothing: its races show the hazards the other policies avoid")
     if report.skipped:
         lines.append(f"skipped {len(report.skipped)} bad lines, first: {report.skipped[0]}")
     return "\n".join(lines)

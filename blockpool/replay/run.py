@@ -4,7 +4,12 @@ Policies are independent runs over the same trace and seed; with ``jobs >
 1`` they run in that many worker processes (``fork``), which changes
 nothing in the figures but the wall times. The event log of each policy is
 written to a part file beside the output and the parts are joined, in policy
-order, under one header line.
+order, under one header line (into a temporary file renamed at the end).
+
+Interrupts: workers ignore SIGINT (the parent handles Ctrl-C for them) and
+die on SIGTERM; whatever ends a replay early (an exception, Ctrl-C, SIGTERM
+turned into an exception by the caller) stops the workers and removes the
+part files, so nothing partial is left behind.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import signal
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,7 +32,7 @@ from blockpool.replay.policies import POLICIES, parse_policies
 from blockpool.replay.report import PolicyResult, ReplayReport
 from blockpool.replay.traces import Trace, TraceRequest
 
-__all__ = ["replay"]
+__all__ = ["replay", "write_atomic"]
 
 _counts: Any = None  # the workers' shared progress counters (set by _init)
 
@@ -33,6 +40,10 @@ _counts: Any = None  # the workers' shared progress counters (set by _init)
 def _init(counts: Any) -> None:
     global _counts
     _counts = counts
+    # Ctrl-C reaches the whole process group: the parent handles it and
+    # stops the workers (SIGTERM, default action: exit at once).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _one(
@@ -95,17 +106,22 @@ def replay(
     parts: list[str | None] = [f"{os.fspath(events)}.{name}.part" if events is not None else None for name in names]
     t0 = time.perf_counter()
     jobs = min(jobs, len(names))
-    if jobs == 1:
-        results = []
-        for i, name in enumerate(names):
-            base = i * len(requests)
-            cb = (lambda n, base=base: progress(base + n)) if progress is not None else None
-            results.append(_one(requests, name, i, cfg, parts[i], cb))
-    else:
-        results = _parallel(requests, names, cfg, parts, jobs, progress)
-    wall = time.perf_counter() - t0
-    if events is not None:
-        _join(Path(events), [p for p in parts if p is not None], trace, names, cfg)
+    try:
+        if jobs == 1:
+            results = []
+            for i, name in enumerate(names):
+                base = i * len(requests)
+                cb = (lambda n, base=base: progress(base + n)) if progress is not None else None
+                results.append(_one(requests, name, i, cfg, parts[i], cb))
+        else:
+            results = _parallel(requests, names, cfg, parts, jobs, progress)
+        wall = time.perf_counter() - t0
+        if events is not None:
+            _join(Path(events), [p for p in parts if p is not None], trace, names, cfg)
+    finally:
+        for part in parts:
+            if part is not None and os.path.exists(part):
+                os.remove(part)
     return ReplayReport(
         source=trace.source,
         format=trace.format,
@@ -151,10 +167,41 @@ def _join(path: Path, parts: list[str], trace: Trace, names: tuple[str, ...], cf
         "streams": {n: s.kind.value for n, s in cfg.streams.items()},
         "time_unit": "s",
     }
-    with open(path, "w", encoding="utf-8") as out:
-        EventLog(out, header)
-        for part in parts:
-            with open(part, encoding="utf-8") as f:
-                f.readline()  # the part's own header
-                shutil.copyfileobj(f, out)
-            os.remove(part)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as out:
+            EventLog(out, header)
+            for part in parts:
+                with open(part, encoding="utf-8") as f:
+                    f.readline()  # the part's own header
+                    shutil.copyfileobj(f, out)
+
+    write_atomic(path, write)
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
+    """Call ``write(tmp)`` for a temporary file beside ``path`` (hidden,
+    ``.part`` and ``path``'s extension in its name), then rename it to ``path`` with the mode a plain
+    ``open`` would give. On any exception, interrupts included, the
+    temporary file is removed and ``path`` is left as it was. O(1) besides
+    ``write``.
+
+    Raises:
+        OSError: the temporary file cannot be created or renamed; whatever
+            ``write`` raises.
+    """
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    ext = os.path.splitext(path)[1]  # kept last: writers that go by the extension (savefig)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=f".part{ext}", dir=d)
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
