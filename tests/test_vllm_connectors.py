@@ -499,27 +499,132 @@ def test_nixl_remote_read_begins_on_the_pool_and_ends_with_the_connectors_report
     assert core.stats().failed_tokens - failed_before == (outcome == "failed_recving")
 
 
-def test_nixl_worker_waits_on_the_host_before_it_posts_the_read() -> None:
+def nixl_worker_wrappers() -> tuple[Any, Any]:
+    """The plugin's wrappers of NIXL's pull worker, around stand-ins that log."""
+    made: dict[str, Any] = {}
+    vw._wire_nixl(lambda owner, attr, make: made.__setitem__(attr, make))
+    posted: list[str] = []
+
+    class PullWorker:  # the two methods the wrappers wrap
+        _recv_failures: set[str] = set()
+
+        def _handle_failed_transfer(self, req_id: str, handle: Any, failed: set[str]) -> bool:
+            posted.append(f"failed {req_id}")
+            return False
+
+    PullWorker._read_blocks_for_req = made["_read_blocks_for_req"](lambda self, r, m: posted.append(f"READ {r}"))
+    PullWorker.start_load_kv = made["start_load_kv"](lambda self, *a: posted.append("start_load_kv"))
+    return PullWorker(), posted
+
+
+def test_nixl_read_whose_fence_runs_is_deferred_not_waited_for_on_the_main_thread() -> None:
     dev = StandInDevice()
     compute = dev.new_stream("compute")
     wh = worker(dev, compute)
     try:
         e1 = Token("compute", 1)
-        order: list[str] = []
-        compute.enqueue(lambda: order.append("step 1 reads the blocks"), "forward")
+        compute.enqueue(lambda: None, "step 1 still reads the blocks")
         wh.record(e1)
         meta = SimpleNamespace()
-        setattr(meta, vc.META_LOAD, Transfer("B", "load", Token("nixl", 1, StreamKind.HOST), Fence([e1]), (3, 4)).to_wire())
-
-        def read(self: Any, req_id: str, m: Any) -> None:
-            order.append("READ posted")
-
-        wrapped = wrapper(vw._wire_nixl, "NixlPullConnectorWorker", "_read_blocks_for_req", read)
-        wrapped(SimpleNamespace(), "B", meta)
-        assert order == ["step 1 reads the blocks", "READ posted"]
-        assert ("synchronize", "MainThread", "ev0") in dev.log
+        load = Transfer("B", "load", Token("nixl", 1, StreamKind.HOST), Fence([e1]), (3, 4))
+        setattr(meta, vc.META_LOAD, load.to_wire())
+        pull, posted = nixl_worker_wrappers()
+        pull._read_blocks_for_req("B", meta)  # from vLLM's start_load_kv, on the main thread
+        assert posted == [] and not any(op[0] == "synchronize" for op in dev.log)
+        pull.start_load_kv(None)  # next step: step 1 still runs
+        assert posted == ["start_load_kv"]
+        dev.run()  # step 1 ends
+        pull.start_load_kv(None)
+        assert posted == ["start_load_kv", "READ B", "start_load_kv"]
+        assert wh.deferred == 1
     finally:
         vw.install(None)
+
+
+def test_nixl_read_with_an_ended_fence_is_posted_at_once() -> None:
+    dev = StandInDevice()
+    wh = worker(dev, dev.new_stream("compute"))
+    try:
+        meta = SimpleNamespace()
+        setattr(meta, vc.META_LOAD, Transfer("B", "load", Token("nixl", 1, StreamKind.HOST), Fence(), (3,)).to_wire())
+        pull, posted = nixl_worker_wrappers()
+        pull._read_blocks_for_req("B", meta)
+        assert posted == ["READ B"] and wh.deferred == 0
+    finally:
+        vw.install(None)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_deferred_frees_are_not_tagged_with_a_later_step_so_a_nixl_read_does_not_wait(registered: bool) -> None:
+    """vLLM's consumer with overlapping batches (defer_block_free) returns a
+    request's blocks only after every step that could touch them ended; the
+    step still running then never touched them (the reviewer's case: the
+    read's fence named it, and a NIXL-only worker blocked on it)."""
+    from vllm.v1.request import RequestStatus
+
+    s = make_scheduler("NixlConnector", role="kv_consumer", num_blocks=16)
+    s.defer_block_free = True  # vLLM sets it for a consumer with max_concurrent_batches > 1
+    s.add_request(make_request("A", list(range(1, 193))))  # 12 blocks
+    out1 = s.schedule()
+    s.add_request(make_request("C", list(range(500, 520))))
+    out2 = s.schedule()  # step 2 in flight
+    s.finish_requests("A", RequestStatus.FINISHED_ABORTED)  # deferred: step 2 may still touch A
+    s.update_from_output(out1, model_output(out1))
+    s.add_request(make_request("D", list(range(700, 710))))
+    out3 = s.schedule()  # step 3 in flight: it never touches A's blocks
+    s.update_from_output(out2, model_output(out2))  # step 2 done: vLLM returns A's blocks now
+    s.add_request(make_request("B", list(range(200, 240)), transfer=remote_prefill(3)))
+    out4 = s.schedule()
+    load = Transfer.from_wire(getattr(out4.kv_connector_metadata.reqs_to_recv["B"], vc.META_LOAD))
+    assert load.fence.tokens == ()
+    s.update_from_output(out3, model_output(out3))
+
+
+def test_the_step_token_is_recorded_after_the_forward_before_the_async_loads() -> None:
+    from contextlib import contextmanager
+
+    dev = StandInDevice()
+    compute = dev.new_stream("compute")
+    wh = worker(dev, compute)
+    order: list[str] = []
+    try:
+        @contextmanager
+        def vllm_lifecycle(scheduler_output: Any, defer_finalize: bool = False) -> Iterator[None]:
+            order.append("bind")
+            yield None
+            order.append("start_load_kv")  # async loads: NIXL posts its READs here
+            order.append("wait_for_save")
+
+        lifecycle = wrapper(vw._wire_runner, "KVConnectorModelRunnerMixin", "_get_kv_connector_output", vllm_lifecycle)
+        step = StepRecord(1, Token("compute", 1))
+        meta = SimpleNamespace()
+        setattr(meta, vc.META_STEP, (step.to_wire(), Fence().to_wire()))
+        multi = SimpleNamespace(metadata=(SimpleNamespace(), meta))  # MultiConnector's metadata
+        with lifecycle.__func__(SimpleNamespace(kv_connector_metadata=multi)):
+            order.append("forward")
+            assert wh.ledger.event_of(step.forward) is None
+        assert order == ["bind", "forward", "start_load_kv", "wait_for_save"]
+        assert wh.ledger.event_of(step.forward) is not None
+    finally:
+        vw.install(None)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_offload_jobs_a_cache_reset_forgets_end_only_when_every_worker_reported(registered: bool) -> None:
+    scheduler = make_scheduler("OffloadingConnector", OFFLOAD)
+    scheduler.add_request(make_request("A", list(range(1, 41))))
+    out1 = scheduler.schedule()
+    ((job_id, job),) = out1.kv_connector_metadata.store_jobs.items()
+    store = Transfer.from_wire(getattr(job, vc.META_STORE))
+    core = scheduler.kv_cache_manager.block_pool.core
+    offload_step(scheduler, out1)
+    scheduler.connector.connector_scheduler.reset_cache()  # vLLM forgets the job; the worker still runs it
+    out2 = scheduler.schedule()
+    offload_step(scheduler, out2)
+    assert not core.is_ended(store.token)
+    out3 = scheduler.schedule()
+    offload_step(scheduler, out3, completed={job_id: 1})
+    assert core.is_ended(store.token)
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)

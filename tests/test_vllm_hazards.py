@@ -282,3 +282,25 @@ def test_finish_failed_fails_the_load_and_drops_its_keys() -> None:
     hz.finish(("job", 7), failed=True)
     pool.poll()
     assert pool.get_cached_block("k") is None
+
+
+def test_step_writes_use_each_groups_block_size() -> None:
+    pool, hz = make()
+    small = pool.get_new_blocks(4)  # 16-token blocks
+    large = pool.get_new_blocks(2)  # 64-token blocks: 40 computed tokens end inside the first
+    out = StepOut({"r": 8}, {"r": 40}, {"r": ([b.block_id for b in small], [b.block_id for b in large])})
+    hz.tag_step_writes(out, (16, 64))
+    e1 = hz.step_record(out).forward
+    # Each on its own stream: a stream that waited on e1 once is ordered after it.
+    assert toks(hz.begin_store("r", large[:1], "d2h").fence) == {str(e1)}
+    assert toks(hz.begin_store("r", small[2:3], "h2d").fence) == {str(e1)}
+    assert hz.begin_store("r", small[1:2], "nixl").fence.tokens == ()
+
+
+def test_frees_after_their_steps_are_tagged_with_nothing() -> None:
+    pool, hz = make()
+    blocks = pool.get_new_blocks(2)
+    hz.step_record(Out())  # a later step runs, but never touched these blocks
+    with hz.frees_after_their_steps():
+        assert hz.free_token() is None
+    assert hz.free_token() is not None

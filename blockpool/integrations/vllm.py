@@ -314,7 +314,20 @@ def _wire_scheduler() -> None:
 
         return __init__
 
+    def wrap_drain(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def _drain_deferred_frees(self: Any) -> Any:
+            hz = _hazards_of_scheduler(self)
+            if hz is None:
+                return orig(self)
+            with hz.frees_after_their_steps():
+                return orig(self)
+
+        return _drain_deferred_frees
+
     _patch(Scheduler, "__init__", wrap_init)
+    if "_drain_deferred_frees" in Scheduler.__dict__:
+        _patch(Scheduler, "_drain_deferred_frees", wrap_drain)
     _patch(Scheduler, "schedule", wrap_schedule)
     _patch(Scheduler, "update_from_output", wrap_update)
     _patch(KVCacheManager, "take_kv_cache_block_copies", wrap_take_copies)

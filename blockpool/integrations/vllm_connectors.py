@@ -105,15 +105,17 @@ class ConnectorWiring:
     Attributes:
         name: The connector's name in :data:`CONNECTORS`.
         hazards: The scheduler's step and transfer wiring.
-        block_size: Smallest block size (tokens) of the KV cache groups,
-            for :meth:`StepHazards.tag_step_writes`.
+        block_sizes: Block size (tokens) of each KV cache group, in the
+            order of the scheduler's block tables.
         pending: Keys of transfers begun and not ended (job-keyed connectors).
+        reports: Completion reports counted so far per job key.
     """
 
     name: str
     hazards: StepHazards
-    block_size: int
+    block_sizes: tuple[int, ...]
     pending: set[Hashable] = attrs.field(factory=set)
+    reports: dict[Hashable, int] = attrs.field(factory=dict)
 
     def begin_step(self, scheduler_output: object) -> tuple[Any, Any] | None:
         """Issue the step's tokens and tag its writes (idempotent per step);
@@ -122,7 +124,7 @@ class ConnectorWiring:
         record = hz.step_record(scheduler_output)
         if record is None:
             return None
-        forward_fence = hz.tag_step_writes(scheduler_output, self.block_size)
+        forward_fence = hz.tag_step_writes(scheduler_output, self.block_sizes)
         return record.to_wire(), forward_fence.to_wire()
 
     def load(self, request_id: str, block_ids: Iterable[int], stream: str, key: Hashable = None) -> Any:
@@ -138,7 +140,22 @@ class ConnectorWiring:
     def finish(self, key: Hashable, *, failed: bool = False) -> int:
         """End the transfers begun under ``key``; see :meth:`StepHazards.finish`."""
         self.pending.discard(key)
+        self.reports.pop(key, None)
         return self.hazards.finish(key, failed=failed)
+
+    def report(self, key: Hashable, count: int, needed: int) -> int:
+        """Count ``count`` workers' completion reports of the job under
+        ``key``; once ``needed`` (every rank) reported, end its transfers.
+        Counted here, not read from the connector's own job table (which a
+        cache reset clears while the jobs still run). Returns the number of
+        transfers ended. O(1)."""
+        if key not in self.pending:
+            return 0
+        n = self.reports.get(key, 0) + count
+        if n < needed:
+            self.reports[key] = n
+            return 0
+        return self.finish(key)
 
     def _begin(
         self,
@@ -166,18 +183,17 @@ def wiring_of(obj: object) -> ConnectorWiring | None:
     return getattr(obj, _ATTR, None)
 
 
-def min_block_size(kv_cache_config: object, default: int) -> int:
-    """Smallest ``kv_cache_spec.block_size`` over ``kv_cache_config``'s
-    groups, else ``default``. O(groups)."""
-    sizes = [
-        getattr(getattr(g, "kv_cache_spec", None), "block_size", 0)
+def group_block_sizes(kv_cache_config: object, default: int) -> tuple[int, ...]:
+    """``kv_cache_spec.block_size`` of each of ``kv_cache_config``'s groups,
+    in order (``(default,)`` when it has none). O(groups)."""
+    sizes = tuple(
+        int(getattr(getattr(g, "kv_cache_spec", None), "block_size", 0) or default)
         for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ()
-    ]
-    sizes = [s for s in sizes if isinstance(s, int) and s > 0]
-    return min(sizes) if sizes else default
+    )
+    return sizes or (default,)
 
 
-def attach(obj: object, pool: object, name: str, block_size: int) -> ConnectorWiring | None:
+def attach(obj: object, pool: object, name: str, block_sizes: tuple[int, ...]) -> ConnectorWiring | None:
     """Attach a :class:`ConnectorWiring` to connector object ``obj`` when
     ``pool`` is a :class:`VllmBlockPool` with hazard tracking, registering
     the connector's streams; else detach. Returns the wiring or ``None``.
@@ -191,26 +207,29 @@ def attach(obj: object, pool: object, name: str, block_size: int) -> ConnectorWi
         return None
     for stream, kind in CONNECTORS[name].streams.items():
         hz.add_stream(stream, kind)
-    w = ConnectorWiring(name, hz, block_size)
+    w = ConnectorWiring(name, hz, block_sizes)
     setattr(obj, _ATTR, w)
     return w
 
 
 def load_block_ids(
-    groups: Sequence[Sequence[int]], first_token: int, end_token: int, block_size: int
+    groups: Sequence[Sequence[int]], first_token: int, end_token: int, block_sizes: int | Sequence[int]
 ) -> list[int]:
-    """The block ids a load of tokens ``[first_token, end_token)`` writes in
-    each group of a block table: indices ``first_token // block_size`` up to
-    ``ceil(end_token / block_size)``. O(blocks).
+    """The block ids a transfer of tokens ``[first_token, end_token)``
+    touches in each group of a block table: in group ``g``, indices
+    ``first_token // size_g`` up to ``ceil(end_token / size_g)``, where
+    ``block_sizes`` gives each group's block size (one int: every group).
+    O(blocks).
 
     >>> load_block_ids(([5, 6, 7, 8],), 20, 40, 16)
     [6, 7]
+    >>> load_block_ids(([5, 6, 7, 8], [9, 10]), 20, 40, (16, 32))
+    [6, 7, 9, 10]
     """
-    lo = first_token // block_size
-    hi = -(-end_token // block_size)
+    sizes = [block_sizes] * len(groups) if isinstance(block_sizes, int) else list(block_sizes)
     out: list[int] = []
-    for g in groups:
-        out.extend(g[lo:hi])
+    for g, bs in zip(groups, sizes):
+        out.extend(g[first_token // bs : -(-end_token // bs)])
     return out
 
 
@@ -251,7 +270,7 @@ def _patch_mooncake_store(mod: Any, patch: Callable[[Any, str, Callable[[Any], A
                 self,
                 gpu_block_pool,
                 MOONCAKE,
-                min_block_size(getattr(self, "kv_cache_config", None), getattr(self, "_block_size", 0)),
+                group_block_sizes(getattr(self, "kv_cache_config", None), getattr(self, "_block_size", 0) or 16),
             )
 
         return bind_gpu_block_pool
@@ -265,7 +284,7 @@ def _patch_mooncake_store(mod: Any, patch: Callable[[Any, str, Callable[[Any], A
             step = w.begin_step(scheduler_output)
             pinned_before = set(self._pinned_saves)
             meta = orig(self, scheduler_output)
-            bs = self._block_size
+            bs = _store_group_sizes(self, w)
             for rm in meta.requests:
                 ls = rm.load_spec
                 if ls is not None and ls.can_load:
@@ -275,7 +294,7 @@ def _patch_mooncake_store(mod: Any, patch: Callable[[Any, str, Callable[[Any], A
                         setattr(rm, META_LOAD, wire_load)
                 job = rm.store_job_id
                 if rm.can_save and job is not None and job not in pinned_before and job in self._pinned_saves:
-                    wire_store = w.store(rm.req_id, _mooncake_store_reads(self, rm), MOONCAKE, key=(MOONCAKE, job))
+                    wire_store = w.store(rm.req_id, _mooncake_store_reads(self, rm, bs), MOONCAKE, key=(MOONCAKE, job))
                     if wire_store is not None:
                         setattr(rm, META_STORE, wire_store)
             if step is not None:
@@ -305,20 +324,30 @@ def _patch_mooncake_store(mod: Any, patch: Callable[[Any, str, Callable[[Any], A
     patch(cls, "update_connector_output", wrap_update)
 
 
-def _mooncake_store_reads(sched: Any, rm: Any) -> list[int]:
-    """The blocks a MooncakeStore store job reads: the positional chunks
-    below its aligned token length (``token_len_chunk`` rounded down to the
-    coordinator's ``lcm_block_size``, as the send thread does) of every
-    non-boundary-state group, and its boundary puts. vLLM pins more (every
-    allocated block, for retries); a superset here would make the next
-    step's forward wait for the PUT of a partial block it appends to."""
+def _store_group_sizes(sched: Any, w: ConnectorWiring) -> list[int]:
+    """Block size of each MooncakeStore store group (its projection of the
+    KV cache groups, ``_store_group_ids``)."""
+    sizes = w.block_sizes
+    ids = getattr(sched, "_store_group_ids", None) or range(len(sizes))
+    return [sizes[g] if g < len(sizes) else sched._block_size for g in ids]
+
+
+def _mooncake_store_reads(sched: Any, rm: Any, sizes: Sequence[int]) -> list[int]:
+    """The blocks a MooncakeStore store job reads: in every non-boundary-state
+    store group, the positional chunks below its aligned token length
+    (``token_len_chunk`` rounded down to the coordinator's
+    ``lcm_block_size``, as the send thread does), and its boundary puts.
+    vLLM pins more (every allocated block, for retries); a superset here
+    would make the next step's forward wait for the PUT of a partial block
+    it appends to."""
     bs = sched._block_size
     coord = getattr(sched, "_store_coord", None)
     lcm = getattr(coord, "lcm_block_size", bs) or bs
     end = (rm.token_len_chunk or 0) // lcm * lcm
     skip = getattr(sched, "_boundary_state_group_ids", frozenset())
-    groups = [g for i, g in enumerate(rm.block_ids) if i not in skip]
-    ids = load_block_ids(groups, 0, end, bs) if end > 0 else []
+    keep = [i for i in range(len(rm.block_ids)) if i not in skip]
+    groups = [rm.block_ids[i] for i in keep]
+    ids = load_block_ids(groups, 0, end, [sizes[i] if i < len(sizes) else bs for i in keep]) if end > 0 else []
     ids.extend(p.block_id for p in rm.boundary_puts or ())
     return list(dict.fromkeys(ids))
 
@@ -338,7 +367,7 @@ def _patch_offloading(mod: Any, patch: Callable[[Any, str, Callable[[Any], Any]]
                     inner,
                     gpu_block_pool,
                     OFFLOADING,
-                    min_block_size(getattr(self, "_kv_cache_config", None), _cache_block_size(self)),
+                    group_block_sizes(getattr(self, "_kv_cache_config", None), _cache_block_size(self)),
                 )
 
         return bind_gpu_block_pool
@@ -351,12 +380,17 @@ def _patch_offloading(mod: Any, patch: Callable[[Any, str, Callable[[Any], Any]]
                 return orig(self, scheduler_output)
             step = w.begin_step(scheduler_output)
             meta = orig(self, scheduler_output)
+            # Tokens of one stream are issued in the order its worker submits
+            # the jobs: store jobs this step flushes go first (the worker
+            # submits them at once), the others at the next step's start.
+            flush = meta.jobs_to_flush or ()
+            stores = sorted(meta.store_jobs.items(), key=lambda item: item[0] not in flush)
             for job_id, job in meta.load_jobs.items():
                 stream = OFFLOAD_H2D_SYNC if getattr(job, "sync", False) else OFFLOAD_H2D
                 wire_load = w.load(job.req_id, _spec_block_ids(job.dst_spec), stream, key=(OFFLOADING, job_id))
                 if wire_load is not None:
                     setattr(job, META_LOAD, wire_load)
-            for job_id, job in meta.store_jobs.items():
+            for job_id, job in stores:
                 wire_store = w.store(job.req_id, _spec_block_ids(job.src_spec), OFFLOAD_D2H, key=(OFFLOADING, job_id))
                 if wire_store is not None:
                     setattr(job, META_STORE, wire_store)
@@ -369,13 +403,13 @@ def _patch_offloading(mod: Any, patch: Callable[[Any, str, Callable[[Any], Any]]
     def wrap_update(orig: Any) -> Any:
         @functools.wraps(orig)
         def update_connector_output(self: Any, connector_output: Any) -> None:
-            out = orig(self, connector_output)
             w = wiring_of(self)
-            if w is not None and w.pending:
-                jobs = self._jobs
-                for key in [k for k in w.pending if k[1] not in jobs]:
-                    w.finish(key)
-            return out
+            jobs = getattr(getattr(connector_output, "kv_connector_worker_meta", None), "completed_jobs", None)
+            if w is not None and jobs:
+                needed = self.config.num_workers
+                for job_id, count in jobs.items():
+                    w.report((OFFLOADING, job_id), count, needed)
+            return orig(self, connector_output)
 
         return update_connector_output
 
@@ -401,7 +435,7 @@ def _patch_simple_cpu_offload(mod: Any, patch: Callable[[Any, str, Callable[[Any
                 self,
                 gpu_block_pool,
                 SIMPLE,
-                min_block_size(getattr(self, "kv_cache_config", None), getattr(self, "block_size", 0) or 0),
+                group_block_sizes(getattr(self, "kv_cache_config", None), getattr(self, "block_size", 0) or 16),
             )
 
         return bind_gpu_block_pool
@@ -468,7 +502,7 @@ def _patch_nixl(mod: Any, patch: Callable[[Any, str, Callable[[Any], Any]], None
                     inner,
                     gpu_block_pool,
                     NIXL,
-                    min_block_size(getattr(self, "_kv_cache_config", None), _cache_block_size(self)),
+                    group_block_sizes(getattr(self, "_kv_cache_config", None), _cache_block_size(self)),
                 )
 
         return bind_gpu_block_pool
@@ -509,7 +543,7 @@ def _spec_block_ids(spec: Any) -> list[int]:
 
 def _cache_block_size(connector: Any) -> int:
     cache_config = getattr(getattr(connector, "_vllm_config", None), "cache_config", None)
-    return int(getattr(cache_config, "block_size", 0) or 0)
+    return int(getattr(cache_config, "block_size", 0) or 16)
 
 
 OFFLOADING = "offloading"

@@ -54,8 +54,9 @@ Example (doctest; the fakes stand for vLLM's outputs)::
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -194,6 +195,7 @@ class StepHazards:
         self._loads: dict[Hashable, list[Transfer]] = {}
         self._stores: dict[Hashable, list[Transfer]] = {}
         self._step_writes: tuple[int, Fence] = (0, EMPTY_FENCE)
+        self._frees_after_steps = 0
 
     # ------------------------------------------------------------------
     # steps
@@ -202,8 +204,24 @@ class StepHazards:
     def free_token(self) -> Token | None:
         """The token a free is tagged with now: the newest issued on the
         compute stream (the last enqueued step or copy), ``None`` before the
-        first. O(1)."""
+        first, and ``None`` inside :meth:`frees_after_their_steps`. O(1)."""
+        if self._frees_after_steps:
+            return None
         return self.pool.last_token(self.stream)
+
+    @contextlib.contextmanager
+    def frees_after_their_steps(self) -> Iterator[None]:
+        """Frees made inside come after every step that touched their blocks
+        ended (vLLM's deferred frees, ``Scheduler._drain_deferred_frees``:
+        with overlapping batches vLLM returns a request's blocks only once
+        every step scheduled while it ran has produced its output): they are
+        tagged with nothing, not with the newest issued step, which never
+        touched them (a redundant wait)."""
+        self._frees_after_steps += 1
+        try:
+            yield
+        finally:
+            self._frees_after_steps -= 1
 
     def begin_copies(self, pairs: Iterable[tuple[KVCacheBlock, KVCacheBlock]]) -> tuple[Token, Fence] | None:
         """Begin the block copies ``(src, dst)`` that run with the next
@@ -258,19 +276,18 @@ class StepHazards:
             self._steps.popitem(last=False)
         return record
 
-    def tag_step_writes(self, scheduler_output: object, block_size: int) -> Fence:
+    def tag_step_writes(self, scheduler_output: object, block_sizes: int | Sequence[int]) -> Fence:
         """Record that step N's forward writes the blocks receiving its new
         tokens, so that a store of those blocks waits on ``eN`` (RAW) and a
         store of blocks written by an ended step waits on nothing.
 
         Reads ``num_scheduled_tokens``, the requests' ``num_computed_tokens``
         and their current block tables from ``kv_connector_block_state``
-        (vLLM builds it only when a connector is configured); a request's
-        blocks from index ``num_computed_tokens // block_size`` on are
-        tagged. Pass the smallest block size of the KV cache groups: with
-        mixed sizes this tags a superset, never too few. Once per step,
-        however many connectors call it; a step without a block state tags
-        nothing.
+        (vLLM builds it only when a connector is configured); in each KV
+        cache group ``g`` of a request's block table, the blocks from index
+        ``num_computed_tokens // block_sizes[g]`` on are tagged (one int:
+        every group's block size). Once per step, however many connectors
+        call it; a step without a block state tags nothing.
 
         Returns the fence the forward must wait on before it writes those
         blocks: empty unless a transfer on another stream or engine still
@@ -288,7 +305,7 @@ class StepHazards:
         self._step_writes = (record.index, EMPTY_FENCE)
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
-        if state is None or not scheduled or block_size <= 0:
+        if state is None or not scheduled:
             return EMPTY_FENCE
         computed: dict[str, int] = {
             r.req_id: r.num_computed_tokens for r in getattr(scheduler_output, "scheduled_new_reqs", ())
@@ -301,9 +318,9 @@ class StepHazards:
             c = computed.get(req_id)
             groups = state.get_block_ids(req_id) if c is not None else None
             if groups:
-                first = c // block_size
-                for group in groups:
-                    ids.extend(group[first:])
+                sizes = [block_sizes] * len(groups) if isinstance(block_sizes, int) else block_sizes
+                for group, bs in zip(groups, sizes):
+                    ids.extend(group[c // bs :])
         blocks = self.blocks_of(ids)
         if not blocks:
             return EMPTY_FENCE

@@ -37,10 +37,12 @@ vLLM's own synchronisation runs (a CPU-only worker has no streams to race).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -87,6 +89,8 @@ class WorkerHazards:
         self.jobs: dict[Any, Transfer] = {}
         self.waits = 0
         self.tokens_waited = 0
+        self.deferred = 0
+        self.out_of_order = 0
         self._recorded: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -98,7 +102,18 @@ class WorkerHazards:
         if token is None or token.kind is not StreamKind.DEVICE:
             return False
         with self._lock:
-            if token.seq <= self._recorded.get(token.stream, 0):
+            last = self._recorded.get(token.stream, 0)
+            if token.seq <= last:
+                if token.seq < last:
+                    # Recorded after a later token of its stream: a wait on it
+                    # would resolve to that earlier point. The scheduler begins
+                    # a connector's transfers in the order its worker submits
+                    # them, so this means a connector path the wiring does not
+                    # know; say so rather than alias silently.
+                    self.out_of_order += 1
+                    logger.warning(
+                        "blockpool: %s recorded after %s:%d; waits on it are not exact", token, token.stream, last
+                    )
                 return False
             self._recorded[token.stream] = token.seq
         self.ledger.record(token, self.current_stream() if stream is None else stream)
@@ -129,6 +144,15 @@ class WorkerHazards:
         record = StepRecord.from_wire(step[0])
         self.record(record.forward)
         return record
+
+    def has_ended(self, fence: Iterable[Token]) -> bool:
+        """Whether every token of ``fence`` is known complete here (polls
+        the ledger first; never blocks). O(streams + fence)."""
+        tokens = list(fence)
+        if not tokens:
+            return True
+        self.ledger.poll()
+        return all(self.ledger.is_complete(t) for t in tokens)
 
     def wait(self, transfer: Transfer) -> tuple[Token, ...]:
         """Block the calling (transfer) thread until ``transfer``'s fence
@@ -232,6 +256,63 @@ def _wire_base(patch: Patcher) -> None:
         return bind_connector_metadata
 
     patch(base.KVConnectorBase_V1, "bind_connector_metadata", wrap_bind)
+
+
+def step_of(metadata: object) -> object | None:
+    """The metadata object that carries the step's record: ``metadata``
+    itself, or one of a ``MultiConnector``'s per-connector metadata."""
+    if getattr(metadata, META_STEP, None) is not None:
+        return metadata
+    for sub in getattr(metadata, "metadata", None) or ():
+        if getattr(sub, META_STEP, None) is not None:
+            return sub
+    return None
+
+
+def forward_launched(metadata: object) -> None:
+    """The model runner has launched the step's forward: record ``eN`` on
+    the compute stream (before the connectors' async loads start, which may
+    wait on it). O(1)."""
+    carrier = step_of(metadata)
+    wh = current() if carrier is not None else None
+    if wh is not None:
+        wh.forward_done(carrier)
+
+
+def _wire_runner(patch: Patcher) -> None:
+    """Record ``eN`` right after the forward was launched, whichever
+    connector is wired: V1 model runners go through
+    ``KVConnectorModelRunnerMixin._get_kv_connector_output`` (its body is the
+    forward; on exit it starts the async loads, then the stores), Model
+    Runner V2 through ``ActiveKVConnector.post_forward``."""
+    mixin = importlib.import_module("vllm.v1.worker.kv_connector_model_runner_mixin")
+
+    def wrap_output(orig: Any) -> Any:
+        @contextlib.contextmanager
+        def _get_kv_connector_output(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            with orig(scheduler_output, *args, **kwargs) as output:
+                yield output
+                forward_launched(getattr(scheduler_output, "kv_connector_metadata", None))
+
+        _get_kv_connector_output.__blockpool_wrapped__ = True  # type: ignore[attr-defined]
+        return staticmethod(_get_kv_connector_output)
+
+    patch(mixin.KVConnectorModelRunnerMixin, "_get_kv_connector_output", wrap_output)
+    try:
+        v2 = importlib.import_module("vllm.v1.worker.gpu.kv_connector")
+    except ImportError:  # pragma: no cover - a vLLM without Model Runner V2
+        return
+
+    def wrap_post(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def post_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(self, "_disabled", False):
+                forward_launched(getattr(self.kv_connector, "_connector_metadata", None))
+            return orig(self, *args, **kwargs)
+
+        return post_forward
+
+    patch(v2.ActiveKVConnector, "post_forward", wrap_post)
 
 
 def _wire_mooncake(patch: Patcher) -> None:
@@ -392,25 +473,66 @@ def _wire_offloading(patch: Patcher) -> None:
 
 
 def _wire_nixl(patch: Patcher) -> None:
+    """NIXL's pull worker posts READs from the worker's main thread
+    (``start_load_kv``). A read whose fence has not ended is not waited for
+    there (that would stall the next step's launch): it is deferred, and
+    posted by the first ``start_load_kv`` that finds its fence ended (the
+    engine keeps stepping while a request waits for remote KV). A read still
+    deferred after ``WorkerHazards.timeout`` seconds is waited for once
+    more, then failed as a failed transfer is."""
     mod = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker")
+    deferred: list[tuple[Any, str, Any, Transfer, float]] = []
+
+    def post(orig: Any, self: Any, req_id: str, meta: Any, transfer: Transfer | None, wh: WorkerHazards) -> Any:
+        if transfer is not None:
+            try:
+                wh.wait(transfer)
+            except Exception:
+                logger.exception("blockpool: NIXL read of %s not posted: its fence did not end", req_id)
+                return self._handle_failed_transfer(req_id, None, self._recv_failures)
+        return orig(self, req_id, meta)
 
     def wrap_read(orig: Any) -> Any:
         @functools.wraps(orig)
         def _read_blocks_for_req(self: Any, req_id: str, meta: Any) -> Any:
             wire_form = getattr(meta, META_LOAD, None)
             wh = current() if wire_form is not None else None
-            if wh is not None:
-                try:
-                    wh.wait(Transfer.from_wire(wire_form))
-                except Exception:
-                    # Never post the READ into blocks whose earlier accesses may still run.
-                    logger.exception("blockpool: NIXL read of %s not posted: its fence did not end", req_id)
-                    return self._handle_failed_transfer(req_id, None, self._recv_failures)
-            return orig(self, req_id, meta)
+            if wh is None:
+                return orig(self, req_id, meta)
+            transfer = Transfer.from_wire(wire_form)
+            if not wh.has_ended(transfer.fence):
+                deferred.append((self, req_id, meta, transfer, time.monotonic() + wh.timeout))
+                wh.deferred += 1
+                return None
+            return post(orig, self, req_id, meta, None, wh)
 
         return _read_blocks_for_req
 
+    def wrap_start(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def start_load_kv(self: Any, *args: Any, **kwargs: Any) -> Any:
+            wh = current() if deferred else None
+            if wh is not None:
+                read = type(self)._read_blocks_for_req.__wrapped__
+                now = time.monotonic()
+                keep = []
+                for item in deferred:
+                    owner, req_id, meta, transfer, deadline = item
+                    if owner is not self:
+                        keep.append(item)
+                    elif wh.has_ended(transfer.fence):
+                        post(read, self, req_id, meta, None, wh)
+                    elif now >= deadline:
+                        post(read, self, req_id, meta, transfer, wh)
+                    else:
+                        keep.append(item)
+                deferred[:] = keep
+            return orig(self, *args, **kwargs)
+
+        return start_load_kv
+
     patch(mod.NixlPullConnectorWorker, "_read_blocks_for_req", wrap_read)
+    patch(mod.NixlPullConnectorWorker, "start_load_kv", wrap_start)
 
 
 _WORKER_WIRING: dict[str, Callable[[Patcher], None]] = {
@@ -430,6 +552,7 @@ def wire(patch: Patcher, connectors: Iterable[str]) -> list[str]:
     if not names:
         return []
     _wire_base(patch)
+    _wire_runner(patch)
     done = []
     for name in names:
         try:
