@@ -215,16 +215,18 @@ class FenceOps(PoolBase):
         groups: tuple[tuple[list[KVCacheBlock], AccessKind], ...],
         stream: str,
         st: StreamState,
+        withdraw_keys: bool = False,
     ) -> tuple[Token, Fence]:
         fence = self._fence(groups, st) if self.track_hazards else EMPTY_FENCE
         token = self.tracker.issue(stream, fence.tokens)
-        # A transfer writes new content: the destinations' keys named the
-        # content they held before, so they are withdrawn (removed events).
-        for blocks, access in groups:
-            if access is _WRITE:
-                for b in blocks:
-                    if b.block_hash is not None:
-                        self._drop_keys(b, "replaced")
+        if withdraw_keys:
+            # A load writes new content: the destinations' keys named the
+            # content they held before, so they are withdrawn (removed events).
+            for blocks, access in groups:
+                if access is _WRITE:
+                    for b in blocks:
+                        if b.block_hash is not None:
+                            self._drop_keys(b, "replaced")
         if self.track_hazards:
             for blocks, access in groups:
                 self._record(blocks, token, access)
@@ -236,10 +238,12 @@ class FenceOps(PoolBase):
         """Begin copy-on-write / block copies ``(src, dst)`` on ``stream``:
         returns the copy's token (a read of every ``src``, a write of every
         ``dst``) and the fence the copy waits on. Keys a ``dst`` is
-        published under are withdrawn (``BlockRemoved`` events): the copy
-        replaces its content. If the copy fails, the destinations' replaced
-        accesses are restored and they are not published until rewritten.
-        O(len(pairs) + keys withdrawn).
+        published under are kept: as for a step's write, the scheduler
+        publishes a copy-on-write destination for the content the copy
+        writes (vLLM caches the private copy of a partial hit under the
+        prefix it copies). If the copy fails, the destinations' replaced
+        accesses are restored and their keys withdrawn (not published until
+        rewritten). O(len(pairs)).
 
         Raises:
             UnknownStreamError: ``stream`` is not registered.
@@ -273,7 +277,7 @@ class FenceOps(PoolBase):
         if self._inbox or self._leases_on:
             self._sync()
         st = self.tracker.state(stream)
-        return self._begin(((self._data_blocks(blocks, what), access),), stream, st)
+        return self._begin(((self._data_blocks(blocks, what), access),), stream, st, access is _WRITE)
 
     def begin_load(self, blocks: Iterable[KVCacheBlock], stream: str) -> tuple[Token, Fence]:
         """Begin a load (external tier -> GPU) into ``blocks`` on ``stream``

@@ -204,12 +204,17 @@ def test_load_into_a_keyed_block_withdraws_its_keys(pool: HazardAwareBlockPool) 
     pool.check()
 
 
-def test_copy_into_a_keyed_block_withdraws_its_keys(pool: HazardAwareBlockPool) -> None:
+def test_copy_keeps_the_key_published_for_the_content_it_writes(pool: HazardAwareBlockPool) -> None:
+    # vLLM publishes a copy-on-write destination (a partial hit's private
+    # copy) under the prefix the copy writes into it, before the copy runs.
     src, dst = pool.get_new_blocks(2)
     pool.cache_full_blocks([src, dst], ["ks", "kd"], 0, 2)
-    pool.begin_copy([(src, dst)], "compute")
-    assert pool.get_cached_block("kd") is None
+    copy, _ = pool.begin_copy([(src, dst)], "compute")
+    assert pool.get_cached_block("kd") is dst
     assert pool.get_cached_block("ks") is src  # the source is only read
+    pool.fail(copy)  # ... unless the copy fails
+    pool.poll()
+    assert pool.get_cached_block("kd") is None
 
 
 def test_store_keeps_the_keys_of_its_source(pool: HazardAwareBlockPool) -> None:

@@ -103,8 +103,9 @@ class PoolMachine(RuleBasedStateMachine):
             self.hb.access(ids_, token, access)
             if access is WRITE:
                 self.invalid -= set(ids_)
-                for b in ids_:  # a transfer's new content withdraws the old keys
-                    self.keys.pop(b, None)
+                if kind == "load":  # a load's new content withdraws the old keys
+                    for b in ids_:  # (a copy's destination keeps keys published for it)
+                        self.keys.pop(b, None)
                 self.loads.setdefault(token, []).extend(ids_)
         self.tokens.append(token)
         self.transfers.add(token)
