@@ -22,14 +22,14 @@ torch = pytest.importorskip("torch")
 if not os.environ.get("BLOCKPOOL_TEST_HF_FIXTURES"):
     pytest.skip("no shape-only model configs (../shared/vllm-parity/hf)", allow_module_level=True)
 
-from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token  # noqa: E402
-from blockpool.integrations import vllm as plugin  # noqa: E402
-from blockpool.integrations import vllm_connectors as vc  # noqa: E402
-from blockpool.integrations import vllm_worker as vw  # noqa: E402
-from blockpool.integrations.vllm_hazards import StepRecord, Transfer  # noqa: E402
-from blockpool.sanitizer import RaceOracle  # noqa: E402
-from blockpool.testing_streams import StandInDevice  # noqa: E402
-from blockpool.torch_events import EventLedger  # noqa: E402
+from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token
+from blockpool.integrations import vllm as plugin
+from blockpool.integrations import vllm_connectors as vc
+from blockpool.integrations import vllm_worker as vw
+from blockpool.integrations.vllm_hazards import StepRecord, Transfer
+from blockpool.sanitizer import RaceOracle
+from blockpool.testing_streams import StandInDevice
+from blockpool.torch_events import EventLedger
 
 BS = 16
 MOONCAKE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store"
@@ -67,10 +67,10 @@ def make_scheduler(
         VllmConfig,
         set_current_vllm_config,
     )
+    from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.utils.hashing import sha256
 
     init_none_hash(sha256)
     model = ModelConfig(model="facebook/opt-125m", trust_remote_code=True, dtype="float16", seed=42)
@@ -372,7 +372,7 @@ def test_mooncake_load_into_untouched_blocks_has_an_empty_fence(registered: bool
 @pytest.mark.parametrize("registered", [True], indirect=True)
 def test_mooncake_completions_end_the_transfers_in_the_pool(registered: bool) -> None:
     scheduler = make_scheduler("MooncakeStoreConnector")
-    out2, meta, table, _ = run_seed_scenario(scheduler)
+    out2, meta, _, _ = run_seed_scenario(scheduler)
     load = Transfer.from_wire(getattr(meta, vc.META_LOAD))
     core = scheduler.kv_cache_manager.block_pool.core
     assert not core.is_ended(load.token)
@@ -506,7 +506,8 @@ def nixl_worker_wrappers() -> tuple[Any, Any]:
     posted: list[str] = []
 
     class PullWorker:  # the two methods the wrappers wrap
-        _recv_failures: set[str] = set()
+        def __init__(self) -> None:
+            self._recv_failures: set[str] = set()
 
         def _handle_failed_transfer(self, req_id: str, handle: Any, failed: set[str]) -> bool:
             posted.append(f"failed {req_id}")

@@ -11,12 +11,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from blockpool.hazards import Fence, StreamKind, Token  # noqa: E402
-from blockpool.integrations import vllm_worker as vw  # noqa: E402
-from blockpool.integrations.vllm_connectors import META_STEP  # noqa: E402
-from blockpool.integrations.vllm_hazards import StepRecord, Transfer  # noqa: E402
-from blockpool.testing_streams import StandInDevice  # noqa: E402
-from blockpool.torch_events import EventLedger  # noqa: E402
+from blockpool.hazards import EMPTY_FENCE, Fence, StreamKind, Token
+from blockpool.integrations import vllm_worker as vw
+from blockpool.integrations.vllm_connectors import META_STEP
+from blockpool.integrations.vllm_hazards import StepRecord, Transfer
+from blockpool.testing_streams import StandInDevice
+from blockpool.torch_events import EventLedger
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def wh(dev: StandInDevice) -> Iterator[vw.WorkerHazards]:
     vw.install(None)
 
 
-def step_meta(index: int, forward: int, copies: int | None, forward_fence: Fence = Fence()) -> Any:
+def step_meta(index: int, forward: int, copies: int | None, forward_fence: Fence = EMPTY_FENCE) -> Any:
     rec = StepRecord(index, Token("compute", forward), None if copies is None else Token("compute", copies))
     meta = SimpleNamespace()
     setattr(meta, META_STEP, (rec.to_wire(), forward_fence.to_wire()))

@@ -62,7 +62,7 @@ from typing import Any
 
 import attrs
 
-from blockpool.hazards import Fence, StreamKind
+from blockpool.hazards import StreamKind
 from blockpool.integrations.vllm_hazards import StepHazards, Transfer
 
 __all__ = [
@@ -71,9 +71,14 @@ __all__ = [
     "META_LOAD",
     "META_STEP",
     "META_STORE",
+    "ConnectorSpec",
     "ConnectorWiring",
     "attach",
+    "group_block_sizes",
+    "leaf_connectors",
     "load_block_ids",
+    "report_unwired",
+    "unwire",
     "wire",
     "wired_names",
     "wiring_of",
@@ -650,8 +655,3 @@ def report_unwired(connector: object) -> list[str]:
                 ", ".join(sorted(_WIRED)) or "none",
             )
     return out
-
-
-def fence_of(wire_form: Any) -> Fence:
-    """The fence of a :data:`META_LOAD` / :data:`META_STORE` wire form."""
-    return Transfer.from_wire(wire_form).fence
