@@ -605,7 +605,8 @@ EOF
 }
 
 # OWN TESTS: tests/test_vllm_*.py in the venv, from the repo root (the
-# adapter against vLLM's own BlockPool, the plugin loader end to end).
+# adapter against vLLM's own BlockPool, the plugin loader end to end, the
+# connector wiring on vLLM's real Scheduler: tests/test_vllm_connectors.py).
 run_own_tests() {
   if ! plugin_available; then
     log "own tests skipped: $PLUGIN_FILE does not exist yet"
@@ -616,7 +617,7 @@ run_own_tests() {
   log "own tests: pytest tests/test_vllm_*.py in $VENV_DIR (log: $log)"
   ( cd "$REPO_ROOT" && env -u VLLM_PLUGINS -u BLOCKPOOL_VLLM_PLUGIN PYTHONDONTWRITEBYTECODE=1 \
       timeout "$PASS_TIMEOUT" "$VENV_PY" -m pytest -p no:cacheprovider -q -rs \
-        tests/test_vllm_adapter.py tests/test_vllm_plugin.py tests/test_vllm_hazards.py \
+        tests/test_vllm_*.py \
   ) >"$log" 2>&1 || rc=$?
   printf 'own-tests: %s\n' "$(tail -n 1 "$log")"
   # A skip here means vLLM or our entry point was not found: the proof is incomplete.
