@@ -45,7 +45,8 @@ from blockpool._caching import CacheOps
 from blockpool._fences import FenceOps
 from blockpool._introspection import IntrospectionOps
 from blockpool._tokens import TokenOps
-from blockpool.block import FreeBlockQueue, KVCacheBlock, NullBlock, block_class_for_pool
+from blockpool.block import KVCacheBlock, NullBlock, block_class_for_pool
+from blockpool.eviction import EVICTION_POLICIES, PolicyFreeBlockQueue, UnknownEvictionPolicyError, make_free_queue
 from blockpool.errors import (
     InvalidArgumentError,
     NoFreeBlocksError,
@@ -54,9 +55,12 @@ from blockpool.errors import (
 from blockpool.events import MEDIUM_GPU, KVCacheEvent
 from blockpool.hazards import EMPTY_FENCE, LAST_STEP, AccessKind, Fence, FreeTag, StreamKind, Token
 from blockpool.prefix_cache import PrefixCache
-from blockpool.tracker import HazardTracker
+from blockpool.tracker import HazardTracker, StreamState
 
-__all__ = ["HazardAwareBlockPool"]
+__all__ = ["PLACEMENTS", "HazardAwareBlockPool"]
+
+PLACEMENTS: tuple[str, ...] = ("lru", "ready_first")
+"""Placement modes of :meth:`HazardAwareBlockPool.allocate_for`."""
 
 
 class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
@@ -86,14 +90,33 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             always means the key is gone; ``"each"`` whenever a block loses
             it, even while another block still holds it (vLLM 0.33's events,
             which the vLLM adapter reproduces).
+        eviction: Which free cached block loses its keys first:
+            ``"lru"`` (default: vLLM's order, exactly), ``"s3fifo"`` or
+            ``"2q"`` (keep blocks that were hit longer; see
+            :mod:`blockpool.eviction` for each policy and its source).
+        placement: Which free blocks :meth:`allocate_for` hands out:
+            ``"lru"`` (default: the queue's front, as :meth:`get_new_blocks`)
+            or ``"ready_first"``: free *unkeyed* blocks whose shadow is
+            empty for the consumer (every access on them ended, or the
+            consumer is already ordered after it) first, in queue order,
+            then the rest in queue order. It looks at most
+            ``n + PLACEMENT_SCAN`` blocks of the queue's unkeyed front;
+            cached blocks keep their order. Only :meth:`allocate_for`
+            places; :meth:`get_new_blocks` has no consumer to place for.
 
     Raises:
         InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``, a
             stream spec is bad, or ``removal_events`` is not ``"last"`` or
             ``"each"``.
+        UnknownEvictionPolicyError: ``eviction`` or ``placement`` is not a
+            known name (an :class:`InvalidArgumentError`).
 
     Runtime complexity: construction is O(num_gpu_blocks).
     """
+
+    PLACEMENT_SCAN = 4096
+    """Unkeyed free blocks ``placement="ready_first"`` looks at beyond the
+    ``n`` it needs, at most (bounds the cost of one allocation)."""
 
     def __init__(
         self,
@@ -109,6 +132,8 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         debug: bool = False,
         medium: str = MEDIUM_GPU,
         removal_events: str = "last",
+        eviction: str = "lru",
+        placement: str = "lru",
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool) or num_gpu_blocks < 1:
             raise InvalidArgumentError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
@@ -116,7 +141,17 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             raise InvalidArgumentError(f"lease_timeout must be > 0 or None, got {lease_timeout!r}")
         if removal_events not in ("last", "each"):
             raise InvalidArgumentError(f"removal_events must be 'last' or 'each', got {removal_events!r}")
+        if placement not in PLACEMENTS:
+            raise UnknownEvictionPolicyError(
+                f"unknown placement {placement!r}; choose from {', '.join(PLACEMENTS)}"
+            )
+        if eviction not in EVICTION_POLICIES:
+            make_free_queue(eviction, [], 0)  # raises the typed error
         self._removal_each = removal_events == "each"
+        self.eviction = eviction
+        self.placement = placement
+        self._ready_first = placement == "ready_first"
+        self.placed_ready = 0  # blocks ready_first placement handed out ahead of the queue's front
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -134,7 +169,10 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         # Sized exactly (a list grown by appends keeps up to 1/8 spare slots).
         self.blocks: list[KVCacheBlock] = [self.null_block] * num_gpu_blocks
         self.blocks[1:] = map(block_cls, range(1, num_gpu_blocks))
-        self.free_block_queue = FreeBlockQueue(self.blocks[1:])
+        self.free_block_queue = make_free_queue(eviction, self.blocks[1:], num_gpu_blocks)
+        if eviction != "lru":
+            # The policy counts hits; LRU keeps the class's _touch untouched.
+            self._touch = self._touch_counted  # type: ignore[method-assign]
 
         self.prefix_cache = PrefixCache()
         self.kv_event_queue: list[KVCacheEvent] = []
@@ -278,10 +316,74 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             )
         if hit_list:
             self._touch(hit_list)
-        new = self._take(n)
+        new = self._take_ready(n, st) if self._ready_first and n and self.track_hazards else self._take(n)
         if not self.track_hazards:
             return new, EMPTY_FENCE
         return new, self._fence(((hit_list, _READ), (new, access)), st)
+
+    def _take_ready(self, n: int, st: StreamState) -> list[KVCacheBlock]:
+        """``placement="ready_first"``: ``n`` free blocks for a consumer on
+        ``st``, unkeyed blocks with an empty shadow for it first (see the
+        class docstring), then the queue's front. Readiness is decided once
+        per distinct shadow (blocks freed together share it).
+        O(n + PLACEMENT_SCAN)."""
+        q = self.free_block_queue
+        b = q.head.next_free_block
+        tail = q.tail
+        limit = n + self.PLACEMENT_SCAN
+        ready: list[KVCacheBlock] = []
+        lw: object = _UNSET
+        lr: object = _UNSET
+        ok = False
+        scanned = 0
+        while b is not tail and scanned < limit:
+            assert b is not None
+            if b.block_hash is not None or b.block_id < 0:
+                break  # the cached part (or the policy queue's divider)
+            w, r = b.writer, b.readers
+            if w is not lw or r is not lr:
+                lw, lr = w, r
+                ok = self._shadow_ready(w, r, st)
+            if ok:
+                ready.append(b)
+                if len(ready) == n:
+                    break
+            scanned += 1
+            b = b.next_free_block
+        if not ready:
+            return self._take(n)
+        for b in ready:
+            q.remove(b)
+        freq = q.freq if isinstance(q, PolicyFreeBlockQueue) else None
+        invalid, partial, retired = self._invalid, self._partial, self._retired
+        for b in ready:
+            b.ref_cnt = 1
+            bid = b.block_id
+            if freq:
+                freq.pop(bid, None)
+            if invalid:
+                invalid.discard(bid)
+            if partial or retired:
+                partial.discard(bid)
+                retired.pop(bid, None)
+        self.placed_ready += len(ready)
+        return ready + self._take(n - len(ready)) if len(ready) < n else ready
+
+    def _shadow_ready(self, w: Token | None, r: Token | tuple[Token, ...] | None, st: StreamState) -> bool:
+        """Whether a write by ``st`` to a block with shadow ``(w, r)`` waits
+        on nothing. O(k^2), k = tokens in the shadow."""
+        if w is None and r is None:
+            return True
+        toks: list[Token] = [] if w is None else [w]
+        if r is not None:
+            toks.extend((r,) if type(r) is Token else r)  # type: ignore[arg-type]
+        return not self.tracker.reduce(toks, st)
+
+    def _touch_counted(self, blocks: list[KVCacheBlock]) -> None:
+        """:meth:`_touch` for a non-LRU eviction policy: the queue counts
+        the hits first. O(len(blocks))."""
+        self.free_block_queue.on_hit(blocks)  # type: ignore[attr-defined]
+        HazardAwareBlockPool._touch(self, blocks)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to each block (prefix hit or pin); a block with ref

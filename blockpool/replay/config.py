@@ -41,6 +41,21 @@ def _fraction(_: object, a: attrs.Attribute, v: object) -> None:  # type: ignore
         raise InvalidArgumentError(f"{a.name} must be in [0, 1], got {v!r}")
 
 
+def _known_eviction(v: object) -> None:
+    from blockpool.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError
+
+    if v not in EVICTION_POLICIES:
+        raise UnknownEvictionPolicyError(f"unknown eviction policy {v!r}; choose from {', '.join(EVICTION_POLICIES)}")
+
+
+def _known_placement(v: object) -> None:
+    from blockpool.eviction import UnknownEvictionPolicyError
+    from blockpool.pool import PLACEMENTS
+
+    if v not in PLACEMENTS:
+        raise UnknownEvictionPolicyError(f"unknown placement {v!r}; choose from {', '.join(PLACEMENTS)}")
+
+
 @attrs.frozen(slots=True)
 class ReplayConfig:
     """Everything a replay depends on besides the trace and the policy.
@@ -70,6 +85,12 @@ class ReplayConfig:
         load_streams, store_streams: ``(cpu offload, remote)`` stream names.
         check_every: Call ``pool.check()`` every this many steps (0: never).
         timeline: Works kept per stream for the timeline plot.
+        eviction: The pool's eviction policy (``"lru"``, ``"s3fifo"``,
+            ``"2q"``; :mod:`blockpool.eviction`).
+        placement: The pool's placement (``"lru"`` or ``"ready_first"``);
+            with ``"ready_first"`` the scheduler also allocates a load's
+            blocks with ``allocate_for(n, load stream)`` (placed for the
+            load) instead of ``get_new_blocks``.
 
     Raises:
         InvalidArgumentError: a bad figure, or streams that lack one named here.
@@ -92,6 +113,8 @@ class ReplayConfig:
     store_streams: tuple[str, str] = ("d2h", "xfer")
     check_every: int = attrs.field(default=0, validator=_int_at_least(0))
     timeline: int = attrs.field(default=300, validator=_int_at_least(0))
+    eviction: str = attrs.field(default="lru", validator=lambda _, __, v: _known_eviction(v))
+    placement: str = attrs.field(default="lru", validator=lambda _, __, v: _known_placement(v))
 
     def __attrs_post_init__(self) -> None:
         names = {"compute", *self.load_streams, *self.store_streams}

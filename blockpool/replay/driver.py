@@ -55,10 +55,14 @@ class _Scheduler(StepBuilder):
         cfg: ReplayConfig,
         events: EventLog | None,
         progress: Callable[[int], None] | None,
+        label: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.bs = cfg.block_size
-        self.m = Machine(policy, dict(cfg.streams), cfg.num_blocks, cfg.block_size, cfg.seed, events, cfg.timeline)
+        self.m = Machine(
+            policy, dict(cfg.streams), cfg.num_blocks, cfg.block_size, cfg.seed, events, cfg.timeline,
+            eviction=cfg.eviction, placement=cfg.placement, label=label,
+        )  # fmt: skip
         self.pool = self.m.pool
         self.block_bytes = cfg.cost.block_bytes(cfg.block_size)
         self.store = ExternalStore(cfg.store_capacity_blocks)
@@ -314,6 +318,7 @@ def run_policy(
     *,
     events: EventLog | None = None,
     progress: Callable[[int], None] | None = None,
+    label: str | None = None,
 ) -> PolicyResult:
     """Replay ``requests`` under ``policy`` and return its figures.
 
@@ -324,6 +329,7 @@ def run_policy(
         events: Write every issue, wait, access and completion here.
         progress: Called with the number of requests done so far (finished,
             aborted or rejected), every 64 and at the end.
+        label: The result's (and the events') policy name (default: ``policy``).
 
     Returns:
         The :class:`~blockpool.replay.report.PolicyResult`.
@@ -337,6 +343,6 @@ def run_policy(
     """
     cfg = config if config is not None else ReplayConfig()
     t0 = time.perf_counter()
-    sched = _Scheduler(tuple(requests), policy, cfg, events, progress)
+    sched = _Scheduler(tuple(requests), policy, cfg, events, progress, label)
     sched.run()
     return sched.result(time.perf_counter() - t0)

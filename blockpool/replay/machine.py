@@ -60,10 +60,14 @@ class Machine:
         seed: int,
         events: EventLog | None = None,
         timeline: int = 0,
+        *,
+        eviction: str = "lru",
+        placement: str = "lru",
+        label: str | None = None,
     ) -> None:
         kinds = {n: s.kind for n, s in streams.items()}
         self.kinds = kinds
-        self.policy_name = policy
+        self.policy_name = label if label is not None else policy
         self.newest: dict[str, Token] = {}
         self.now = 0.0
         self.raw_pool = HazardAwareBlockPool(
@@ -73,6 +77,8 @@ class Machine:
             track_hazards=policy != "blind",
             streams=kinds,
             clock=lambda: self.now,
+            eviction=eviction,
+            placement=placement,
         )
         self.pool = TimedPool(self.raw_pool)
         self.sim = StreamSimulator(streams, seed=seed, pool=self.pool, timeline=timeline)
@@ -94,6 +100,14 @@ class Machine:
             ws = self.policy.waits(fence, stream)
             if ws:
                 self._pending[stream].extend(ws)
+
+    def alloc_fence(self, fence: Fence, stream: str) -> None:
+        """The fence of an allocation for ``stream`` whose access begins
+        later: a ``DEVICE`` stream waits on it before its next token (as
+        :meth:`device_fence`); a ``HOST`` engine keeps no standing order, so
+        the fence of the access itself names the same tokens again. O(len(fence))."""
+        if self.kinds[stream] is StreamKind.DEVICE:
+            self.device_fence(fence, stream)
 
     def _take(self, stream: str, extra: Iterable[Token] = ()) -> list[Token]:
         """Pending waits of ``stream`` plus ``extra``, newest per DEVICE stream."""

@@ -12,6 +12,8 @@ Definitions (``docs/replay.md`` has the long form):
 - **throughput**: prompt + output tokens of finished requests per simulated
   second of makespan (``output_tok_s``: output tokens only).
 - **pool ns/op**: real wall time spent inside pool operations, per call.
+- **hit%**: prefix-cache hit rate, blocks found over blocks looked up by
+  admissions.
 
 >>> percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50), percentile([], 99)
 (3.0, 0.0)
@@ -104,6 +106,15 @@ class PolicyResult:
         return percentile(self.load_delays_ms, 99)
 
     @property
+    def prefix_hit_rate_pct(self) -> float:
+        """Prefix-cache hit rate, %: blocks found by admissions' prefix
+        lookups over the blocks they looked up (each admission looks up at
+        most ``(tokens - 1) // block_size`` blocks, vLLM's query; loads and
+        copy-on-write are not hits). 0 with no lookup."""
+        q = self.counts.get("prefix_query_blocks", 0)
+        return 100.0 * self.counts.get("prefix_hit_blocks", 0) / q if q else 0.0
+
+    @property
     def throughput_tok_s(self) -> float:
         """Prompt + output tokens of finished requests per simulated second."""
         return self.tokens_served / self.makespan_s if self.makespan_s else 0.0
@@ -131,6 +142,7 @@ class PolicyResult:
                 "p99": round(self.load_delay_p99_ms, 6),
                 "max": round(max(self.load_delays_ms, default=0.0), 6),
             },
+            "prefix_hit_rate_pct": round(self.prefix_hit_rate_pct, 3),
             "makespan_s": round(self.makespan_s, 6),
             "tokens_served": self.tokens_served,
             "output_tokens": self.output_tokens,
@@ -219,10 +231,10 @@ def format_table(report: ReplayReport) -> str:
     as such; a policy with no loads shows ``n/a`` for the load figures.
     O(policies)."""
     head = (
-        "policy", "races", "loads", "empty%", "mean delay ms", "p99 delay ms",
+        "policy", "races", "loads", "empty%", "mean delay ms", "p99 delay ms", "hit%",
         "makespan s", "tok/s", "ns/op", "wall s",
     )  # fmt: skip
-    kind = ("", "", "", "", "simulated", "simulated", "simulated", "simulated", "measured", "measured")
+    kind = ("", "", "", "", "simulated", "simulated", "counted", "simulated", "simulated", "measured", "measured")
     rows = [head, kind]
     for r in report.results:
         loads = bool(r.loads)
@@ -234,6 +246,7 @@ def format_table(report: ReplayReport) -> str:
                 f"{r.loads_empty_fence_pct:.1f}" if loads else "n/a",
                 f"{r.load_delay_mean_ms:.3f}" if loads else "n/a",
                 f"{r.load_delay_p99_ms:.3f}" if loads else "n/a",
+                f"{r.prefix_hit_rate_pct:.2f}",
                 f"{r.makespan_s:.1f}",
                 f"{r.throughput_tok_s:.0f}",
                 f"{r.pool_ns_per_op:.0f}",

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from blockpool.errors import InvalidArgumentError
 from blockpool.replay.config import ReplayConfig
 from blockpool.replay.driver import run_policy
@@ -48,21 +50,40 @@ def _init(counts: Any) -> None:
 
 def _one(
     requests: tuple[TraceRequest, ...],
-    policy: str,
+    unit: tuple[str, str, str, str],
     index: int,
     config: ReplayConfig,
     part: str | None,
     progress: Callable[[int], None] | None,
 ) -> PolicyResult:
+    label, policy, eviction, placement = unit
+    config = attrs.evolve(config, eviction=eviction, placement=placement)
     if progress is None and _counts is not None:
 
         def progress(n: int) -> None:
             _counts[index] = n
 
     if part is None:
-        return run_policy(requests, policy, config, progress=progress)
+        return run_policy(requests, policy, config, progress=progress, label=label)
     with open(part, "w", encoding="utf-8") as f:
-        return run_policy(requests, policy, config, events=EventLog(f, {"part": policy}), progress=progress)
+        return run_policy(
+            requests, policy, config, events=EventLog(f, {"part": label}), progress=progress, label=label
+        )
+
+
+def units(
+    names: Sequence[str], evictions: Sequence[str] | None, placements: Sequence[str] | None, config: ReplayConfig
+) -> list[tuple[str, str, str, str]]:
+    """The runs of a replay: ``(label, policy, eviction, placement)`` for
+    every policy x eviction x placement, in that nesting order. The label
+    is the policy name alone when neither list was given (the config's
+    eviction and placement then apply), else ``policy/eviction/placement``.
+    O(product of the lengths)."""
+    if evictions is None and placements is None:
+        return [(n, n, config.eviction, config.placement) for n in names]
+    evs = list(evictions) if evictions is not None else [config.eviction]
+    pls = list(placements) if placements is not None else [config.placement]
+    return [(f"{n}/{e}/{p}", n, e, p) for n in names for e in evs for p in pls]
 
 
 def replay(
@@ -73,6 +94,8 @@ def replay(
     jobs: int = 1,
     events: str | os.PathLike[str] | None = None,
     progress: Callable[[int], None] | None = None,
+    evictions: Sequence[str] | None = None,
+    placements: Sequence[str] | None = None,
 ) -> ReplayReport:
     """Replay ``trace`` under each policy (same trace, same seed).
 
@@ -85,6 +108,9 @@ def replay(
         events: Write the event log (schema ``blockpool.events/1``) here.
         progress: Called with the number of requests done so far over all
             policies (each policy counts up to ``len(trace.requests)``).
+        evictions, placements: Run every policy under each of these pool
+            eviction policies and placements (results labelled
+            ``policy/eviction/placement``); ``None``: the config's.
 
     Returns:
         The :class:`~blockpool.replay.report.ReplayReport`.
@@ -92,6 +118,7 @@ def replay(
     Raises:
         UnknownPolicyError: an unknown policy name.
         InvalidArgumentError: ``jobs < 1``.
+        UnknownEvictionPolicyError: an unknown eviction policy or placement.
         ReplayError: a policy's replay stalled or leaked blocks.
         OSError: the event log cannot be written.
 
@@ -102,22 +129,30 @@ def replay(
     cfg = config if config is not None else ReplayConfig()
     if not isinstance(jobs, int) or jobs < 1:
         raise InvalidArgumentError(f"jobs must be an int >= 1, got {jobs!r}")
+    for e in evictions or ():
+        attrs.evolve(cfg, eviction=e)  # raises the typed error before any run
+    for p in placements or ():
+        attrs.evolve(cfg, placement=p)
+    runs = units(names, evictions, placements, cfg)
+    labels = tuple(u[0] for u in runs)
     requests = trace.requests
-    parts: list[str | None] = [f"{os.fspath(events)}.{name}.part" if events is not None else None for name in names]
+    parts: list[str | None] = [
+        f"{os.fspath(events)}.{u[0].replace('/', '_')}.part" if events is not None else None for u in runs
+    ]
     t0 = time.perf_counter()
-    jobs = min(jobs, len(names))
+    jobs = min(jobs, len(runs))
     try:
         if jobs == 1:
             results = []
-            for i, name in enumerate(names):
+            for i, unit in enumerate(runs):
                 base = i * len(requests)
                 cb = (lambda n, base=base: progress(base + n)) if progress is not None else None
-                results.append(_one(requests, name, i, cfg, parts[i], cb))
+                results.append(_one(requests, unit, i, cfg, parts[i], cb))
         else:
-            results = _parallel(requests, names, cfg, parts, jobs, progress)
+            results = _parallel(requests, runs, cfg, parts, jobs, progress)
         wall = time.perf_counter() - t0
         if events is not None:
-            _join(Path(events), [p for p in parts if p is not None], trace, names, cfg)
+            _join(Path(events), [p for p in parts if p is not None], trace, labels, cfg)
     finally:
         for part in parts:
             if part is not None and os.path.exists(part):
@@ -127,7 +162,7 @@ def replay(
         format=trace.format,
         requests=len(requests),
         skipped=tuple(str(s) for s in trace.skipped),
-        config={**cfg.to_json(), "policies": list(names)},
+        config={**cfg.to_json(), "policies": list(labels)},
         results=tuple(results),
         wall_s=wall,
     )
@@ -135,7 +170,7 @@ def replay(
 
 def _parallel(
     requests: tuple[TraceRequest, ...],
-    names: tuple[str, ...],
+    names: list[tuple[str, str, str, str]],
     cfg: ReplayConfig,
     parts: list[str | None],
     jobs: int,

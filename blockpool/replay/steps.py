@@ -195,6 +195,7 @@ class StepBuilder:
             r.keys = BlockKeys(r.trace.key_segments(), bs)
         keys, total = r.keys, r.num_tokens
         limit = min((total - 1) // bs, len(keys.full))
+        self.c["prefix_query_blocks"] += limit
         hits: list[KVCacheBlock] = []
         for i in range(limit):
             b = pool.get_cached_block(keys.full[i])
@@ -221,7 +222,12 @@ class StepBuilder:
             return None
         new, fence = pool.allocate_for(n_new, "compute", hits=pins)
         self.m.device_fence(fence, "compute")
-        loaded = pool.get_new_blocks(j - h) if j > h else []
+        if j > h and self.cfg.placement != "lru":
+            # Placed for the load's stream (ready blocks first).
+            loaded, lfence = pool.allocate_for(j - h, stream)
+            self.m.alloc_fence(lfence, stream)
+        else:
+            loaded = pool.get_new_blocks(j - h) if j > h else []
         r.blocks = [*hits, *loaded, *new]
         r.num_cached = h
         self.waiting.popleft()
