@@ -13,8 +13,10 @@ rank) turns them into waits:
   step's block copies were enqueued on the compute stream), the copy token
   is recorded on the compute stream and the compute stream waits on the
   forward's fence (usually empty);
-- when the forward was launched (the connector's ``wait_for_save``), the
-  forward token ``eN`` is recorded on the compute stream;
+- right after the forward was launched, before the connectors' async loads
+  start (``KVConnectorModelRunnerMixin._get_kv_connector_output``; Model
+  Runner V2: ``ActiveKVConnector.post_forward``), the forward token ``eN``
+  is recorded on the compute stream, whichever connectors are wired;
 - **MooncakeStore**: the receive thread waits on the host for its load's
   fence before it issues the GETs (:meth:`EventLedger.wait_host`), and the
   send thread, where vLLM synchronizes one event recorded after the whole
@@ -26,8 +28,9 @@ rank) turns them into waits:
   kernels, after vLLM's own ``wait_stream(compute)`` barrier (kept: it also
   orders the zeroing of new blocks, which the pool does not track), and the
   job's token is recorded on that stream after them;
-- **NIXL** (pull mode): the worker waits on the host for a read's fence
-  before it posts the READ into the decode blocks.
+- **NIXL** (pull mode): the worker posts READs from its main thread, which
+  must not block; a read whose fence has not ended is deferred and posted
+  by the first later ``start_load_kv`` that finds the fence ended.
 
 :func:`install` sets the process's :class:`WorkerHazards` (tests pass CPU
 stand-ins, :mod:`blockpool.testing_streams`); without one, the first wired
@@ -60,7 +63,16 @@ from blockpool.integrations.vllm_connectors import (
 from blockpool.integrations.vllm_hazards import StepRecord, Transfer
 from blockpool.torch_events import EventLedger, event_factory
 
-__all__ = ["FenceWait", "WorkerHazards", "current", "install", "offload_transfer_async", "wire"]
+__all__ = [
+    "FenceWait",
+    "WorkerHazards",
+    "current",
+    "forward_launched",
+    "install",
+    "offload_transfer_async",
+    "step_of",
+    "wire",
+]
 
 logger = logging.getLogger("vllm.plugins.blockpool")
 
