@@ -224,7 +224,7 @@ def test_mooncake_get_into_a_cow_destination_waits_for_exactly_the_copy(register
     d = table[2]
     assert [(c.src_block_id, c.dst_block_id) for c in out2.kv_cache_block_copies] == [(src, d)]
     step = StepRecord.from_wire(getattr(out2.kv_connector_metadata, vc.META_STEP)[0])
-    assert step.copies is not None
+    assert step.copies is not None and (step.copies.stream, step.copies.kind) == ("compute", StreamKind.DEVICE)
     load = Transfer.from_wire(getattr(meta, vc.META_LOAD))
     assert load.block_ids == (d, table[3])
     assert load.token.stream == "mooncake_store" and load.token.kind is StreamKind.HOST
