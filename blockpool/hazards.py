@@ -83,11 +83,6 @@ class Token:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"seq must be an int >= 1, got {value!r}")
 
-    @property
-    def is_host(self) -> bool:
-        """True when the token belongs to a ``HOST`` engine."""
-        return self.kind is StreamKind.HOST
-
     def __str__(self) -> str:
         return f"{self.stream}:{self.seq}"
 
