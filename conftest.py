@@ -4,7 +4,13 @@ dependencies are not installed (vLLM, torch, matplotlib)."""
 import importlib.util
 
 # vllm_pytest installs our pool into vLLM on import: never collect it.
-collect_ignore_glob = ["benchmarks/*", "scripts/*", "blockpool/integrations/vllm_pytest.py"]
+# blockpool/sanitizer.py is a deprecated alias that warns on import.
+collect_ignore_glob = [
+    "benchmarks/*",
+    "scripts/*",
+    "blockpool/integrations/vllm_pytest.py",
+    "blockpool/sanitizer.py",
+]
 
 
 def _missing(mod: str) -> bool:

@@ -17,7 +17,7 @@ from blockpool.replay.report import ReplayReport
 from blockpool.replay.run import replay
 from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
 from blockpool.replay.traces import Trace, read_trace
-from blockpool.sanitizer import RaceOracle
+from blockpool.race_oracle import RaceOracle
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 CONVERSATION = TRACES / "conversation_trace.jsonl"

@@ -27,7 +27,7 @@ from blockpool.integrations import vllm as plugin  # noqa: E402
 from blockpool.integrations import vllm_connectors as vc  # noqa: E402
 from blockpool.integrations import vllm_worker as vw  # noqa: E402
 from blockpool.integrations.vllm_hazards import StepRecord, Transfer  # noqa: E402
-from blockpool.sanitizer import RaceOracle  # noqa: E402
+from blockpool.race_oracle import RaceOracle  # noqa: E402
 from blockpool.testing_streams import StandInDevice  # noqa: E402
 from blockpool.torch_events import EventLedger  # noqa: E402
 
