@@ -57,7 +57,8 @@ class IntrospectionOps(PoolBase):
         return sorted(self._held)
 
     def expired_leases(self) -> list[int]:
-        """Held blocks whose lease expired (still quarantined), sorted."""
+        """Held blocks whose lease expired (still quarantined), sorted.
+        O(h log h), h = expired held blocks."""
         self._apply_completions()
         return sorted(self._expired)
 
@@ -111,6 +112,9 @@ class IntrospectionOps(PoolBase):
         blocks; saved shadows of pending writes belong to tokens that have
         not ended and to this pool's data blocks; invalid marks name data
         blocks. O(num_gpu_blocks + cached keys + held + pending writes).
+
+        Raises:
+            InvariantError: an invariant is broken (the first one found).
         """
         free_list = self.free_block_queue.check()
         free_ids = [b.block_id for b in free_list]

@@ -130,7 +130,7 @@ class TokenOps(PoolBase):
 
     def is_ended(self, token: Token) -> bool:
         """Whether ``token`` is known to have ended (completed or failed).
-        Applies queued completions first.
+        Applies queued completions first. O(1) after them.
 
         Raises:
             UnknownStreamError, UnknownTokenError: the pool never issued ``token``.

@@ -68,7 +68,7 @@ class KVCacheBlock:
         self.readers: Token | tuple[Token, ...] | None = None
 
     def reset_hash(self) -> None:
-        """Forget the primary key (the pool removes the map entries)."""
+        """Forget the primary key (the pool removes the map entries). O(1)."""
         self.block_hash = None
         self.block_hash_num_tokens = None
 

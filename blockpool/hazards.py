@@ -190,7 +190,8 @@ class Fence:
         )
 
     def explain(self) -> str:
-        """Human-readable account of each token (debug mode fills reasons)."""
+        """Human-readable account of each token (debug mode fills reasons).
+        O(len(tokens) + len(reasons))."""
         if not self.tokens:
             return "empty fence: nothing to wait on"
         if not self.reasons:
@@ -203,7 +204,8 @@ class Fence:
 
     @classmethod
     def from_wire(cls, data: tuple[list[tuple[str, int, str]], bool]) -> Fence:
-        """Inverse of :meth:`to_wire`."""
+        """Inverse of :meth:`to_wire`. O(len(tokens)). Raises
+        ``ValueError``/``TypeError`` on malformed data."""
         tokens, host = data
         return cls([Token.from_wire(t) for t in tokens], bool(host))
 
