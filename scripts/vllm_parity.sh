@@ -616,7 +616,7 @@ run_own_tests() {
   log "own tests: pytest tests/test_vllm_*.py in $VENV_DIR (log: $log)"
   ( cd "$REPO_ROOT" && env -u VLLM_PLUGINS -u BLOCKPOOL_VLLM_PLUGIN PYTHONDONTWRITEBYTECODE=1 \
       timeout "$PASS_TIMEOUT" "$VENV_PY" -m pytest -p no:cacheprovider -q -rs \
-        tests/test_vllm_adapter.py tests/test_vllm_plugin.py tests/test_vllm_hazards.py \
+        tests/test_vllm_pool.py tests/test_vllm_plugin.py tests/test_vllm_hazards.py \
   ) >"$log" 2>&1 || rc=$?
   printf 'own-tests: %s\n' "$(tail -n 1 "$log")"
   # A skip here means vLLM or our entry point was not found: the proof is incomplete.

@@ -1,4 +1,4 @@
-"""The ``blockpool replay`` command: exit codes, outputs, optional dependencies."""
+"""The ``blockpool replay`` command (``blockpool/cli.py``): exit codes, outputs, optional dependencies."""
 
 from __future__ import annotations
 
