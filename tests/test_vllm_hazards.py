@@ -137,6 +137,8 @@ def test_finished_recving_ends_the_requests_loads() -> None:
 def test_finished_sending_ends_the_requests_stores() -> None:
     pool, hz = make()
     t = hz.begin_store("req", pool.get_new_blocks(1), "d2h")
+    hz.on_connector_output(ConnOut(finished_sending={"other"}))
+    assert not pool.is_ended(t.token)
     hz.on_connector_output(ConnOut(finished_sending={"req"}))
     assert pool.is_ended(t.token)
 
