@@ -4,7 +4,13 @@ dependencies are not installed (vLLM, torch, matplotlib)."""
 import importlib.util
 
 # vllm_pytest installs our pool into vLLM on import: never collect it.
-collect_ignore_glob = ["benchmarks/*", "scripts/*", "blockpool/integrations/vllm_pytest.py"]
+# blockpool/sanitizer.py is a deprecated alias that warns on import.
+collect_ignore_glob = [
+    "benchmarks/*",
+    "scripts/*",
+    "blockpool/integrations/vllm_pytest.py",
+    "blockpool/sanitizer.py",
+]
 
 
 def _missing(mod: str) -> bool:
@@ -14,7 +20,12 @@ def _missing(mod: str) -> bool:
 if _missing("vllm"):
     collect_ignore_glob += ["blockpool/integrations/vllm.py", "blockpool/integrations/vllm_pool.py"]
 if _missing("torch"):
-    collect_ignore_glob += ["blockpool/torch_events.py", "docs/worker.md", "docs/examples/*.py"]
+    collect_ignore_glob += [
+        "blockpool/torch_events.py",
+        "blockpool/integrations/vllm_worker.py",
+        "docs/worker.md",
+        "docs/examples/*.py",
+    ]
 
 
 def _vllm_test_fixtures() -> None:

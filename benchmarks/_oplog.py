@@ -116,7 +116,7 @@ class _Log:
         self.keylists: dict[int, int] = {}
         self.keylist_objs: list[list[Any]] = []
         self.depth = 0
-        self.in_sync = False
+        self.in_apply_completions = False
         self.pre: list[tuple[Any, ...]] = []
 
     def key(self, k: object) -> int:
@@ -172,20 +172,20 @@ class _RecordingPool(HazardAwareBlockPool):
 
     # -- private hooks: where a hazard-aware pool departs from a blind one --
 
-    def _sync(self) -> None:
+    def _apply_completions(self) -> None:
         log = _LOG
         assert log is not None
-        log.in_sync = True
+        log.in_apply_completions = True
         try:
-            super()._sync()
+            super()._apply_completions()
         finally:
-            log.in_sync = False
+            log.in_apply_completions = False
 
     def _enqueue_free(self, blocks: list[Any]) -> None:
         log = _LOG
         assert log is not None
         super()._enqueue_free(blocks)
-        if log.in_sync and log.depth:
+        if log.in_apply_completions and log.depth:
             assert not any(b.block_id in self._held for b in blocks)
             log.pre.append(("release", _ids(blocks)))
 
@@ -194,7 +194,7 @@ class _RecordingPool(HazardAwareBlockPool):
         assert log is not None
         had = bool(self.prefix_cache.keys_of(b))
         super()._drop_keys(b)
-        if log.in_sync and log.depth and had:
+        if log.in_apply_completions and log.depth and had:
             log.pre.append(("unpublish", b.block_id))
 
     # -- the driver's operations --

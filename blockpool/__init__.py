@@ -3,7 +3,7 @@ hazard fences.
 
 The scheduler-side core (this package's top level) imports neither torch nor
 vLLM. Integrations live at the edges: :mod:`blockpool.integrations.vllm`,
-:mod:`blockpool.torch_events`, :mod:`blockpool.sanitizer`,
+:mod:`blockpool.torch_events`, :mod:`blockpool.race_oracle`,
 :mod:`blockpool.replay`.
 """
 

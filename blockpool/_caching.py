@@ -37,7 +37,7 @@ class CacheOps(PoolBase):
             InvalidArgumentError: ``block_hash`` is not hashable.
         """
         if self._inbox:
-            self._sync()  # a queued failed load must unpublish its keys first
+            self._apply_completions()  # a queued failed load must unpublish its keys first
         try:
             v = self.prefix_cache._map.get(block_hash)
         except TypeError:
@@ -75,7 +75,7 @@ class CacheOps(PoolBase):
                 for the same or a longer prefix.
         """
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         lo, hi = num_cached_blocks, num_full_blocks
         if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= len(blocks)):
             raise InvalidArgumentError(
@@ -202,7 +202,7 @@ class CacheOps(PoolBase):
                 unhashable. Nothing changes.
         """
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         b = self._own(block)
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens <= 0:
             raise InvalidArgumentError(f"num_tokens must be a positive int, got {num_tokens!r}")
@@ -257,7 +257,7 @@ class CacheOps(PoolBase):
             NullBlockError: either block is the null block.
             HashConflictError: ``dst_block`` already holds a key.
         """
-        self._sync()
+        self._apply_completions()
         src, dst = self._own(src_block), self._own(dst_block)
         if src.is_null or dst.is_null:
             raise NullBlockError("the null block holds no prefix-cache keys")
@@ -312,7 +312,7 @@ class CacheOps(PoolBase):
             InvalidArgumentError: an id outside ``0 .. num_gpu_blocks - 1``
                 (checked for all ids before any change).
         """
-        self._sync()
+        self._apply_completions()
         ids = _as_list(block_ids, "block_ids")
         for bid in ids:
             if not isinstance(bid, int) or not 0 <= bid < self.num_gpu_blocks:
@@ -338,7 +338,7 @@ class CacheOps(PoolBase):
         failed stay unpublishable until rewritten. Returns True when the keys
         were dropped. O(num_gpu_blocks).
         """
-        self._sync()
+        self._apply_completions()
         busy = self.num_gpu_blocks - 1 - self.free_block_queue.num_free_blocks
         if busy and not while_running:
             logger.warning(

@@ -52,7 +52,7 @@ class FenceOps(PoolBase):
             InvalidArgumentError: ``access`` is not an AccessKind.
         """
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         st = self.tracker.state(stream)
         access = self._check_access(access)
         block_list = self._own_all(blocks)
@@ -187,7 +187,7 @@ class FenceOps(PoolBase):
             InvalidArgumentError: as the names say; nothing changes.
         """
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         self.tracker.validate(token)
         access = self._check_access(access)
         block_list = self._own_all(blocks)
@@ -253,7 +253,7 @@ class FenceOps(PoolBase):
             InvalidArgumentError: a pair is not a 2-tuple.
         """
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         st = self.tracker.state(stream)
         srcs: list[KVCacheBlock] = []
         dsts: list[KVCacheBlock] = []
@@ -275,7 +275,7 @@ class FenceOps(PoolBase):
         self, blocks: Iterable[KVCacheBlock], stream: str, access: AccessKind, what: str
     ) -> tuple[Token, Fence]:
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         st = self.tracker.state(stream)
         return self._begin(((self._data_blocks(blocks, what), access),), stream, st, access is _WRITE)
 

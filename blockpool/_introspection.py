@@ -29,7 +29,7 @@ class IntrospectionOps(PoolBase):
         """Blocks in the free queue (held blocks excluded). O(1) plus queued
         completions."""
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
@@ -53,12 +53,13 @@ class IntrospectionOps(PoolBase):
 
     def held_block_ids(self) -> list[int]:
         """Blocks held back for pending host-engine accesses, sorted. O(h log h)."""
-        self._sync()
+        self._apply_completions()
         return sorted(self._held)
 
     def expired_leases(self) -> list[int]:
-        """Held blocks whose lease expired (still quarantined), sorted."""
-        self._sync()
+        """Held blocks whose lease expired (still quarantined), sorted.
+        O(h log h), h = expired held blocks."""
+        self._apply_completions()
         return sorted(self._expired)
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -66,7 +67,7 @@ class IntrospectionOps(PoolBase):
         after applying queued completions (a failed load's removed events).
         O(1)."""
         if self._inbox:
-            self._sync()
+            self._apply_completions()
         if not self.enable_kv_cache_events:
             return []
         events, self.kv_event_queue = self.kv_event_queue, []
@@ -77,7 +78,7 @@ class IntrospectionOps(PoolBase):
 
     def stats(self) -> PoolStats:
         """Counters and occupancy. O(num_gpu_blocks)."""
-        self._sync()
+        self._apply_completions()
         free = self.free_block_queue.num_free_blocks
         held = len(self._held)
         usable = self.num_gpu_blocks - 1
@@ -111,6 +112,9 @@ class IntrospectionOps(PoolBase):
         blocks; saved shadows of pending writes belong to tokens that have
         not ended and to this pool's data blocks; invalid marks name data
         blocks. O(num_gpu_blocks + cached keys + held + pending writes).
+
+        Raises:
+            InvariantError: an invariant is broken (the first one found).
         """
         free_list = self.free_block_queue.check()
         free_ids = [b.block_id for b in free_list]

@@ -53,7 +53,7 @@ class TokenOps(PoolBase):
             UnknownStreamError: ``stream`` was never registered.
         """
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         return self.tracker.issue(stream)
 
     def last_token(self, stream: str) -> Token | None:
@@ -115,7 +115,7 @@ class TokenOps(PoolBase):
             ForeignTokenError: ``token`` was issued by another pool.
             InvalidArgumentError: ``token`` is not a Token, or its kind is not its stream's.
         """
-        self._sync()
+        self._apply_completions()
         self.tracker.validate(token)
         before = set(self._held)
         ended = self.tracker.end(token, True)
@@ -126,22 +126,27 @@ class TokenOps(PoolBase):
 
     def poll(self) -> None:
         """Apply queued completions and check leases now. O(completions)."""
-        self._sync()
+        self._apply_completions()
 
     def is_ended(self, token: Token) -> bool:
         """Whether ``token`` is known to have ended (completed or failed).
-        Applies queued completions first.
+        Applies queued completions first. O(1) after them.
 
         Raises:
             UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
             ForeignTokenError: ``token`` was issued by another pool.
             InvalidArgumentError: ``token`` is not a Token, or its kind is not its stream's.
         """
-        self._sync()
+        self._apply_completions()
         self.tracker.validate(token)
         return self.tracker.is_ended(token)
 
-    def _sync(self) -> None:
+    def _apply_completions(self) -> None:
+        """Apply the completions and failures queued by ``complete``/``fail``
+        (any thread) and check expired leases: ended tokens release their
+        held blocks, failed writes are undone. Never blocks (not a "sync":
+        that word is kept for blocking waits). O(queued + newly ended +
+        blocks released)."""
         tracker = self.tracker
         if tracker._inbox:
             for token, failed, ended in tracker.drain():

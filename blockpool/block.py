@@ -9,6 +9,7 @@ that a reader of vLLM recognises every field.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING
 
@@ -67,7 +68,7 @@ class KVCacheBlock:
         self.readers: Token | tuple[Token, ...] | None = None
 
     def reset_hash(self) -> None:
-        """Forget the primary key (the pool removes the map entries)."""
+        """Forget the primary key (the pool removes the map entries). O(1)."""
         self.block_hash = None
         self.block_hash_num_tokens = None
 
@@ -76,6 +77,37 @@ class KVCacheBlock:
             f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
             f"block_hash={self.block_hash!r})"
         )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickle support: a copy of the record, as the nearest class
+        importable by name (a pool's own class, from
+        :func:`block_class_for_pool`, is not: it pickles as
+        :class:`KVCacheBlock`), with every field but the free-queue links
+        (they would drag the whole queue along; the copy has ``None``). The
+        copy belongs to no pool: a pool refuses it as another pool's block.
+        O(1)."""
+        cls = next(c for c in type(self).__mro__ if _importable(c))
+        state = (
+            self.block_id,
+            self.ref_cnt,
+            self.block_hash,
+            self.block_hash_num_tokens,
+            self.writer,
+            self.readers,
+        )
+        return (_unpickle_block, (cls, state))
+
+
+def _importable(cls: type) -> bool:
+    module = sys.modules.get(cls.__module__)
+    return getattr(module, cls.__qualname__, None) is cls
+
+
+def _unpickle_block(cls: type[KVCacheBlock], state: tuple[object, ...]) -> KVCacheBlock:
+    b = cls.__new__(cls)
+    b.prev_free_block = b.next_free_block = None
+    b.block_id, b.ref_cnt, b.block_hash, b.block_hash_num_tokens, b.writer, b.readers = state  # type: ignore[assignment]
+    return b
 
 
 class NullBlock(KVCacheBlock):

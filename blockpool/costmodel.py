@@ -6,7 +6,7 @@ assumption in the docstrings below and in ``docs/replay.md``.
 
 >>> CostModel().block_bytes(16)
 2097152
->>> round(DEFAULT_STREAMS["h2d"].transfer_seconds(50 * 10**9), 6)
+>>> round(DEFAULT_STREAM_SPECS["h2d"].transfer_seconds(50 * 10**9), 6)
 1.00001
 """
 
@@ -19,7 +19,7 @@ import attrs
 from blockpool.errors import InvalidArgumentError
 from blockpool.hazards import StreamKind
 
-__all__ = ["DEFAULT_STREAMS", "CostModel", "StreamSpec"]
+__all__ = ["DEFAULT_STREAM_SPECS", "CostModel", "StreamSpec"]
 
 
 def _nonneg(_: object, a: attrs.Attribute, v: float) -> None:  # type: ignore[type-arg]
@@ -147,7 +147,7 @@ class StreamSpec:
         return self.latency + num_bytes / lane_bw
 
 
-DEFAULT_STREAMS: Mapping[str, StreamSpec] = {
+DEFAULT_STREAM_SPECS: Mapping[str, StreamSpec] = {
     "compute": StreamSpec(StreamKind.DEVICE),
     # PCIe Gen5 x16: 64 GB/s per direction (PCI-SIG); 50 GB/s achieved and
     # 10 us per DMA are assumptions.
@@ -163,4 +163,24 @@ DEFAULT_STREAMS: Mapping[str, StreamSpec] = {
 }
 """The default machine: ``compute`` (forward steps and copy-on-write),
 ``h2d``/``d2h`` (CPU offload DMA), ``rdma`` (remote-store GETs, out of
-order) and ``xfer`` (remote-store PUTs from a transfer thread)."""
+order) and ``xfer`` (remote-store PUTs from a transfer thread). Their
+kinds agree with :data:`blockpool.testing.DEFAULT_STREAMS` (``{name:
+StreamKind}``, the streams a pool and the race oracle take), which lacks
+``xfer``."""
+
+
+def __getattr__(name: str) -> object:
+    # DEFAULT_STREAMS has one meaning, ``{name: StreamKind}``
+    # (:data:`blockpool.testing.DEFAULT_STREAMS`); the machine's stream specs
+    # were called that here before.
+    if name == "DEFAULT_STREAMS":
+        import warnings
+
+        warnings.warn(
+            f"{__name__}.DEFAULT_STREAMS is renamed DEFAULT_STREAM_SPECS "
+            "(DEFAULT_STREAMS now always means {name: StreamKind}: blockpool.testing.DEFAULT_STREAMS)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return DEFAULT_STREAM_SPECS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -83,11 +83,6 @@ class Token:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"seq must be an int >= 1, got {value!r}")
 
-    @property
-    def is_host(self) -> bool:
-        """True when the token belongs to a ``HOST`` engine."""
-        return self.kind is StreamKind.HOST
-
     def __str__(self) -> str:
         return f"{self.stream}:{self.seq}"
 
@@ -195,7 +190,8 @@ class Fence:
         )
 
     def explain(self) -> str:
-        """Human-readable account of each token (debug mode fills reasons)."""
+        """Human-readable account of each token (debug mode fills reasons).
+        O(len(tokens) + len(reasons))."""
         if not self.tokens:
             return "empty fence: nothing to wait on"
         if not self.reasons:
@@ -208,7 +204,8 @@ class Fence:
 
     @classmethod
     def from_wire(cls, data: tuple[list[tuple[str, int, str]], bool]) -> Fence:
-        """Inverse of :meth:`to_wire`."""
+        """Inverse of :meth:`to_wire`. O(len(tokens)). Raises
+        ``ValueError``/``TypeError`` on malformed data."""
         tokens, host = data
         return cls([Token.from_wire(t) for t in tokens], bool(host))
 

@@ -208,7 +208,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         # a prefix): plain ints, folded into the counters by stats().
         self._lookups = 0
         self._hits = 0
-        # Hot paths test these two before calling _sync (which does the work):
+        # Hot paths test these two before calling _apply_completions (which does the work):
         # the completion inbox (a deque, appended from any thread) and
         # whether leases are on.
         self._inbox = self.tracker._inbox
@@ -230,7 +230,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             NoFreeBlocksError: fewer than ``num_blocks`` blocks are free.
         """
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         n = num_blocks if type(num_blocks) is int and num_blocks >= 0 else self._check_count(num_blocks)
         if n > self.free_block_queue.num_free_blocks:
             raise NoFreeBlocksError(
@@ -297,7 +297,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             NoFreeBlocksError: not enough free blocks once the hits are taken.
         """
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         n = num_blocks if type(num_blocks) is int and num_blocks >= 0 else self._check_count(num_blocks)
         if access is not _WRITE and access is not _READ:
             access = self._check_access(access)
@@ -394,7 +394,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             ForeignBlockError: a block is not of this pool (nothing changes).
         """
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         self._touch(self._own_all(blocks))
 
     def _touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -453,7 +453,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
                 or ``blocks`` is not iterable.
         """
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         blocks = (
             ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else _as_list(ordered_blocks, "blocks")
         )
@@ -520,7 +520,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
                 referenced (:meth:`free_blocks` would refuse the call).
         """
         if self._inbox or self._leases_on:
-            self._sync()
+            self._apply_completions()
         block_list = self._own_all(blocks)
         listed: dict[int, int] = {}
         for b in block_list:

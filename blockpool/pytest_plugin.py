@@ -11,7 +11,7 @@ Fixtures (override any of them in a ``conftest.py`` to change the setup):
   (``DEVICE``) and rdma (``HOST``).
 - ``blockpool_num_gpu_blocks``: pool size, null block included; default 64.
 - ``blockpool_pool``: a debug :class:`~blockpool.HazardAwareBlockPool` on them.
-- ``blockpool_oracle``: a :class:`~blockpool.sanitizer.RaceOracle` on the same streams.
+- ``blockpool_oracle``: a :class:`~blockpool.race_oracle.RaceOracle` on the same streams.
 - ``blockpool_harness``: a :class:`~blockpool.testing.RaceHarness` driving
   both. A test that used it fails when the oracle found a race, with every
   race in the message, unless it called ``harness.expect_races()`` or carries
@@ -32,7 +32,7 @@ import pytest
 if TYPE_CHECKING:
     from blockpool.hazards import StreamKind
     from blockpool.pool import HazardAwareBlockPool
-    from blockpool.sanitizer import RaceOracle
+    from blockpool.race_oracle import RaceOracle
     from blockpool.testing import RaceHarness
 
 _HARNESS = "blockpool_harness"
@@ -99,7 +99,7 @@ def blockpool_pool(
 @pytest.fixture
 def blockpool_oracle(blockpool_pool: HazardAwareBlockPool) -> RaceOracle:
     """A RaceOracle on the streams of ``blockpool_pool``."""
-    from blockpool.sanitizer import RaceOracle
+    from blockpool.race_oracle import RaceOracle
 
     return RaceOracle(blockpool_pool.streams)
 

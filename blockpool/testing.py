@@ -1,5 +1,5 @@
 """Drive a :class:`~blockpool.HazardAwareBlockPool` and a
-:class:`~blockpool.sanitizer.RaceOracle` together, for tests.
+:class:`~blockpool.race_oracle.RaceOracle` together, for tests.
 
 A :class:`RaceHarness` turns an allocation sequence written against the pool
 into the same sequence of synchronisations and block accesses in the oracle,
@@ -28,7 +28,7 @@ from blockpool.block import KVCacheBlock
 from blockpool.errors import ForeignBlockError, InvalidArgumentError
 from blockpool.hazards import AccessKind, Fence, StreamKind, Token
 from blockpool.pool import HazardAwareBlockPool
-from blockpool.sanitizer import RaceOracle, RaceViolation
+from blockpool.race_oracle import RaceOracle, RaceViolation
 
 __all__ = ["DEFAULT_STREAMS", "RaceHarness"]
 
@@ -38,8 +38,10 @@ DEFAULT_STREAMS: Mapping[str, StreamKind] = {
     "d2h": StreamKind.DEVICE,
     "rdma": StreamKind.HOST,
 }
-"""The streams of a typical deployment: forward pass, two DMA streams, one
-host-driven RDMA engine."""
+"""The streams of a typical deployment, ``{name: StreamKind}``: forward
+pass, two DMA streams, one host-driven RDMA engine. The one meaning of
+``DEFAULT_STREAMS`` in this package; the simulator's timing specs of the
+same streams (plus ``xfer``) are ``blockpool.costmodel.DEFAULT_STREAM_SPECS``."""
 
 _READ, _WRITE = AccessKind.READ, AccessKind.WRITE
 

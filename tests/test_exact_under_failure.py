@@ -9,6 +9,7 @@ from blockpool import (
     BlockPoolError,
     ForeignTokenError,
     HazardAwareBlockPool,
+    StreamKind,
     Token,
 )
 from blockpool.events import BlockRemoved
@@ -255,7 +256,7 @@ def test_token_wire_form_carries_its_pool(pool: HazardAwareBlockPool) -> None:
     wire = t.to_wire()
     assert wire == ("rdma", 1, "host", pool.pool_id)
     back = Token.from_wire(list(wire))
-    assert back == t and back.pool == pool.pool_id and back.is_host
+    assert back == t and back.pool == pool.pool_id and back.kind is StreamKind.HOST
     other = make_pool()
     other.issue("rdma")
     with pytest.raises(ForeignTokenError):

@@ -45,6 +45,7 @@ def test_completed_transfer_ends_what_it_waited_for(pool: HazardAwareBlockPool) 
     e1 = pool.issue("compute")
     pool.tag([a], e1, R)
     load, _ = pool.begin_load([a], "rdma")
+    assert not pool.is_ended(e1)
     pool.complete(load)
     assert pool.is_ended(e1)
 
@@ -80,6 +81,7 @@ def test_failure_on_device_stream_means_the_token_before_it_completed(pool: Haza
     pool.tag([b], e1, R)
     l1, _ = pool.begin_load([b], "h2d")  # waits on e1
     l2, _ = pool.begin_load([b], "h2d")
+    assert not (pool.is_ended(l1) or pool.is_ended(e1))
     pool.fail(l2)
     assert pool.is_ended(l1) and pool.is_ended(e1)
 

@@ -1,7 +1,7 @@
 """Tried as a new user would (issue #13): one test per expected behaviour.
 
 The CLI's behaviour (outputs, progress, interrupts, the table) is pinned in
-``tests/test_replay_cli.py``; packaging in ``tests/test_packaging.py``.
+``tests/test_cli.py``; packaging in ``tests/test_packaging.py``.
 """
 
 from __future__ import annotations

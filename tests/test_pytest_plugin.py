@@ -17,7 +17,7 @@ import pytest
 import blockpool
 from blockpool.errors import ForeignBlockError, UnknownStreamError
 from blockpool.hazards import AccessKind, Token
-from blockpool.sanitizer import RaceViolation, UnrecordedTokenError
+from blockpool.race_oracle import RaceViolation, UnrecordedTokenError
 from blockpool.testing import DEFAULT_STREAMS, RaceHarness
 
 pytest_plugins = ["pytester"]
@@ -151,8 +151,8 @@ def test_automatic_check_reports_each_violation_once(h: RaceHarness) -> None:
 def test_importing_the_plugin_loads_neither_the_oracle_nor_heavy_modules() -> None:
     code = (
         "import sys, blockpool.pytest_plugin\n"
-        "print(sorted(m for m in ('blockpool.sanitizer', 'blockpool.testing', 'torch', "
-        "'matplotlib', 'tqdm', 'vllm') if m in sys.modules))"
+        "print(sorted(m for m in ('blockpool.race_oracle', 'blockpool.sanitizer', 'blockpool.testing', "
+        "'torch', 'matplotlib', 'tqdm', 'vllm') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

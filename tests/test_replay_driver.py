@@ -17,7 +17,7 @@ from blockpool.replay.report import ReplayReport
 from blockpool.replay.run import replay
 from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
 from blockpool.replay.traces import Trace, read_trace
-from blockpool.sanitizer import RaceOracle
+from blockpool.race_oracle import RaceOracle
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 CONVERSATION = TRACES / "conversation_trace.jsonl"
@@ -43,13 +43,36 @@ def test_synthetic_replay_shows_no_race_under_a_hazard_aware_policy(report: Repl
 
 
 def test_synthetic_replay_shows_races_under_blind_policy(report: ReplayReport) -> None:
-    assert report.result("blind").races > 0
+    blind = report.result("blind")
+    assert blind.races > 0 and sum(blind.races_by_hazard.values()) == blind.races
+    assert set(blind.races_by_hazard) == {"RAW", "WAR", "WAW"}
+    assert report.result("exact").races_by_hazard == {}
+
+
+def test_every_policy_serves_the_same_workload(report: ReplayReport) -> None:
+    """Waits change when things happen, not what is served: the same
+    requests finish and abort, with the same tokens, under every policy."""
+    served = {
+        p: (r.counts["finished"], r.counts["aborted"], r.tokens_served, r.output_tokens)
+        for p in POLICIES
+        for r in [report.result(p)]
+    }
+    assert len(set(served.values())) == 1, served
+    finished, aborted, tokens, _ = served["exact"]
+    assert (report.requests, finished + aborted) == (150, 150) and aborted > 0 and tokens > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_pool_is_empty_at_the_end(report: ReplayReport, policy: str) -> None:
+    st = report.result(policy).pool_stats
+    assert (st["held"], st["used"], st["free"]) == (0, 0, st["num_blocks"])
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_request_finishes_or_is_aborted(report: ReplayReport, policy: str) -> None:
     c = report.result(policy).counts
-    assert c.get("finished", 0) + c.get("aborted", 0) + c.get("rejected", 0) == report.requests
+    assert report.requests == 150
+    assert c.get("finished", 0) + c.get("aborted", 0) + c.get("rejected", 0) == 150
 
 
 def test_small_pool_preempts_loads_evicts_and_copies_on_write(report: ReplayReport) -> None:
@@ -99,8 +122,14 @@ def test_conversation_trace_prefix_races_per_policy() -> None:
 # -- figures ------------------------------------------------------------------------
 
 
-def test_report_json_carries_every_figure_per_policy(report: ReplayReport) -> None:
-    fig = report.to_json()["policies"]["exact"]  # type: ignore[index]
+@pytest.mark.parametrize("policy", POLICIES)
+def test_report_json_carries_every_figure_per_policy(report: ReplayReport, policy: str) -> None:
+    fig = report.to_json()["policies"][policy]  # type: ignore[index]
+    r = report.result(policy)
+    assert (fig["races"], fig["loads"], fig["counts"], fig["pool_stats"]) == (r.races, r.loads, r.counts, r.pool_stats)
+    assert fig["loads_empty_fence_pct"] == round(100 * r.loads_empty_fence / r.loads, 3)
+    assert fig["throughput_tok_s"] == round(r.tokens_served / r.makespan_s, 3)
+    assert {op: f["calls"] for op, f in fig["pool_ops"].items()} == {op: c for op, (c, _) in r.pool_ops.items()}
     assert {
         "races",
         "loads_empty_fence_pct",
@@ -116,9 +145,16 @@ def test_report_json_is_serialisable(report: ReplayReport) -> None:
     assert json.loads(json.dumps(report.to_json()))["schema"] == "blockpool.replay-report/1"
 
 
-def test_pool_operations_are_timed(report: ReplayReport) -> None:
-    ops = report.result("exact").pool_ops
-    assert all(calls > 0 and ns > 0 for calls, ns in ops.values()) and "allocate_for" in ops
+@pytest.mark.parametrize("policy", POLICIES)
+def test_pool_operations_are_counted_as_the_workload_implies_and_timed(report: ReplayReport, policy: str) -> None:
+    r = report.result(policy)
+    calls = {op: c for op, (c, _) in r.pool_ops.items()}
+    assert all(ns > 0 for _, ns in r.pool_ops.values())
+    c, st = r.counts, r.pool_stats
+    assert (calls["issue"], calls["tag"]) == (c["steps"], c["steps"])  # one step token per step
+    assert (calls["begin_load"], calls["begin_store"], calls["begin_copy"]) == (r.loads, c["stores"], c["cow_copies"])
+    assert (calls["get_cached_block"], calls["fail"]) == (st["lookups"], st["failed_tokens"])
+    assert calls["allocate_for"] > 0
 
 
 def test_parallel_policies_give_the_same_figures(synthetic: Trace) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from blockpool.errors import InvalidArgumentError, UnknownStreamError, UnknownTokenError
 from blockpool.hazards import StreamKind, Token
-from blockpool.simulator import DEFAULT_STREAMS, CostModel, SimulationError, StreamSimulator, StreamSpec
+from blockpool.simulator import DEFAULT_STREAM_SPECS, CostModel, SimulationError, StreamSimulator, StreamSpec
 
 DEV, HOST = StreamKind.DEVICE, StreamKind.HOST
 
@@ -224,7 +224,7 @@ def test_cost_model_rejects_a_non_positive_bandwidth() -> None:
 
 
 def test_default_machine_has_device_dma_and_host_engines() -> None:
-    kinds = {n: s.kind for n, s in DEFAULT_STREAMS.items()}
+    kinds = {n: s.kind for n, s in DEFAULT_STREAM_SPECS.items()}
     assert kinds == {"compute": DEV, "h2d": DEV, "d2h": DEV, "rdma": HOST, "xfer": HOST}
 
 
@@ -243,3 +243,15 @@ def test_same_seed_gives_the_same_replay_report() -> None:
 
 def test_different_seeds_give_different_replay_reports() -> None:
     assert _replay_figures(5) != _replay_figures(6)
+
+
+def test_default_streams_has_one_meaning_and_the_specs_agree_with_it() -> None:
+    from blockpool import costmodel, simulator
+    from blockpool.testing import DEFAULT_STREAMS
+
+    assert all(isinstance(k, StreamKind) for k in DEFAULT_STREAMS.values())
+    assert {n: DEFAULT_STREAM_SPECS[n].kind for n in DEFAULT_STREAMS} == dict(DEFAULT_STREAMS)
+    assert set(DEFAULT_STREAM_SPECS) - set(DEFAULT_STREAMS) == {"xfer"}
+    for module in (costmodel, simulator):
+        with pytest.warns(DeprecationWarning, match="DEFAULT_STREAM_SPECS"):
+            assert module.DEFAULT_STREAMS is DEFAULT_STREAM_SPECS

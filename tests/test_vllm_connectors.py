@@ -27,7 +27,7 @@ from blockpool.integrations import vllm as plugin
 from blockpool.integrations import vllm_connectors as vc
 from blockpool.integrations import vllm_worker as vw
 from blockpool.integrations.vllm_hazards import StepRecord, Transfer
-from blockpool.sanitizer import RaceOracle
+from blockpool.race_oracle import RaceOracle
 from blockpool.testing_streams import StandInDevice
 from blockpool.torch_events import EventLedger
 
@@ -224,7 +224,7 @@ def test_mooncake_get_into_a_cow_destination_waits_for_exactly_the_copy(register
     d = table[2]
     assert [(c.src_block_id, c.dst_block_id) for c in out2.kv_cache_block_copies] == [(src, d)]
     step = StepRecord.from_wire(getattr(out2.kv_connector_metadata, vc.META_STEP)[0])
-    assert step.copies is not None
+    assert step.copies is not None and (step.copies.stream, step.copies.kind) == ("compute", StreamKind.DEVICE)
     load = Transfer.from_wire(getattr(meta, vc.META_LOAD))
     assert load.block_ids == (d, table[3])
     assert load.token.stream == "mooncake_store" and load.token.kind is StreamKind.HOST

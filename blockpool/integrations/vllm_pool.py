@@ -372,9 +372,6 @@ class VllmBlockPool:
     # helpers
     # ------------------------------------------------------------------
 
-    def _owns(self, block: Any) -> bool:
-        return block.pool is self
-
     def _pull_events(self) -> list[BlockStored]:
         """Move the core's events to ``kv_event_queue`` as vLLM events;
         returns the core's stored events (the caller builds vLLM's, which

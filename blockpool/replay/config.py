@@ -8,7 +8,7 @@ import attrs
 
 from blockpool.errors import BlockPoolError, InvalidArgumentError
 from blockpool.hazards import StreamKind
-from blockpool.simulator import DEFAULT_STREAMS, CostModel, StreamSpec
+from blockpool.simulator import DEFAULT_STREAM_SPECS, CostModel, StreamSpec
 
 __all__ = ["DEFAULT_NUM_BLOCKS", "SYNTHETIC_NUM_BLOCKS", "ReplayConfig", "ReplayError"]
 
@@ -108,7 +108,7 @@ class ReplayConfig:
     store_capacity_blocks: int | None = 262_144
     sched_overhead_s: float = 0.5e-3
     cost: CostModel = attrs.field(factory=CostModel)
-    streams: Mapping[str, StreamSpec] = attrs.field(factory=lambda: dict(DEFAULT_STREAMS), eq=False, hash=False)
+    streams: Mapping[str, StreamSpec] = attrs.field(factory=lambda: dict(DEFAULT_STREAM_SPECS), eq=False, hash=False)
     load_streams: tuple[str, str] = ("h2d", "rdma")
     store_streams: tuple[str, str] = ("d2h", "xfer")
     check_every: int = attrs.field(default=0, validator=_int_at_least(0))

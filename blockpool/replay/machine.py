@@ -23,7 +23,7 @@ from blockpool.pool import HazardAwareBlockPool
 from blockpool.replay.eventlog import EventLog
 from blockpool.replay.policies import WaitPolicy
 from blockpool.replay.state import TimedPool
-from blockpool.sanitizer import RaceOracle
+from blockpool.race_oracle import RaceOracle
 from blockpool.simulator import StreamSimulator, StreamSpec, Work
 
 __all__ = ["Machine"]
@@ -47,7 +47,7 @@ class Machine:
         pool: The pool's timed operations (:class:`TimedPool`).
         raw_pool: The pool itself (for ``check``/``stats``).
         sim: The :class:`~blockpool.simulator.StreamSimulator`.
-        oracle: The :class:`~blockpool.sanitizer.RaceOracle`.
+        oracle: The :class:`~blockpool.race_oracle.RaceOracle`.
         now: Scheduler time (simulated seconds).
     """
 

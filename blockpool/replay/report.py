@@ -2,7 +2,7 @@
 
 Definitions (``docs/replay.md`` has the long form):
 
-- **races**: violations the race oracle found (``blockpool.sanitizer``).
+- **races**: violations the race oracle found (``blockpool.race_oracle``).
 - **loads with an empty fence**: loads whose policy waits were empty when
   they began, in percent of all loads.
 - **load-start delay**: simulated ms from the moment a load was requested to

@@ -1,4 +1,4 @@
-"""The ``blockpool replay`` command: exit codes, outputs, optional dependencies."""
+"""The ``blockpool replay`` command (``blockpool/cli.py``): exit codes, outputs, optional dependencies."""
 
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ def _trace(tmp_path: Path, *extra: str) -> Path:
 def test_synthetic_replay_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", *SMALL, "--policy", "exact,blind"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split()[:2] == ["policy", "races"] and "blind" in out
+    assert out.splitlines()[0].split()[:2] == ["policy", "races"]
+    races = {re.split(r"\s{2,}", x)[0]: int(re.split(r"\s{2,}", x)[1]) for x in out.splitlines()[3:5]}
+    assert races["exact"] == 0 and races["blind (negative control)"] > 0, out
+    assert "40 requests (synthetic" in out
 
 
 def test_json_report_has_every_figure_for_every_policy(tmp_path: Path) -> None:
@@ -45,6 +48,8 @@ def test_json_report_has_every_figure_for_every_policy(tmp_path: Path) -> None:
         "pool_ns_per_op",
     } <= set(rep["policies"]["blind"])
     assert (rep["trace"]["format"], rep["config"]["num_blocks"]) == ("synthetic", 1024)
+    races = {p: f["races"] for p, f in rep["policies"].items()}
+    assert races["exact"] == races["step-event"] == races["device-sync"] == 0 < races["blind"], races
 
 
 def test_events_file_starts_with_the_schema_header(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.request import Request
 
-from blockpool import RefCountError
+from blockpool import RefCountError, StreamKind
 from blockpool.integrations.vllm_pool import SERVED, VLLM_BLOCK_POOL, VllmBlockPool
 from tests.conftest import ids, toks
 
@@ -261,6 +261,7 @@ def test_metrics_hooks_fire_as_in_vllm() -> None:
 def test_free_is_tagged_with_the_last_scheduled_step() -> None:
     _, ours = pools()
     assert ours.hazards is not None
+    ours.hazards.add_stream("nixl", StreamKind.HOST)
 
     class Out:
         total_num_scheduled_tokens = 8
@@ -268,11 +269,19 @@ def test_free_is_tagged_with_the_last_scheduled_step() -> None:
     blocks = ours.get_new_blocks(2)
     ours.hazards.step_record(Out())
     ours.free_blocks(blocks)
-    assert toks(ours.core.fence_for(ours.get_new_blocks(2), "compute")) == set()
-    ours.hazards.add_stream("nixl", __import__("blockpool").StreamKind.HOST)
-    ours.free_blocks(ours.blocks[1:3])
+    again = ours.get_new_blocks(9)  # the whole free queue
+    assert set(ids(blocks)) <= set(ids(again))
+    # compute is ordered after its own steps: nothing to wait for, tagged or not
+    assert toks(ours.core.fence_for(again, "compute")) == set()
+    # blocks nobody freed carry no token; the freed ones carry step 1, which
+    # another stream must wait for (empty if the free was not tagged)
+    untouched = [b for b in again if b not in blocks]
+    assert toks(ours.core.fence_for(untouched, "nixl")) == set()
+    assert toks(ours.core.fence_for(blocks, "nixl")) == {"compute:1"}
+    ours.hazards.step_record(Out())
+    ours.free_blocks(again)
     t = ours.hazards.begin_load("r", ours.get_new_blocks(2), "nixl")
-    assert toks(t.fence) == {"compute:1"}
+    assert toks(t.fence) == {"compute:2"}
 
 
 def test_hazards_off_gives_a_plain_pool() -> None:

@@ -1,0 +1,92 @@
+"""``docs/api.md`` and the docstrings agree: every public method of
+:class:`~blockpool.HazardAwareBlockPool` has a row, a docstring stating its
+complexity, and the same error names in its row as in its ``Raises:``
+section; every public name of :mod:`blockpool` is documented."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import blockpool
+from blockpool import HazardAwareBlockPool
+
+API_MD = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+ERROR = re.compile(r"\b([A-Z]\w*(?:Error|Warning))\b")
+
+
+def api_rows() -> dict[str, set[str]]:
+    """``{method: error names in its row}`` for each ``| `call(...)` |`` row."""
+    rows: dict[str, set[str]] = {}
+    for line in API_MD.read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        first, *rest = (c.strip() for c in line.strip().strip("|").split(" | "))
+        for name in re.findall(r"`([a-z_]+)\(", first):
+            rows.setdefault(name, set()).update(ERROR.findall(" ".join(rest)))
+    return rows
+
+
+def raises(doc: str) -> set[str]:
+    """Error names in a Google-style ``Raises:`` section (to the docstring's end)."""
+    return set(ERROR.findall(doc.split("Raises:", 1)[1])) if "Raises:" in doc else set()
+
+
+PUBLIC_METHODS = sorted(
+    n for n, v in inspect.getmembers(HazardAwareBlockPool) if not n.startswith("_") and callable(v)
+)
+ROWS = api_rows()
+
+
+def doc_of(name: str) -> str:
+    return inspect.getdoc(getattr(HazardAwareBlockPool, name)) or ""
+
+
+def test_the_parser_sees_the_tables() -> None:
+    assert len(PUBLIC_METHODS) > 30 and {"get_new_blocks", "fence_for", "check"} <= set(ROWS)
+    assert ROWS["tag"] and raises(doc_of("free_blocks")) >= {"RefCountError", "ForeignBlockError"}
+
+
+@pytest.mark.parametrize("name", PUBLIC_METHODS)
+def test_public_method_states_its_complexity(name: str) -> None:
+    assert "O(" in doc_of(name), f"{name}: docstring does not state its complexity"
+
+
+@pytest.mark.parametrize("name", PUBLIC_METHODS)
+def test_public_method_has_a_row_listing_the_errors_its_docstring_raises(name: str) -> None:
+    assert name in ROWS, f"{name}: no row in docs/api.md"
+    assert ROWS[name] == raises(doc_of(name)), (
+        f"{name}: api.md lists {sorted(ROWS[name])}, the docstring's Raises: {sorted(raises(doc_of(name)))}"
+    )
+
+
+def test_every_row_names_a_public_method() -> None:
+    assert set(ROWS) - set(PUBLIC_METHODS) == set()
+
+
+def _methods(cls: type) -> list[tuple[str, object]]:
+    out = []
+    for n, v in vars(cls).items():
+        f = v.__func__ if isinstance(v, (classmethod, staticmethod)) else v
+        if not n.startswith("_") and inspect.isfunction(f):
+            out.append((n, f))
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in blockpool.__all__ if n != "__version__"])
+def test_public_name_is_documented_and_its_methods_state_their_complexity(name: str) -> None:
+    obj = getattr(blockpool, name)
+    if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+        return  # a value (EMPTY_FENCE, LAST_STEP, the KVCacheEvent union): documented in api.md
+    assert inspect.getdoc(obj), f"{name}: no docstring"
+    if inspect.isclass(obj):
+        missing = [m for m, f in _methods(obj) if "O(" not in (inspect.getdoc(f) or "")]
+        assert missing == [], f"{name}: methods without complexity: {missing}"
+
+
+@pytest.mark.parametrize("name", ["EMPTY_FENCE", "LAST_STEP", "KVCacheEvent"])
+def test_public_values_are_in_api_md(name: str) -> None:
+    assert f"`{name}`" in API_MD.read_text()

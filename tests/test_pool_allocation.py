@@ -1,0 +1,99 @@
+"""Allocation and free in the pool (``blockpool/pool.py``): a block listed
+twice in one free, a failed allocation leaves no trace, the null block is
+never data. Faults reported from the field (issue #4): one test per
+behaviour.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from blockpool import (
+    HazardAwareBlockPool,
+    RefCountError,
+)
+from tests.conftest import ids, make_pool
+
+# 5. The same block twice in one free call -------------------------------------
+
+
+def test_block_listed_twice_with_one_reference_is_rejected_unchanged(pool: HazardAwareBlockPool) -> None:
+    (b,) = pool.get_new_blocks(1)
+    before = pool.snapshot()
+    with pytest.raises(RefCountError, match="block 1"):
+        pool.free_blocks([b, b])
+    assert pool.snapshot() == before
+    assert b.ref_cnt == 1
+
+
+def test_block_listed_twice_with_two_references_is_freed_once(pool: HazardAwareBlockPool) -> None:
+    (b,) = pool.get_new_blocks(1)
+    pool.touch([b])
+    pool.free_blocks([b, b])
+    assert b.ref_cnt == 0
+    assert ids(pool.free_block_queue).count(b.block_id) == 1
+    assert pool.get_num_free_blocks() == 9
+    pool.check()
+
+
+# 6. A failed allocation leaves no trace ---------------------------------------
+
+
+def cached_and_freed() -> tuple[HazardAwareBlockPool, list]:
+    pool = make_pool(7)  # 6 usable blocks
+    a = pool.get_new_blocks(2)
+    pool.cache_full_blocks(a, ["h1", "h2"], 0, 2, block_size=16)
+    pool.free_blocks(list(reversed(a)))
+    pool.take_events()
+    assert pool.get_num_free_blocks() == 6
+    return pool, a
+
+
+def test_allocation_needing_hits_plus_too_many_new_blocks_changes_nothing() -> None:
+    pool, hits = cached_and_freed()
+    e1 = pool.issue("compute")
+    before = pool.snapshot()
+    with pytest.raises(ValueError, match="Cannot allocate 5"):
+        pool.allocate_for(5, "compute", hits=hits)
+    assert pool.snapshot() == before
+    assert pool.issue("compute").seq == e1.seq + 1
+
+
+def test_allocation_with_hits_counts_free_hits_once() -> None:
+    pool, hits = cached_and_freed()
+    new, fence = pool.allocate_for(4, "compute", hits=hits)
+    assert len(new) == 4 and not set(ids(new)) & set(ids(hits))
+    assert pool.get_num_free_blocks() == 0
+    assert [h.ref_cnt for h in hits] == [1, 1]
+    assert pool.get_cached_block("h1") is hits[0]
+    pool.check()
+
+
+# 7. The null block is never data ----------------------------------------------
+
+
+def test_null_block_is_never_allocated_counted_or_cached(pool: HazardAwareBlockPool) -> None:
+    blocks = pool.get_new_blocks(9)
+    assert pool.null_block not in blocks
+    assert pool.get_num_free_blocks() == 0
+    table = [pool.null_block, pool.null_block, *blocks[:2]]
+    pool.cache_full_blocks(table, ["n0", "n1", "k2", "k3"], 0, 4, block_size=16)
+    assert pool.null_block.block_hash is None
+    assert pool.get_cached_block("n0") is None
+
+
+def test_loads_and_stores_skip_null_placeholders(pool: HazardAwareBlockPool) -> None:
+    b5, b6 = pool.get_new_blocks(2)
+    table = [pool.null_block, pool.null_block, b5, b6]
+    t, _ = pool.begin_load(table, "h2d")
+    assert pool.null_block.writer is None and b5.writer == t and b6.writer == t
+    s, fence = pool.begin_store(table, "d2h")
+    assert list(fence) == [t] and pool.null_block.readers is None
+
+
+def test_free_of_null_placeholder_table_frees_only_data_blocks(pool: HazardAwareBlockPool) -> None:
+    b5, b6 = pool.get_new_blocks(2)
+    pool.free_blocks([pool.null_block, pool.null_block, b5, b6])
+    assert pool.get_num_free_blocks() == 9
+    assert pool.null_block.ref_cnt == 0
+    pool.check()

@@ -1,0 +1,112 @@
+"""Completions, failures, leases and abandon (``blockpool/_tokens.py``):
+blocks of an aborted load are held until their transfer ends and released
+exactly once; a failed load publishes nothing. Faults reported from the
+field (issue #4): one test per behaviour.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from blockpool import (
+    BlockRemoved,
+    HazardAwareBlockPool,
+    LeaseExpiredWarning,
+    Token,
+)
+from tests.conftest import ids, make_pool
+
+# 4. Aborted load: hold, then release exactly once -----------------------------
+
+
+def aborted_load(pool: HazardAwareBlockPool) -> tuple[list, Token, Token]:
+    blocks, _ = pool.allocate_for(4, "rdma")
+    l1, _ = pool.begin_load(blocks[:2], "rdma")
+    l2, _ = pool.begin_load(blocks[2:], "rdma")
+    return blocks, l1, l2
+
+
+def test_aborted_load_holds_blocks_until_their_transfer_ends(pool: HazardAwareBlockPool) -> None:
+    blocks, l1, l2 = aborted_load(pool)
+    pool.fail(l1)
+    pool.free_blocks(list(reversed(blocks)))
+    assert pool.held_block_ids() == ids(blocks[2:])
+    assert pool.get_num_free_blocks() == 9 - 2
+    with pytest.raises(Exception):
+        pool.get_new_blocks(8)
+    pool.complete(l2)
+    assert pool.held_block_ids() == []
+    assert pool.get_num_free_blocks() == 9
+    pool.check()
+
+
+def test_aborted_load_releases_at_once_when_transfers_already_ended(pool: HazardAwareBlockPool) -> None:
+    blocks, l1, l2 = aborted_load(pool)
+    pool.fail(l1)
+    pool.complete(l2)
+    pool.free_blocks(blocks)
+    assert pool.held_block_ids() == []
+    assert pool.get_num_free_blocks() == 9
+
+
+def test_held_block_is_released_exactly_once(pool: HazardAwareBlockPool) -> None:
+    blocks, l1, l2 = aborted_load(pool)
+    pool.free_blocks(blocks)
+    pool.complete(l2)
+    pool.complete(l2)
+    pool.complete(l1)
+    assert pool.get_num_free_blocks() == 9
+    assert sorted(ids(pool.free_block_queue)) == list(range(1, 10))
+    pool.check()
+
+
+def test_expired_lease_is_reported_but_blocks_stay_quarantined() -> None:
+    now = [0.0]
+    pool = make_pool(lease_timeout=5.0, clock=lambda: now[0])
+    blocks, l1, l2 = aborted_load(pool)
+    pool.free_blocks(blocks)
+    now[0] = 4.9
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool.poll()
+    now[0] = 5.0
+    with pytest.warns(LeaseExpiredWarning, match=r"\[1, 2, 3, 4\]"):
+        pool.poll()
+    assert pool.stats().leases_expired == 4
+    assert pool.expired_leases() == [1, 2, 3, 4]
+    assert pool.held_block_ids() == [1, 2, 3, 4]
+    assert pool.get_num_free_blocks() == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool.poll()  # reported once, not again
+
+
+def test_abandon_releases_quarantined_blocks() -> None:
+    now = [0.0]
+    pool = make_pool(lease_timeout=1.0, clock=lambda: now[0])
+    blocks, l1, l2 = aborted_load(pool)
+    pool.free_blocks(blocks)
+    now[0] = 2.0
+    with pytest.warns(LeaseExpiredWarning):
+        pool.poll()
+    assert pool.abandon(l1) == [1, 2]
+    assert pool.abandon(l2) == [3, 4]
+    assert pool.get_num_free_blocks() == 9
+    assert pool.stats().abandoned == 2 and pool.stats().leases_expired == 4
+    pool.check()
+
+
+def test_failed_load_never_publishes_block_hashes(pool: HazardAwareBlockPool) -> None:
+    blocks, l1, l2 = aborted_load(pool)
+    pool.cache_full_blocks(blocks, ["k1", "k2", "k3", "k4"], 0, 2, block_size=16)
+    pool.take_events()
+    pool.fail(l1)
+    pool.poll()
+    assert pool.get_cached_block("k1") is None and pool.get_cached_block("k2") is None
+    assert pool.take_events() == [BlockRemoved(("k1",)), BlockRemoved(("k2",))]
+    pool.cache_full_blocks(blocks, ["k1", "k2", "k3", "k4"], 0, 4, block_size=16)
+    assert pool.get_cached_block("k1") is None
+    assert pool.get_cached_block("k3") is blocks[2]
+    assert pool.stats().unpublished_failed_loads == 2

@@ -1,0 +1,93 @@
+"""The prefix cache (``blockpool/prefix_cache.py``, ``blockpool/_caching.py``):
+one block with several keys, reset and eviction order with transfers in
+flight. Faults reported from the field (issue #4): one test per behaviour.
+"""
+
+from __future__ import annotations
+
+from blockpool import (
+    AllBlocksCleared,
+    BlockRemoved,
+    HazardAwareBlockPool,
+)
+from tests.conftest import make_pool
+
+# 8. One block, several keys ---------------------------------------------------
+
+
+def test_promoted_block_is_counted_once_and_evicted_with_its_key(pool: HazardAwareBlockPool) -> None:
+    (p,) = pool.get_new_blocks(1)
+    pool.cache_partial_block(p, "h1", 8)
+    pool.cache_full_blocks([p], ["h2"], 0, 1, block_size=16)
+    pool.free_blocks([p])
+    s = pool.stats()
+    assert (s.free, s.used, s.held, s.cached_blocks) == (9, 0, 0, 1)
+    pool.take_events()
+    pool.get_new_blocks(9)
+    assert pool.take_events() == [BlockRemoved(("h2",))]
+    assert pool.get_cached_block("h1") is None and pool.get_cached_block("h2") is None
+
+
+def test_block_with_two_keys_loses_both_on_eviction(pool: HazardAwareBlockPool) -> None:
+    (p,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([p], ["full"], 0, 1, block_size=16)
+    pool.cache_partial_block(p, "part", 8)
+    pool.free_blocks([p])
+    assert pool.stats().cached_blocks == 1 and pool.stats().cached_keys == 2
+    assert pool.get_num_free_blocks() == 9 and pool.get_usage() == 0.0
+    pool.take_events()
+    pool.get_new_blocks(9)
+    assert sorted(e.block_hashes[0] for e in pool.take_events()) == ["full", "part"]
+
+
+def test_same_key_on_two_blocks_counts_each_block_once(pool: HazardAwareBlockPool) -> None:
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_blocks([a], ["h"], 0, 1, block_size=16)
+    pool.cache_full_blocks([b], ["h"], 0, 1, block_size=16)
+    pool.free_blocks([a, b])
+    s = pool.stats()
+    assert (s.free, s.cached_blocks, s.cached_keys) == (9, 2, 1)
+    assert s.free + s.held + s.used == s.num_blocks
+    pool.check()
+
+
+# 9. Reset and eviction order with transfers in flight ---------------------------
+
+
+def test_reset_refused_while_cached_blocks_are_stored_then_succeeds(pool: HazardAwareBlockPool) -> None:
+    a = pool.get_new_blocks(2)
+    pool.cache_full_blocks(a, ["h1", "h2"], 0, 2, block_size=16)
+    s1, _ = pool.begin_store(a, "rdma")
+    pool.free_blocks(list(reversed(a)))
+    pool.take_events()
+    assert pool.held_block_ids() == [1, 2]
+    assert pool.reset_prefix_cache() is False
+    assert pool.get_cached_block("h1") is a[0]
+    pool.complete(s1)
+    assert pool.reset_prefix_cache() is True
+    assert pool.get_cached_block("h1") is None and pool.get_cached_block("h2") is None
+    assert pool.get_num_free_blocks() == 9
+    assert pool.take_events() == [AllBlocksCleared()]
+
+
+def test_reset_refused_while_store_source_is_still_referenced(pool: HazardAwareBlockPool) -> None:
+    a = pool.get_new_blocks(2)
+    pool.cache_full_blocks(a, ["h1", "h2"], 0, 2, block_size=16)
+    s1, _ = pool.begin_store(a, "d2h")
+    assert pool.reset_prefix_cache() is False
+    pool.complete(s1)
+    pool.free_blocks(a)
+    assert pool.reset_prefix_cache() is True
+
+
+def test_eviction_takes_chain_tail_first_and_keeps_prefix_hits() -> None:
+    pool = make_pool(4)  # 3 usable blocks
+    chain = pool.get_new_blocks(3)
+    pool.cache_full_blocks(chain, ["h1", "h2", "h3"], 0, 3, block_size=16)
+    pool.free_blocks(list(reversed(chain)))
+    pool.take_events()
+    (b,) = pool.get_new_blocks(1)
+    assert b is chain[2]
+    assert pool.take_events() == [BlockRemoved(("h3",))]
+    assert pool.get_cached_block("h1") is chain[0]
+    assert pool.get_cached_block("h2") is chain[1]
