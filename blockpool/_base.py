@@ -199,7 +199,7 @@ class PoolBase:
                 )
         return out
 
-    def _check_fresh(self, blocks: list[KVCacheBlock], generations: object, what: str) -> None:
+    def _check_fresh(self, blocks: list[KVCacheBlock], generations: Iterable[object], what: str) -> None:
         """Raise :class:`StaleBlockError` if a block of ``blocks`` (own
         blocks; null placeholders skipped) has a generation other than the
         one ``generations`` (aligned with ``blocks``, as
@@ -211,13 +211,15 @@ class PoolBase:
                 as long as ``blocks``.
             StaleBlockError: the first stale block.
         """
-        gens = generations if type(generations) in (tuple, list) else _as_list(generations, "generations")
+        gens = generations if type(generations) is list else _as_list(generations, "generations")
         if len(gens) != len(blocks):  # type: ignore[arg-type]
             raise InvalidArgumentError(
                 f"{what}: {len(gens)} generations for {len(blocks)} blocks; "  # type: ignore[arg-type]
                 "pass the tuple pool.generations(blocks) returned for this table"
             )
         now = self._gens
+        if now is not None and [now[b.block_id] for b in blocks] == gens and set(map(type, gens)) <= {int}:  # type: ignore[arg-type]
+            return  # the usual answer, in one pass and two C-level comparisons
         null = self.null_block
         for b, g in zip(blocks, gens):  # type: ignore[call-overload]
             if type(g) is not int:

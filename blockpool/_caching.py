@@ -57,7 +57,6 @@ class CacheOps(PoolBase):
         num_full_blocks: int,
         block_size: int | None = None,
         block_mask: Sequence[bool] | None = None,
-        *,
         generations: Sequence[int] | None = None,
     ) -> None:
         """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under
@@ -191,7 +190,10 @@ class CacheOps(PoolBase):
             raise InvalidArgumentError(
                 f"cache_full_blocks: {len(gens)} generations for a table of {len(blocks)} blocks"
             )
-        idx = [i for i in range(lo, hi) if mask is None or mask[i - lo]]
+        if mask is None:
+            self._check_fresh(list(blocks[lo:hi]), list(gens[lo:hi]), "cache_full_blocks")
+            return
+        idx = [i for i in range(lo, hi) if mask[i - lo]]
         self._check_fresh([blocks[i] for i in idx], [gens[i] for i in idx], "cache_full_blocks")
 
     def cache_partial_block(
@@ -201,7 +203,6 @@ class CacheOps(PoolBase):
         num_tokens: int,
         replace_existing_hashes: bool = False,
         parent_block_hash: Hashable | None = None,
-        *,
         generation: int | None = None,
     ) -> Hashable | None:
         """Make ``block`` reachable under a partial-prefix key covering

@@ -237,7 +237,6 @@ class FenceOps(PoolBase):
         self,
         pairs: Iterable[tuple[KVCacheBlock, KVCacheBlock]],
         stream: str = "compute",
-        *,
         generations: Iterable[tuple[int, int]] | None = None,
     ) -> tuple[Token, Fence]:
         """Begin copy-on-write / block copies ``(src, dst)`` on ``stream``:
@@ -296,23 +295,27 @@ class FenceOps(PoolBase):
         return self._begin(((srcs, _READ), (dsts, _WRITE)), stream, st)
 
     def _begin_transfer(
-        self,
-        blocks: Iterable[KVCacheBlock],
-        stream: str,
-        access: AccessKind,
-        what: str,
-        generations: Iterable[int] | None,
+        self, blocks: Iterable[KVCacheBlock], stream: str, access: AccessKind, what: str
     ) -> tuple[Token, Fence]:
         if self._inbox or self._leases_on:
             self._apply_completions()
         st = self.tracker.state(stream)
-        if generations is not None:
-            blocks = self._own_all(blocks)
-            self._check_fresh(blocks, generations, what)
         return self._begin(((self._data_blocks(blocks, what), access),), stream, st, access is _WRITE)
 
+    def _begin_fresh_transfer(
+        self, blocks: Iterable[KVCacheBlock], stream: str, access: AccessKind, what: str, generations: Iterable[int]
+    ) -> tuple[Token, Fence]:
+        """:meth:`_begin_transfer` of a table checked against its
+        ``generations`` first (the fast path stays as it was)."""
+        if self._inbox or self._leases_on:
+            self._apply_completions()
+        st = self.tracker.state(stream)
+        block_list = self._own_all(blocks)
+        self._check_fresh(block_list, generations, what)
+        return self._begin(((self._data_blocks(block_list, what), access),), stream, st, access is _WRITE)
+
     def begin_load(
-        self, blocks: Iterable[KVCacheBlock], stream: str, *, generations: Iterable[int] | None = None
+        self, blocks: Iterable[KVCacheBlock], stream: str, generations: Iterable[int] | None = None
     ) -> tuple[Token, Fence]:
         """Begin a load (external tier -> GPU) into ``blocks`` on ``stream``
         (a DMA stream or a host engine): returns the load's token (the new
@@ -333,10 +336,12 @@ class FenceOps(PoolBase):
                 allocated again since they were taken; nothing changes.
             InvalidArgumentError: ``generations`` is not one int per block.
         """
-        return self._begin_transfer(blocks, stream, _WRITE, "load", generations)
+        if generations is None:
+            return self._begin_transfer(blocks, stream, _WRITE, "load")
+        return self._begin_fresh_transfer(blocks, stream, _WRITE, "load", generations)
 
     def begin_store(
-        self, blocks: Iterable[KVCacheBlock], stream: str, *, generations: Iterable[int] | None = None
+        self, blocks: Iterable[KVCacheBlock], stream: str, generations: Iterable[int] | None = None
     ) -> tuple[Token, Fence]:
         """Begin a store / offload (GPU -> external tier) from ``blocks`` on
         ``stream``: returns the store's token (a reader of every block; a
@@ -353,4 +358,6 @@ class FenceOps(PoolBase):
                 allocated again since they were taken; nothing changes.
             InvalidArgumentError: ``generations`` is not one int per block.
         """
-        return self._begin_transfer(blocks, stream, _READ, "store", generations)
+        if generations is None:
+            return self._begin_transfer(blocks, stream, _READ, "store")
+        return self._begin_fresh_transfer(blocks, stream, _READ, "store", generations)

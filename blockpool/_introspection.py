@@ -84,7 +84,7 @@ class IntrospectionOps(PoolBase):
         block_list = self._own_all(blocks)
         gens = self._gens
         if gens is None:
-            gens = self._gens = array("Q", bytes(8 * self.num_gpu_blocks))
+            gens = self._gens = array("Q", (0,)) * self.num_gpu_blocks  # exactly sized (frombytes over-allocates 1/16)
         return tuple([gens[b.block_id] for b in block_list])
 
     def held_block_ids(self) -> list[int]:
@@ -147,7 +147,9 @@ class IntrospectionOps(PoolBase):
         ended and is listed under each; leases exist exactly for held
         blocks; saved shadows of pending writes belong to tokens that have
         not ended and to this pool's data blocks; invalid marks name data
-        blocks. O(num_gpu_blocks + cached keys + held + pending writes).
+        blocks; block generations (once on) have one entry per block, 0 for
+        the null block, none past the allocation serial.
+        O(num_gpu_blocks + cached keys + held + pending writes).
 
         Raises:
             InvariantError: an invariant is broken (the first one found).
@@ -240,9 +242,13 @@ class IntrospectionOps(PoolBase):
             if not (isinstance(bid, int) and 0 < bid < self.num_gpu_blocks):
                 raise InvariantError(f"invalid mark on {bid!r}, not a data block")
         gens = self._gens
-        if gens is not None and (len(gens) != self.num_gpu_blocks or gens[0] != 0 or max(gens) > self._alloc_serial):
-            raise InvariantError("the generation array is not one entry per block, 0 for the null block, "
-                                 "none past the allocation serial")
+        if gens is not None and (
+            len(gens) != self.num_gpu_blocks or gens[0] != 0 or max(gens) > self._alloc_serial
+        ):
+            raise InvariantError(
+                "the generation array is not one entry per block, 0 for the null block, "
+                "none past the allocation serial"
+            )
 
     def snapshot(self) -> PoolSnapshot:
         """A comparable picture of all observable state (tests: take one

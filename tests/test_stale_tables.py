@@ -107,12 +107,13 @@ def test_a_fresh_table_with_generations_does_what_it_does_without(name: str) -> 
         pool.free_blocks(t[5:])
         pool.get_new_blocks(1)  # takes t[5] again: t[:5] stays fresh
         table, gg = t[:5], (g[:5] if g is not None else None)
+        out: object = None
         if name == "begin_store":
             out = pool.begin_store(table, "d2h", generations=gg)
         elif name == "begin_load":
             out = pool.begin_load(table, "h2d", generations=gg)
         elif name == "cache_full_blocks":
-            out = pool.cache_full_blocks(table, KEYS, 1, 4, 16, generations=gg)
+            pool.cache_full_blocks(table, KEYS, 1, 4, 16, generations=gg)
         elif name == "cache_partial_block":
             out = pool.cache_partial_block(table[4], "p", 3, generation=None if gg is None else gg[4])
         else:
@@ -195,7 +196,7 @@ def test_generations_of_another_pools_block_or_a_non_block_are_typed_errors() ->
     with pytest.raises(ForeignBlockError):
         pool.generations(other.get_new_blocks(1))
     with pytest.raises(InvalidArgumentError):
-        pool.generations([3])
+        pool.generations([3])  # type: ignore[list-item]
     with pytest.raises(InvalidArgumentError):
         pool.generations(5)  # type: ignore[arg-type]
 
