@@ -120,8 +120,9 @@ def build(data: dict[str, Any], rows: dict[tuple[str, str], dict[str, Any]], ord
                 for key, label in (
                     ("bytes_per_block", "bytes per block (new pool)"),
                     ("bytes_per_block_after_use", "bytes per block (after one use)"),
+                    ("bytes_per_block_with_generations", "bytes per block, block generations on (after use)"),
                 ):
-                    v = {k: (r[key] if r else None) for k, r in vals.items()}
+                    v = {k: (r.get(key) if r else None) for k, r in vals.items()}
                     b2 = {k: "–" if x is None else f"{x:.2f}" for k, x in v.items()}
                     out.append(
                         f"| {label} | {b2['on']} | {b2['off']} | {b2['vllm']} | "

@@ -7,7 +7,9 @@ back-reference costs nothing extra, it is a slot). A second figure,
 ``bytes per block after use``, is taken after every block was allocated
 and freed once (with a live ``compute`` token for our pools, so every
 block's shadow is set): it shows that shadows add no per-block memory (the
-token objects are shared).
+token objects are shared). A third, ``bytes per block with generations``
+(our pools only), adds what turning block generations on costs (the first
+``generations()`` call) and another use of every block with them on.
 
 The timed part is the construction itself (``pool construction`` rows).
 """
@@ -48,6 +50,14 @@ def test_memory_and_construction(benchmark: Any, kind: str) -> None:
             pool.free_blocks(blocks, tok)
 
     _, used = _traced(use)
+    gens = None
+    if kind != "vllm":
+        # Block generations (stale block tables): off until the first
+        # generations() call; then one word per block, stamped by each
+        # allocation (a second use shows the stamping allocates nothing).
+        _, gens = _traced(lambda: pool.generations([]))
+        _, gens_used = _traced(use)
+        gens += gens_used
     pool = tok = None
     gc.collect()
     scenario = "pool construction, 1,000,000 blocks"
@@ -59,5 +69,6 @@ def test_memory_and_construction(benchmark: Any, kind: str) -> None:
         blocks=BLOCKS,
         bytes_per_block=built / BLOCKS,
         bytes_per_block_after_use=(built + used) / BLOCKS,
+        bytes_per_block_with_generations=None if gens is None else (built + used + gens) / BLOCKS,
     )
     benchmark.pedantic(make_pool, args=(kind, BLOCKS), rounds=3, iterations=1, warmup_rounds=0)

@@ -21,6 +21,7 @@ from blockpool.errors import (
     NoFreeBlocksError,
     NullBlockError,
     RefCountError,
+    StaleBlockError,
     UnknownStreamError,
     UnknownTokenError,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "NullBlockError",
     "RefCountError",
     "BlockNotAllocatedError",
+    "StaleBlockError",
     "UnknownStreamError",
     "UnknownTokenError",
     "ForeignTokenError",

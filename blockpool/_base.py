@@ -4,6 +4,7 @@ shadow helpers, the attributes every part uses and the argument checks."""
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from blockpool.errors import (
     BlockNotAllocatedError,
     ForeignBlockError,
     InvalidArgumentError,
+    StaleBlockError,
 )
 from blockpool.events import KVCacheEvent
 from blockpool.hazards import AccessKind, Fence, StreamKind, Token
@@ -136,6 +138,8 @@ class PoolBase:
     _hits: int
     _inbox: object
     _leases_on: bool
+    _gens: array | None  # type: ignore[type-arg]
+    _alloc_serial: int
 
     if TYPE_CHECKING:  # implemented by the other parts of the pool
 
@@ -194,6 +198,44 @@ class PoolBase:
                     "hold a reference (allocate or touch) for the transfer's duration"
                 )
         return out
+
+    def _check_fresh(self, blocks: list[KVCacheBlock], generations: Iterable[object], what: str) -> None:
+        """Raise :class:`StaleBlockError` if a block of ``blocks`` (own
+        blocks; null placeholders skipped) has a generation other than the
+        one ``generations`` (aligned with ``blocks``, as
+        :meth:`generations` returned it) records: it was allocated again
+        since. Changes nothing. O(len(blocks)).
+
+        Raises:
+            InvalidArgumentError: ``generations`` is not an iterable of ints
+                as long as ``blocks``.
+            StaleBlockError: the first stale block.
+        """
+        gens = generations if type(generations) is list else _as_list(generations, "generations")
+        if len(gens) != len(blocks):  # type: ignore[arg-type]
+            raise InvalidArgumentError(
+                f"{what}: {len(gens)} generations for {len(blocks)} blocks; "  # type: ignore[arg-type]
+                "pass the tuple pool.generations(blocks) returned for this table"
+            )
+        now = self._gens
+        if now is not None and [now[b.block_id] for b in blocks] == gens and set(map(type, gens)) <= {int}:  # type: ignore[arg-type]
+            return  # the usual answer, in one pass and two C-level comparisons
+        null = self.null_block
+        for b, g in zip(blocks, gens):  # type: ignore[call-overload]
+            if type(g) is not int:
+                raise InvalidArgumentError(f"{what}: a generation must be an int, got {g!r}")
+            if b is null:
+                continue
+            cur = now[b.block_id] if now is not None else 0
+            if cur != g:
+                raise StaleBlockError(
+                    f"{what}: block {b.block_id} was freed and allocated again since the block "
+                    f"table was taken (generation {cur} now, the table has {g}): it holds "
+                    "another request's data",
+                    b.block_id,
+                    cur,
+                    g,
+                )
 
     @staticmethod
     def _check_count(n: object) -> int:

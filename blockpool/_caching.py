@@ -57,20 +57,27 @@ class CacheOps(PoolBase):
         num_full_blocks: int,
         block_size: int | None = None,
         block_mask: Sequence[bool] | None = None,
+        generations: Sequence[int] | None = None,
     ) -> None:
         """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under
         ``block_hashes[i]`` (one key per block, aligned with ``blocks``).
         Null or masked-out blocks are skipped; so are blocks whose load
         failed. A block already holding a shorter-prefix key is promoted
         (its old keys removed, with events). Emits one stored event.
-        O(num_full_blocks - num_cached_blocks).
+        ``generations`` (aligned with ``blocks``, from :meth:`generations`
+        when the table was built): refuse the table if a block to publish
+        was freed and allocated again since (its keys would name another
+        request's data). O(num_full_blocks - num_cached_blocks).
 
         Raises:
             InvalidArgumentError: counts out of range (``num_cached_blocks >
                 num_full_blocks`` included), too few hashes, mask
                 of the wrong length, a key that is ``None`` or unhashable, a
-                ``block_size`` that is not a positive int.
+                ``block_size`` that is not a positive int, ``generations``
+                not one int per block.
             ForeignBlockError: a block of another pool.
+            StaleBlockError: with ``generations``, a block to publish was
+                allocated again since they were taken.
             HashConflictError: a block already cached under a different key
                 for the same or a longer prefix.
         """
@@ -101,6 +108,8 @@ class CacheOps(PoolBase):
         self._own_all(blocks[lo:hi])
         null = self.null_block
         mask = block_mask
+        if generations is not None:
+            self._fresh_range(blocks, generations, lo, hi, mask)
         promote: set[int] = set()
         for i in range(lo, hi):
             b = blocks[i]
@@ -165,6 +174,28 @@ class CacheOps(PoolBase):
                 BlockStored(tuple(stored), parent, block_size, tuple(ids), self.medium)
             )
 
+    def _fresh_range(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        generations: Sequence[int],
+        lo: int,
+        hi: int,
+        mask: Sequence[bool] | None,
+    ) -> None:
+        """:meth:`_check_fresh` for the blocks ``cache_full_blocks``
+        publishes: ``blocks[lo:hi]`` not masked out, ``generations`` aligned
+        with the whole table. O(len(blocks))."""
+        gens = generations if type(generations) in (tuple, list) else _as_list(generations, "generations")
+        if len(gens) != len(blocks):
+            raise InvalidArgumentError(
+                f"cache_full_blocks: {len(gens)} generations for a table of {len(blocks)} blocks"
+            )
+        if mask is None:
+            self._check_fresh(list(blocks[lo:hi]), list(gens[lo:hi]), "cache_full_blocks")
+            return
+        idx = [i for i in range(lo, hi) if mask[i - lo]]
+        self._check_fresh([blocks[i] for i in idx], [gens[i] for i in idx], "cache_full_blocks")
+
     def cache_partial_block(
         self,
         block: KVCacheBlock,
@@ -172,6 +203,7 @@ class CacheOps(PoolBase):
         num_tokens: int,
         replace_existing_hashes: bool = False,
         parent_block_hash: Hashable | None = None,
+        generation: int | None = None,
     ) -> Hashable | None:
         """Make ``block`` reachable under a partial-prefix key covering
         ``num_tokens`` tokens of the sequence (the prefix length up to the
@@ -190,16 +222,22 @@ class CacheOps(PoolBase):
         no event and returns ``None`` (an engine that repeats its partial
         publication every step does not bring a stale key back).
 
+        ``generation`` (the block's entry of :meth:`generations`, taken
+        when its table was built): refuse the block if it was freed and
+        allocated again since (the key would name another request's data).
+
         Returns the key, or ``None`` for the null block, a block whose load
         failed, or a retired key. O(keys of the block).
 
         Raises:
             ForeignBlockError: a block of another pool.
+            StaleBlockError: with ``generation``, the block was allocated
+                again since it was taken; nothing changes.
             InvalidArgumentError: ``num_tokens`` is not a positive int, or
                 reaches past the end of the block: the block's primary key
                 is a full-block key covering fewer tokens (a partial key lies
                 inside its block); or ``block_hash`` is ``None`` or
-                unhashable. Nothing changes.
+                unhashable; ``generation`` is not an int. Nothing changes.
         """
         if self._inbox or self._leases_on:
             self._apply_completions()
@@ -207,6 +245,8 @@ class CacheOps(PoolBase):
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens <= 0:
             raise InvalidArgumentError(f"num_tokens must be a positive int, got {num_tokens!r}")
         _check_key(block_hash)
+        if generation is not None:
+            self._check_fresh([b], (generation,), "cache_partial_block")
         if b.is_null:
             return None
         bid = b.block_id

@@ -12,6 +12,7 @@ from blockpool._base import (
     _UNSET,
     _WRITE,
     PoolBase,
+    _as_list,
     _with_read,
 )
 from blockpool.block import KVCacheBlock
@@ -233,7 +234,10 @@ class FenceOps(PoolBase):
         return token, fence
 
     def begin_copy(
-        self, pairs: Iterable[tuple[KVCacheBlock, KVCacheBlock]], stream: str = "compute"
+        self,
+        pairs: Iterable[tuple[KVCacheBlock, KVCacheBlock]],
+        stream: str = "compute",
+        generations: Iterable[tuple[int, int]] | None = None,
     ) -> tuple[Token, Fence]:
         """Begin copy-on-write / block copies ``(src, dst)`` on ``stream``:
         returns the copy's token (a read of every ``src``, a write of every
@@ -243,14 +247,20 @@ class FenceOps(PoolBase):
         writes (vLLM caches the private copy of a partial hit under the
         prefix it copies). If the copy fails, the destinations' replaced
         accesses are restored and their keys withdrawn (not published until
-        rewritten). O(len(pairs)).
+        rewritten). ``generations``: one ``(src, dst)`` pair of
+        generations per pair (from :meth:`generations` of the tables the
+        blocks come from); a block allocated again since is refused.
+        O(len(pairs)).
 
         Raises:
             UnknownStreamError: ``stream`` is not registered.
             ForeignBlockError: a block of another pool.
             NullBlockError: the null block as a source or destination.
+            StaleBlockError: with ``generations``, a block was freed and
+                allocated again since they were taken.
             BlockNotAllocatedError: a block with ref count 0.
-            InvalidArgumentError: a pair is not a 2-tuple.
+            InvalidArgumentError: a pair is not a 2-tuple, or
+                ``generations`` is not one pair of ints per pair.
         """
         if self._inbox or self._leases_on:
             self._apply_completions()
@@ -268,6 +278,19 @@ class FenceOps(PoolBase):
                     raise NullBlockError("the null block cannot be copied from or into")
             srcs.append(src)
             dsts.append(dst)
+        if generations is not None:
+            src_gens: list[object] = []
+            dst_gens: list[object] = []
+            for pair in _as_list(generations, "generations"):
+                try:
+                    g_src, g_dst = pair
+                except (TypeError, ValueError):
+                    raise InvalidArgumentError(
+                        f"copy: generations are (src, dst) pairs, got {pair!r}"
+                    ) from None
+                src_gens.append(g_src)
+                dst_gens.append(g_dst)
+            self._check_fresh(srcs + dsts, src_gens + dst_gens, "copy")
         self._data_blocks(srcs + dsts, "copy")
         return self._begin(((srcs, _READ), (dsts, _WRITE)), stream, st)
 
@@ -279,7 +302,21 @@ class FenceOps(PoolBase):
         st = self.tracker.state(stream)
         return self._begin(((self._data_blocks(blocks, what), access),), stream, st, access is _WRITE)
 
-    def begin_load(self, blocks: Iterable[KVCacheBlock], stream: str) -> tuple[Token, Fence]:
+    def _begin_fresh_transfer(
+        self, blocks: Iterable[KVCacheBlock], stream: str, access: AccessKind, what: str, generations: Iterable[int]
+    ) -> tuple[Token, Fence]:
+        """:meth:`_begin_transfer` of a table checked against its
+        ``generations`` first (the fast path stays as it was)."""
+        if self._inbox or self._leases_on:
+            self._apply_completions()
+        st = self.tracker.state(stream)
+        block_list = self._own_all(blocks)
+        self._check_fresh(block_list, generations, what)
+        return self._begin(((self._data_blocks(block_list, what), access),), stream, st, access is _WRITE)
+
+    def begin_load(
+        self, blocks: Iterable[KVCacheBlock], stream: str, generations: Iterable[int] | None = None
+    ) -> tuple[Token, Fence]:
         """Begin a load (external tier -> GPU) into ``blocks`` on ``stream``
         (a DMA stream or a host engine): returns the load's token (the new
         writer of every block) and the fence it waits on (WAR on the last
@@ -288,20 +325,39 @@ class FenceOps(PoolBase):
         (``BlockRemoved`` events; publish the loaded keys after this call).
         If the load fails, the accesses it replaced are restored and the
         blocks are not published until rewritten. Null placeholders are
-        skipped. O(len(blocks) + keys withdrawn).
+        skipped. ``generations`` (aligned with ``blocks``, from
+        :meth:`generations` when the table was built): refuse the table if
+        one of its blocks was freed and allocated again since (it would
+        overwrite another request's data). O(len(blocks) + keys withdrawn).
 
         Raises:
             UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
+            StaleBlockError: with ``generations``, a block of the table was
+                allocated again since they were taken; nothing changes.
+            InvalidArgumentError: ``generations`` is not one int per block.
         """
-        return self._begin_transfer(blocks, stream, _WRITE, "load")
+        if generations is None:
+            return self._begin_transfer(blocks, stream, _WRITE, "load")
+        return self._begin_fresh_transfer(blocks, stream, _WRITE, "load", generations)
 
-    def begin_store(self, blocks: Iterable[KVCacheBlock], stream: str) -> tuple[Token, Fence]:
+    def begin_store(
+        self, blocks: Iterable[KVCacheBlock], stream: str, generations: Iterable[int] | None = None
+    ) -> tuple[Token, Fence]:
         """Begin a store / offload (GPU -> external tier) from ``blocks`` on
         ``stream``: returns the store's token (a reader of every block; a
         later write waits on it, WAR) and the fence it waits on (RAW on the
-        last writer). Null placeholders are skipped. O(len(blocks)).
+        last writer). Null placeholders are skipped. ``generations``
+        (aligned with ``blocks``, from :meth:`generations` when the table
+        was built): refuse the table if one of its blocks was freed and
+        allocated again since (the store would file another request's data
+        under this table's keys). O(len(blocks)).
 
         Raises:
             UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
+            StaleBlockError: with ``generations``, a block of the table was
+                allocated again since they were taken; nothing changes.
+            InvalidArgumentError: ``generations`` is not one int per block.
         """
-        return self._begin_transfer(blocks, stream, _READ, "store")
+        if generations is None:
+            return self._begin_transfer(blocks, stream, _READ, "store")
+        return self._begin_fresh_transfer(blocks, stream, _READ, "store", generations)

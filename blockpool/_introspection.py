@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
+
 from blockpool._base import (
     PoolBase,
     _shadow_tokens,
@@ -50,6 +53,39 @@ class IntrospectionOps(PoolBase):
             return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
         except AttributeError:
             raise InvalidArgumentError(f"expected a KVCacheBlock, got {block!r}") from None
+
+    def generations(self, blocks: Iterable[KVCacheBlock]) -> tuple[int, ...]:
+        """The allocation generation of each block of a block table, to pass
+        as ``generations=`` to :meth:`begin_load`, :meth:`begin_store`,
+        :meth:`begin_copy` and :meth:`cache_full_blocks` (or one of them as
+        ``generation=`` to :meth:`cache_partial_block`) while the table may
+        be stale: a copy kept by a connector after the scheduler freed some
+        of its blocks (e.g. a sliding window's middle). Those calls then
+        refuse the table with :class:`StaleBlockError`, changing nothing,
+        once one of its blocks was freed and allocated again (it holds
+        another request's data), and accept it as long as none was (a block
+        freed and taken back as a prefix hit keeps its generation: same
+        content).
+
+        Take it when the table is built (after the allocation that filled
+        it). A generation is the serial of the allocation that last handed
+        the block out; the null block's is always 0. The first call turns
+        generations on for the pool (one 8-byte word per block from then
+        on; allocations stamp their blocks, one store per block); until
+        then no allocation pays anything. O(len(blocks)) (O(num_gpu_blocks)
+        for the first call).
+
+        Raises:
+            ForeignBlockError: a block of another pool.
+            InvalidArgumentError: ``blocks`` is not an iterable of blocks.
+        """
+        if self._inbox or self._leases_on:
+            self._apply_completions()
+        block_list = self._own_all(blocks)
+        gens = self._gens
+        if gens is None:
+            gens = self._gens = array("Q", (0,)) * self.num_gpu_blocks  # exactly sized (frombytes over-allocates 1/16)
+        return tuple([gens[b.block_id] for b in block_list])
 
     def held_block_ids(self) -> list[int]:
         """Blocks held back for pending host-engine accesses, sorted. O(h log h)."""
@@ -111,7 +147,9 @@ class IntrospectionOps(PoolBase):
         ended and is listed under each; leases exist exactly for held
         blocks; saved shadows of pending writes belong to tokens that have
         not ended and to this pool's data blocks; invalid marks name data
-        blocks. O(num_gpu_blocks + cached keys + held + pending writes).
+        blocks; block generations (once on) have one entry per block, 0 for
+        the null block, none past the allocation serial.
+        O(num_gpu_blocks + cached keys + held + pending writes).
 
         Raises:
             InvariantError: an invariant is broken (the first one found).
@@ -203,6 +241,14 @@ class IntrospectionOps(PoolBase):
         for bid in self._invalid:
             if not (isinstance(bid, int) and 0 < bid < self.num_gpu_blocks):
                 raise InvariantError(f"invalid mark on {bid!r}, not a data block")
+        gens = self._gens
+        if gens is not None and (
+            len(gens) != self.num_gpu_blocks or gens[0] != 0 or max(gens) > self._alloc_serial
+        ):
+            raise InvariantError(
+                "the generation array is not one entry per block, 0 for the null block, "
+                "none past the allocation serial"
+            )
 
     def snapshot(self) -> PoolSnapshot:
         """A comparable picture of all observable state (tests: take one

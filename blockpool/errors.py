@@ -18,6 +18,7 @@ __all__ = [
     "NullBlockError",
     "RefCountError",
     "BlockNotAllocatedError",
+    "StaleBlockError",
     "UnknownStreamError",
     "UnknownTokenError",
     "ForeignTokenError",
@@ -59,6 +60,30 @@ class RefCountError(BlockPoolError, ValueError):
 
 class BlockNotAllocatedError(BlockPoolError, ValueError):
     """A transfer or copy named a block that nobody holds (ref count 0)."""
+
+
+class StaleBlockError(BlockPoolError, ValueError):
+    """A block table taken earlier names a block that was freed and
+    allocated again since: the block now holds another request's data. Raised
+    by the transfer and publishing calls given the table's ``generations``
+    (see :meth:`HazardAwareBlockPool.generations`); nothing changes.
+
+    Attributes:
+        block_id: The first stale block of the table.
+        generation: The block's generation now.
+        table_generation: The generation the table recorded for it.
+    """
+
+    def __init__(self, message: str, block_id: int = -1, generation: int = 0, table_generation: int = 0) -> None:
+        super().__init__(message)
+        self.block_id = block_id
+        self.generation = generation
+        self.table_generation = table_generation
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickle with the attributes (an exception pickles its ``args``
+        only). O(1)."""
+        return (type(self), (self.args[0], self.block_id, self.generation, self.table_generation))
 
 
 class UnknownStreamError(BlockPoolError, LookupError):

@@ -213,6 +213,11 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         # whether leases are on.
         self._inbox = self.tracker._inbox
         self._leases_on = lease_timeout is not None
+        # Block generations (stale block tables): off (None) until the first
+        # generations() call, then one unsigned 64-bit word per block, set to
+        # the serial of the allocation that handed the block out.
+        self._gens = None
+        self._alloc_serial = 0
 
     # ------------------------------------------------------------------
     # allocation (vLLM surface)
@@ -237,7 +242,9 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
                 f"Cannot get {n} free blocks from the pool "
                 f"({self.free_block_queue.num_free_blocks} free, {len(self._held)} held back)"
             )
-        return self._take(n)
+        if self._gens is None:
+            return self._take(n)
+        return self._stamp(self._take(n))
 
     def _take(self, n: int) -> list[KVCacheBlock]:
         """Pop ``n`` free blocks, evict their keys, give each ref count 1.
@@ -317,9 +324,22 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         if hit_list:
             self._touch(hit_list)
         new = self._take_ready(n, st) if self._ready_first and n and self.track_hazards else self._take(n)
+        if self._gens is not None:
+            self._stamp(new)
         if not self.track_hazards:
             return new, EMPTY_FENCE
         return new, self._fence(((hit_list, _READ), (new, access)), st)
+
+    def _stamp(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Give newly allocated ``blocks`` a new generation (the serial of
+        this allocation), once :meth:`generations` turned generations on.
+        Returns ``blocks``. O(len(blocks))."""
+        self._alloc_serial = serial = self._alloc_serial + 1
+        gens = self._gens
+        assert gens is not None
+        for b in blocks:
+            gens[b.block_id] = serial
+        return blocks
 
     def _take_ready(self, n: int, st: StreamState) -> list[KVCacheBlock]:
         """``placement="ready_first"``: ``n`` free blocks for a consumer on
