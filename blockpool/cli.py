@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--placement",
         default=None,
         metavar="MODE[,MODE...]",
-        help="pool placement modes to compare: lru (default), ready_first",
+        help="pool placement modes to compare: lru (default), ready_first, ready_first_cached "
+        "(ready_first that may also evict ready cached blocks)",
     )
     p.add_argument("--json", metavar="OUT", help="write the JSON report here")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG of load-start delays and a stream timeline")

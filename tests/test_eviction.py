@@ -208,3 +208,133 @@ def test_ready_first_leaves_cached_blocks_in_lru_order():
     p.free_blocks(bl[2:], token=None)  # cached, ready
     got, fence = p.allocate_for(2, "h2d")
     assert ids(got) == [1, 2] and [str(t) for t in fence] == ["compute:1"]
+
+
+# -- the opt-in for cached blocks (placement="ready_first_cached") -------------
+
+
+def _cached_generations(placement: str, eviction: str = "lru") -> HazardAwareBlockPool:
+    """8 usable blocks, all cached (keys 10..17): 1, 2 freed while step 1
+    still reads them (coldest), then 3, 4 freed by an ended step, then 5..8
+    freed while step 1 reads them (hottest). No unkeyed block is free."""
+    p = HazardAwareBlockPool(9, streams=STREAMS, placement=placement, eviction=eviction,
+                             enable_kv_cache_events=True)
+    bl = p.get_new_blocks(8)
+    p.cache_full_blocks(bl, list(range(10, 18)), 0, 8, 16)
+    e0 = p.issue("compute")
+    e1 = p.issue("compute")
+    p.free_blocks(bl[2:4], token=e0)
+    p.complete(e0)
+    p.free_blocks(bl[0:2], token=e1)
+    p.free_blocks(bl[4:], token=e1)
+    # LRU order: 3, 4 (freed first), then 1, 2, then 5..8.
+    p.take_events()
+    return p
+
+
+def test_ready_first_cached_takes_the_coldest_ready_cached_blocks():
+    from blockpool.events import BlockRemoved
+
+    p = _cached_generations("ready_first_cached")
+    assert ids(p.free_block_queue) == [3, 4, 1, 2, 5, 6, 7, 8]
+    got, fence = p.allocate_for(2, "h2d")
+    assert ids(got) == [3, 4] and fence.tokens == ()
+    assert p.take_events() == [BlockRemoved((12,), "GPU"), BlockRemoved((13,), "GPU")]
+    assert p.get_cached_block(12) is None and p.get_cached_block(10) is p.blocks[1]
+    p.check()
+
+
+def test_ready_first_cached_skips_not_ready_cold_blocks():
+    p = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first_cached",
+                             enable_kv_cache_events=True)
+    bl = p.get_new_blocks(8)
+    p.cache_full_blocks(bl, list(range(10, 18)), 0, 8, 16)
+    e = p.issue("compute")
+    p.free_blocks(bl[:4], token=e)  # coldest: in flight
+    p.free_blocks(bl[4:], token=None)  # hotter: ready
+    p.take_events()
+    before = p.stats().evictions
+    got, fence = p.allocate_for(3, "h2d")
+    assert ids(got) == [5, 6, 7] and fence.tokens == ()
+    assert [e.block_hashes for e in p.take_events()] == [(14,), (15,), (16,)]
+    assert p.placed_cached == 3 and p.placed_ready == 3
+    assert ids(p.free_block_queue) == [1, 2, 3, 4, 8]
+    assert p.stats().evictions == before + 3
+    # Plain ready_first keeps LRU order among cached blocks: it takes 1..3 and waits.
+    p2 = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first")
+    bl2 = p2.get_new_blocks(8)
+    p2.cache_full_blocks(bl2, list(range(10, 18)), 0, 8, 16)
+    e2 = p2.issue("compute")
+    p2.free_blocks(bl2[:4], token=e2)
+    p2.free_blocks(bl2[4:], token=None)
+    got2, fence2 = p2.allocate_for(3, "h2d")
+    assert ids(got2) == [1, 2, 3] and [str(t) for t in fence2] == ["compute:1"]
+    p.check()
+
+
+def test_ready_first_cached_unkeyed_ready_first_then_cached_then_front():
+    p = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first_cached")
+    bl = p.get_new_blocks(8)
+    p.cache_full_blocks(bl[4:], [20, 21, 22, 23], 0, 4, 16)
+    e = p.issue("compute")
+    p.free_blocks(bl[:2], token=None)  # unkeyed, ready: front
+    p.free_blocks(bl[2:4], token=e)  # unkeyed, in flight: front (before 1, 2)
+    p.free_blocks(bl[4:6], token=e)  # cached, in flight: coldest
+    p.free_blocks(bl[6:], token=None)  # cached, ready
+    assert ids(p.free_block_queue) == [3, 4, 1, 2, 5, 6, 7, 8]
+    got, fence = p.allocate_for(6, "h2d")
+    # ready unkeyed (1, 2), ready cached (7, 8), then the front (3, 4): waits.
+    assert ids(got) == [1, 2, 7, 8, 3, 4] and [str(t) for t in fence] == ["compute:1"]
+    assert p.get_cached_block(22) is None and p.get_cached_block(20) is p.blocks[5]
+    p.check()
+
+
+@pytest.mark.parametrize(("window", "want", "waits"), [(1, [1, 2], True), (2, [1, 2], True), (3, [5, 1], True), (4, [5, 6], False)])
+def test_ready_first_cached_window_bounds_the_scan(window, want, waits):
+    p = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first_cached")
+    p.CACHED_SCAN = window  # looks at the n + window coldest cached blocks
+    bl = p.get_new_blocks(8)
+    p.cache_full_blocks(bl, list(range(10, 18)), 0, 8, 16)
+    e = p.issue("compute")
+    p.free_blocks(bl[:4], token=e)  # coldest 4: in flight
+    p.free_blocks(bl[4:], token=None)  # 5..8: ready
+    got, fence = p.allocate_for(2, "h2d")
+    assert ids(got) == want
+    assert [str(t) for t in fence] == (["compute:1"] if waits else [])
+    assert p.placed_cached == sum(1 for i in want if i >= 5)
+    p.check()
+
+
+@pytest.mark.parametrize("eviction", ["s3fifo", "2q"])
+def test_ready_first_cached_under_policy_queues(eviction):
+    p = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first_cached", eviction=eviction)
+    bl = p.get_new_blocks(8)
+    p.cache_full_blocks(bl, list(range(10, 18)), 0, 8, 16)
+    p.touch(bl[6:])  # 7, 8 hit: they go to M when freed
+    e = p.issue("compute")
+    p.free_blocks(bl[:6], token=e)  # S, in flight
+    p.free_blocks(bl[6:], token=None)  # 7, 8 -> M (behind the divider), ready
+    p.free_blocks(bl[6:], token=None)
+    got, fence = p.allocate_for(2, "h2d")
+    assert ids(got) == [7, 8] and fence.tokens == ()
+    assert p.get_cached_block(16) is None
+    q = p.free_block_queue
+    assert q.n_main == 0 and q.n_small == 6 and 7 not in q.seg and 7 not in q.freq
+    p.check()
+
+
+def test_ready_first_cached_host_consumer_and_no_ready_block():
+    p = _cached_generations("ready_first_cached")
+    got, fence = p.allocate_for(2, "rdma")
+    assert ids(got) == [3, 4] and fence.tokens == ()
+    got, fence = p.allocate_for(2, "rdma")  # nothing ready left: the front, which waits
+    assert ids(got) == [1, 2] and [str(t) for t in fence] == ["compute:2"]
+    p.check()
+
+
+def test_ready_first_cached_off_without_hazards_and_bad_name():
+    p = HazardAwareBlockPool(9, placement="ready_first_cached", track_hazards=False)
+    got, fence = p.allocate_for(3, "compute")
+    assert ids(got) == [1, 2, 3] and fence.tokens == ()
+    with pytest.raises(UnknownEvictionPolicyError):
+        HazardAwareBlockPool(9, placement="ready_first_cache")
