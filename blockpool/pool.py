@@ -402,11 +402,23 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         freq = q.freq if isinstance(q, PolicyFreeBlockQueue) else None
         invalid, partial, retired = self._invalid, self._partial, self._retired
         if cached:
-            # Evict their keys as _take would (removed events included).
+            # Evict their keys as _take does (inline when the block's one
+            # key maps to it alone and no event is due; else _drop_keys).
+            m = self.prefix_cache._map
+            extra = self.prefix_cache._extra
+            slow = self.enable_kv_cache_events
+            evicted = 0
             for b in cached:
-                if b.block_hash is not None:
-                    self._drop_keys(b)  # forgets every key of b
-                    self._counters["evictions"] += 1
+                key = b.block_hash
+                if key is not None:
+                    evicted += 1
+                    if slow or (extra and b.block_id in extra) or m.get(key) is not b:
+                        self._drop_keys(b)  # forgets every key of b
+                    else:
+                        del m[key]
+                        b.block_hash = None
+                        b.block_hash_num_tokens = None
+            self._counters["evictions"] += evicted
             self.placed_cached += len(cached)
             ready.extend(cached)
         for b in ready:
