@@ -129,8 +129,9 @@ def test_policy_pools_keep_every_invariant(eviction, ops):
     for op, n, key in ops:
         for i, p in enumerate(pools):
             mine = held[i]
-            if op == 0 and p.get_num_free_blocks() >= n:
-                hits = [b for k in range(key, key + 3) if (b := p.get_cached_block(k)) is not None][:1]
+            hits = [b for k in range(key, key + 3) if (b := p.get_cached_block(k)) is not None][:1]
+            if op == 0 and p.get_num_free_blocks() >= n + sum(1 for b in hits if b.ref_cnt == 0):
+                # (a free hit stops being free: it counts against the n new blocks)
                 new, _ = p.allocate_for(n, "compute", hits=hits)
                 p.cache_full_blocks(new, [key + j for j in range(n)], 0, n, 16) if all(
                     b.block_hash is None for b in new
