@@ -339,3 +339,40 @@ def test_ready_first_cached_off_without_hazards_and_bad_name():
     assert ids(got) == [1, 2, 3] and fence.tokens == ()
     with pytest.raises(UnknownEvictionPolicyError):
         HazardAwareBlockPool(9, placement="ready_first_cache")
+
+
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo", "2q"])
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5), st.integers(0, 30)), max_size=50))
+def test_ready_first_cached_keeps_invariants_and_counts(eviction, ops):
+    """Random allocate (compute or h2d) / publish / free (by a running step
+    or none) / complete sequences: a ``ready_first_cached`` pool passes
+    check() after every call, hands out as many blocks as an LRU pool
+    driven the same way, and every block it hands out is fresh (unkeyed,
+    ref count 1)."""
+    pools = [HazardAwareBlockPool(13, streams=STREAMS, eviction=eviction, placement=pl)
+             for pl in ("lru", "ready_first_cached")]
+    held: list[list] = [[], []]
+    toks: list[list] = [[], []]
+    for op, n, key in ops:
+        for i, p in enumerate(pools):
+            mine = held[i]
+            if op == 0 and p.get_num_free_blocks() >= n:
+                new, _fence = p.allocate_for(n, "h2d" if key % 2 else "compute")
+                assert len(new) == n and len({b.block_id for b in new}) == n
+                assert all(b.block_hash is None and b.ref_cnt == 1 for b in new)
+                if not any(p.get_cached_block(key + j) for j in range(n)):
+                    p.cache_full_blocks(new, [key + j for j in range(n)], 0, n, 16)
+                mine.append(new)
+            elif op == 1 and mine:
+                t = p.issue("compute") if key % 3 else None
+                if t is not None:
+                    toks[i].append(t)
+                p.free_blocks(mine.pop(n % len(mine)), token=t)
+            elif op == 2 and toks[i]:
+                p.complete(toks[i].pop(0))
+            elif op == 3 and mine:
+                p.free_blocks(mine.pop(), token=None)
+            p.check()
+    assert pools[0].get_num_free_blocks() == pools[1].get_num_free_blocks()
+    assert pools[0].placed_cached == 0
