@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("trace", "alloc", "prefix", "fence", "scale", "memory")
+SECTIONS = ("trace", "alloc", "prefix", "fence", "scale", "memory", "policy")
 TITLES = {
     "trace": "Trace op log (headline)",
     "alloc": "Allocation and free",
@@ -32,6 +32,7 @@ TITLES = {
     "fence": "Allocation for a load with a fence (blockpool only)",
     "scale": "Scale (ns per block)",
     "memory": "Memory and construction (10^6 blocks)",
+    "policy": "Eviction policy and placement (blockpool, hazards on; ns per block, ratio to the baseline of the same run)",
 }
 TARGETS = {
     "trace_vs_vllm": 0.6,  # trace op log, hazards on / vLLM
@@ -137,6 +138,9 @@ def build(data: dict[str, Any], rows: dict[tuple[str, str], dict[str, Any]], ord
                 chart.append(("bytes per block", _r(b["on"], b["vllm"]), _r(b["off"], b["vllm"]), _r(b["on"], b["off"])))
             out.append("")
             continue
+        if sec == "policy":
+            out += _policy_rows(rows, scens)
+            continue
         per_block = sec == "scale"
         head = "ns per block" if per_block else "per call"
         out += [
@@ -161,6 +165,21 @@ def build(data: dict[str, Any], rows: dict[tuple[str, str], dict[str, Any]], ord
             out += _scale_summary(rows, scens)
     out += _targets(rows, order)
     return "\n".join(out) + "\n", chart
+
+
+def _policy_rows(rows: dict[tuple[str, str], dict[str, Any]], scens: list[str]) -> list[str]:
+    """One row per (scenario, knob value): ns per block and the ratio to the
+    scenario's ``baseline`` kind (``extra_info["baseline"]``), same run."""
+    out = ["| scenario | variant | ns per block | / baseline |", "|---|---|---|---|"]
+    for scen in scens:
+        mine = [(k, r) for (s, k), r in rows.items() if s == scen]
+        base_kind = mine[0][1].get("baseline")
+        base = rows.get((scen, base_kind)) if base_kind else None
+        for kind, r in mine:
+            ns = r["median"] * 1e9 / r["blocks_per_call"]
+            ratio = _ratio(r["median"], base["median"] if base else None)
+            out.append(f"| {scen} | {kind}{' (baseline)' if kind == base_kind else ''} | {_num(ns)} | {ratio} |")
+    return out + [""]
 
 
 def _num(x: float | None) -> str:

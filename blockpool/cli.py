@@ -3,7 +3,10 @@
 ``blockpool replay [TRACE]`` replays a Mooncake JSONL or Azure CSV trace (or,
 with no TRACE, the built-in synthetic chat workload) under the wait policies,
 prints one summary row per policy, and optionally writes the JSON report,
-a PNG and the event log. See ``docs/replay.md``.
+a PNG and the event log. ``blockpool sweep [TRACE ...]`` replays a grid
+(traces x policies x evictions x placements x pool sizes x seeds) in local
+worker processes and prints one row per cell (:mod:`blockpool.replay.sweep`).
+See ``docs/replay.md``.
 
 Exit status: 0 done; 1 the ``exact`` policy showed a race; 2 bad usage or
 bad input (unreadable trace, bad line, unknown policy, an output path that
@@ -88,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--placement",
         default=None,
         metavar="MODE[,MODE...]",
-        help="pool placement modes to compare: lru (default), ready_first",
+        help="pool placement modes to compare: lru (default), ready_first, ready_first_cached "
+        "(ready_first that may also evict ready cached blocks)",
     )
     p.add_argument("--json", metavar="OUT", help="write the JSON report here")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG of load-start delays and a stream timeline")
@@ -96,7 +100,112 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-bad-lines", action="store_true", help="skip bad trace lines (counted) instead of failing")
     p.add_argument("--jobs", type=int, default=None, help="policies run in parallel (default: min(policies, CPUs))")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    w = sub.add_parser(
+        "sweep",
+        help="a grid of replays: traces x policies x evictions x placements x pool sizes x seeds",
+        description=(
+            "Replay every cell of a grid (traces x wait policies x eviction policies x placements x pool sizes "
+            "x seeds) in local worker processes and print one row per cell; --json writes them all "
+            "(schema blockpool.sweep/1). See docs/replay.md."
+        ),
+    )
+    w.add_argument(
+        "traces", nargs="*", metavar="TRACE",
+        help="trace files, or 'synthetic' for the built-in workload (default: synthetic)",
+    )  # fmt: skip
+    w.add_argument("--policy", default="exact", help="wait policies, comma-separated (default exact)")
+    w.add_argument("--eviction", default="lru", help="eviction policies, comma-separated (default lru)")
+    w.add_argument("--placement", default="lru", help="placements, comma-separated (default lru)")
+    w.add_argument(
+        "--num-blocks", default=None,
+        help="pool sizes, comma-separated (default: 16384 for a trace, 2048 for the synthetic workload)",
+    )  # fmt: skip
+    w.add_argument("--seed", default="0", help="seeds, comma-separated (default 0)")
+    w.add_argument("--limit", type=int, default=None, help="replay only the first K requests of each trace")
+    w.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    w.add_argument("--jobs", type=int, default=None, help="worker processes (default: min(#cells, #CPUs))")
+    w.add_argument("--json", metavar="OUT", help="write every row here (schema blockpool.sweep/1)")
+    w.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
+
+
+def _ints(spec: str, what: str) -> list[int]:
+    names = _names(spec, what) or []
+    try:
+        return [int(x) for x in names]
+    except ValueError:
+        raise ValueError(f"--{what} takes integers, got {spec!r}") from None
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """``blockpool sweep``: exit 0 done, 1 an ``exact`` cell raced, 2 bad
+    usage or input (checked before any cell runs), 3 a cell failed or the
+    JSON could not be written."""
+    import os
+    import time
+
+    from blockpool.replay.config import ReplayError
+    from blockpool.replay.run import write_atomic
+    from blockpool.replay.sweep import SYNTHETIC, SweepSpec, cells, format_sweep, sweep, sweep_json
+    from blockpool.replay.traces import read_trace
+
+    def err(msg: str) -> None:
+        print(f"blockpool sweep: error: {msg}", file=sys.stderr)
+
+    try:
+        spec = SweepSpec(
+            traces=tuple(args.traces) or (SYNTHETIC,),
+            policies=tuple(_names(args.policy, "policy") or ()),
+            evictions=tuple(_names(args.eviction, "eviction") or ()),
+            placements=tuple(_names(args.placement, "placement") or ()),
+            num_blocks=tuple(_ints(args.num_blocks, "num-blocks")) if args.num_blocks else (None,),
+            seeds=tuple(_ints(args.seed, "seed")),
+            limit=args.limit,
+            block_size=args.block_size,
+        )
+        for t in spec.traces:
+            if t != SYNTHETIC:
+                read_trace(t, limit=1)  # an unreadable trace fails here (status 2)
+        grid = cells(spec)
+        jobs = args.jobs if args.jobs is not None else max(1, min(len(grid), os.cpu_count() or 1))
+        if jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {jobs}")
+        if args.json:
+            args.trace, args.plot, args.events = None, None, None
+            _check_outputs(args)
+    except (BlockPoolError, ValueError) as e:
+        err(str(e))
+        return 2
+
+    def progress(done: int, total: int) -> None:
+        if not args.quiet:
+            print(f"sweep: {done}/{total} cells", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    try:
+        rows = sweep(spec, jobs=jobs, progress=progress)
+    except (ReplayError, BlockPoolError) as e:
+        err(f"a cell failed: {e}")
+        return 3
+    print(format_sweep(rows))
+    if args.json:
+        doc = sweep_json(spec, rows, time.perf_counter() - t0)
+
+        def write_json(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=2)
+                f.write("\n")
+
+        try:
+            write_atomic(args.json, write_json)
+        except OSError as e:
+            err(f"cannot write {args.json}: {e}")
+            return 3
+    raced = [r for r in rows if r["policy"] == "exact" and r["races"]]
+    if raced:
+        err(f"an exact cell shows {raced[0]['races']} races")
+        return 1
+    return 0
 
 
 class _ProgressLines:
@@ -311,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     and return the exit status (see the module docstring). argparse exits
     with status 2 itself on bad usage."""
     args = build_parser().parse_args(argv)
-    if args.command != "replay":  # pragma: no cover (argparse requires a known command)
+    if args.command not in ("replay", "sweep"):  # pragma: no cover (argparse requires a known command)
         return 2
     import signal
     import threading
@@ -325,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        return _replay(args)
+        return _replay(args) if args.command == "replay" else _sweep(args)
     except KeyboardInterrupt:
         _err("interrupted (SIGINT)")
         return EXIT_SIGINT

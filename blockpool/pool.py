@@ -59,7 +59,7 @@ from blockpool.tracker import HazardTracker, StreamState
 
 __all__ = ["PLACEMENTS", "HazardAwareBlockPool"]
 
-PLACEMENTS: tuple[str, ...] = ("lru", "ready_first")
+PLACEMENTS: tuple[str, ...] = ("lru", "ready_first", "ready_first_cached")
 """Placement modes of :meth:`HazardAwareBlockPool.allocate_for`."""
 
 
@@ -101,7 +101,17 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             consumer is already ordered after it) first, in queue order,
             then the rest in queue order. It looks at most
             ``n + PLACEMENT_SCAN`` blocks of the queue's unkeyed front;
-            cached blocks keep their order. Only :meth:`allocate_for`
+            cached blocks keep their order. ``"ready_first_cached"``
+            (the opt-in for cached blocks) does the same, then, while it
+            still needs blocks, looks at the first ``n + CACHED_SCAN``
+            free *cached* blocks from the eviction end (the coldest: LRU
+            order under ``eviction="lru"``, segment S then M under the
+            other policies; reached only when the unkeyed front was
+            scanned whole) and takes those with an empty shadow too,
+            evicting their keys (removed events as for any eviction), ahead
+            of the not-ready blocks at the queue's front. The trade: a
+            prefix that might still be hit, for a fence with nothing in
+            it; measured in ``docs/replay.md``. Only :meth:`allocate_for`
             places; :meth:`get_new_blocks` has no consumer to place for.
 
     Raises:
@@ -117,6 +127,13 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
     PLACEMENT_SCAN = 4096
     """Unkeyed free blocks ``placement="ready_first"`` looks at beyond the
     ``n`` it needs, at most (bounds the cost of one allocation)."""
+
+    CACHED_SCAN = 1024
+    """The window of ``placement="ready_first_cached"``: free cached blocks
+    it looks at, from the eviction end, beyond the ``n`` it needs, at most.
+    Only a ready block among the coldest ``n + CACHED_SCAN`` is taken out
+    of eviction order, which bounds both the cost of one allocation and
+    how hot a prefix it may evict."""
 
     def __init__(
         self,
@@ -150,8 +167,10 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         self._removal_each = removal_events == "each"
         self.eviction = eviction
         self.placement = placement
-        self._ready_first = placement == "ready_first"
-        self.placed_ready = 0  # blocks ready_first placement handed out ahead of the queue's front
+        self._ready_first = placement != "lru"
+        self._ready_cached = placement == "ready_first_cached"
+        self.placed_ready = 0  # blocks ready-first placement handed out ahead of the queue's front
+        self.placed_cached = 0  # of those, cached blocks (ready_first_cached) whose keys were evicted
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -295,7 +314,9 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         RAW; ``access`` on the new blocks: WAR/WAW). Records that ``stream``
         waits on the fence. Changes nothing when it cannot succeed; hits that
         sit in the free queue are counted once (they stop being free).
-        O(len(hits) + num_blocks).
+        O(len(hits) + num_blocks); with a ready-first ``placement``, plus at
+        most ``PLACEMENT_SCAN`` (+ ``CACHED_SCAN`` for
+        ``"ready_first_cached"``) blocks looked at.
 
         Raises:
             InvalidArgumentError: bad count or access kind.
@@ -342,11 +363,13 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         return blocks
 
     def _take_ready(self, n: int, st: StreamState) -> list[KVCacheBlock]:
-        """``placement="ready_first"``: ``n`` free blocks for a consumer on
-        ``st``, unkeyed blocks with an empty shadow for it first (see the
-        class docstring), then the queue's front. Readiness is decided once
-        per distinct shadow (blocks freed together share it).
-        O(n + PLACEMENT_SCAN)."""
+        """Ready-first placement: ``n`` free blocks for a consumer on ``st``.
+        Unkeyed blocks with an empty shadow for it first (at most
+        ``n + PLACEMENT_SCAN`` looked at); with ``ready_first_cached``, then
+        cached blocks with an empty shadow among the ``n + CACHED_SCAN``
+        coldest (their keys evicted); then the queue's front (see the class
+        docstring). Readiness is decided once per distinct shadow (blocks
+        freed together share it). O(n + PLACEMENT_SCAN + CACHED_SCAN)."""
         q = self.free_block_queue
         b = q.head.next_free_block
         tail = q.tail
@@ -370,12 +393,54 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
                     break
             scanned += 1
             b = b.next_free_block
-        if not ready:
+        cached: list[KVCacheBlock] = []
+        if self._ready_cached and len(ready) < n and (b is tail or b.block_hash is not None or b.block_id < 0):  # type: ignore[union-attr]
+            # The unkeyed front was scanned whole: the cached part, from
+            # the eviction end (its coldest block), within the window.
+            need = n - len(ready)
+            limit = n + self.CACHED_SCAN
+            scanned = 0
+            while b is not tail and scanned < limit:
+                assert b is not None
+                if b.block_id >= 0:  # not the policy queue's divider
+                    w, r = b.writer, b.readers
+                    if w is not lw or r is not lr:
+                        lw, lr = w, r
+                        ok = self._shadow_ready(w, r, st)
+                    if ok:
+                        cached.append(b)
+                        if len(cached) == need:
+                            break
+                    scanned += 1
+                b = b.next_free_block
+        if not ready and not cached:
             return self._take(n)
         for b in ready:
             q.remove(b)
+        for b in cached:
+            q.remove(b)
         freq = q.freq if isinstance(q, PolicyFreeBlockQueue) else None
         invalid, partial, retired = self._invalid, self._partial, self._retired
+        if cached:
+            # Evict their keys as _take does (inline when the block's one
+            # key maps to it alone and no event is due; else _drop_keys).
+            m = self.prefix_cache._map
+            extra = self.prefix_cache._extra
+            slow = self.enable_kv_cache_events
+            evicted = 0
+            for b in cached:
+                key = b.block_hash
+                if key is not None:
+                    evicted += 1
+                    if slow or (extra and b.block_id in extra) or m.get(key) is not b:
+                        self._drop_keys(b)  # forgets every key of b
+                    else:
+                        del m[key]
+                        b.block_hash = None
+                        b.block_hash_num_tokens = None
+            self._counters["evictions"] += evicted
+            self.placed_cached += len(cached)
+            ready.extend(cached)
         for b in ready:
             b.ref_cnt = 1
             bid = b.block_id

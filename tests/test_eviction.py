@@ -130,7 +130,8 @@ def test_policy_pools_keep_every_invariant(eviction, ops):
         for i, p in enumerate(pools):
             mine = held[i]
             hits = [b for k in range(key, key + 3) if (b := p.get_cached_block(k)) is not None][:1]
-            if op == 0 and p.get_num_free_blocks() - sum(b.ref_cnt == 0 for b in hits) >= n:
+            if op == 0 and p.get_num_free_blocks() >= n + sum(1 for b in hits if b.ref_cnt == 0):
+                # (a free hit stops being free: it counts against the n new blocks)
                 new, _ = p.allocate_for(n, "compute", hits=hits)
                 p.cache_full_blocks(new, [key + j for j in range(n)], 0, n, 16) if all(
                     b.block_hash is None for b in new
@@ -208,3 +209,170 @@ def test_ready_first_leaves_cached_blocks_in_lru_order():
     p.free_blocks(bl[2:], token=None)  # cached, ready
     got, fence = p.allocate_for(2, "h2d")
     assert ids(got) == [1, 2] and [str(t) for t in fence] == ["compute:1"]
+
+
+# -- the opt-in for cached blocks (placement="ready_first_cached") -------------
+
+
+def _cached_generations(placement: str, eviction: str = "lru") -> HazardAwareBlockPool:
+    """8 usable blocks, all cached (keys 10..17): 1, 2 freed while step 1
+    still reads them (coldest), then 3, 4 freed by an ended step, then 5..8
+    freed while step 1 reads them (hottest). No unkeyed block is free."""
+    p = HazardAwareBlockPool(9, streams=STREAMS, placement=placement, eviction=eviction,
+                             enable_kv_cache_events=True)
+    bl = p.get_new_blocks(8)
+    p.cache_full_blocks(bl, list(range(10, 18)), 0, 8, 16)
+    e0 = p.issue("compute")
+    e1 = p.issue("compute")
+    p.free_blocks(bl[2:4], token=e0)
+    p.complete(e0)
+    p.free_blocks(bl[0:2], token=e1)
+    p.free_blocks(bl[4:], token=e1)
+    # LRU order: 3, 4 (freed first), then 1, 2, then 5..8.
+    p.take_events()
+    return p
+
+
+def test_ready_first_cached_takes_the_coldest_ready_cached_blocks():
+    from blockpool.events import BlockRemoved
+
+    p = _cached_generations("ready_first_cached")
+    assert ids(p.free_block_queue) == [3, 4, 1, 2, 5, 6, 7, 8]
+    got, fence = p.allocate_for(2, "h2d")
+    assert ids(got) == [3, 4] and fence.tokens == ()
+    assert p.take_events() == [BlockRemoved((12,), "GPU"), BlockRemoved((13,), "GPU")]
+    assert p.get_cached_block(12) is None and p.get_cached_block(10) is p.blocks[1]
+    p.check()
+
+
+def test_ready_first_cached_skips_not_ready_cold_blocks():
+    p = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first_cached",
+                             enable_kv_cache_events=True)
+    bl = p.get_new_blocks(8)
+    p.cache_full_blocks(bl, list(range(10, 18)), 0, 8, 16)
+    e = p.issue("compute")
+    p.free_blocks(bl[:4], token=e)  # coldest: in flight
+    p.free_blocks(bl[4:], token=None)  # hotter: ready
+    p.take_events()
+    before = p.stats().evictions
+    got, fence = p.allocate_for(3, "h2d")
+    assert ids(got) == [5, 6, 7] and fence.tokens == ()
+    assert [e.block_hashes for e in p.take_events()] == [(14,), (15,), (16,)]
+    assert p.placed_cached == 3 and p.placed_ready == 3
+    assert ids(p.free_block_queue) == [1, 2, 3, 4, 8]
+    assert p.stats().evictions == before + 3
+    # Plain ready_first keeps LRU order among cached blocks: it takes 1..3 and waits.
+    p2 = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first")
+    bl2 = p2.get_new_blocks(8)
+    p2.cache_full_blocks(bl2, list(range(10, 18)), 0, 8, 16)
+    e2 = p2.issue("compute")
+    p2.free_blocks(bl2[:4], token=e2)
+    p2.free_blocks(bl2[4:], token=None)
+    got2, fence2 = p2.allocate_for(3, "h2d")
+    assert ids(got2) == [1, 2, 3] and [str(t) for t in fence2] == ["compute:1"]
+    p.check()
+
+
+def test_ready_first_cached_unkeyed_ready_first_then_cached_then_front():
+    p = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first_cached")
+    bl = p.get_new_blocks(8)
+    p.cache_full_blocks(bl[4:], [20, 21, 22, 23], 0, 4, 16)
+    e = p.issue("compute")
+    p.free_blocks(bl[:2], token=None)  # unkeyed, ready: front
+    p.free_blocks(bl[2:4], token=e)  # unkeyed, in flight: front (before 1, 2)
+    p.free_blocks(bl[4:6], token=e)  # cached, in flight: coldest
+    p.free_blocks(bl[6:], token=None)  # cached, ready
+    assert ids(p.free_block_queue) == [3, 4, 1, 2, 5, 6, 7, 8]
+    got, fence = p.allocate_for(6, "h2d")
+    # ready unkeyed (1, 2), ready cached (7, 8), then the front (3, 4): waits.
+    assert ids(got) == [1, 2, 7, 8, 3, 4] and [str(t) for t in fence] == ["compute:1"]
+    assert p.get_cached_block(22) is None and p.get_cached_block(20) is p.blocks[5]
+    p.check()
+
+
+@pytest.mark.parametrize(("window", "want", "waits"), [(1, [1, 2], True), (2, [1, 2], True), (3, [5, 1], True), (4, [5, 6], False)])
+def test_ready_first_cached_window_bounds_the_scan(window, want, waits):
+    p = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first_cached")
+    p.CACHED_SCAN = window  # looks at the n + window coldest cached blocks
+    bl = p.get_new_blocks(8)
+    p.cache_full_blocks(bl, list(range(10, 18)), 0, 8, 16)
+    e = p.issue("compute")
+    p.free_blocks(bl[:4], token=e)  # coldest 4: in flight
+    p.free_blocks(bl[4:], token=None)  # 5..8: ready
+    got, fence = p.allocate_for(2, "h2d")
+    assert ids(got) == want
+    assert [str(t) for t in fence] == (["compute:1"] if waits else [])
+    assert p.placed_cached == sum(1 for i in want if i >= 5)
+    p.check()
+
+
+@pytest.mark.parametrize("eviction", ["s3fifo", "2q"])
+def test_ready_first_cached_under_policy_queues(eviction):
+    p = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first_cached", eviction=eviction)
+    bl = p.get_new_blocks(8)
+    p.cache_full_blocks(bl, list(range(10, 18)), 0, 8, 16)
+    p.touch(bl[6:])  # 7, 8 hit: they go to M when freed
+    e = p.issue("compute")
+    p.free_blocks(bl[:6], token=e)  # S, in flight
+    p.free_blocks(bl[6:], token=None)  # 7, 8 -> M (behind the divider), ready
+    p.free_blocks(bl[6:], token=None)
+    got, fence = p.allocate_for(2, "h2d")
+    assert ids(got) == [7, 8] and fence.tokens == ()
+    assert p.get_cached_block(16) is None
+    q = p.free_block_queue
+    assert q.n_main == 0 and q.n_small == 6 and 7 not in q.seg and 7 not in q.freq
+    p.check()
+
+
+def test_ready_first_cached_host_consumer_and_no_ready_block():
+    p = _cached_generations("ready_first_cached")
+    got, fence = p.allocate_for(2, "rdma")
+    assert ids(got) == [3, 4] and fence.tokens == ()
+    got, fence = p.allocate_for(2, "rdma")  # nothing ready left: the front, which waits
+    assert ids(got) == [1, 2] and [str(t) for t in fence] == ["compute:2"]
+    p.check()
+
+
+def test_ready_first_cached_off_without_hazards_and_bad_name():
+    p = HazardAwareBlockPool(9, placement="ready_first_cached", track_hazards=False)
+    got, fence = p.allocate_for(3, "compute")
+    assert ids(got) == [1, 2, 3] and fence.tokens == ()
+    with pytest.raises(UnknownEvictionPolicyError):
+        HazardAwareBlockPool(9, placement="ready_first_cache")
+
+
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo", "2q"])
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5), st.integers(0, 30)), max_size=50))
+def test_ready_first_cached_keeps_invariants_and_counts(eviction, ops):
+    """Random allocate (compute or h2d) / publish / free (by a running step
+    or none) / complete sequences: a ``ready_first_cached`` pool passes
+    check() after every call, hands out as many blocks as an LRU pool
+    driven the same way, and every block it hands out is fresh (unkeyed,
+    ref count 1)."""
+    pools = [HazardAwareBlockPool(13, streams=STREAMS, eviction=eviction, placement=pl)
+             for pl in ("lru", "ready_first_cached")]
+    held: list[list] = [[], []]
+    toks: list[list] = [[], []]
+    for op, n, key in ops:
+        for i, p in enumerate(pools):
+            mine = held[i]
+            if op == 0 and p.get_num_free_blocks() >= n:
+                new, _fence = p.allocate_for(n, "h2d" if key % 2 else "compute")
+                assert len(new) == n and len({b.block_id for b in new}) == n
+                assert all(b.block_hash is None and b.ref_cnt == 1 for b in new)
+                if not any(p.get_cached_block(key + j) for j in range(n)):
+                    p.cache_full_blocks(new, [key + j for j in range(n)], 0, n, 16)
+                mine.append(new)
+            elif op == 1 and mine:
+                t = p.issue("compute") if key % 3 else None
+                if t is not None:
+                    toks[i].append(t)
+                p.free_blocks(mine.pop(n % len(mine)), token=t)
+            elif op == 2 and toks[i]:
+                p.complete(toks[i].pop(0))
+            elif op == 3 and mine:
+                p.free_blocks(mine.pop(), token=None)
+            p.check()
+    assert pools[0].get_num_free_blocks() == pools[1].get_num_free_blocks()
+    assert pools[0].placed_cached == 0

@@ -77,3 +77,12 @@ def test_config_rejects_unknown_names() -> None:
         ReplayConfig(placement="anywhere")
     with pytest.raises(UnknownEvictionPolicyError):
         replay(synthetic_trace(SyntheticSpec(num_requests=2)), "exact", evictions=["lru", "mru"])
+
+
+def test_ready_first_cached_replay_is_race_free_and_places_cached_blocks() -> None:
+    trace = synthetic_trace(SyntheticSpec(num_requests=40))
+    cfg = ReplayConfig(num_blocks=512)
+    rep = replay(trace, "exact,blind", cfg, placements=["ready_first_cached"])
+    exact = rep.result("exact/lru/ready_first_cached")
+    assert exact.races == 0 and exact.loads > 0
+    assert rep.result("blind/lru/ready_first_cached").races > 0  # the negative control still races

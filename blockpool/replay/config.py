@@ -87,8 +87,10 @@ class ReplayConfig:
         timeline: Works kept per stream for the timeline plot.
         eviction: The pool's eviction policy (``"lru"``, ``"s3fifo"``,
             ``"2q"``; :mod:`blockpool.eviction`).
-        placement: The pool's placement (``"lru"`` or ``"ready_first"``);
-            with ``"ready_first"`` the scheduler also allocates a load's
+        placement: The pool's placement (``"lru"``, ``"ready_first"`` or
+            ``"ready_first_cached"``; see
+            :class:`~blockpool.pool.HazardAwareBlockPool`); with either
+            ready-first mode the scheduler also allocates a load's
             blocks with ``allocate_for(n, load stream)`` (placed for the
             load) instead of ``get_new_blocks``.
 

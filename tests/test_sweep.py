@@ -1,0 +1,132 @@
+"""``blockpool sweep`` / :mod:`blockpool.replay.sweep`: a grid of replays."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from blockpool.cli import main
+from blockpool.errors import InvalidArgumentError
+from blockpool.eviction import UnknownEvictionPolicyError
+from blockpool.replay.config import ReplayConfig
+from blockpool.replay.policies import UnknownPolicyError
+from blockpool.replay.run import replay
+from blockpool.replay.sweep import COLUMNS, SCHEMA, SweepSpec, cells, format_sweep, sweep, sweep_json
+from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
+
+GRID = SweepSpec(
+    traces="synthetic", policies=("exact", "blind"), evictions=("lru", "2q"), num_blocks=(256, 512), seeds=0, limit=30
+)
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    t0 = time.perf_counter()
+    out = sweep(GRID, jobs=2)
+    assert time.perf_counter() - t0 < 30  # a few seconds here; generous for a loaded CI
+    return out
+
+
+def test_eight_cells_in_grid_order(rows) -> None:
+    assert len(cells(GRID)) == len(rows) == 8
+    assert [(r["policy"], r["eviction"], r["num_blocks"]) for r in rows] == [
+        ("exact", "lru", 256), ("exact", "lru", 512), ("exact", "2q", 256), ("exact", "2q", 512),
+        ("blind", "lru", 256), ("blind", "lru", 512), ("blind", "2q", 256), ("blind", "2q", 512),
+    ]  # fmt: skip
+    for r in rows:
+        assert list(r) == list(COLUMNS)
+        assert r["trace"] == "synthetic" and r["placement"] == "lru" and r["seed"] == 0 and r["requests"] == 30
+
+
+def test_exact_never_races_and_blind_does(rows) -> None:
+    assert [r["races"] for r in rows if r["policy"] == "exact"] == [0, 0, 0, 0]
+    assert all(r["races"] > 0 for r in rows if r["policy"] == "blind")
+
+
+def test_a_cell_is_the_replay_of_its_config(rows) -> None:
+    trace = synthetic_trace(SyntheticSpec(num_requests=30), seed=0)
+    res = replay(trace, "exact", ReplayConfig(num_blocks=512, eviction="2q")).result("exact")
+    cell = rows[3]
+    assert (cell["eviction"], cell["num_blocks"]) == ("2q", 512)
+    assert cell["loads"] == res.loads > 0
+    assert cell["evictions"] == res.pool_stats["evictions"]
+    assert cell["prefix_hit_rate_pct"] == round(res.prefix_hit_rate_pct, 3)
+    assert cell["load_delay_mean_ms"] == round(res.load_delay_mean_ms, 6)
+    assert cell["makespan_s"] == round(res.makespan_s, 6)
+
+
+def test_jobs_do_not_change_rows(rows) -> None:
+    one = sweep(SweepSpec(traces="synthetic", policies="exact", evictions="2q", num_blocks=512, limit=30), jobs=1)
+    strip = lambda r: {k: v for k, v in r.items() if k != "wall_s"}
+    assert [strip(r) for r in one] == [strip(rows[3])]
+
+
+def test_seeds_move_the_synthetic_workload() -> None:
+    a, b = sweep(SweepSpec(policies="exact", num_blocks=512, seeds=(0, 1), limit=20))
+    assert (a["seed"], b["seed"]) == (0, 1)
+    assert (a["loads"], a["evictions"], a["makespan_s"]) != (b["loads"], b["evictions"], b["makespan_s"])
+
+
+def test_json_and_table(rows) -> None:
+    doc = sweep_json(GRID, rows, 1.5)
+    assert doc["schema"] == SCHEMA == "blockpool.sweep/1"
+    assert doc["cells"] == 8 and doc["rows"] == rows and doc["wall_s"] == 1.5
+    assert doc["grid"]["num_blocks"] == [256, 512] and doc["grid"]["limit"] == 30
+    json.dumps(doc)
+    lines = format_sweep(rows).splitlines()
+    assert len(lines) == 10 and lines[0].split()[:4] == ["trace", "policy", "evict", "placement"]
+
+
+@pytest.mark.parametrize(
+    ("kw", "err"),
+    [
+        ({"evictions": ("lru", "fifo")}, UnknownEvictionPolicyError),
+        ({"placements": "ready"}, UnknownEvictionPolicyError),
+        ({"policies": "exactly"}, UnknownPolicyError),
+        ({"num_blocks": (1,)}, InvalidArgumentError),
+        ({"seeds": ("a",)}, InvalidArgumentError),
+        ({"limit": 0}, InvalidArgumentError),
+        ({"traces": ()}, InvalidArgumentError),
+    ],
+)
+def test_bad_grid_is_a_typed_error(kw, err) -> None:
+    with pytest.raises(err):
+        SweepSpec(**kw)
+
+
+def test_default_pool_size_per_trace() -> None:
+    (c,) = cells(SweepSpec())
+    assert c.num_blocks == 2048 and c.policy == "exact" and c.eviction == "lru"
+    (c,) = cells(SweepSpec(traces="x.jsonl"))
+    assert c.num_blocks == 16384
+
+
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "s.json"
+    argv = ["sweep", "--policy", "exact", "--placement", "lru,ready_first_cached", "--num-blocks", "512",
+            "--limit", "20", "--jobs", "1", "--quiet", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == SCHEMA and [r["placement"] for r in doc["rows"]] == ["lru", "ready_first_cached"]
+    assert all(r["races"] == 0 for r in doc["rows"])
+    assert "ready_first_cached" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--eviction", "fifo"],
+        ["--num-blocks", "x"],
+        ["--seed", ""],
+        ["--jobs", "0"],
+        ["/nonexistent/trace.jsonl"],
+    ],
+)
+def test_cli_bad_input_is_status_2_before_any_cell(bad, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "s.json"
+    assert main(["sweep", "--limit", "5", "--quiet", "--json", str(out), *bad]) == 2
+    assert not out.exists()
+    assert "blockpool sweep: error:" in capsys.readouterr().err
