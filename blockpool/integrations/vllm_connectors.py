@@ -255,78 +255,130 @@ class ConnectorSpec:
 
     module: str
     streams: dict[str, StreamKind]
-    patch: Callable[[Any, Callable[[Any, str, Callable[[Any], Any]], None]], None]
+    patch: Callable[[Any, Any], None]
 
+
+Patcher = Callable[[Any, str, Callable[[Any], Any]], None]
 
 MOONCAKE = "mooncake_store"
+OFFLOADING = "offloading"
 OFFLOAD_H2D = "offload_h2d"
 OFFLOAD_H2D_SYNC = "offload_h2d_sync"
 OFFLOAD_D2H = "offload_d2h"
+SIMPLE = "simple_cpu_offload"
+SIMPLE_H2D = "simple_cpu_h2d"
+SIMPLE_D2H = "simple_cpu_d2h"
+NIXL = "nixl"
+
+# ----------------------------------------------------------------------
+# the three wrappers every connector gets, parameterised
+# ----------------------------------------------------------------------
 
 
-def _patch_mooncake_store(mod: Any, patch: Callable[[Any, str, Callable[[Any], Any]], None]) -> None:
-    cls = mod.MooncakeStoreScheduler
+def _binder(name: str, inner: str | None, config_attr: str, default_size: Callable[[Any], int]) -> Any:
+    """Wrap ``bind_gpu_block_pool``: after vLLM's code, attach the wiring to
+    the connector (``inner=None``) or to its scheduler half ``getattr(self,
+    inner)``, with the block sizes of ``getattr(self, config_attr)``."""
 
-    def wrap_bind(orig: Any) -> Any:
+    def make(orig: Any) -> Any:
         @functools.wraps(orig)
         def bind_gpu_block_pool(self: Any, gpu_block_pool: Any) -> None:
             orig(self, gpu_block_pool)
-            attach(
-                self,
-                gpu_block_pool,
-                MOONCAKE,
-                group_block_sizes(getattr(self, "kv_cache_config", None), getattr(self, "_block_size", 0) or 16),
-            )
+            target = self if inner is None else getattr(self, inner, None)
+            if target is not None:
+                sizes = group_block_sizes(getattr(self, config_attr, None), default_size(self))
+                attach(target, gpu_block_pool, name, sizes)
 
         return bind_gpu_block_pool
 
-    def wrap_build(orig: Any) -> Any:
+    return make
+
+
+def _planner(plan: Callable[[Any, ConnectorWiring, Any, Any], None], before: Callable[[Any], Any] | None = None) -> Any:
+    """Wrap ``build_connector_meta``: issue the step's tokens and tag its
+    writes, run vLLM's code, then ``plan(self, wiring, meta, before(self))``
+    begins the transfers vLLM planned; the step's record goes on the
+    metadata. A connector without wiring runs vLLM's code alone."""
+
+    def make(orig: Any) -> Any:
         @functools.wraps(orig)
         def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
             w = wiring_of(self)
             if w is None:
                 return orig(self, scheduler_output)
             step = w.begin_step(scheduler_output)
-            pinned_before = set(self._pinned_saves)
+            ctx = before(self) if before is not None else None
             meta = orig(self, scheduler_output)
-            bs = _store_group_sizes(self, w)
-            for rm in meta.requests:
-                ls = rm.load_spec
-                if ls is not None and ls.can_load:
-                    ids = load_block_ids(rm.block_ids, ls.vllm_cached_tokens, ls.kvpool_cached_tokens, bs)
-                    wire_load = w.load(rm.req_id, ids, MOONCAKE)
-                    if wire_load is not None:
-                        setattr(rm, META_LOAD, wire_load)
-                job = rm.store_job_id
-                if rm.can_save and job is not None and job not in pinned_before and job in self._pinned_saves:
-                    wire_store = w.store(rm.req_id, _mooncake_store_reads(self, rm, bs), MOONCAKE, key=(MOONCAKE, job))
-                    if wire_store is not None:
-                        setattr(rm, META_STORE, wire_store)
+            plan(self, w, meta, ctx)
             if step is not None:
                 setattr(meta, META_STEP, step)
             return meta
 
         return build_connector_meta
 
-    def wrap_update(orig: Any) -> Any:
+    return make
+
+
+def _reporter(field: str, on_reports: Callable[[Any, ConnectorWiring, dict[Any, int]], None]) -> Any:
+    """Wrap ``update_connector_output``: before vLLM's code (which may free
+    or release a finished job's blocks: a block freed with its transfer
+    still pending would be held back), hand the per-job completion counts
+    of ``kv_connector_worker_meta.<field>`` to ``on_reports``."""
+
+    def make(orig: Any) -> Any:
         @functools.wraps(orig)
         def update_connector_output(self: Any, connector_output: Any) -> None:
             w = wiring_of(self)
-            saves = getattr(getattr(connector_output, "kv_connector_worker_meta", None), "completed_saves", None)
-            if w is not None and saves:
-                # Before vLLM frees the job's pinned blocks: a block freed
-                # with its store still pending would be held back.
-                for job, count in saves.items():
-                    pinned = self._pinned_saves.get(job)
-                    if pinned is not None and pinned[1] - count <= 0:
-                        w.finish((MOONCAKE, job))
+            counts = getattr(getattr(connector_output, "kv_connector_worker_meta", None), field, None)
+            if w is not None and counts:
+                on_reports(self, w, counts)
             return orig(self, connector_output)
 
         return update_connector_output
 
-    patch(cls, "bind_gpu_block_pool", wrap_bind)
-    patch(cls, "build_connector_meta", wrap_build)
-    patch(cls, "update_connector_output", wrap_update)
+    return make
+
+
+def _put(item: Any, attr: str, wire_form: Any) -> None:
+    if wire_form is not None:
+        setattr(item, attr, wire_form)
+
+
+def _cache_block_size(connector: Any) -> int:
+    cache_config = getattr(getattr(connector, "_vllm_config", None), "cache_config", None)
+    return int(getattr(cache_config, "block_size", 0) or 16)
+
+
+# ----------------------------------------------------------------------
+# MooncakeStore
+# ----------------------------------------------------------------------
+
+
+def _plan_mooncake(sched: Any, w: ConnectorWiring, meta: Any, pinned_before: set[int]) -> None:
+    sizes = _store_group_sizes(sched, w)
+    for rm in meta.requests:
+        ls = rm.load_spec
+        if ls is not None and ls.can_load:
+            ids = load_block_ids(rm.block_ids, ls.vllm_cached_tokens, ls.kvpool_cached_tokens, sizes)
+            _put(rm, META_LOAD, w.load(rm.req_id, ids, MOONCAKE))
+        job = rm.store_job_id
+        if rm.can_save and job is not None and job not in pinned_before and job in sched._pinned_saves:
+            reads = _mooncake_store_reads(sched, rm, sizes)
+            _put(rm, META_STORE, w.store(rm.req_id, reads, MOONCAKE, key=(MOONCAKE, job)))
+
+
+def _mooncake_saves_done(sched: Any, w: ConnectorWiring, saves: dict[int, int]) -> None:
+    for job, count in saves.items():
+        pinned = sched._pinned_saves.get(job)
+        if pinned is not None and pinned[1] - count <= 0:
+            w.finish((MOONCAKE, job))
+
+
+def _patch_mooncake_store(mod: Any, patch: Patcher) -> None:
+    cls = mod.MooncakeStoreScheduler
+    patch(cls, "bind_gpu_block_pool", _binder(MOONCAKE, None, "kv_cache_config", lambda s: s._block_size or 16))
+    patch(cls, "build_connector_meta", _planner(_plan_mooncake, lambda s: set(s._pinned_saves)))
+    patch(cls, "update_connector_output", _reporter("completed_saves", _mooncake_saves_done))
 
 
 def _store_group_sizes(sched: Any, w: ConnectorWiring) -> list[int]:
@@ -357,201 +409,96 @@ def _mooncake_store_reads(sched: Any, rm: Any, sizes: Sequence[int]) -> list[int
     return list(dict.fromkeys(ids))
 
 
-def _patch_offloading(mod: Any, patch: Callable[[Any, str, Callable[[Any], Any]], None]) -> None:
-    sched_mod = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
-    outer = mod.OffloadingConnector
-    cls = sched_mod.OffloadingConnectorScheduler
-
-    def wrap_bind(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def bind_gpu_block_pool(self: Any, gpu_block_pool: Any) -> None:
-            orig(self, gpu_block_pool)
-            inner = getattr(self, "connector_scheduler", None)
-            if inner is not None:
-                attach(
-                    inner,
-                    gpu_block_pool,
-                    OFFLOADING,
-                    group_block_sizes(getattr(self, "_kv_cache_config", None), _cache_block_size(self)),
-                )
-
-        return bind_gpu_block_pool
-
-    def wrap_build(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
-            w = wiring_of(self)
-            if w is None:
-                return orig(self, scheduler_output)
-            step = w.begin_step(scheduler_output)
-            meta = orig(self, scheduler_output)
-            # Tokens of one stream are issued in the order its worker submits
-            # the jobs: store jobs this step flushes go first (the worker
-            # submits them at once), the others at the next step's start.
-            flush = meta.jobs_to_flush or ()
-            stores = sorted(meta.store_jobs.items(), key=lambda item: item[0] not in flush)
-            for job_id, job in meta.load_jobs.items():
-                stream = OFFLOAD_H2D_SYNC if getattr(job, "sync", False) else OFFLOAD_H2D
-                wire_load = w.load(job.req_id, _spec_block_ids(job.dst_spec), stream, key=(OFFLOADING, job_id))
-                if wire_load is not None:
-                    setattr(job, META_LOAD, wire_load)
-            for job_id, job in stores:
-                wire_store = w.store(job.req_id, _spec_block_ids(job.src_spec), OFFLOAD_D2H, key=(OFFLOADING, job_id))
-                if wire_store is not None:
-                    setattr(job, META_STORE, wire_store)
-            if step is not None:
-                setattr(meta, META_STEP, step)
-            return meta
-
-        return build_connector_meta
-
-    def wrap_update(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def update_connector_output(self: Any, connector_output: Any) -> None:
-            w = wiring_of(self)
-            jobs = getattr(getattr(connector_output, "kv_connector_worker_meta", None), "completed_jobs", None)
-            if w is not None and jobs:
-                needed = self.config.num_workers
-                for job_id, count in jobs.items():
-                    w.report((OFFLOADING, job_id), count, needed)
-            return orig(self, connector_output)
-
-        return update_connector_output
-
-    patch(outer, "bind_gpu_block_pool", wrap_bind)
-    patch(cls, "build_connector_meta", wrap_build)
-    patch(cls, "update_connector_output", wrap_update)
+# ----------------------------------------------------------------------
+# Offloading (CPU offload on CUDA copy streams)
+# ----------------------------------------------------------------------
 
 
-SIMPLE_H2D = "simple_cpu_h2d"
-SIMPLE_D2H = "simple_cpu_d2h"
-SIMPLE = "simple_cpu_offload"
-NIXL = "nixl"
+def _plan_offloading(sched: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
+    for job_id, job in meta.load_jobs.items():
+        stream = OFFLOAD_H2D_SYNC if getattr(job, "sync", False) else OFFLOAD_H2D
+        _put(job, META_LOAD, w.load(job.req_id, _spec_block_ids(job.dst_spec), stream, key=(OFFLOADING, job_id)))
+    # Tokens of one stream are issued in the order its worker submits the
+    # jobs: store jobs this step flushes go first (the worker submits them
+    # at once), the others at the next step's start.
+    flush = meta.jobs_to_flush or ()
+    for job_id, job in sorted(meta.store_jobs.items(), key=lambda item: item[0] not in flush):
+        _put(job, META_STORE, w.store(job.req_id, _spec_block_ids(job.src_spec), OFFLOAD_D2H, key=(OFFLOADING, job_id)))
 
 
-def _patch_simple_cpu_offload(mod: Any, patch: Callable[[Any, str, Callable[[Any], Any]], None]) -> None:
-    cls = mod.SimpleCPUOffloadScheduler
-
-    def wrap_bind(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def bind_gpu_block_pool(self: Any, gpu_block_pool: Any) -> None:
-            orig(self, gpu_block_pool)
-            attach(
-                self,
-                gpu_block_pool,
-                SIMPLE,
-                group_block_sizes(getattr(self, "kv_cache_config", None), getattr(self, "block_size", 0) or 16),
-            )
-
-        return bind_gpu_block_pool
-
-    def wrap_build(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
-            w = wiring_of(self)
-            if w is None:
-                return orig(self, scheduler_output)
-            step = w.begin_step(scheduler_output)
-            meta = orig(self, scheduler_output)
-            loads = {}
-            for req_id in meta.load_event_to_reqs.get(meta.load_event, ()):
-                state = self._reqs_to_load.get(req_id)
-                transfer = getattr(state, "transfer_meta", None)
-                if transfer is not None:
-                    wire_load = w.load(req_id, transfer.gpu_block_ids, SIMPLE_H2D)
-                    if wire_load is not None:
-                        loads[req_id] = wire_load
-            setattr(meta, META_LOAD, loads)
-            if meta.store_event >= 0:
-                wire_store = w.store("", meta.store_gpu_blocks, SIMPLE_D2H, key=(SIMPLE, meta.store_event))
-                if wire_store is not None:
-                    setattr(meta, META_STORE, wire_store)
-            if step is not None:
-                setattr(meta, META_STEP, step)
-            return meta
-
-        return build_connector_meta
-
-    def wrap_update(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def update_connector_output(self: Any, connector_output: Any) -> None:
-            w = wiring_of(self)
-            events = getattr(
-                getattr(connector_output, "kv_connector_worker_meta", None), "completed_store_events", None
-            )
-            if w is not None and events:
-                # Before vLLM releases the store's block references.
-                for event, count in events.items():
-                    if self._store_event_pending_counts.get(event, 0) + count >= self._expected_worker_count:
-                        w.finish((SIMPLE, event))
-            return orig(self, connector_output)
-
-        return update_connector_output
-
-    patch(cls, "bind_gpu_block_pool", wrap_bind)
-    patch(cls, "build_connector_meta", wrap_build)
-    patch(cls, "update_connector_output", wrap_update)
+def _offload_jobs_done(sched: Any, w: ConnectorWiring, jobs: dict[int, int]) -> None:
+    # Counted by the wiring: a cache reset clears vLLM's own job table while
+    # the jobs still run on the workers.
+    for job_id, count in jobs.items():
+        w.report((OFFLOADING, job_id), count, sched.config.num_workers)
 
 
-def _patch_nixl(mod: Any, patch: Callable[[Any, str, Callable[[Any], Any]], None]) -> None:
-    conn = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector")
-    base = mod.NixlBaseConnectorScheduler
-
-    def wrap_bind(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def bind_gpu_block_pool(self: Any, gpu_block_pool: Any) -> None:
-            orig(self, gpu_block_pool)
-            inner = getattr(self, "connector_scheduler", None)
-            if inner is not None:
-                attach(
-                    inner,
-                    gpu_block_pool,
-                    NIXL,
-                    group_block_sizes(getattr(self, "_kv_cache_config", None), _cache_block_size(self)),
-                )
-
-        return bind_gpu_block_pool
-
-    def wrap_build(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
-            w = wiring_of(self)
-            if w is None:
-                return orig(self, scheduler_output)
-            step = w.begin_step(scheduler_output)
-            meta = orig(self, scheduler_output)
-            for req_id, rm in meta.reqs_to_recv.items():
-                # Only a read the scheduler awaits is reported back
-                # (finished_recving / failed_recving / invalid_block_ids).
-                if not rm.awaiting_kvs:
-                    continue
-                ids = [b for group in rm.local_block_ids for b in group]
-                wire_load = w.load(req_id, ids, NIXL)
-                if wire_load is not None:
-                    setattr(rm, META_LOAD, wire_load)
-            if step is not None:
-                setattr(meta, META_STEP, step)
-            return meta
-
-        return build_connector_meta
-
-    patch(conn.NixlBaseConnector, "bind_gpu_block_pool", wrap_bind)
-    patch(base, "build_connector_meta", wrap_build)
+def _patch_offloading(mod: Any, patch: Patcher) -> None:
+    cls = importlib.import_module(
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+    ).OffloadingConnectorScheduler
+    bind = _binder(OFFLOADING, "connector_scheduler", "_kv_cache_config", _cache_block_size)
+    patch(mod.OffloadingConnector, "bind_gpu_block_pool", bind)
+    patch(cls, "build_connector_meta", _planner(_plan_offloading))
+    patch(cls, "update_connector_output", _reporter("completed_jobs", _offload_jobs_done))
 
 
 def _spec_block_ids(spec: Any) -> list[int]:
     ids = getattr(spec, "block_ids", None)
-    if ids is None:
-        return []
-    return [int(b) for b in ids]
+    return [] if ids is None else [int(b) for b in ids]
 
 
-def _cache_block_size(connector: Any) -> int:
-    cache_config = getattr(getattr(connector, "_vllm_config", None), "cache_config", None)
-    return int(getattr(cache_config, "block_size", 0) or 16)
+# ----------------------------------------------------------------------
+# SimpleCPUOffload (scheduler side)
+# ----------------------------------------------------------------------
 
 
-OFFLOADING = "offloading"
+def _plan_simple(sched: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
+    loads = {}
+    for req_id in meta.load_event_to_reqs.get(meta.load_event, ()):
+        transfer = getattr(sched._reqs_to_load.get(req_id), "transfer_meta", None)
+        if transfer is not None:
+            wire_load = w.load(req_id, transfer.gpu_block_ids, SIMPLE_H2D)
+            if wire_load is not None:
+                loads[req_id] = wire_load
+    setattr(meta, META_LOAD, loads)
+    if meta.store_event >= 0:
+        _put(meta, META_STORE, w.store("", meta.store_gpu_blocks, SIMPLE_D2H, key=(SIMPLE, meta.store_event)))
+
+
+def _simple_stores_done(sched: Any, w: ConnectorWiring, events: dict[int, int]) -> None:
+    for event, count in events.items():
+        if sched._store_event_pending_counts.get(event, 0) + count >= sched._expected_worker_count:
+            w.finish((SIMPLE, event))
+
+
+def _patch_simple_cpu_offload(mod: Any, patch: Patcher) -> None:
+    cls = mod.SimpleCPUOffloadScheduler
+    patch(cls, "bind_gpu_block_pool", _binder(SIMPLE, None, "kv_cache_config", lambda s: s.block_size or 16))
+    patch(cls, "build_connector_meta", _planner(_plan_simple))
+    patch(cls, "update_connector_output", _reporter("completed_store_events", _simple_stores_done))
+
+
+# ----------------------------------------------------------------------
+# NIXL (remote reads into decode blocks)
+# ----------------------------------------------------------------------
+
+
+def _plan_nixl(sched: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
+    for req_id, rm in meta.reqs_to_recv.items():
+        # Only a read the scheduler awaits is reported back
+        # (finished_recving / failed_recving / invalid_block_ids).
+        if rm.awaiting_kvs:
+            ids = [b for group in rm.local_block_ids for b in group]
+            _put(rm, META_LOAD, w.load(req_id, ids, NIXL))
+
+
+def _patch_nixl(mod: Any, patch: Patcher) -> None:
+    conn = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector")
+    bind = _binder(NIXL, "connector_scheduler", "_kv_cache_config", _cache_block_size)
+    patch(conn.NixlBaseConnector, "bind_gpu_block_pool", bind)
+    patch(mod.NixlBaseConnectorScheduler, "build_connector_meta", _planner(_plan_nixl))
+
 
 CONNECTORS: dict[str, ConnectorSpec] = {
     MOONCAKE: ConnectorSpec(
@@ -591,7 +538,7 @@ def _unwired_by_env() -> set[str]:
     return set(CONNECTORS) if "all" in names else names
 
 
-def wire(patch: Callable[[Any, str, Callable[[Any], Any]], None]) -> list[str]:
+def wire(patch: Patcher) -> list[str]:
     """Install the wrappers of every connector in :data:`CONNECTORS` that
     imports here and is not named in :data:`ENV_UNWIRED`, through
     ``patch(owner, attribute, make_wrapper)`` (the plugin's patcher, which
