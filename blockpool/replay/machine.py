@@ -110,7 +110,12 @@ class Machine:
             self.device_fence(fence, stream)
 
     def _take(self, stream: str, extra: Iterable[Token] = ()) -> list[Token]:
-        """Pending waits of ``stream`` plus ``extra``, newest per DEVICE stream."""
+        """Pending waits of ``stream`` plus ``extra`` merged into one minimal
+        wait list: the newest token per in-order DEVICE stream, and no token
+        that another token of the list already covers through its issue-time
+        clock (what its stream had waited on before it;
+        :meth:`~blockpool.tracker.HazardTracker.drop_covered`, the rule the
+        pool's fences follow)."""
         pend = self._pending.get(stream)
         toks = [*pend, *extra] if pend else list(extra)
         if pend:
@@ -123,7 +128,8 @@ class Machine:
             cur = newest.get(k)
             if cur is None or cur.seq < t.seq:
                 newest[k] = t
-        return sorted(newest.values(), key=lambda t: (t.stream, t.seq))
+        merged = sorted(newest.values(), key=lambda t: (t.stream, t.seq))
+        return self.raw_pool.tracker.drop_covered(merged)
 
     # -- tokens ----------------------------------------------------------------
 
