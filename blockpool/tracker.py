@@ -299,11 +299,21 @@ class HazardTracker:
             elif cc.dev.get(t.stream, 0) >= t.seq:
                 continue
             live.append(t)
-        if len(live) < 2:
-            return live
-        clocks = [streams[u.stream].token_clocks.get(u.seq) for u in live]
+        return self.drop_covered(live)
+
+    def drop_covered(self, tokens: list[Token]) -> list[Token]:
+        """Drop from ``tokens`` (already newest-per-device-stream) every
+        token that another token's issue-time clock covers (the other was
+        issued after it on an in-order stream, or on a stream that had
+        waited on it): waiting on the other waits on it too. A token known
+        to have ended has no clock and covers nothing (conservative).
+        O(k^2) in the number of tokens."""
+        if len(tokens) < 2:
+            return tokens
+        streams = self.streams
+        clocks = [streams[u.stream].token_clocks.get(u.seq) for u in tokens]
         kept = []
-        for i, t in enumerate(live):
+        for i, t in enumerate(tokens):
             for j, c in enumerate(clocks):
                 if j != i and c is not None and c.covers(t):
                     break

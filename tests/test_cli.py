@@ -56,8 +56,18 @@ def test_events_file_starts_with_the_schema_header(tmp_path: Path) -> None:
     out = tmp_path / "ev.jsonl"
     assert main(["replay", *SMALL, "--policy", "exact", "--events", str(out)]) == 0
     lines = out.read_text().splitlines()
-    assert json.loads(lines[0])["schema"] == "blockpool.events/1"
-    assert {json.loads(x)["ev"] for x in lines[1:]} == {"issue", "wait", "access", "end"}
+    assert json.loads(lines[0])["schema"] == "blockpool.events/2"
+    assert {json.loads(x)["ev"] for x in lines[1:-1]} == {"issue", "wait", "access", "fence", "table", "end"}
+    trailer = json.loads(lines[-1])
+    assert trailer["trailer"] == "blockpool.events/2" and trailer["lines"] == len(lines) - 1
+    assert sum(trailer["counts"].values()) == len(lines) - 2
+
+
+def test_a_truncated_events_file_is_detectable(tmp_path: Path) -> None:
+    out = tmp_path / "ev.jsonl"
+    assert main(["replay", *SMALL, "--policy", "exact", "--events", str(out)]) == 0
+    lines = out.read_text().splitlines()[:-3]  # cut: no trailer, and fewer lines
+    assert "trailer" not in json.loads(lines[-1])
 
 
 def test_trace_file_replay_exits_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from blockpool.block import KVCacheBlock
 from blockpool.hazards import AccessKind, Fence, StreamKind, Token
@@ -30,6 +31,7 @@ __all__ = ["Machine"]
 
 _READ, _WRITE = AccessKind.READ, AccessKind.WRITE
 _HOST = StreamKind.HOST
+_FENCE_CALLS = ("allocate_for", "fence_for", "begin_load", "begin_store", "begin_copy")
 
 
 class Machine:
@@ -81,6 +83,9 @@ class Machine:
             placement=placement,
         )
         self.pool = TimedPool(self.raw_pool)
+        if events is not None:
+            for call in _FENCE_CALLS:
+                setattr(self.pool, call, self._logged(call, getattr(self.pool, call)))
         self.sim = StreamSimulator(streams, seed=seed, pool=self.pool, timeline=timeline)
         self.policy = WaitPolicy(policy, kinds, self.newest, self.sim.is_ended)
         self.oracle = RaceOracle(kinds)
@@ -90,6 +95,30 @@ class Machine:
         self.loads = 0
         self.loads_empty = 0
         self.load_delays: list[float] = []
+
+    def _logged(self, call: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a pool call that hands out a fence), writing a ``fence``
+        event for each fence it returns."""
+
+        def logged(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            stream = args[1] if len(args) > 1 else kwargs["stream"]
+            if call == "fence_for":
+                fence, ids = out, [b.block_id for b in args[0]]
+            elif call == "allocate_for":
+                fence = out[1]
+                ids = [b.block_id for b in (*kwargs.get("hits", ()), *out[0])]
+            elif call == "begin_copy":
+                fence, ids = out[1], [b.block_id for pair in args[0] for b in pair]
+            else:
+                fence, ids = out[1], [b.block_id for b in args[0]]
+            assert self.events is not None
+            self.events.fence(
+                self.policy_name, call, stream, [i for i in ids if i], [str(t) for t in fence], fence.needs_host_wait
+            )
+            return out
+
+        return logged
 
     # -- waits ---------------------------------------------------------------
 
@@ -110,7 +139,12 @@ class Machine:
             self.device_fence(fence, stream)
 
     def _take(self, stream: str, extra: Iterable[Token] = ()) -> list[Token]:
-        """Pending waits of ``stream`` plus ``extra``, newest per DEVICE stream."""
+        """Pending waits of ``stream`` plus ``extra`` merged into one minimal
+        wait list: the newest token per in-order DEVICE stream, and no token
+        that another token of the list already covers through its issue-time
+        clock (what its stream had waited on before it;
+        :meth:`~blockpool.tracker.HazardTracker.drop_covered`, the rule the
+        pool's fences follow)."""
         pend = self._pending.get(stream)
         toks = [*pend, *extra] if pend else list(extra)
         if pend:
@@ -123,7 +157,8 @@ class Machine:
             cur = newest.get(k)
             if cur is None or cur.seq < t.seq:
                 newest[k] = t
-        return sorted(newest.values(), key=lambda t: (t.stream, t.seq))
+        merged = sorted(newest.values(), key=lambda t: (t.stream, t.seq))
+        return self.raw_pool.tracker.drop_covered(merged)
 
     # -- tokens ----------------------------------------------------------------
 

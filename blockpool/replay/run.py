@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import shutil
 import signal
 import tempfile
 import time
@@ -105,7 +104,7 @@ def replay(
         policies: Names, or a comma-separated string.
         config: The :class:`ReplayConfig` (default: defaults).
         jobs: Worker processes (``1``: run in this process).
-        events: Write the event log (schema ``blockpool.events/1``) here.
+        events: Write the event log (schema ``blockpool.events/2``) here.
         progress: Called with the number of requests done so far over all
             policies (each policy counts up to ``len(trace.requests)``).
         evictions, placements: Run every policy under each of these pool
@@ -205,11 +204,11 @@ def _join(path: Path, parts: list[str], trace: Trace, names: tuple[str, ...], cf
 
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as out:
-            EventLog(out, header)
+            log = EventLog(out, header)
             for part in parts:
                 with open(part, encoding="utf-8") as f:
-                    f.readline()  # the part's own header
-                    shutil.copyfileobj(f, out)
+                    log.copy_events(f)
+            log.close()
 
     write_atomic(path, write)
 

@@ -96,6 +96,18 @@ class StepBuilder:
         token = self.pool.issue("compute")
         duration = self.cfg.cost.step_seconds(self.new_tokens, self.context)
         m.enqueue(token, "forward", duration=duration)
+        if m.events is not None:
+            # the block-table reads of the step: the context of every request
+            # it computes (shared prefix blocks once); the oracle gets one
+            # read per block, by the last step, at free (docs/race-oracle.md)
+            bs = self.bs
+            read: dict[int, None] = {}
+            for r, _, _, _ in self.entries:
+                for b in r.blocks[: -(-r.num_computed // bs)]:
+                    if not b.is_null:
+                        read[b.block_id] = None
+            if read:
+                m.events.table(m.policy_name, str(token), token.stream, list(read))
         if self.written:
             self.pool.tag(self.written, token, _WRITE)
             m.access(token, self.written, _WRITE, "forward")
