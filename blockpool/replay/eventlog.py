@@ -80,8 +80,8 @@ class EventLog:
         self._fp.write(self._dumps(obj))
         self._fp.write("\n")
         self.lines += 1
-        ev = obj["ev"]
-        self.counts[ev] = self.counts.get(ev, 0) + 1  # type: ignore[index]
+        ev = str(obj["ev"])
+        self.counts[ev] = self.counts.get(ev, 0) + 1
 
     def copy_events(self, fp: TextIO) -> None:
         """Append the event lines of another log read from ``fp`` (its header
