@@ -169,18 +169,29 @@ StreamKind}``, the streams a pool and the race oracle take), which lacks
 ``xfer``."""
 
 
-def __getattr__(name: str) -> object:
-    # DEFAULT_STREAMS has one meaning, ``{name: StreamKind}``
-    # (:data:`blockpool.testing.DEFAULT_STREAMS`); the machine's stream specs
-    # were called that here before.
+def deprecated_default_streams(module: str, name: str) -> object:
+    """Module ``__getattr__`` body shared by :mod:`blockpool.costmodel` and
+    :mod:`blockpool.simulator`: ``DEFAULT_STREAMS`` has one meaning,
+    ``{name: StreamKind}`` (:data:`blockpool.testing.DEFAULT_STREAMS`); the
+    machine's stream specs were called that in those modules before, so the
+    old name still returns :data:`DEFAULT_STREAM_SPECS`, with a
+    ``DeprecationWarning`` pointing at the caller.
+
+    Raises:
+        AttributeError: any other ``name``.
+    """
     if name == "DEFAULT_STREAMS":
         import warnings
 
         warnings.warn(
-            f"{__name__}.DEFAULT_STREAMS is renamed DEFAULT_STREAM_SPECS "
+            f"{module}.DEFAULT_STREAMS is renamed DEFAULT_STREAM_SPECS "
             "(DEFAULT_STREAMS now always means {name: StreamKind}: blockpool.testing.DEFAULT_STREAMS)",
             DeprecationWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         return DEFAULT_STREAM_SPECS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+
+def __getattr__(name: str) -> object:
+    return deprecated_default_streams(__name__, name)

@@ -48,7 +48,7 @@ from typing import Protocol
 
 import attrs
 
-from blockpool.costmodel import DEFAULT_STREAM_SPECS, CostModel, StreamSpec
+from blockpool.costmodel import DEFAULT_STREAM_SPECS, CostModel, StreamSpec, deprecated_default_streams
 from blockpool.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
 from blockpool.hazards import StreamKind, Token
 
@@ -317,17 +317,5 @@ class StreamSimulator:
 
 
 def __getattr__(name: str) -> object:
-    # DEFAULT_STREAMS has one meaning, ``{name: StreamKind}``
-    # (:data:`blockpool.testing.DEFAULT_STREAMS`); the machine's stream specs
-    # were called that here before.
-    if name == "DEFAULT_STREAMS":
-        import warnings
-
-        warnings.warn(
-            f"{__name__}.DEFAULT_STREAMS is renamed DEFAULT_STREAM_SPECS "
-            "(DEFAULT_STREAMS now always means {name: StreamKind}: blockpool.testing.DEFAULT_STREAMS)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return DEFAULT_STREAM_SPECS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # The deprecated DEFAULT_STREAMS name, as in blockpool.costmodel.
+    return deprecated_default_streams(__name__, name)
