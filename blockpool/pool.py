@@ -266,11 +266,16 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         return self._stamp(self._take(n))
 
     def _take(self, n: int) -> list[KVCacheBlock]:
-        """Pop ``n`` free blocks, evict their keys, give each ref count 1.
-        Eviction is inline: a block whose only key maps to it alone costs one
-        dict deletion; anything else (extra keys, a shared key, events on)
-        goes through :meth:`_drop_keys`."""
-        blocks = self.free_block_queue.popleft_n(n)
+        """Pop ``n`` free blocks from the queue's front and :meth:`_claim`
+        them. O(n)."""
+        return self._claim(self.free_block_queue.popleft_n(n))
+
+    def _claim(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Blocks just taken off the free queue: evict their keys, give each
+        ref count 1, forget the old content's marks. Eviction is inline: a
+        block whose only key maps to it alone costs one dict deletion;
+        anything else (extra keys, a shared key, events on) goes through
+        :meth:`_drop_keys`. Returns ``blocks``. O(len(blocks))."""
         pc = self.prefix_cache
         m = pc._map
         extra = pc._extra
@@ -419,38 +424,13 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             q.remove(b)
         for b in cached:
             q.remove(b)
+        self.placed_cached += len(cached)
+        ready.extend(cached)
         freq = q.freq if isinstance(q, PolicyFreeBlockQueue) else None
-        invalid, partial, retired = self._invalid, self._partial, self._retired
-        if cached:
-            # Evict their keys as _take does (inline when the block's one
-            # key maps to it alone and no event is due; else _drop_keys).
-            m = self.prefix_cache._map
-            extra = self.prefix_cache._extra
-            slow = self.enable_kv_cache_events
-            evicted = 0
-            for b in cached:
-                key = b.block_hash
-                if key is not None:
-                    evicted += 1
-                    if slow or (extra and b.block_id in extra) or m.get(key) is not b:
-                        self._drop_keys(b)  # forgets every key of b
-                    else:
-                        del m[key]
-                        b.block_hash = None
-                        b.block_hash_num_tokens = None
-            self._counters["evictions"] += evicted
-            self.placed_cached += len(cached)
-            ready.extend(cached)
-        for b in ready:
-            b.ref_cnt = 1
-            bid = b.block_id
-            if freq:
-                freq.pop(bid, None)
-            if invalid:
-                invalid.discard(bid)
-            if partial or retired:
-                partial.discard(bid)
-                retired.pop(bid, None)
+        if freq:
+            for b in ready:
+                freq.pop(b.block_id, None)
+        self._claim(ready)
         self.placed_ready += len(ready)
         return ready + self._take(n - len(ready)) if len(ready) < n else ready
 
