@@ -130,18 +130,7 @@ def run(sequences: int, steps: int = 50) -> dict[str, object]:
     return the counts (``operations`` is rules executed)."""
     COUNTS.clear()
     t0 = time.perf_counter()
-    run_state_machine_as_test(
-        DifferentialMachine,
-        settings=settings(
-            max_examples=sequences,
-            stateful_step_count=steps,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            phases=[Phase.generate],
-            suppress_health_check=list(HealthCheck),
-        ),
-    )
+    run_state_machine_as_test(DifferentialMachine, settings=_settings(sequences, steps, phases=[Phase.generate]))
     wall = time.perf_counter() - t0
     counts = dict(COUNTS)
     # the invariant runs once after setup and once after every rule
@@ -154,22 +143,25 @@ def run(sequences: int, steps: int = 50) -> dict[str, object]:
     return out
 
 
+def _settings(sequences: int, steps: int, **extra: object) -> settings:
+    """Fixed-seed, database-free settings for ``sequences`` runs of
+    ``steps`` rules each."""
+    return settings(
+        max_examples=sequences,
+        stateful_step_count=steps,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        **extra,  # type: ignore[arg-type]
+    )
+
+
 def smallest_failing_case(sequences: int = 2000, steps: int = 50) -> str | None:
     """Re-run the asserting stateful machine with shrinking; the shrunk
     failure's text, or ``None`` when it finds none."""
     try:
-        run_state_machine_as_test(
-            PoolMachine,
-            settings=settings(
-                max_examples=sequences,
-                stateful_step_count=steps,
-                deadline=None,
-                database=None,
-                derandomize=True,
-                suppress_health_check=list(HealthCheck),
-                print_blob=False,
-            ),
-        )
+        run_state_machine_as_test(PoolMachine, settings=_settings(sequences, steps, print_blob=False))
     except Exception as e:  # the shrunk failure
         notes = "\n".join(getattr(e, "__notes__", []))
         return f"{type(e).__name__}: {e}\n{notes}"
