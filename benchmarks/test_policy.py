@@ -10,7 +10,8 @@ median of the same scenario, measured in the same run.
   16 blocks published two cycles earlier (``touch``: the policy counts the
   hit), then ``free_blocks`` of both (the policy files each block in its
   segment). 32 blocks handed back per cycle; reported per block.
-- **placement** (``placement=lru | ready_first | ready_first_cached``):
+- **placement** (``placement=lru | ready_first | ready_first_cached |
+  runs | runs_cached``):
   one ``allocate_for(16, "h2d")`` (fence included) on a fresh pool of
   4,096 cached free blocks, freed 16 at a time by ``compute`` steps still
   running (a waiting consumer becomes ordered after what it waited on, so
@@ -23,7 +24,10 @@ median of the same scenario, measured in the same run.
   looks at ``n + CACHED_SCAN`` = 1,040 blocks, 65 distinct shadows, then
   takes the front: its worst case); all unkeyed, 16 ready behind 1,024 in
   flight (both ready-first modes look at 1,040 blocks and take the 16;
-  ``lru`` takes the front and waits).
+  ``lru`` takes the front and waits). ``runs`` looks at the unkeyed front
+  (none on the cached queues: it takes LRU's 16 and sorts them; 1,040
+  blocks sorted into runs on the unkeyed one); ``runs_cached`` also sorts
+  the 1,040 coldest cached blocks into runs: its worst case.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ POOL_BLOCKS = 4097
 N = 16
 ROUNDS = 200
 EVICTIONS = ("lru", "s3fifo", "2q")
-PLACEMENTS = ("lru", "ready_first", "ready_first_cached")
+PLACEMENTS = ("lru", "ready_first", "ready_first_cached", "runs", "runs_cached")
 
 
 def _eviction_cycle(eviction: str) -> tuple[Callable[[], None], HazardAwareBlockPool]:
@@ -120,7 +124,11 @@ def test_placement_cost(benchmark: Any, placement: str, queue: str) -> None:
     finds = (placement == "ready_first_cached" and queue != "cached-none-ready") or (
         placement == "ready_first" and queue.startswith("unkeyed")
     )
-    assert (fence.tokens == ()) == (finds or queue == "cached-coldest-ready"), (placement, queue, fence)
+    if placement.startswith("runs"):  # one run of 16 ids, ascending
+        ids = [b.block_id for b in blocks]
+        assert ids == list(range(ids[0], ids[0] + N)), (placement, queue, ids)
+    else:
+        assert (fence.tokens == ()) == (finds or queue == "cached-coldest-ready"), (placement, queue, fence)
     assert pool.placed_ready == (N if finds else 0)
     pool.free_blocks(blocks, token=None)
     assert pool.get_num_free_blocks() == POOL_BLOCKS - 1

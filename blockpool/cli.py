@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="MODE[,MODE...]",
         help="pool placement modes to compare: lru (default), ready_first, ready_first_cached "
-        "(ready_first that may also evict ready cached blocks)",
+        "(ready_first that may also evict ready cached blocks), runs (blocks in runs of consecutive ids; "
+        "LRU still picks the evicted keys), runs_cached (runs that may evict a younger key), "
+        "ready_first_runs",
     )
     p.add_argument("--json", metavar="OUT", help="write the JSON report here")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG of load-start delays and a stream timeline")

@@ -25,6 +25,7 @@ Example (doctest)::
 """
 from __future__ import annotations
 
+import operator
 import secrets
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -59,7 +60,36 @@ from blockpool.tracker import HazardTracker, StreamState
 
 __all__ = ["PLACEMENTS", "HazardAwareBlockPool"]
 
-PLACEMENTS: tuple[str, ...] = ("lru", "ready_first", "ready_first_cached")
+_block_id = operator.attrgetter("block_id")
+
+def _fewest_runs(cand: list[KVCacheBlock], n: int) -> list[KVCacheBlock]:
+    """``n`` of the distinct blocks ``cand`` (``len(cand) > n``) in the
+    fewest runs of consecutive block ids: the smallest maximal run of them
+    with at least ``n`` blocks (best fit, as extent allocators choose, which
+    keeps the longer runs whole), else the longest runs first, ties to the
+    lower id. Greedy longest-first is optimal: no ``k`` runs hold more
+    blocks than the ``k`` longest. O(len(cand) log len(cand))."""
+    cand = sorted(cand, key=_block_id)
+    runs: list[tuple[int, int]] = []  # (length, start index in cand)
+    start = 0
+    for i in range(1, len(cand) + 1):
+        if i == len(cand) or cand[i].block_id != cand[i - 1].block_id + 1:
+            runs.append((i - start, start))
+            start = i
+    fits = [rs for rs in runs if rs[0] >= n]
+    if fits:
+        _, s0 = min(fits)
+        return cand[s0 : s0 + n]
+    runs.sort(key=lambda rs: (-rs[0], rs[1]))
+    chosen: list[KVCacheBlock] = []
+    for length, s0 in runs:
+        chosen.extend(cand[s0 : s0 + min(length, n - len(chosen))])
+        if len(chosen) == n:
+            break
+    return chosen
+
+
+PLACEMENTS: tuple[str, ...] = ("lru", "ready_first", "ready_first_cached", "runs", "runs_cached", "ready_first_runs")
 """Placement modes of :meth:`HazardAwareBlockPool.allocate_for`."""
 
 
@@ -111,8 +141,27 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             evicting their keys (removed events as for any eviction), ahead
             of the not-ready blocks at the queue's front. The trade: a
             prefix that might still be hit, for a fence with nothing in
-            it; measured in ``docs/replay.md``. Only :meth:`allocate_for`
-            places; :meth:`get_new_blocks` has no consumer to place for.
+            it; measured in ``docs/replay.md``. ``"runs"``: the blocks
+            come in runs of consecutive block ids, so that a transfer of
+            them posts one descriptor per run (NIXL, Mooncake, a
+            ``cudaMemcpy`` batch): among the first ``n + RUN_SCAN``
+            blocks of the unkeyed front (interchangeable for the prefix
+            cache: they hold no key, so which of them is taken changes no
+            hit), the smallest run of free ids that holds all ``n``
+            (best fit, as an extent allocator does), else the longest runs
+            first; the rest, if the unkeyed front is short, from the
+            queue's front; the result in ascending block-id order.
+            Which cached blocks lose their keys stays LRU's choice (they
+            are only handed out in id order). ``"runs_cached"`` (the opt-in
+            for cached blocks): when the unkeyed front holds fewer than
+            ``n``, the window also takes in the ``n + RUN_SCAN`` coldest
+            free cached blocks, so a run may evict a key a little younger
+            than the coldest (the trade is measured in ``docs/replay.md``).
+            ``"ready_first_runs"``: ``"runs"`` over the *ready* blocks of
+            the window (empty shadow for the consumer), then the queue's
+            front. Only
+            :meth:`allocate_for` places; :meth:`get_new_blocks` has no
+            consumer to place for.
 
     Raises:
         InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``, a
@@ -134,6 +183,11 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
     Only a ready block among the coldest ``n + CACHED_SCAN`` is taken out
     of eviction order, which bounds both the cost of one allocation and
     how hot a prefix it may evict."""
+
+    RUN_SCAN = 1024
+    """The window of the ``"runs"`` placements: unkeyed free blocks they
+    look at beyond the ``n`` they need, at most (bounds the cost of one
+    allocation: one pass over the window and a sort of it)."""
 
     def __init__(
         self,
@@ -167,8 +221,11 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         self._removal_each = removal_events == "each"
         self.eviction = eviction
         self.placement = placement
-        self._ready_first = placement != "lru"
+        self._ready_first = placement in ("ready_first", "ready_first_cached")
         self._ready_cached = placement == "ready_first_cached"
+        self._runs = placement in ("runs", "runs_cached", "ready_first_runs")
+        self._runs_cached = placement == "runs_cached"
+        self._runs_ready = placement == "ready_first_runs"
         self.placed_ready = 0  # blocks ready-first placement handed out ahead of the queue's front
         self.placed_cached = 0  # of those, cached blocks (ready_first_cached) whose keys were evicted
         self.num_gpu_blocks = num_gpu_blocks
@@ -349,7 +406,12 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             )
         if hit_list:
             self._touch(hit_list)
-        new = self._take_ready(n, st) if self._ready_first and n and self.track_hazards else self._take(n)
+        if self._runs and n > 1:
+            new = self._take_runs(n, st if self._runs_ready and self.track_hazards else None)
+        elif self._ready_first and n and self.track_hazards:
+            new = self._take_ready(n, st)
+        else:
+            new = self._take(n)
         if self._gens is not None:
             self._stamp(new)
         if not self.track_hazards:
@@ -433,6 +495,73 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         self._claim(ready)
         self.placed_ready += len(ready)
         return ready + self._take(n - len(ready)) if len(ready) < n else ready
+
+    def _take_runs(self, n: int, st: StreamState | None) -> list[KVCacheBlock]:
+        """Run-aware placement: ``n >= 2`` free blocks in as few runs of
+        consecutive block ids as the window allows, ascending. Candidates
+        are the first ``n + RUN_SCAN`` blocks of the unkeyed front (with
+        ``st``: only those with an empty shadow for a consumer on ``st``);
+        with ``runs_cached``, when those are fewer than ``n``, also the
+        ``n + RUN_SCAN`` coldest free cached blocks (their keys evicted if
+        taken). Of the candidates: the smallest maximal run holding all
+        ``n`` (best fit, which keeps longer runs whole for later
+        transfers), else the longest runs first (the fewest runs); when
+        the candidates are fewer than ``n``, all of them and the rest from
+        the queue's front. O(W log W), W = ``n + 2 * RUN_SCAN``."""
+        q = self.free_block_queue
+        b = q.head.next_free_block
+        tail = q.tail
+        limit = n + self.RUN_SCAN
+        cand: list[KVCacheBlock] = []
+        lw: object = _UNSET
+        lr: object = _UNSET
+        ok = True
+        scanned = 0
+        while b is not tail and scanned < limit:
+            assert b is not None
+            if b.block_hash is not None or b.block_id < 0:
+                break  # the cached part (or the policy queue's divider)
+            if st is not None:
+                w, r = b.writer, b.readers
+                if w is not lw or r is not lr:
+                    lw, lr = w, r
+                    ok = self._shadow_ready(w, r, st)
+            if ok:
+                cand.append(b)
+            scanned += 1
+            b = b.next_free_block
+        if self._runs_cached and len(cand) < n and (b is tail or b.block_hash is not None or b.block_id < 0):  # type: ignore[union-attr]
+            # The unkeyed front was scanned whole: the coldest cached blocks too.
+            scanned = 0
+            while b is not tail and scanned < limit:
+                assert b is not None
+                if b.block_id >= 0:  # not the policy queue's divider
+                    if st is not None:
+                        w, r = b.writer, b.readers
+                        if w is not lw or r is not lr:
+                            lw, lr = w, r
+                            ok = self._shadow_ready(w, r, st)
+                    if ok:
+                        cand.append(b)
+                    scanned += 1
+                b = b.next_free_block
+        if len(cand) > n:
+            cand = _fewest_runs(cand, n)
+        cached = 0
+        for b in cand:
+            q.remove(b)
+            if b.block_hash is not None:
+                cached += 1
+        self.placed_cached += cached
+        freq = q.freq if isinstance(q, PolicyFreeBlockQueue) else None
+        if freq:
+            for b in cand:
+                freq.pop(b.block_id, None)
+        self._claim(cand)
+        if len(cand) < n:
+            cand.extend(self._take(n - len(cand)))
+        cand.sort(key=_block_id)
+        return cand
 
     def _shadow_ready(self, w: Token | None, r: Token | tuple[Token, ...] | None, st: StreamState) -> bool:
         """Whether a write by ``st`` to a block with shadow ``(w, r)`` waits

@@ -87,12 +87,14 @@ class ReplayConfig:
         timeline: Works kept per stream for the timeline plot.
         eviction: The pool's eviction policy (``"lru"``, ``"s3fifo"``,
             ``"2q"``; :mod:`blockpool.eviction`).
-        placement: The pool's placement (``"lru"``, ``"ready_first"`` or
-            ``"ready_first_cached"``; see
-            :class:`~blockpool.pool.HazardAwareBlockPool`); with either
-            ready-first mode the scheduler also allocates a load's
-            blocks with ``allocate_for(n, load stream)`` (placed for the
-            load) instead of ``get_new_blocks``.
+        placement: The pool's placement (one of
+            :data:`blockpool.pool.PLACEMENTS`: ``"lru"``, ``"ready_first"``,
+            ``"ready_first_cached"``, ``"runs"``, ``"runs_cached"``,
+            ``"ready_first_runs"``; see
+            :class:`~blockpool.pool.HazardAwareBlockPool`); with any mode
+            but ``"lru"`` the scheduler also allocates a load's blocks
+            with ``allocate_for(n, load stream)`` (placed for the load)
+            instead of ``get_new_blocks``.
 
     Raises:
         InvalidArgumentError: a bad figure, or streams that lack one named here.

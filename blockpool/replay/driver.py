@@ -308,6 +308,9 @@ class _Scheduler(StepBuilder):
             wall_s=wall_s,
             timeline=tuple(m.sim.timeline),
             timeline_at=m.sim.timeline_mark,
+            load_runs=tuple(m.load_runs),
+            store_runs=tuple(m.store_runs),
+            load_min_runs=tuple(m.load_min_runs),
         )
 
 

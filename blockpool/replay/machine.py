@@ -27,12 +27,67 @@ from blockpool.replay.state import TimedPool
 from blockpool.race_oracle import RaceOracle
 from blockpool.simulator import StreamSimulator, StreamSpec, Work
 
-__all__ = ["Machine"]
+__all__ = ["Machine", "fewest_runs", "runs"]
 
 _READ, _WRITE = AccessKind.READ, AccessKind.WRITE
 _HOST = StreamKind.HOST
 _FENCE_CALLS = ("allocate_for", "fence_for", "begin_load", "begin_store", "begin_copy")
 
+
+
+def runs(blocks: Sequence[KVCacheBlock]) -> int:
+    """Runs of consecutive block ids in ``blocks``, in their order (null
+    blocks skipped): the descriptors a transfer of them posts when each run
+    is one (NIXL, Mooncake, a ``cudaMemcpy`` batch). ``[4, 5, 6, 9]`` is 2
+    runs; ``[6, 5, 4]`` is 3 (a descriptor covers ascending addresses).
+    0 for no blocks. O(len(blocks)).
+
+    >>> from blockpool.block import KVCacheBlock
+    >>> runs([KVCacheBlock(i) for i in (4, 5, 6, 9)])
+    2
+    """
+    n = 0
+    prev = -2
+    for b in blocks:
+        if b.is_null:
+            continue
+        i = b.block_id
+        if i != prev + 1:
+            n += 1
+        prev = i
+    return n
+
+
+def fewest_runs(ids: Iterable[int], n: int) -> int:
+    """The fewest runs of consecutive ids that ``n`` of the distinct
+    ``ids`` can form: the longest runs first until they hold ``n`` (no
+    ``k`` runs hold more than the ``k`` longest). The floor for any
+    allocator choosing ``n`` blocks from that free set. 0 for ``n <= 0``.
+    O(m log m), m = number of ids.
+
+    Raises:
+        ValueError: fewer than ``n`` ids.
+
+    >>> fewest_runs([1, 2, 3, 7, 8, 20], 4)
+    2
+    """
+    if n <= 0:
+        return 0
+    s = sorted(ids)
+    if len(s) < n:
+        raise ValueError(f"{n} blocks wanted from {len(s)} ids")
+    lengths = []
+    start = 0
+    for i in range(1, len(s) + 1):
+        if i == len(s) or s[i] != s[i - 1] + 1:
+            lengths.append(i - start)
+            start = i
+    lengths.sort(reverse=True)
+    got = k = 0
+    while got < n:
+        got += lengths[k]
+        k += 1
+    return k
 
 class Machine:
     """Pool + simulator + oracle (+ event log) for one policy.
@@ -95,6 +150,9 @@ class Machine:
         self.loads = 0
         self.loads_empty = 0
         self.load_delays: list[float] = []
+        self.load_runs: list[int] = []  # runs of consecutive block ids, per load
+        self.load_min_runs: list[int] = []  # the fewest its block count allowed (fewest_runs)
+        self.store_runs: list[int] = []  # the same, per store
 
     def _logged(self, call: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` (a pool call that hands out a fence), writing a ``fence``
@@ -214,6 +272,11 @@ class Machine:
             self.sim.mark_timeline(self.now)
         self.loads_empty += not waits
         self.load_delays.append((w.start - self.now) * 1e3)
+        self.load_runs.append(runs(blocks))
+        ids = [b.block_id for b in blocks if not b.is_null]
+        self.load_min_runs.append(
+            fewest_runs([*ids, *(f.block_id for f in self.raw_pool.free_block_queue if f.block_id > 0)], len(ids))
+        )
         return w
 
     def store(self, blocks: list[KVCacheBlock], stream: str, block_bytes: int) -> Work:
@@ -221,6 +284,7 @@ class Machine:
         token, fence = self.pool.begin_store(blocks, stream)
         w, _ = self.enqueue(token, "store", fence=fence, transfer=True, num_bytes=len(blocks) * block_bytes)
         self.access(token, blocks, _READ, "store")
+        self.store_runs.append(runs(blocks))
         return w
 
     def copy(self, src: KVCacheBlock, dst: KVCacheBlock, stream: str, seconds: float) -> Work:

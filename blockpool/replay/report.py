@@ -68,6 +68,12 @@ class PolicyResult:
         timeline_at: When the first load was requested (simulated s), or
             ``None`` when nothing was loaded (``timeline`` then holds the last
             works).
+        load_runs, store_runs: Runs of consecutive block ids of every load
+            and every store, in order (:func:`blockpool.replay.machine.runs`):
+            the descriptors each posts when a run is one.
+        load_min_runs: For every load, the fewest runs its block count
+            could have had, from the free blocks when it was placed
+            (:func:`blockpool.replay.machine.fewest_runs`).
     """
 
     policy: str
@@ -88,6 +94,9 @@ class PolicyResult:
     wall_s: float = attrs.field(eq=False)
     timeline: tuple[Work, ...] = attrs.field(eq=False, repr=False)
     timeline_at: float | None = attrs.field(default=None, eq=False, repr=False)
+    load_runs: tuple[int, ...] = attrs.field(default=(), repr=False)
+    store_runs: tuple[int, ...] = attrs.field(default=(), repr=False)
+    load_min_runs: tuple[int, ...] = attrs.field(default=(), repr=False)
 
     @property
     def loads_empty_fence_pct(self) -> float:
@@ -104,6 +113,26 @@ class PolicyResult:
     def load_delay_p99_ms(self) -> float:
         """p99 (nearest-rank) load-start delay, simulated ms."""
         return percentile(self.load_delays_ms, 99)
+
+    @property
+    def runs_per_load(self) -> float:
+        """Mean runs of consecutive block ids per load (descriptors it
+        posts); 1.0 is the minimum for any block count. 0.0 with no loads."""
+        r = self.load_runs
+        return sum(r) / len(r) if r else 0.0
+
+    @property
+    def min_runs_per_load(self) -> float:
+        """Mean of the fewest runs each load's block count allowed (from the
+        free set it was placed from); 0.0 with no loads."""
+        r = self.load_min_runs
+        return sum(r) / len(r) if r else 0.0
+
+    @property
+    def runs_per_store(self) -> float:
+        """Mean runs of consecutive block ids per store; 0.0 with no stores."""
+        r = self.store_runs
+        return sum(r) / len(r) if r else 0.0
 
     @property
     def prefix_hit_rate_pct(self) -> float:
@@ -142,6 +171,9 @@ class PolicyResult:
                 "p99": round(self.load_delay_p99_ms, 6),
                 "max": round(max(self.load_delays_ms, default=0.0), 6),
             },
+            "runs_per_load": round(self.runs_per_load, 4),
+            "min_runs_per_load": round(self.min_runs_per_load, 4),
+            "runs_per_store": round(self.runs_per_store, 4),
             "prefix_hit_rate_pct": round(self.prefix_hit_rate_pct, 3),
             "makespan_s": round(self.makespan_s, 6),
             "tokens_served": self.tokens_served,
@@ -231,10 +263,15 @@ def format_table(report: ReplayReport) -> str:
     as such; a policy with no loads shows ``n/a`` for the load figures.
     O(policies)."""
     head = (
-        "policy", "races", "loads", "empty%", "mean delay ms", "p99 delay ms", "hit%",
-        "makespan s", "tok/s", "ns/op", "wall s",
+        "policy", "races", "loads", "empty%", "mean delay ms", "p99 delay ms", "runs/load", "min runs",
+        "runs/store",
+        "hit%", "makespan s", "tok/s", "ns/op", "wall s",
     )  # fmt: skip
-    kind = ("", "", "", "", "simulated", "simulated", "counted", "simulated", "simulated", "measured", "measured")
+    kind = (
+        "", "", "", "", "simulated", "simulated", "counted", "counted", "counted", "counted", "simulated",
+        "simulated",
+        "measured", "measured",
+    )  # fmt: skip
     rows = [head, kind]
     for r in report.results:
         loads = bool(r.loads)
@@ -246,6 +283,9 @@ def format_table(report: ReplayReport) -> str:
                 f"{r.loads_empty_fence_pct:.1f}" if loads else "n/a",
                 f"{r.load_delay_mean_ms:.3f}" if loads else "n/a",
                 f"{r.load_delay_p99_ms:.3f}" if loads else "n/a",
+                f"{r.runs_per_load:.2f}" if loads else "n/a",
+                f"{r.min_runs_per_load:.2f}" if loads else "n/a",
+                f"{r.runs_per_store:.2f}" if r.store_runs else "n/a",
                 f"{r.prefix_hit_rate_pct:.2f}",
                 f"{r.makespan_s:.1f}",
                 f"{r.throughput_tok_s:.0f}",

@@ -1,0 +1,189 @@
+"""Run-aware placement (``placement="runs" | "runs_cached" | "ready_first_runs"``):
+a transfer of the blocks posts one descriptor per run of consecutive block ids."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockpool import HazardAwareBlockPool, StreamKind
+from blockpool.block import KVCacheBlock
+from blockpool.pool import PLACEMENTS, _fewest_runs
+from blockpool.replay.machine import fewest_runs, runs
+
+STREAMS = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "rdma": StreamKind.HOST}
+
+
+def ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def interleaved(placement: str, n: int = 12, **kw) -> HazardAwareBlockPool:
+    """Blocks 1..n taken, then freed unkeyed in the order the scheduler of a
+    two-request batch frees them: odd ids (one request, reversed), then even
+    ids. The unkeyed front is then ``[n, n-2, .., 2, n-1, .., 1]`` (the last
+    freed lead): no two neighbours in the queue are neighbours in id."""
+    p = HazardAwareBlockPool(n + 5, streams=STREAMS, placement=placement, **kw)
+    bl = p.get_new_blocks(n)
+    p.free_blocks(bl[0::2][::-1], token=None)
+    p.free_blocks(bl[1::2][::-1], token=None)
+    return p
+
+
+def test_runs_is_a_placement_name():
+    assert {"runs", "runs_cached", "ready_first_runs"} <= set(PLACEMENTS)
+
+
+def test_lru_hands_out_the_front_in_queue_order_one_run_per_block():
+    p = interleaved("lru")
+    got, _ = p.allocate_for(4, "h2d")
+    assert ids(got) == [12, 10, 8, 6] and runs(got) == 4
+
+
+def test_runs_takes_one_run_of_the_unkeyed_front_in_ascending_order():
+    p = interleaved("runs")
+    got, fence = p.allocate_for(4, "h2d")
+    # The candidates are ids 1..12 (+ the 4 never used, 13..16): one run;
+    # best fit takes its first 4.
+    assert ids(got) == [1, 2, 3, 4] and runs(got) == 1 and fence.tokens == ()
+    p.check()
+
+
+def test_runs_best_fit_keeps_the_longer_run_whole():
+    p = HazardAwareBlockPool(17, streams=STREAMS, placement="runs")
+    bl = p.get_new_blocks(16)
+    keep = [b for b in bl if b.block_id in (4, 9)]  # cuts 1..16 into 1-3, 5-8, 10-16
+    p.free_blocks([b for b in bl if b not in keep], token=None)
+    got, _ = p.allocate_for(4, "h2d")
+    assert ids(got) == [5, 6, 7, 8]  # the smallest run that holds 4, not the 7-long one
+    got2, _ = p.allocate_for(7, "h2d")
+    assert ids(got2) == list(range(10, 17))
+    p.check()
+
+
+def test_runs_without_a_fitting_run_takes_the_longest_runs_first():
+    p = HazardAwareBlockPool(17, streams=STREAMS, placement="runs")
+    bl = p.get_new_blocks(16)
+    keep = [b for b in bl if b.block_id in (3, 6, 11)]  # runs 1-2, 4-5, 7-10, 12-16
+    p.free_blocks([b for b in bl if b not in keep], token=None)
+    got, _ = p.allocate_for(8, "h2d")
+    # 12-16 (5) then 3 of 7-10: two runs, ascending.
+    assert ids(got) == [7, 8, 9, 12, 13, 14, 15, 16] and runs(got) == 2
+
+
+def test_runs_leaves_which_cached_block_is_evicted_to_lru():
+    """All free blocks cached: ``runs`` evicts exactly LRU's victims (it
+    only sorts them); ``runs_cached`` may take a younger run."""
+    victims = {}
+    for placement in ("lru", "runs", "runs_cached"):
+        p = HazardAwareBlockPool(13, streams=STREAMS, placement=placement)
+        bl = p.get_new_blocks(12)
+        p.cache_full_blocks(bl, list(range(100, 112)), 0, 12, 16)
+        # LRU order: 1, 3, 5, 2, 4, 6 (coldest first), then 7..12.
+        p.free_blocks([bl[0], bl[2], bl[4], bl[1], bl[3], bl[5]], token=None)
+        p.free_blocks(bl[6:], token=None)
+        got, _ = p.allocate_for(3, "h2d")
+        victims[placement] = ids(got)
+        assert p.get_cached_block(100) is None or placement == "runs_cached"
+        p.check()
+    assert victims["lru"] == [1, 3, 5]
+    assert victims["runs"] == [1, 3, 5]
+    assert victims["runs_cached"] == [1, 2, 3]  # best fit among the 3 + RUN_SCAN coldest
+
+
+def test_runs_cached_prefers_unkeyed_blocks_over_keys():
+    p = HazardAwareBlockPool(13, streams=STREAMS, placement="runs_cached")
+    bl = p.get_new_blocks(12)
+    p.cache_full_blocks(bl[:6], list(range(100, 106)), 0, 6, 16)
+    p.free_blocks(bl, token=None)  # 7..12 unkeyed at the front, 1..6 cached behind
+    got, _ = p.allocate_for(4, "h2d")
+    assert ids(got) == [7, 8, 9, 10]
+    assert all(p.get_cached_block(k) is not None for k in range(100, 106))
+    assert p.placed_cached == 0
+
+
+def test_ready_first_runs_takes_ready_blocks_in_runs():
+    p = HazardAwareBlockPool(13, streams=STREAMS, placement="ready_first_runs")
+    bl = p.get_new_blocks(12)
+    e = p.issue("compute")
+    p.free_blocks(bl[:6], token=e)  # 1..6 still read by a running step
+    p.free_blocks(bl[6:], token=None)  # 7..12 ready
+    got, fence = p.allocate_for(4, "h2d")
+    assert ids(got) == [7, 8, 9, 10] and fence.tokens == ()
+    plain = HazardAwareBlockPool(13, streams=STREAMS, placement="runs")
+    pb = plain.get_new_blocks(12)
+    e2 = plain.issue("compute")
+    plain.free_blocks(pb[:6], token=e2)
+    plain.free_blocks(pb[6:], token=None)
+    got2, fence2 = plain.allocate_for(4, "h2d")
+    assert ids(got2) == [1, 2, 3, 4] and [str(t) for t in fence2] == ["compute:1"]
+
+
+def test_runs_with_one_block_or_too_few_candidates_falls_back_to_the_front():
+    p = interleaved("runs", n=4)  # front: 4, 2, 3, 1, then 5.. never used
+    one, _ = p.allocate_for(1, "h2d")
+    assert ids(one) == [4]  # n == 1: any block is one run; the front, as lru
+    p.check()
+
+
+def test_fewest_runs_helpers_agree_with_brute_force():
+    assert runs([KVCacheBlock(i) for i in (4, 5, 6, 9)]) == 2
+    assert runs([KVCacheBlock(i) for i in (6, 5, 4)]) == 3
+    assert fewest_runs([1, 2, 3, 7, 8, 20], 4) == 2
+    with pytest.raises(ValueError):
+        fewest_runs([1, 2], 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(free=st.sets(st.integers(1, 40), min_size=2), n=st.integers(1, 40))
+def test_fewest_runs_choice_is_optimal(free, n):
+    """``_fewest_runs`` picks ``n`` distinct free blocks in exactly as many
+    runs as the brute-force floor (:func:`fewest_runs`), all from the set."""
+    n = min(n, len(free) - 1) or 1
+    if len(free) <= n:
+        return
+    cand = [KVCacheBlock(i) for i in sorted(free, reverse=True)]
+    got = _fewest_runs(cand, n)
+    assert len(got) == n and len({b.block_id for b in got}) == n and {b.block_id for b in got} <= free
+    assert runs(sorted(got, key=lambda b: b.block_id)) == fewest_runs(free, n)
+
+
+@pytest.mark.parametrize("placement", ["runs", "runs_cached", "ready_first_runs"])
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5), st.integers(0, 30)), max_size=50))
+def test_runs_placements_keep_every_invariant(placement, ops):
+    """Random allocate / publish / free / complete sequences: a run-aware
+    pool passes check() after every call, has as many free blocks as an LRU
+    pool driven the same way, hands out fresh blocks (unkeyed, ref count 1)
+    in ascending id order, and with ``runs`` never evicts a key LRU would
+    not have evicted (the same keys stay cached)."""
+    pools = [HazardAwareBlockPool(13, streams=STREAMS, placement=pl) for pl in ("lru", placement)]
+    held: list[list] = [[], []]
+    toks: list[list] = [[], []]
+    for op, n, key in ops:
+        for i, p in enumerate(pools):
+            mine = held[i]
+            if op == 0 and p.get_num_free_blocks() >= n:
+                new, _fence = p.allocate_for(n, "h2d" if key % 2 else "compute")
+                assert len(new) == n and len({b.block_id for b in new}) == n
+                assert all(b.block_hash is None and b.ref_cnt == 1 for b in new)
+                if i == 1 and n > 1:
+                    assert ids(new) == sorted(ids(new))
+                if not any(p.get_cached_block(key + j) for j in range(n)):
+                    p.cache_full_blocks(new, [key + j for j in range(n)], 0, n, 16)
+                mine.append(new)
+            elif op == 1 and mine:
+                t = p.issue("compute") if key % 3 else None
+                if t is not None:
+                    toks[i].append(t)
+                p.free_blocks(mine.pop(n % len(mine)), token=t)
+            elif op == 2 and toks[i]:
+                p.complete(toks[i].pop(0))
+            elif op == 3 and mine:
+                p.free_blocks(mine.pop(), token=None)
+            p.check()
+        if placement == "runs":
+            cached = [sorted(k for k in range(0, 40) if p.get_cached_block(k) is not None) for p in pools]
+            assert cached[0] == cached[1]
+    assert pools[0].get_num_free_blocks() == pools[1].get_num_free_blocks()
