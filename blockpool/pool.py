@@ -697,6 +697,37 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         if zero:
             self._enqueue_free(zero)
 
+    def num_ready_free_blocks(self, stream: str) -> int:
+        """Free blocks a write on ``stream`` could begin on without waiting:
+        every access on them ended, or ``stream`` is already ordered after
+        it (their fence for ``stream`` would be empty). Held blocks are not
+        free. With ``track_hazards=False``, every free block. The figure
+        ready-first placement works with: a load of ``n`` blocks can have
+        an empty fence only if this is at least ``n`` when it is placed.
+        O(free blocks); readiness is decided once per distinct shadow.
+
+        Raises:
+            UnknownStreamError: ``stream`` is not registered.
+        """
+        if self._inbox or self._leases_on:
+            self._apply_completions()
+        st = self.tracker.state(stream)
+        if not self.track_hazards:
+            return self.free_block_queue.num_free_blocks
+        lw: object = _UNSET
+        lr: object = _UNSET
+        ok = True
+        count = 0
+        for b in self.free_block_queue:
+            if b.block_id < 0:
+                continue  # a policy queue's divider
+            w, r = b.writer, b.readers
+            if w is not lw or r is not lr:
+                lw, lr = w, r
+                ok = self._shadow_ready(w, r, st)
+            count += ok
+        return count
+
     def allocatable_if_freed(self, blocks: Iterable[KVCacheBlock]) -> list[bool]:
         """Whether freeing ``blocks`` now (one reference per listing, as
         :meth:`free_blocks`) would make each allocatable at once: its ref

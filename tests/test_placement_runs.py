@@ -187,3 +187,49 @@ def test_runs_placements_keep_every_invariant(placement, ops):
             cached = [sorted(k for k in range(0, 40) if p.get_cached_block(k) is not None) for p in pools]
             assert cached[0] == cached[1]
     assert pools[0].get_num_free_blocks() == pools[1].get_num_free_blocks()
+
+
+# -- what limits ready-first placement: ready free blocks at placement ----------
+
+
+def _ready_scenario() -> tuple[HazardAwareBlockPool, object]:
+    p = HazardAwareBlockPool(11, streams=STREAMS)
+    bl = p.get_new_blocks(10)
+    e1 = p.issue("compute")
+    p.free_blocks(bl[:4], token=e1)  # read by a running step
+    p.free_blocks(bl[4:6], token=None)  # ready
+    return p, e1
+
+
+def test_num_ready_free_blocks_counts_blocks_with_an_empty_fence_for_the_stream():
+    p, e1 = _ready_scenario()
+    assert p.num_ready_free_blocks("h2d") == 2
+    assert p.num_ready_free_blocks("compute") == 6  # a step is ordered after its own stream's steps
+    # The count agrees with the fence a write would get, block by block
+    # (each asked on a fresh copy of the scenario: fence_for records a wait).
+    for stream in ("h2d", "rdma", "compute"):
+        empty = 0
+        for i in range(p.get_num_free_blocks()):
+            q, _ = _ready_scenario()
+            empty += not q.fence_for([list(q.free_block_queue)[i]], stream).tokens
+        assert empty == p.num_ready_free_blocks(stream), stream
+    p.complete(e1)
+    assert p.num_ready_free_blocks("h2d") == 6
+
+
+def test_num_ready_free_blocks_unknown_stream_is_typed_and_changes_nothing():
+    from blockpool.errors import UnknownStreamError
+
+    p = HazardAwareBlockPool(5, streams=STREAMS)
+    bl = p.get_new_blocks(2)
+    p.free_blocks(bl, token=p.issue("compute"))
+    before = (p.get_num_free_blocks(), [b.block_id for b in p.free_block_queue], p.stats())
+    with pytest.raises(UnknownStreamError):
+        p.num_ready_free_blocks("nvlink")
+    assert (p.get_num_free_blocks(), [b.block_id for b in p.free_block_queue], p.stats()) == before
+
+
+def test_num_ready_free_blocks_without_hazards_is_every_free_block():
+    p = HazardAwareBlockPool(5, track_hazards=False)
+    p.get_new_blocks(1)
+    assert p.num_ready_free_blocks("compute") == 3

@@ -86,3 +86,40 @@ def test_ready_first_cached_replay_is_race_free_and_places_cached_blocks() -> No
     exact = rep.result("exact/lru/ready_first_cached")
     assert exact.races == 0 and exact.loads > 0
     assert rep.result("blind/lru/ready_first_cached").races > 0  # the negative control still races
+
+
+@pytest.fixture(scope="module")
+def runs_grid() -> dict:
+    trace = synthetic_trace(SyntheticSpec(num_requests=80))
+    cfg = ReplayConfig(num_blocks=768)
+    rep = replay(trace, "exact", cfg, placements=["lru", "runs", "runs_cached"])
+    return {r.policy: r for r in rep.results}
+
+
+def test_runs_are_counted_per_load_and_store_and_bounded_by_the_floor(runs_grid) -> None:
+    for r in runs_grid.values():
+        assert len(r.load_runs) == len(r.load_min_runs) == r.loads > 0
+        assert r.store_runs and all(k >= 1 for k in r.store_runs)
+        # No load posts fewer descriptors than its block count allowed.
+        assert all(got >= floor >= 1 for got, floor in zip(r.load_runs, r.load_min_runs))
+        data = r.to_json(timing=False)
+        assert data["runs_per_load"] == round(r.runs_per_load, 4)
+        assert data["min_runs_per_load"] == round(r.min_runs_per_load, 4)
+
+
+def test_run_aware_placement_posts_fewer_descriptors_than_lru(runs_grid) -> None:
+    lru, runs, cached = (runs_grid[f"exact/lru/{p}"] for p in ("lru", "runs", "runs_cached"))
+    assert runs.runs_per_load < lru.runs_per_load
+    assert cached.runs_per_load < runs.runs_per_load
+    assert cached.runs_per_load <= 1.5 * cached.min_runs_per_load  # the target
+    # runs keeps LRU's choice of evicted keys: the same hits, the same loads.
+    assert (runs.prefix_hit_rate_pct, runs.loads) == (lru.prefix_hit_rate_pct, lru.loads)
+
+
+def test_loads_short_of_ready_blocks_are_among_the_waiting_loads(runs_grid) -> None:
+    for r in runs_grid.values():
+        assert 0 <= r.loads_short_of_ready <= r.loads - r.loads_empty_fence
+        assert r.to_json(timing=False)["loads_short_of_ready"] == r.loads_short_of_ready
+    roomy = replay(synthetic_trace(SyntheticSpec(num_requests=300)), "exact", ReplayConfig(num_blocks=8192))
+    res = roomy.result("exact")
+    assert res.loads and res.loads_empty_fence == res.loads and res.loads_short_of_ready == 0

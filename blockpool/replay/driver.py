@@ -311,6 +311,7 @@ class _Scheduler(StepBuilder):
             load_runs=tuple(m.load_runs),
             store_runs=tuple(m.store_runs),
             load_min_runs=tuple(m.load_min_runs),
+            loads_short_of_ready=m.loads_short_of_ready,
         )
 
 

@@ -149,6 +149,7 @@ class Machine:
         self.oracle_ns = 0
         self.loads = 0
         self.loads_empty = 0
+        self.loads_short_of_ready = 0  # waited, and fewer ready free blocks than needed existed
         self.load_delays: list[float] = []
         self.load_runs: list[int] = []  # runs of consecutive block ids, per load
         self.load_min_runs: list[int] = []  # the fewest its block count allowed (fewest_runs)
@@ -261,9 +262,14 @@ class Machine:
         if self.events is not None:
             self.events.access(self.policy_name, str(token), token.stream, ids, kind.value, what)
 
-    def load(self, blocks: list[KVCacheBlock], stream: str, block_bytes: int) -> Work:
+    def load(self, blocks: list[KVCacheBlock], stream: str, block_bytes: int, *, ready_free: int | None = None) -> Work:
         """Begin a load into ``blocks`` on ``stream``; returns its work and
-        records the load-start delay and whether it waited on nothing."""
+        records the load-start delay, whether it waited on nothing, its
+        runs, and, given ``ready_free`` (the pool's
+        :meth:`~blockpool.pool.HazardAwareBlockPool.num_ready_free_blocks`
+        for ``stream`` just before the blocks were placed), whether it
+        waited because the free queue held fewer ready blocks than it
+        needed (no placement could have given it an empty fence)."""
         token, fence = self.pool.begin_load(blocks, stream)
         w, waits = self.enqueue(token, "load", fence=fence, transfer=True, num_bytes=len(blocks) * block_bytes)
         self.access(token, blocks, _WRITE, "load")
@@ -271,6 +277,8 @@ class Machine:
         if self.loads == 1:
             self.sim.mark_timeline(self.now)
         self.loads_empty += not waits
+        if waits and ready_free is not None and ready_free < len(blocks):
+            self.loads_short_of_ready += 1
         self.load_delays.append((w.start - self.now) * 1e3)
         self.load_runs.append(runs(blocks))
         ids = [b.block_id for b in blocks if not b.is_null]

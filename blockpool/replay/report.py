@@ -71,6 +71,10 @@ class PolicyResult:
         load_runs, store_runs: Runs of consecutive block ids of every load
             and every store, in order (:func:`blockpool.replay.machine.runs`):
             the descriptors each posts when a run is one.
+        loads_short_of_ready: Loads that waited on something and were
+            placed when the free queue held fewer ready blocks (empty
+            fence for the load's stream) than they needed: no placement
+            could have given them an empty fence.
         load_min_runs: For every load, the fewest runs its block count
             could have had, from the free blocks when it was placed
             (:func:`blockpool.replay.machine.fewest_runs`).
@@ -97,6 +101,7 @@ class PolicyResult:
     load_runs: tuple[int, ...] = attrs.field(default=(), repr=False)
     store_runs: tuple[int, ...] = attrs.field(default=(), repr=False)
     load_min_runs: tuple[int, ...] = attrs.field(default=(), repr=False)
+    loads_short_of_ready: int = 0
 
     @property
     def loads_empty_fence_pct(self) -> float:
@@ -165,6 +170,7 @@ class PolicyResult:
             "loads": self.loads,
             "loads_empty_fence": self.loads_empty_fence,
             "loads_empty_fence_pct": round(self.loads_empty_fence_pct, 3),
+            "loads_short_of_ready": self.loads_short_of_ready,
             "load_start_delay_ms": {
                 "mean": round(self.load_delay_mean_ms, 6),
                 "p50": round(percentile(self.load_delays_ms, 50), 6),
@@ -306,6 +312,12 @@ def format_table(report: ReplayReport) -> str:
             f"rejected {c.get('rejected', 0)}, preemptions {c.get('preemptions', 0)}, "
             f"evictions {first.pool_stats.get('evictions', 0)}, cow copies {c.get('cow_copies', 0)}, "
             f"load failures {c.get('load_failures', 0)}"
+        )
+    waited = [r for r in report.results if r.loads > r.loads_empty_fence]
+    if waited:
+        lines.append(
+            "loads that waited while fewer ready free blocks existed than they needed (no placement avoids those): "
+            + ", ".join(f"{r.policy} {r.loads_short_of_ready}/{r.loads - r.loads_empty_fence}" for r in waited)
         )
     lines.append("simulated: cost model on the simulated clock; measured: real time on this machine")
     if any(r.policy == NEGATIVE_CONTROL for r in report.results):

@@ -234,6 +234,7 @@ class StepBuilder:
             return None
         new, fence = pool.allocate_for(n_new, "compute", hits=pins)
         self.m.device_fence(fence, "compute")
+        ready_free = self.m.raw_pool.num_ready_free_blocks(stream) if j > h else 0  # not timed: replay bookkeeping
         if j > h and self.cfg.placement != "lru":
             # Placed for the load's stream (ready blocks first).
             loaded, lfence = pool.allocate_for(j - h, stream)
@@ -250,7 +251,7 @@ class StepBuilder:
         self.c["prefix_hit_blocks"] += h
         self.c["admissions"] += 1
         if loaded:
-            self._load(r, loaded, stream, h, j)
+            self._load(r, loaded, stream, h, j, ready_free)
             if host_load:
                 r.phase = Phase.LOADING
                 r.num_computed = j * bs
@@ -262,9 +263,9 @@ class StepBuilder:
         self._schedule(r, n_tok)
         return n_tok
 
-    def _load(self, r: Request, loaded: list[KVCacheBlock], stream: str, lo: int, hi: int) -> None:
+    def _load(self, r: Request, loaded: list[KVCacheBlock], stream: str, lo: int, hi: int, ready_free: int) -> None:
         assert r.keys is not None
-        w = self.m.load(loaded, stream, self.block_bytes)
+        w = self.m.load(loaded, stream, self.block_bytes, ready_free=ready_free)
         for k in r.keys.full[lo:hi]:
             self.store.hit(k)
         r.load_token, r.load_lo, r.load_hi = w.token, lo, hi
