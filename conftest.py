@@ -21,7 +21,7 @@ if _missing("vllm"):
     collect_ignore_glob += ["blockpool/integrations/vllm.py", "blockpool/integrations/vllm_pool.py"]
 if _missing("torch"):
     collect_ignore_glob += [
-        "blockpool/torch_events.py",
+        "blockpool/worker/torch_events.py",
         "blockpool/integrations/vllm_worker.py",
         "docs/worker.md",
         "docs/examples/*.py",

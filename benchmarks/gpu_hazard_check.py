@@ -11,7 +11,7 @@ otherwise. Without a CUDA GPU it prints
 ``gpu_hazard_check: skipped: no CUDA GPU available`` and exits 0. A
 watchdog prints the JSON gathered so far and exits 3 if the run passes
 ``WATCHDOG_S`` seconds. ``--dry-run-cpu`` runs the same control flow on the
-CPU stand-in streams of :mod:`blockpool.testing_streams` (side streams run
+CPU stand-in streams of :mod:`blockpool.worker.standins` (side streams run
 at once, compute only when waited on: the GPU's timing in caricature), for
 the CPU tests.
 
@@ -117,7 +117,7 @@ class Gpu:
         self.torch = torch
         self.dry = dry_run
         if dry_run:
-            from blockpool.testing_streams import StandInDevice
+            from blockpool.worker.standins import StandInDevice
 
             self.standin = StandInDevice()
             self.device = torch.device("cpu")
@@ -136,7 +136,7 @@ class Gpu:
     def event_factory(self) -> Callable[[], Any]:
         if self.dry:
             return self.standin.new_event
-        from blockpool.torch_events import event_factory
+        from blockpool.worker.torch_events import event_factory
 
         return event_factory("cuda")
 
@@ -263,7 +263,7 @@ def block_elems() -> int:
 
 def war_free_then_reload(gpu: Gpu, buf: Buffers, use_fence: bool) -> dict[str, Any]:
     from blockpool import Fence, HazardAwareBlockPool, StreamKind
-    from blockpool.torch_events import EventLedger
+    from blockpool.worker.torch_events import EventLedger
 
     torch = gpu.torch
     pool = HazardAwareBlockPool(
@@ -327,7 +327,7 @@ def war_free_then_reload(gpu: Gpu, buf: Buffers, use_fence: bool) -> dict[str, A
 
 def cow_then_load(gpu: Gpu, buf: Buffers, use_fence: bool) -> dict[str, Any]:
     from blockpool import Fence, HazardAwareBlockPool, StreamKind
-    from blockpool.torch_events import EventLedger
+    from blockpool.worker.torch_events import EventLedger
 
     torch = gpu.torch
     pool = HazardAwareBlockPool(
@@ -418,7 +418,7 @@ def offload_store_then_reload(gpu: Gpu, buf: Buffers, use_fence: bool) -> dict[s
     from blockpool import HazardAwareBlockPool, StreamKind
     from blockpool.integrations import vllm_worker as vw
     from blockpool.integrations.vllm_hazards import Transfer
-    from blockpool.torch_events import EventLedger
+    from blockpool.worker.torch_events import EventLedger
 
     torch = gpu.torch
     streams = {"compute": StreamKind.DEVICE, "offload_d2h": StreamKind.DEVICE, "offload_h2d": StreamKind.DEVICE}
@@ -493,7 +493,7 @@ def offload_store_then_reload(gpu: Gpu, buf: Buffers, use_fence: bool) -> dict[s
 
 def delay_trial(gpu: Gpu, buf: Buffers, mode: str) -> dict[str, Any]:
     from blockpool import Fence, HazardAwareBlockPool, StreamKind
-    from blockpool.torch_events import EventLedger
+    from blockpool.worker.torch_events import EventLedger
 
     pool = HazardAwareBlockPool(
         NUM_BLOCKS, enable_caching=False, streams={"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE}

@@ -1,12 +1,23 @@
 """blockpool: a vLLM-compatible KV-cache block pool that hands out exact
 hazard fences.
 
-The scheduler-side core (this package's top level) imports neither torch nor
-vLLM. Integrations live at the edges: :mod:`blockpool.integrations.vllm`,
-:mod:`blockpool.torch_events`, :mod:`blockpool.race_oracle`,
-:mod:`blockpool.replay`.
+Layout (``docs/architecture.md``):
+
+- the scheduler-side core, whose public names this package re-exports: it
+  imports neither torch nor vLLM;
+- :mod:`blockpool.worker`: the torch event ledger that waits on fences on
+  the worker, and CPU stand-ins for streams and events;
+- :mod:`blockpool.checking`: the race oracle, the test harness and the
+  pytest plugin;
+- :mod:`blockpool.sim`: the stream simulator and its cost model;
+- :mod:`blockpool.replay`: trace replay, sweeps;
+- :mod:`blockpool.integrations`: vLLM (plugin, pool adapter, connectors).
+
+Modules that moved into the sub-packages keep their old import paths for
+now, with a :class:`DeprecationWarning` (:data:`blockpool._moved.MOVED`).
 """
 
+from blockpool import _moved
 from blockpool.block import FreeBlockQueue, KVCacheBlock
 from blockpool.errors import (
     BlockNotAllocatedError,
@@ -41,38 +52,40 @@ from blockpool.stats import PoolSnapshot, PoolStats
 
 __version__ = "0.1.0"
 
+_moved.install()
+
 __all__ = [
-    "__version__",
-    "HazardAwareBlockPool",
-    "KVCacheBlock",
-    "FreeBlockQueue",
-    "StreamKind",
-    "AccessKind",
-    "Token",
-    "Fence",
-    "FenceReason",
     "EMPTY_FENCE",
     "LAST_STEP",
-    "FreeTag",
-    "PoolStats",
-    "PoolSnapshot",
-    "KVCacheEvent",
-    "BlockStored",
-    "BlockRemoved",
+    "AccessKind",
     "AllBlocksCleared",
-    "BlockPoolError",
-    "InvalidArgumentError",
-    "NoFreeBlocksError",
-    "ForeignBlockError",
-    "NullBlockError",
-    "RefCountError",
     "BlockNotAllocatedError",
+    "BlockPoolError",
+    "BlockRemoved",
+    "BlockStored",
+    "Fence",
+    "FenceFailedError",
+    "FenceReason",
+    "ForeignBlockError",
+    "ForeignTokenError",
+    "FreeBlockQueue",
+    "FreeTag",
+    "HashConflictError",
+    "HazardAwareBlockPool",
+    "InvalidArgumentError",
+    "InvariantError",
+    "KVCacheBlock",
+    "KVCacheEvent",
+    "LeaseExpiredWarning",
+    "NoFreeBlocksError",
+    "NullBlockError",
+    "PoolSnapshot",
+    "PoolStats",
+    "RefCountError",
     "StaleBlockError",
+    "StreamKind",
+    "Token",
     "UnknownStreamError",
     "UnknownTokenError",
-    "ForeignTokenError",
-    "FenceFailedError",
-    "HashConflictError",
-    "InvariantError",
-    "LeaseExpiredWarning",
+    "__version__",
 ]

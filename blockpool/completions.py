@@ -1,6 +1,6 @@
 """Completion reports: worker -> scheduler, and the merge across ranks.
 
-A worker's :class:`~blockpool.torch_events.EventLedger` observes which tokens
+A worker's :class:`~blockpool.worker.torch_events.EventLedger` observes which tokens
 ended (its events completed, its host engine called back) and hands out a
 :class:`CompletionReport`: a small frozen value holding the tokens in their
 wire form (``Token.to_wire()`` tuples), picklable and msgspec/JSON friendly,

@@ -47,13 +47,18 @@ from blockpool._fences import FenceOps
 from blockpool._introspection import IntrospectionOps
 from blockpool._tokens import TokenOps
 from blockpool.block import KVCacheBlock, NullBlock, block_class_for_pool
-from blockpool.eviction import EVICTION_POLICIES, PolicyFreeBlockQueue, UnknownEvictionPolicyError, make_free_queue
 from blockpool.errors import (
     InvalidArgumentError,
     NoFreeBlocksError,
     RefCountError,
 )
 from blockpool.events import MEDIUM_GPU, KVCacheEvent
+from blockpool.eviction import (
+    EVICTION_POLICIES,
+    PolicyFreeBlockQueue,
+    UnknownEvictionPolicyError,
+    make_free_queue,
+)
 from blockpool.hazards import EMPTY_FENCE, LAST_STEP, AccessKind, Fence, FreeTag, StreamKind, Token
 from blockpool.prefix_cache import PrefixCache
 from blockpool.tracker import HazardTracker, StreamState
@@ -669,7 +674,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         zero: list[KVCacheBlock] = []
         i = 0
         try:
-            for i, b in enumerate(blocks):  # noqa: B007
+            for i, b in enumerate(blocks):
                 if b.__class__ is not cls and own[b.block_id] is not b:
                     self._own(b)
                 if b is null:

@@ -422,7 +422,7 @@ run_pass() {
   # the sdist's source tree in every pass (its Python files are identical to
   # the wheel's; the wheel only adds compiled extensions and third_party/).
   # -p no:blockpool: once the repo is pip-installed into the venv, its own
-  # pytest11 entry point (blockpool.pytest_plugin) would autoload in every
+  # pytest11 entry point (blockpool.checking.pytest_plugin) would autoload in every
   # pass; keep it out of both so the passes differ only by the -p plugin.
   # --confcutdir=tests/v1: the conftests under tests/v1 load (the connector
   # tests' autouse CPU fixtures), tests/conftest.py does not (GPU-side

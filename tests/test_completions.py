@@ -152,7 +152,7 @@ def test_merger_rejects_a_world_size_below_one() -> None:
 
 def test_completions_and_stand_ins_import_without_torch() -> None:
     code = (
-        "import sys, blockpool, blockpool.completions, blockpool.testing_streams; "
+        "import sys, blockpool, blockpool.completions, blockpool.worker.standins; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False, capture_output=True).returncode == 0

@@ -4,7 +4,7 @@ Blocks written as doctests (starting with ``>>>``) already run through
 pytest's ``--doctest-glob=*.md`` (``pyproject.toml``); this module runs the
 others: each is executed in a fresh namespace, and a ``test_*`` function it
 defines is called with the fixtures it names (``blockpool_harness``: a
-:class:`~blockpool.testing.RaceHarness`, checked for races afterwards).
+:class:`~blockpool.checking.harness.RaceHarness`, checked for races afterwards).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from blockpool import HazardAwareBlockPool, StreamKind
 from blockpool.errors import UnknownStreamError, UnknownTokenError
 from blockpool.hazards import Token
-from blockpool.testing import RaceHarness
+from blockpool.checking.harness import RaceHarness
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

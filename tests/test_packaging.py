@@ -65,6 +65,6 @@ def test_wheel_declares_both_plugins_and_the_console_script(tmp_path: Path) -> N
             k, v = (x.strip() for x in line.split("=", 1))
             sections[current][k] = v
     assert sections["vllm.general_plugins"] == {"blockpool": "blockpool.integrations.vllm:register"}
-    assert sections["pytest11"] == {"blockpool": "blockpool.pytest_plugin"}
+    assert sections["pytest11"] == {"blockpool": "blockpool.checking.pytest_plugin"}
     assert sections["console_scripts"] == {"blockpool": "blockpool.cli:main"}
     assert "blockpool/py.typed" in names and not any(n.startswith("tests/") for n in names)

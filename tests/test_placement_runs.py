@@ -184,7 +184,7 @@ def test_runs_placements_keep_every_invariant(placement, ops):
                 p.free_blocks(mine.pop(), token=None)
             p.check()
         if placement == "runs":
-            cached = [sorted(k for k in range(0, 40) if p.get_cached_block(k) is not None) for p in pools]
+            cached = [sorted(k for k in range(40) if p.get_cached_block(k) is not None) for p in pools]
             assert cached[0] == cached[1]
     assert pools[0].get_num_free_blocks() == pools[1].get_num_free_blocks()
 

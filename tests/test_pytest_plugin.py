@@ -1,7 +1,7 @@
-"""The race harness (``blockpool.testing``) and the pytest plugin
-(``blockpool.pytest_plugin``), the latter run through ``pytester``.
+"""The race harness (``blockpool.checking.harness``) and the pytest plugin
+(``blockpool.checking.pytest_plugin``), the latter run through ``pytester``.
 
-Inner runs load the plugin with ``-p blockpool.pytest_plugin`` (the entry
+Inner runs load the plugin with ``-p blockpool.checking.pytest_plugin`` (the entry
 point may not be installed); two tests install the entry point for a
 subprocess run to check autoloading and ``-p no:blockpool``.
 """
@@ -17,8 +17,8 @@ import pytest
 import blockpool
 from blockpool.errors import ForeignBlockError, UnknownStreamError
 from blockpool.hazards import AccessKind, Token
-from blockpool.race_oracle import RaceViolation, UnrecordedTokenError
-from blockpool.testing import DEFAULT_STREAMS, RaceHarness
+from blockpool.checking.race_oracle import RaceViolation, UnrecordedTokenError
+from blockpool.checking.harness import DEFAULT_STREAMS, RaceHarness
 
 pytest_plugins = ["pytester"]
 
@@ -28,7 +28,7 @@ R, W = AccessKind.READ, AccessKind.WRITE
 QUIET = ("-p", "no:hypothesispytest", "-p", "no:benchmark")
 # Load the plugin by module name; block the ``blockpool`` entry point in case
 # the package is installed with it (one module cannot register twice).
-PLUGIN = ("-p", "no:blockpool", "-p", "blockpool.pytest_plugin", *QUIET)
+PLUGIN = ("-p", "no:blockpool", "-p", "blockpool.checking.pytest_plugin", *QUIET)
 REPO = pathlib.Path(blockpool.__file__).resolve().parent.parent
 
 
@@ -150,8 +150,8 @@ def test_automatic_check_reports_each_violation_once(h: RaceHarness) -> None:
 
 def test_importing_the_plugin_loads_neither_the_oracle_nor_heavy_modules() -> None:
     code = (
-        "import sys, blockpool.pytest_plugin\n"
-        "print(sorted(m for m in ('blockpool.race_oracle', 'blockpool.sanitizer', 'blockpool.testing', "
+        "import sys, blockpool.checking.pytest_plugin\n"
+        "print(sorted(m for m in ('blockpool.checking.race_oracle', 'blockpool.sanitizer', 'blockpool.checking.harness', "
         "'torch', 'matplotlib', 'tqdm', 'vllm') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -243,7 +243,7 @@ def _install_entry_point(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPa
     dist.joinpath("METADATA").write_text(
         "Metadata-Version: 2.1\nName: blockpool-plugin-probe\nVersion: 0.0\n"
     )
-    dist.joinpath("entry_points.txt").write_text("[pytest11]\nblockpool = blockpool.pytest_plugin\n")
+    dist.joinpath("entry_points.txt").write_text("[pytest11]\nblockpool = blockpool.checking.pytest_plugin\n")
     monkeypatch.setenv("PYTHONPATH", f"{dist.parent}:{REPO}")
     monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
 

@@ -1,4 +1,4 @@
-"""The race oracle (``blockpool.race_oracle``): hand-written sequences.
+"""The race oracle (``blockpool.checking.race_oracle``): hand-written sequences.
 
 Streams: ``compute``, ``h2d``, ``d2h`` are in-order device streams; ``rdma``
 is a host-driven engine whose postings complete out of order. Tokens are
@@ -10,9 +10,9 @@ from __future__ import annotations
 import attrs
 import pytest
 
+from blockpool.checking.race_oracle import RaceOracle, RaceViolation, RecordOrderError, UnrecordedTokenError
 from blockpool.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
 from blockpool.hazards import AccessKind, StreamKind, Token
-from blockpool.race_oracle import RaceOracle, RaceViolation, RecordOrderError, UnrecordedTokenError
 
 D, H = StreamKind.DEVICE, StreamKind.HOST
 R, W = AccessKind.READ, AccessKind.WRITE
@@ -354,8 +354,8 @@ def test_waiting_on_an_ended_token_whose_clock_was_dropped_is_allowed() -> None:
 
 
 def test_failed_token_does_not_order_later_work_after_its_waits() -> None:
+    from blockpool.checking.race_oracle import RaceOracle
     from blockpool.hazards import AccessKind, StreamKind, Token
-    from blockpool.race_oracle import RaceOracle
 
     oracle = RaceOracle({"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "rdma": StreamKind.HOST})
     e1, load, dma = Token("compute", 1), Token("rdma", 1, StreamKind.HOST), Token("h2d", 1)
@@ -389,15 +389,3 @@ def test_ordered_write_clears_what_the_racy_write_raced_with(oracle: RaceOracle)
     assert run(oracle, "d2h:1", [1], W, after=("h2d:1", "compute:1")) == []
     assert run(oracle, "d2h:2", [1], W) == []
 
-
-def test_the_old_module_name_still_imports_the_same_objects_with_a_deprecation_warning() -> None:
-    import importlib
-    import sys
-
-    from blockpool import race_oracle
-
-    sys.modules.pop("blockpool.sanitizer", None)
-    with pytest.warns(DeprecationWarning, match="blockpool.race_oracle"):
-        old = importlib.import_module("blockpool.sanitizer")
-    assert old.__all__ == race_oracle.__all__
-    assert all(getattr(old, name) is getattr(race_oracle, name) for name in race_oracle.__all__)

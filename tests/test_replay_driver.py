@@ -19,7 +19,7 @@ from blockpool.replay.report import ReplayReport
 from blockpool.replay.run import replay
 from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
 from blockpool.replay.traces import Trace, read_trace
-from blockpool.race_oracle import RaceOracle
+from blockpool.checking.race_oracle import RaceOracle
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 CONVERSATION = TRACES / "conversation_trace.jsonl"
@@ -325,7 +325,7 @@ def test_unknown_policy_is_rejected() -> None:
 
 
 def test_config_rejects_a_stream_set_without_the_named_streams() -> None:
-    from blockpool.simulator import StreamSpec
+    from blockpool.sim.simulator import StreamSpec
 
     with pytest.raises(InvalidArgumentError):
         ReplayConfig(streams={"compute": StreamSpec(StreamKind.DEVICE)})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from blockpool import AccessKind, StreamKind, Token
 from blockpool.replay.machine import Machine
-from blockpool.simulator import StreamSpec
+from blockpool.sim.simulator import StreamSpec
 
 DEV = StreamKind.DEVICE
 READ, WRITE = AccessKind.READ, AccessKind.WRITE

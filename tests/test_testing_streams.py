@@ -1,4 +1,4 @@
-"""The CPU stand-ins (``blockpool.testing_streams``) behave like CUDA streams
+"""The CPU stand-ins (``blockpool.worker.standins``) behave like CUDA streams
 and events in what the worker side relies on. One behaviour per test."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from blockpool.testing_streams import StandInDevice
+from blockpool.worker.standins import StandInDevice
 
 
 def test_enqueued_work_runs_only_when_the_device_is_driven() -> None:

@@ -1,6 +1,6 @@
-"""The worker side (``blockpool.torch_events``): one behaviour per test.
+"""The worker side (``blockpool.worker.torch_events``): one behaviour per test.
 
-Streams and events are the CPU stand-ins of :mod:`blockpool.testing_streams`
+Streams and events are the CPU stand-ins of :mod:`blockpool.worker.standins`
 (torch's interface); their log says who waited on which event: an enqueued
 ``wait_event`` names the consumer stream, a blocking ``synchronize`` the
 calling thread. Every test runs with torch's device-wide synchronize calls
@@ -25,8 +25,8 @@ torch = pytest.importorskip("torch")
 
 from blockpool import BlockPoolError, Fence, InvalidArgumentError, StreamKind, Token
 from blockpool.completions import CompletionReport, RankMerger
-from blockpool.testing_streams import StandInDevice, StandInEvent, StandInStream
-from blockpool.torch_events import (
+from blockpool.worker.standins import StandInDevice, StandInEvent, StandInStream
+from blockpool.worker.torch_events import (
     BackendUnavailableError,
     EventLedger,
     EventNotRecordedError,

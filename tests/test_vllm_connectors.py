@@ -27,9 +27,9 @@ from blockpool.integrations import vllm as plugin
 from blockpool.integrations import vllm_connectors as vc
 from blockpool.integrations import vllm_worker as vw
 from blockpool.integrations.vllm_hazards import StepRecord, Transfer
-from blockpool.race_oracle import RaceOracle
-from blockpool.testing_streams import StandInDevice
-from blockpool.torch_events import EventLedger
+from blockpool.checking.race_oracle import RaceOracle
+from blockpool.worker.standins import StandInDevice
+from blockpool.worker.torch_events import EventLedger
 
 BS = 16
 MOONCAKE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store"

@@ -15,8 +15,8 @@ from blockpool.hazards import EMPTY_FENCE, Fence, StreamKind, Token
 from blockpool.integrations import vllm_worker as vw
 from blockpool.integrations.vllm_connectors import META_STEP
 from blockpool.integrations.vllm_hazards import StepRecord, Transfer
-from blockpool.testing_streams import StandInDevice
-from blockpool.torch_events import EventLedger
+from blockpool.worker.standins import StandInDevice
+from blockpool.worker.torch_events import EventLedger
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ The scheduler half (:mod:`blockpool.integrations.vllm_connectors`) puts the
 step's record on each wired connector's metadata and a transfer's
 :class:`~blockpool.integrations.vllm_hazards.Transfer` on the item its
 worker reads. Here, in every worker process, a :class:`WorkerHazards`
-(one :class:`~blockpool.torch_events.EventLedger` per process, i.e. per
+(one :class:`~blockpool.worker.torch_events.EventLedger` per process, i.e. per
 rank) turns them into waits:
 
 - when a connector binds a step's metadata (before the forward, after the
@@ -33,7 +33,7 @@ rank) turns them into waits:
   by the first later ``start_load_kv`` that finds the fence ended.
 
 :func:`install` sets the process's :class:`WorkerHazards` (tests pass CPU
-stand-ins, :mod:`blockpool.testing_streams`); without one, the first wired
+stand-ins, :mod:`blockpool.worker.standins`); without one, the first wired
 call builds one on CUDA when CUDA is available, else fences are ignored and
 vLLM's own synchronisation runs (a CPU-only worker has no streams to race).
 """
@@ -61,7 +61,7 @@ from blockpool.integrations.vllm_connectors import (
     OFFLOADING,
 )
 from blockpool.integrations.vllm_hazards import StepRecord, Transfer
-from blockpool.torch_events import EventLedger, event_factory
+from blockpool.worker.torch_events import EventLedger, event_factory
 
 __all__ = [
     "FenceWait",

@@ -8,7 +8,7 @@ import attrs
 
 from blockpool.errors import BlockPoolError, InvalidArgumentError
 from blockpool.hazards import StreamKind
-from blockpool.simulator import DEFAULT_STREAM_SPECS, CostModel, StreamSpec
+from blockpool.sim.simulator import DEFAULT_STREAM_SPECS, CostModel, StreamSpec
 
 __all__ = ["DEFAULT_NUM_BLOCKS", "SYNTHETIC_NUM_BLOCKS", "ReplayConfig", "ReplayError"]
 
@@ -80,7 +80,7 @@ class ReplayConfig:
         store_capacity_blocks: Blocks the external store keeps (LRU);
             262,144 = 512 GiB of 2 MiB blocks (assumption: a host's DRAM tier).
         sched_overhead_s: Host time to build a step (0.5 ms; assumption).
-        cost: The :class:`~blockpool.simulator.CostModel`.
+        cost: The :class:`~blockpool.sim.simulator.CostModel`.
         streams: The machine (must define ``compute`` and the streams below).
         load_streams, store_streams: ``(cpu offload, remote)`` stream names.
         check_every: Call ``pool.check()`` every this many steps (0: never).

@@ -41,7 +41,7 @@ from blockpool.replay.report import PolicyResult
 from blockpool.replay.state import ExternalStore, Phase, Request
 from blockpool.replay.steps import Entry, StepBuilder
 from blockpool.replay.traces import TraceRequest
-from blockpool.simulator import Work
+from blockpool.sim.simulator import Work
 
 __all__ = ["run_policy"]
 

@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from blockpool.block import KVCacheBlock
+from blockpool.checking.race_oracle import RaceOracle
 from blockpool.hazards import AccessKind, Fence, StreamKind, Token
 from blockpool.pool import HazardAwareBlockPool
 from blockpool.replay.eventlog import EventLog
 from blockpool.replay.policies import WaitPolicy
 from blockpool.replay.state import TimedPool
-from blockpool.race_oracle import RaceOracle
-from blockpool.simulator import StreamSimulator, StreamSpec, Work
+from blockpool.sim.simulator import StreamSimulator, StreamSpec, Work
 
 __all__ = ["Machine", "fewest_runs", "runs"]
 
@@ -103,8 +103,8 @@ class Machine:
     Attributes:
         pool: The pool's timed operations (:class:`TimedPool`).
         raw_pool: The pool itself (for ``check``/``stats``).
-        sim: The :class:`~blockpool.simulator.StreamSimulator`.
-        oracle: The :class:`~blockpool.race_oracle.RaceOracle`.
+        sim: The :class:`~blockpool.sim.simulator.StreamSimulator`.
+        oracle: The :class:`~blockpool.checking.race_oracle.RaceOracle`.
         now: Scheduler time (simulated seconds).
     """
 

@@ -2,7 +2,7 @@
 
 Definitions (``docs/replay.md`` has the long form):
 
-- **races**: violations the race oracle found (``blockpool.race_oracle``).
+- **races**: violations the race oracle found (``blockpool.checking.race_oracle``).
 - **loads with an empty fence**: loads whose policy waits were empty when
   they began, in percent of all loads.
 - **load-start delay**: simulated ms from the moment a load was requested to
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from blockpool.simulator import Work
+from blockpool.sim.simulator import Work
 
 __all__ = ["NEGATIVE_CONTROL", "REPORT_SCHEMA", "PolicyResult", "ReplayReport", "format_table", "percentile"]
 

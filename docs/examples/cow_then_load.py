@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from blockpool import AccessKind, Fence, HazardAwareBlockPool, StreamKind, Token
-from blockpool.testing_streams import StandInDevice
-from blockpool.torch_events import EventLedger, event_factory
+from blockpool.worker.standins import StandInDevice
+from blockpool.worker.torch_events import EventLedger, event_factory
 
 BLOCK_SHAPE = (2, 16, 64)  # (key/value, tokens per block, heads * head size)
 SLEEP_CYCLES = 200_000_000  # CUDA only: ~0.1 s of a busy step before the copy

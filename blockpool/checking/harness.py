@@ -1,12 +1,12 @@
 """Drive a :class:`~blockpool.HazardAwareBlockPool` and a
-:class:`~blockpool.race_oracle.RaceOracle` together, for tests.
+:class:`~blockpool.checking.race_oracle.RaceOracle` together, for tests.
 
 A :class:`RaceHarness` turns an allocation sequence written against the pool
 into the same sequence of synchronisations and block accesses in the oracle,
 so a test that drops a fence fails with the race named. Importable without
-pytest; :mod:`blockpool.pytest_plugin` wraps it in fixtures.
+pytest; :mod:`blockpool.checking.pytest_plugin` wraps it in fixtures.
 
->>> from blockpool.testing import RaceHarness
+>>> from blockpool.checking.harness import RaceHarness
 >>> h = RaceHarness(num_gpu_blocks=8)
 >>> blocks, fence = h.allocate_for(2, "compute")
 >>> e1 = h.step(writes=blocks, waits=fence)        # prefill writes the blocks
@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from blockpool.block import KVCacheBlock
+from blockpool.checking.race_oracle import RaceOracle, RaceViolation
 from blockpool.errors import ForeignBlockError, InvalidArgumentError
 from blockpool.hazards import AccessKind, Fence, StreamKind, Token
 from blockpool.pool import HazardAwareBlockPool
-from blockpool.race_oracle import RaceOracle, RaceViolation
 
 __all__ = ["DEFAULT_STREAMS", "RaceHarness"]
 
@@ -41,7 +41,7 @@ DEFAULT_STREAMS: Mapping[str, StreamKind] = {
 """The streams of a typical deployment, ``{name: StreamKind}``: forward
 pass, two DMA streams, one host-driven RDMA engine. The one meaning of
 ``DEFAULT_STREAMS`` in this package; the simulator's timing specs of the
-same streams (plus ``xfer``) are ``blockpool.costmodel.DEFAULT_STREAM_SPECS``."""
+same streams (plus ``xfer``) are ``blockpool.sim.costmodel.DEFAULT_STREAM_SPECS``."""
 
 _READ, _WRITE = AccessKind.READ, AccessKind.WRITE
 

@@ -11,8 +11,8 @@ Fixtures (override any of them in a ``conftest.py`` to change the setup):
   (``DEVICE``) and rdma (``HOST``).
 - ``blockpool_num_gpu_blocks``: pool size, null block included; default 64.
 - ``blockpool_pool``: a debug :class:`~blockpool.HazardAwareBlockPool` on them.
-- ``blockpool_oracle``: a :class:`~blockpool.race_oracle.RaceOracle` on the same streams.
-- ``blockpool_harness``: a :class:`~blockpool.testing.RaceHarness` driving
+- ``blockpool_oracle``: a :class:`~blockpool.checking.race_oracle.RaceOracle` on the same streams.
+- ``blockpool_harness``: a :class:`~blockpool.checking.harness.RaceHarness` driving
   both. A test that used it fails when the oracle found a race, with every
   race in the message, unless it called ``harness.expect_races()`` or carries
   the ``blockpool_expect_races`` marker. Races found during teardown make a
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
+    from blockpool.checking.harness import RaceHarness
+    from blockpool.checking.race_oracle import RaceOracle
     from blockpool.hazards import StreamKind
     from blockpool.pool import HazardAwareBlockPool
-    from blockpool.race_oracle import RaceOracle
-    from blockpool.testing import RaceHarness
 
 _HARNESS = "blockpool_harness"
 _MARKER = "blockpool_expect_races"
@@ -75,7 +75,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 @pytest.fixture
 def blockpool_streams() -> dict[str, StreamKind]:
     """The streams of the pool and oracle: compute, h2d, d2h (DEVICE), rdma (HOST)."""
-    from blockpool.testing import DEFAULT_STREAMS
+    from blockpool.checking.harness import DEFAULT_STREAMS
 
     return dict(DEFAULT_STREAMS)
 
@@ -99,7 +99,7 @@ def blockpool_pool(
 @pytest.fixture
 def blockpool_oracle(blockpool_pool: HazardAwareBlockPool) -> RaceOracle:
     """A RaceOracle on the streams of ``blockpool_pool``."""
-    from blockpool.race_oracle import RaceOracle
+    from blockpool.checking.race_oracle import RaceOracle
 
     return RaceOracle(blockpool_pool.streams)
 
@@ -110,7 +110,7 @@ def blockpool_harness(
 ) -> Iterator[RaceHarness]:
     """A RaceHarness over ``blockpool_pool`` and ``blockpool_oracle``; the
     test fails if the oracle finds a race (see the module docstring)."""
-    from blockpool.testing import RaceHarness
+    from blockpool.checking.harness import RaceHarness
 
     harness = RaceHarness(blockpool_pool, blockpool_oracle)
     if request.node.get_closest_marker(_MARKER) is not None:

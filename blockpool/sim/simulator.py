@@ -22,7 +22,7 @@ Timing rules:
 
 Because every waited token was submitted before the work that waits on it,
 end times are known at submission (no later work can change them). The cost
-model and the stream specs live in :mod:`blockpool.costmodel` and are
+model and the stream specs live in :mod:`blockpool.sim.costmodel` and are
 re-exported here.
 
 >>> from blockpool.hazards import StreamKind, Token
@@ -48,9 +48,9 @@ from typing import Protocol
 
 import attrs
 
-from blockpool.costmodel import DEFAULT_STREAM_SPECS, CostModel, StreamSpec, deprecated_default_streams
 from blockpool.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
 from blockpool.hazards import StreamKind, Token
+from blockpool.sim.costmodel import DEFAULT_STREAM_SPECS, CostModel, StreamSpec, deprecated_default_streams
 
 __all__ = [
     "DEFAULT_STREAM_SPECS",
@@ -317,5 +317,5 @@ class StreamSimulator:
 
 
 def __getattr__(name: str) -> object:
-    # The deprecated DEFAULT_STREAMS name, as in blockpool.costmodel.
+    # The deprecated DEFAULT_STREAMS name, as in blockpool.sim.costmodel.
     return deprecated_default_streams(__name__, name)

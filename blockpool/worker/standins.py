@@ -5,7 +5,7 @@
 ``torch.Event``) that the worker side uses: ``event.record(stream)``,
 ``event.query()``, ``event.synchronize()``, ``stream.wait_event(event)``,
 ``stream.wait_stream(other)``, ``stream.query()``, ``stream.synchronize()``.
-They let :class:`~blockpool.torch_events.EventLedger`, its tests and the
+They let :class:`~blockpool.worker.torch_events.EventLedger`, its tests and the
 examples run on a machine without an accelerator, deterministically.
 
 Model: a stream is an in-order queue of operations (Python callables that
@@ -18,7 +18,7 @@ CUDA; a wait captures the event's most recent record at the time of the
 call. As with CUDA events, an event never recorded reports complete
 (``query()`` is true, ``synchronize()`` returns at once, a ``wait_event``
 on it orders nothing) -- which is why waiting on a token that was never
-recorded is a silent race and :class:`~blockpool.torch_events.EventLedger`
+recorded is a silent race and :class:`~blockpool.worker.torch_events.EventLedger`
 refuses it.
 
 Every ``record``, ``wait_event``, ``wait_stream`` and ``synchronize`` is

@@ -33,7 +33,7 @@ PyTorch's CUDA caching allocator processes the events of cross-stream frees
 pool). Events come from a factory
 (:func:`event_factory`: ``torch.cuda.Event`` for CUDA, ``torch.Event`` for
 another accelerator backend torch supports, or any stand-in such as
-:meth:`blockpool.testing_streams.StandInDevice.new_event`).
+:meth:`blockpool.worker.standins.StandInDevice.new_event`).
 
 This is the only module of the package that imports torch;
 ``import blockpool`` never imports it.
@@ -41,7 +41,7 @@ This is the only module of the package that imports torch;
 Example with the CPU stand-ins (the same calls work with CUDA streams)::
 
     >>> from blockpool.hazards import Fence, Token
-    >>> from blockpool.testing_streams import StandInDevice
+    >>> from blockpool.worker.standins import StandInDevice
     >>> dev = StandInDevice()
     >>> compute, h2d = dev.new_stream("compute"), dev.new_stream("h2d")
     >>> ledger = EventLedger(dev.new_event, streams={"compute": compute})
@@ -159,7 +159,7 @@ def _default_device_type() -> str:
     if torch.cuda.is_available():
         return "cuda"
     raise BackendUnavailableError(
-        "no accelerator is available; use blockpool.testing_streams.StandInDevice.new_event "
+        "no accelerator is available; use blockpool.worker.standins.StandInDevice.new_event "
         "as the event factory on a machine without one"
     )
 
@@ -171,7 +171,7 @@ def event_factory(device: str | torch.device | None = None, *, enable_timing: bo
     type torch supports (``xpu``, ``mps``, ``hpu``...): ``torch.Event(device)``.
     ``None``: the current accelerator (``torch.accelerator``), else CUDA. For
     tests or a machine without an accelerator pass a stand-in factory
-    (:meth:`blockpool.testing_streams.StandInDevice.new_event`) to
+    (:meth:`blockpool.worker.standins.StandInDevice.new_event`) to
     :class:`EventLedger` instead. O(1); each call of the factory makes one
     event.
 
@@ -193,7 +193,7 @@ def event_factory(device: str | torch.device | None = None, *, enable_timing: bo
         raise InvalidArgumentError(f"not a torch device: {device!r} ({exc})") from None
     if dev.type in ("cpu", "meta"):
         raise BackendUnavailableError(
-            f"device type {dev.type!r} has no events; use blockpool.testing_streams stand-ins"
+            f"device type {dev.type!r} has no events; use blockpool.worker.standins stand-ins"
         )
     if dev.type == "cuda":
         if not torch.cuda.is_available():

@@ -164,15 +164,15 @@ DEFAULT_STREAM_SPECS: Mapping[str, StreamSpec] = {
 """The default machine: ``compute`` (forward steps and copy-on-write),
 ``h2d``/``d2h`` (CPU offload DMA), ``rdma`` (remote-store GETs, out of
 order) and ``xfer`` (remote-store PUTs from a transfer thread). Their
-kinds agree with :data:`blockpool.testing.DEFAULT_STREAMS` (``{name:
+kinds agree with :data:`blockpool.checking.harness.DEFAULT_STREAMS` (``{name:
 StreamKind}``, the streams a pool and the race oracle take), which lacks
 ``xfer``."""
 
 
 def deprecated_default_streams(module: str, name: str) -> object:
-    """Module ``__getattr__`` body shared by :mod:`blockpool.costmodel` and
-    :mod:`blockpool.simulator`: ``DEFAULT_STREAMS`` has one meaning,
-    ``{name: StreamKind}`` (:data:`blockpool.testing.DEFAULT_STREAMS`); the
+    """Module ``__getattr__`` body shared by :mod:`blockpool.sim.costmodel` and
+    :mod:`blockpool.sim.simulator`: ``DEFAULT_STREAMS`` has one meaning,
+    ``{name: StreamKind}`` (:data:`blockpool.checking.harness.DEFAULT_STREAMS`); the
     machine's stream specs were called that in those modules before, so the
     old name still returns :data:`DEFAULT_STREAM_SPECS`, with a
     ``DeprecationWarning`` pointing at the caller.
@@ -185,7 +185,7 @@ def deprecated_default_streams(module: str, name: str) -> object:
 
         warnings.warn(
             f"{module}.DEFAULT_STREAMS is renamed DEFAULT_STREAM_SPECS "
-            "(DEFAULT_STREAMS now always means {name: StreamKind}: blockpool.testing.DEFAULT_STREAMS)",
+            "(DEFAULT_STREAMS now always means {name: StreamKind}: blockpool.checking.harness.DEFAULT_STREAMS)",
             DeprecationWarning,
             stacklevel=3,
         )

@@ -1,0 +1,64 @@
+"""Old import paths of modules that moved into sub-packages.
+
+``import blockpool.simulator`` (say) still works: it emits a
+:class:`DeprecationWarning` naming the new path and binds the very module
+object at that path (``sys.modules`` holds it under both names, so
+``isinstance`` checks and monkeypatches agree). The old paths will be
+removed in a future release. Installed by :mod:`blockpool` on import; costs
+one dict lookup per import of a name no other finder found (the finder is
+appended to :data:`sys.meta_path`, after the normal finders).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from types import ModuleType
+
+__all__ = ["MOVED", "install"]
+
+MOVED: dict[str, str] = {
+    "blockpool.sanitizer": "blockpool.checking.race_oracle",
+    "blockpool.race_oracle": "blockpool.checking.race_oracle",
+    "blockpool.testing": "blockpool.checking.harness",
+    "blockpool.pytest_plugin": "blockpool.checking.pytest_plugin",
+    "blockpool.simulator": "blockpool.sim.simulator",
+    "blockpool.costmodel": "blockpool.sim.costmodel",
+    "blockpool.torch_events": "blockpool.worker.torch_events",
+    "blockpool.testing_streams": "blockpool.worker.standins",
+}
+"""Old dotted module path -> the path it moved to."""
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds the old paths of :data:`MOVED`; loading one imports the new
+    module and hands that object back."""
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        new = MOVED[spec.name]
+        warnings.warn(
+            f"{spec.name} moved to {new}; import it from there (the old path will be removed)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(new)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the module is the moved one, already executed."""
+
+
+def install() -> None:
+    """Append the finder to :data:`sys.meta_path` once. O(len(meta_path))."""
+    if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+        sys.meta_path.append(_MovedFinder())
