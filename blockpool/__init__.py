@@ -11,6 +11,7 @@ from blockpool.block import FreeBlockQueue, KVCacheBlock
 from blockpool.errors import (
     BlockNotAllocatedError,
     BlockPoolError,
+    ClusterUnavailableError,
     FenceFailedError,
     ForeignBlockError,
     ForeignTokenError,
@@ -18,6 +19,7 @@ from blockpool.errors import (
     InvalidArgumentError,
     InvariantError,
     LeaseExpiredWarning,
+    MissingDependencyError,
     NoFreeBlocksError,
     NullBlockError,
     RefCountError,
@@ -74,5 +76,7 @@ __all__ = [
     "FenceFailedError",
     "HashConflictError",
     "InvariantError",
+    "MissingDependencyError",
+    "ClusterUnavailableError",
     "LeaseExpiredWarning",
 ]
