@@ -151,8 +151,9 @@ def _ints(spec: str, what: str) -> list[int]:
 def _sweep(args: argparse.Namespace) -> int:
     """``blockpool sweep``: exit 0 done, 1 an ``exact`` cell raced, 2 bad
     usage or input (checked before any cell runs; ``--ray`` without Ray
-    installed included) or a Ray cluster that cannot be joined or started,
-    3 a cell failed or the JSON could not be written."""
+    installed included) or a Ray cluster that cannot be joined or started
+    or cannot run a cell (no ``blockpool`` on its workers), 3 a cell failed
+    or the JSON could not be written."""
     import os
     import time
 

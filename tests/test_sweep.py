@@ -5,12 +5,18 @@ from __future__ import annotations
 import json
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from blockpool.cli import main
-from blockpool.errors import BlockPoolError, InvalidArgumentError, MissingDependencyError
+from blockpool.errors import (
+    BlockPoolError,
+    ClusterUnavailableError,
+    InvalidArgumentError,
+    MissingDependencyError,
+)
 from blockpool.eviction import UnknownEvictionPolicyError
 from blockpool.replay.config import ReplayConfig
 from blockpool.replay.policies import UnknownPolicyError
@@ -168,6 +174,78 @@ def test_bad_ray_address_is_a_typed_error(bad) -> None:
 def test_cli_empty_ray_address_is_status_2(capsys) -> None:
     assert main(["sweep", "--limit", "5", "--quiet", "--ray", ""]) == 2
     assert "--ray takes a Ray address" in capsys.readouterr().err
+
+
+def fake_ray(init_error: Exception | None = None) -> types.ModuleType:
+    """A stand-in for the ``ray`` module: tasks run in this process (at
+    ``ray.get``); ``ray.init`` raises ``init_error``."""
+    ray = types.ModuleType("ray")
+    exc = types.SimpleNamespace()
+    exc.RayError = type("RayError", (Exception,), {})
+    exc.RayTaskError = type("RayTaskError", (exc.RayError,), {})
+    exc.RaySystemError = type("RaySystemError", (exc.RayError,), {})
+    ray.exceptions = exc
+    ray.calls = []
+    state = {"up": False}
+
+    def init(**kw):
+        ray.calls.append(("init", kw))
+        if init_error is not None:
+            raise init_error
+        state["up"] = True
+
+    def remote(num_cpus):
+        def deco(fn):
+            return types.SimpleNamespace(remote=lambda *a: (fn, a))
+
+        return deco
+
+    ray.init, ray.remote, ray.get = init, remote, lambda ref: ref[0](*ref[1])
+    ray.is_initialized = lambda: state["up"]
+    ray.wait = lambda pending, num_returns: (pending[:num_returns], pending[num_returns:])
+    ray.cancel = lambda ref: ray.calls.append(("cancel", ref[1][0].seed))
+    ray.shutdown = lambda: ray.calls.append(("shutdown",))
+    return ray
+
+
+SMALL = SweepSpec(policies="exact", num_blocks=512, seeds=(0, 1, 2), limit=5)
+
+
+def test_ray_that_cannot_start_is_a_typed_error(monkeypatch, capsys) -> None:
+    ray = fake_ray(init_error=ConnectionError("could not find any running Ray instance"))
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    with pytest.raises(ClusterUnavailableError, match="cannot join or start Ray at 'head:6379'") as ei:
+        sweep(SMALL, ray="head:6379", jobs=4)
+    assert isinstance(ei.value, ConnectionError) and ei.value.address == "head:6379"
+    assert isinstance(ei.value.__cause__, ConnectionError)
+    assert ray.calls == [("init", {"address": "head:6379", "log_to_driver": False})]  # no num_cpus off-machine
+    assert main(["sweep", "--limit", "5", "--quiet", "--ray", "local", "--jobs", "3"]) == 2
+    assert ray.calls[-1] == ("init", {"address": "local", "log_to_driver": False, "num_cpus": 3,
+                                      "include_dashboard": False})  # fmt: skip
+    assert "blockpool sweep: error: cannot join or start Ray at 'local'" in capsys.readouterr().err
+
+
+def test_ray_task_that_never_ran_its_cell_is_a_typed_error(monkeypatch) -> None:
+    """A worker that cannot import blockpool: Ray's system error, not the
+    cell's; the other tasks are cancelled and the sweep's instance stopped."""
+    ray = fake_ray()
+
+    def get(ref):
+        raise ray.exceptions.RaySystemError("No module named 'blockpool'")
+
+    ray.get = get
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    with pytest.raises(ClusterUnavailableError, match="No module named 'blockpool'.*importable on every Ray worker"):
+        sweep(SMALL, ray="local")
+    assert ray.calls[1:] == [("cancel", 1), ("cancel", 2), ("shutdown",)]
+
+
+def test_fake_ray_runs_the_same_rows(monkeypatch) -> None:
+    ray = fake_ray()
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    got = sweep(SMALL, ray="local")
+    assert strip_wall(got) == strip_wall(sweep(SMALL))
+    assert [r["seed"] for r in got] == [0, 1, 2] and ray.calls[-1] == ("shutdown",)
 
 
 @pytest.fixture()

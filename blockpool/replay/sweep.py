@@ -236,8 +236,10 @@ def sweep(
         MissingDependencyError: ``ray`` is given and Ray is not installed
             (checked before any cell runs).
         ClusterUnavailableError: ``ray.init`` failed (an unreachable
-            address, a local instance that cannot start); ``__cause__`` is
-            Ray's error.
+            address, a local instance that cannot start), or a task failed
+            without running its cell (a worker that cannot import
+            :mod:`blockpool`, a worker that died); ``__cause__`` is Ray's
+            error.
         TraceNotFoundError, TraceFormatError: a trace cannot be read.
         ReplayError: a cell's replay stalled or leaked blocks.
 
@@ -323,6 +325,12 @@ def _sweep_ray(
                         if isinstance(cause, Exception):
                             raise cause from e  # the cell's own error, as local processes raise it
                         raise
+                    except ray_mod.exceptions.RayError as e:  # the task never ran its cell
+                        raise ClusterUnavailableError(
+                            f"Ray could not run cell {index[ref]} ({grid[index[ref]]}): {e}; blockpool and its "
+                            "dependencies must be importable on every Ray worker (docs/replay.md)",
+                            address=address,
+                        ) from e
                     if progress is not None:
                         progress(len(grid) - len(pending), len(grid))
         except BaseException:
