@@ -5,8 +5,9 @@ with no TRACE, the built-in synthetic chat workload) under the wait policies,
 prints one summary row per policy, and optionally writes the JSON report,
 a PNG and the event log. ``blockpool sweep [TRACE ...]`` replays a grid
 (traces x policies x evictions x placements x pool sizes x seeds) in local
-worker processes and prints one row per cell (:mod:`blockpool.replay.sweep`).
-See ``docs/replay.md``.
+worker processes, or as Ray tasks with ``--ray ADDRESS`` (the ``ray``
+extra), and prints one row per cell (:mod:`blockpool.replay.sweep`). See
+``docs/replay.md``.
 
 Exit status: 0 done; 1 the ``exact`` policy showed a race; 2 bad usage or
 bad input (unreadable trace, bad line, unknown policy, an output path that
@@ -32,7 +33,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from blockpool.errors import BlockPoolError
+from blockpool.errors import BlockPoolError, ClusterUnavailableError
 
 __all__ = ["build_parser", "main"]
 
@@ -125,7 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", default="0", help="seeds, comma-separated (default 0)")
     w.add_argument("--limit", type=int, default=None, help="replay only the first K requests of each trace")
     w.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    w.add_argument("--jobs", type=int, default=None, help="worker processes (default: min(#cells, #CPUs))")
+    w.add_argument(
+        "--jobs", type=int, default=None,
+        help="worker processes, or the CPUs of a --ray local instance (default: min(#cells, #CPUs))",
+    )  # fmt: skip
+    w.add_argument(
+        "--ray", metavar="ADDRESS", default=None,
+        help="run the cells as Ray tasks on the Ray cluster at ADDRESS ('HOST:PORT', 'auto', 'ray://HOST:10001'); "
+        "'local' starts a local Ray instance; needs the 'ray' extra (pip install 'blockpool[ray]')",
+    )  # fmt: skip
     w.add_argument("--json", metavar="OUT", help="write every row here (schema blockpool.sweep/1)")
     w.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
@@ -141,14 +150,24 @@ def _ints(spec: str, what: str) -> list[int]:
 
 def _sweep(args: argparse.Namespace) -> int:
     """``blockpool sweep``: exit 0 done, 1 an ``exact`` cell raced, 2 bad
-    usage or input (checked before any cell runs), 3 a cell failed or the
-    JSON could not be written."""
+    usage or input (checked before any cell runs; ``--ray`` without Ray
+    installed included) or a Ray cluster that cannot be joined or started
+    or cannot run a cell (no ``blockpool`` on its workers), 3 a cell failed
+    or the JSON could not be written."""
     import os
     import time
 
     from blockpool.replay.config import ReplayError
     from blockpool.replay.run import write_atomic
-    from blockpool.replay.sweep import SYNTHETIC, SweepSpec, cells, format_sweep, sweep, sweep_json
+    from blockpool.replay.sweep import (
+        SYNTHETIC,
+        SweepSpec,
+        cells,
+        format_sweep,
+        require_ray,
+        sweep,
+        sweep_json,
+    )
     from blockpool.replay.traces import read_trace
 
     def err(msg: str) -> None:
@@ -172,6 +191,10 @@ def _sweep(args: argparse.Namespace) -> int:
         jobs = args.jobs if args.jobs is not None else max(1, min(len(grid), os.cpu_count() or 1))
         if jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {jobs}")
+        if args.ray is not None:
+            if not args.ray.strip():
+                raise ValueError("--ray takes a Ray address ('local', 'auto', 'HOST:PORT', 'ray://HOST:PORT')")
+            require_ray()  # Ray not installed: status 2 before any cell
         if args.json:
             args.trace, args.plot, args.events = None, None, None
             _check_outputs(args)
@@ -185,7 +208,10 @@ def _sweep(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
-        rows = sweep(spec, jobs=jobs, progress=progress)
+        rows = sweep(spec, jobs=jobs, progress=progress, ray=args.ray)
+    except ClusterUnavailableError as e:
+        err(str(e))
+        return 2
     except (ReplayError, BlockPoolError) as e:
         err(f"a cell failed: {e}")
         return 3

@@ -25,6 +25,8 @@ __all__ = [
     "HashConflictError",
     "InvariantError",
     "FenceFailedError",
+    "MissingDependencyError",
+    "ClusterUnavailableError",
     "LeaseExpiredWarning",
 ]
 
@@ -124,6 +126,45 @@ class FenceFailedError(BlockPoolError, RuntimeError):
         super().__init__(message)
         self.tokens = tokens
         self.waited = waited
+
+
+class MissingDependencyError(BlockPoolError, ImportError):
+    """An optional feature was asked for whose package is not installed
+    (e.g. ``blockpool sweep --ray`` without Ray). Raised when the feature is
+    used, never at ``import blockpool``.
+
+    Attributes:
+        package: The missing distribution (e.g. ``"ray"``).
+        extra: The ``blockpool`` extra that installs it (e.g. ``"ray"``:
+            ``pip install 'blockpool[ray]'``).
+    """
+
+    def __init__(self, message: str, package: str = "", extra: str = "") -> None:
+        super().__init__(message, name=package or None)
+        self.package = package
+        self.extra = extra
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickle with the attributes. O(1)."""
+        return (type(self), (self.msg, self.package, self.extra))
+
+
+class ClusterUnavailableError(BlockPoolError, ConnectionError):
+    """A compute cluster (e.g. the Ray cluster of ``blockpool sweep --ray
+    ADDRESS``) could not be joined or started. ``__cause__`` holds the
+    cluster client's own error.
+
+    Attributes:
+        address: The address that was asked for.
+    """
+
+    def __init__(self, message: str, address: str = "") -> None:
+        super().__init__(message)
+        self.address = address
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickle with the attributes. O(1)."""
+        return (type(self), (self.args[0], self.address))
 
 
 class InvariantError(BlockPoolError, AssertionError):

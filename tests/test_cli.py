@@ -148,8 +148,8 @@ def test_python_dash_m_blockpool_runs_the_command() -> None:
 
 def test_importing_the_cli_and_replay_loads_neither_tqdm_nor_matplotlib() -> None:
     code = (
-        "import sys, blockpool, blockpool.cli, blockpool.replay.run, blockpool.replay.plot;"
-        "print(sorted(m for m in ('tqdm', 'matplotlib', 'torch', 'vllm') if m in sys.modules))"
+        "import sys, blockpool, blockpool.cli, blockpool.replay.run, blockpool.replay.plot, blockpool.replay.sweep;"
+        "print(sorted(m for m in ('tqdm', 'matplotlib', 'torch', 'vllm', 'ray') if m in sys.modules))"
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"

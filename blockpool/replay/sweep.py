@@ -5,8 +5,11 @@ eviction policy, placement, pool size and seed. The grid is the product
 traces x policies x evictions x placements x pool sizes x seeds, in that
 nesting order. Cells run in local worker processes
 (:class:`concurrent.futures.ProcessPoolExecutor`; ``jobs=1`` runs them in
-this process) and are gathered into one table and one JSON document
-(schema ``blockpool.sweep/1``), in grid order whatever order they finish in.
+this process), or as Ray tasks on a Ray cluster (``ray=ADDRESS``; Ray is
+the optional extra ``blockpool[ray]``, imported only then), and are
+gathered into one table and one JSON document (schema
+``blockpool.sweep/1``), in grid order whatever order they finish in. Both
+run the same cell function, so their rows differ only in ``wall_s``.
 
 A trace is a path (Mooncake ``.jsonl`` / Azure ``.csv``, read in place) or
 :data:`SYNTHETIC` (the built-in workload, generated per cell from the cell's
@@ -33,19 +36,25 @@ from typing import Any
 
 import attrs
 
-from blockpool.errors import InvalidArgumentError
+from blockpool.errors import ClusterUnavailableError, InvalidArgumentError, MissingDependencyError
 from blockpool.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError
 from blockpool.pool import PLACEMENTS
 from blockpool.replay.config import DEFAULT_NUM_BLOCKS, SYNTHETIC_NUM_BLOCKS, ReplayConfig
 from blockpool.replay.policies import parse_policies
 
-__all__ = ["SCHEMA", "SYNTHETIC", "SweepSpec", "cells", "format_sweep", "sweep", "sweep_json"]
+__all__ = [
+    "RAY_LOCAL", "SCHEMA", "SYNTHETIC", "SweepSpec", "cells", "format_sweep", "require_ray", "sweep", "sweep_json",
+]  # fmt: skip
 
 SCHEMA = "blockpool.sweep/1"
 """The ``schema`` of :func:`sweep_json`'s document."""
 
 SYNTHETIC = "synthetic"
 """The trace name of the built-in synthetic workload."""
+
+RAY_LOCAL = "local"
+"""The Ray address that starts a fresh Ray instance on this machine for the
+sweep (``ray.init(address="local")``) and stops it afterwards."""
 
 COLUMNS = (
     "trace", "policy", "eviction", "placement", "num_blocks", "seed", "requests", "races", "loads",
@@ -184,25 +193,67 @@ def _run_cell(cell: Cell, limit: int | None, block_size: int) -> dict[str, Any]:
 
 
 def sweep(
-    spec: SweepSpec, *, jobs: int = 1, progress: Callable[[int, int], None] | None = None
+    spec: SweepSpec,
+    *,
+    jobs: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+    ray: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run every cell of ``spec``; one row (a dict with :data:`COLUMNS`)
-    per cell, in grid order. ``jobs > 1``: that many worker processes
-    (``concurrent.futures.ProcessPoolExecutor``); a cell that raises
-    stops the sweep (the others are cancelled) and its error propagates.
-    ``progress(done, total)`` after each cell.
+    per cell, in grid order. ``progress(done, total)`` after each cell.
+
+    Local processes (``ray=None``, the default): ``jobs > 1`` runs that
+    many worker processes (``concurrent.futures.ProcessPoolExecutor``);
+    ``jobs == 1`` runs the cells in this process.
+
+    Ray (``ray="ADDRESS"``): every cell is one Ray task (``ray.remote``,
+    1 CPU) running the same cell function; rows are gathered with
+    ``ray.wait`` as tasks finish and put back in grid order, so they equal
+    the local rows except ``wall_s``. If this process is already connected
+    to Ray (``ray.is_initialized()``), the sweep uses that connection
+    whatever ``ray`` names and leaves it open (this is how to pass a
+    ``runtime_env`` or other ``ray.init`` options). Otherwise
+    ``ray.init(address=ray)`` is called and ``ray.shutdown()`` after the
+    sweep: :data:`RAY_LOCAL` (``"local"``) starts a fresh local instance
+    with ``jobs`` CPUs and no dashboard; ``"auto"`` joins the cluster this
+    machine runs (``ray start``); ``"HOST:PORT"`` a cluster's head node
+    (GCS port, default 6379); ``"ray://HOST:10001"`` goes through Ray
+    Client (``ray[client]``). On a cluster the cluster's free CPUs bound
+    how many cells run at once (``jobs`` only sizes a local instance).
+    Workers import :mod:`blockpool` (the same version must be installed on
+    every node, or shipped by connecting first with
+    ``runtime_env={"py_modules": [blockpool]}``) and read trace files at
+    the same paths as given (a shared file system; the synthetic workload
+    needs none).
+
+    A cell that raises stops the sweep (the other cells are cancelled) and
+    its error propagates, on Ray as its own type (a ``TraceNotFoundError``
+    stays one).
 
     Raises:
-        InvalidArgumentError: ``jobs`` is not an int ``>= 1``.
+        InvalidArgumentError: ``jobs`` is not an int ``>= 1``; ``ray`` is
+            not a non-empty str or ``None``.
+        MissingDependencyError: ``ray`` is given and Ray is not installed
+            (checked before any cell runs).
+        ClusterUnavailableError: ``ray.init`` failed (an unreachable
+            address, a local instance that cannot start), or a task failed
+            without running its cell (a worker that cannot import
+            :mod:`blockpool`, a worker that died); ``__cause__`` is Ray's
+            error.
         TraceNotFoundError, TraceFormatError: a trace cannot be read.
         ReplayError: a cell's replay stalled or leaked blocks.
 
     Runtime complexity: the sum of the cells' replays, divided among
-    ``jobs`` processes.
+    ``jobs`` processes (on Ray: among the cluster's CPUs), plus Ray's
+    start-up (about 2-3 s for a local instance) when this call connects.
     """
     if type(jobs) is not int or jobs < 1:
         raise InvalidArgumentError(f"jobs must be an int >= 1, got {jobs!r}")
+    if ray is not None and (not isinstance(ray, str) or not ray.strip()):
+        raise InvalidArgumentError(f"ray must be a Ray address (e.g. 'local', 'auto', 'HOST:PORT'), got {ray!r}")
     grid = cells(spec)
+    if ray is not None:
+        return _sweep_ray(spec, grid, ray.strip(), jobs, progress)
     rows: list[dict[str, Any] | None] = [None] * len(grid)
     if jobs == 1 or len(grid) == 1:
         for i, c in enumerate(grid):
@@ -222,6 +273,74 @@ def sweep(
                 f.cancel()
             raise
     return rows  # type: ignore[return-value]
+
+
+def require_ray() -> Any:
+    """The ``ray`` module, imported now (never at ``import blockpool``).
+    O(1) after the first call.
+
+    Raises:
+        MissingDependencyError: Ray is not installed (``pip install
+            'blockpool[ray]'``).
+    """
+    try:
+        import ray as ray_mod
+    except ImportError as e:
+        raise MissingDependencyError(
+            "a sweep on Ray needs Ray installed: pip install 'blockpool[ray]' (or 'ray>=2.9')",
+            package="ray", extra="ray",
+        ) from e  # fmt: skip
+    return ray_mod
+
+
+def _sweep_ray(
+    spec: SweepSpec, grid: list[Cell], address: str, jobs: int, progress: Callable[[int, int], None] | None
+) -> list[dict[str, Any]]:
+    """:func:`sweep` on Ray: one task per cell, gathered in grid order."""
+    ray_mod = require_ray()
+    owned = not ray_mod.is_initialized()
+    if owned:
+        kw: dict[str, Any] = {"address": address, "log_to_driver": False}
+        if address == RAY_LOCAL:
+            kw.update(num_cpus=jobs, include_dashboard=False)
+        try:
+            ray_mod.init(**kw)
+        except Exception as e:
+            raise ClusterUnavailableError(f"cannot join or start Ray at {address!r}: {e}", address=address) from e
+    try:
+        task = ray_mod.remote(num_cpus=1)(_run_cell)
+        index = {}
+        for i, c in enumerate(grid):
+            index[task.remote(c, spec.limit, spec.block_size)] = i
+        rows: list[dict[str, Any] | None] = [None] * len(grid)
+        pending = list(index)
+        try:
+            while pending:
+                ready, pending = ray_mod.wait(pending, num_returns=1)
+                for ref in ready:
+                    try:
+                        rows[index[ref]] = ray_mod.get(ref)
+                    except ray_mod.exceptions.RayTaskError as e:
+                        cause = getattr(e, "cause", None)
+                        if isinstance(cause, Exception):
+                            raise cause from e  # the cell's own error, as local processes raise it
+                        raise
+                    except ray_mod.exceptions.RayError as e:  # the task never ran its cell
+                        raise ClusterUnavailableError(
+                            f"Ray could not run cell {index[ref]} ({grid[index[ref]]}): {e}; blockpool and its "
+                            "dependencies must be importable on every Ray worker (docs/replay.md)",
+                            address=address,
+                        ) from e
+                    if progress is not None:
+                        progress(len(grid) - len(pending), len(grid))
+        except BaseException:
+            for ref in pending:
+                ray_mod.cancel(ref)
+            raise
+        return rows  # type: ignore[return-value]
+    finally:
+        if owned:
+            ray_mod.shutdown()
 
 
 def sweep_json(spec: SweepSpec, rows: Sequence[dict[str, Any]], wall_s: float | None = None) -> dict[str, Any]:
