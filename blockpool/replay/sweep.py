@@ -58,8 +58,9 @@ sweep (``ray.init(address="local")``) and stops it afterwards."""
 
 COLUMNS = (
     "trace", "policy", "eviction", "placement", "num_blocks", "seed", "requests", "races", "loads",
-    "loads_empty_fence_pct", "load_delay_mean_ms", "load_delay_p99_ms", "prefix_hit_rate_pct",
-    "makespan_s", "throughput_tok_s", "evictions", "preemptions", "wall_s",
+    "loads_empty_fence_pct", "loads_short_of_ready", "load_delay_mean_ms", "load_delay_p99_ms",
+    "runs_per_load", "min_runs_per_load", "prefix_hit_rate_pct", "makespan_s", "throughput_tok_s",
+    "evictions", "preemptions", "wall_s",
 )  # fmt: skip
 """The fields of a row, in table order."""
 
@@ -181,8 +182,11 @@ def _run_cell(cell: Cell, limit: int | None, block_size: int) -> dict[str, Any]:
         "races": r.races,
         "loads": r.loads,
         "loads_empty_fence_pct": round(r.loads_empty_fence_pct, 3) if r.loads else None,
+        "loads_short_of_ready": r.loads_short_of_ready,
         "load_delay_mean_ms": round(r.load_delay_mean_ms, 6) if r.loads else None,
         "load_delay_p99_ms": round(r.load_delay_p99_ms, 6) if r.loads else None,
+        "runs_per_load": round(r.runs_per_load, 4) if r.loads else None,
+        "min_runs_per_load": round(r.min_runs_per_load, 4) if r.loads else None,
         "prefix_hit_rate_pct": round(r.prefix_hit_rate_pct, 3),
         "makespan_s": round(r.makespan_s, 6),
         "throughput_tok_s": round(r.throughput_tok_s, 3),
@@ -364,7 +368,7 @@ _HEAD = (
     ("trace", "trace"), ("policy", "policy"), ("eviction", "evict"), ("placement", "placement"),
     ("num_blocks", "blocks"), ("seed", "seed"), ("races", "races"), ("loads", "loads"),
     ("loads_empty_fence_pct", "empty%"), ("load_delay_mean_ms", "mean ms"), ("load_delay_p99_ms", "p99 ms"),
-    ("prefix_hit_rate_pct", "hit%"), ("makespan_s", "makespan s"), ("evictions", "evictions"), ("wall_s", "wall s"),
+    ("runs_per_load", "runs/load"), ("prefix_hit_rate_pct", "hit%"), ("makespan_s", "makespan s"), ("evictions", "evictions"), ("wall_s", "wall s"),
 )  # fmt: skip
 
 
