@@ -213,3 +213,30 @@ def test_add_stream_with_other_kind_is_rejected() -> None:
     assert_rejected(
         pool, lambda: pool.add_stream("rdma", blockpool.StreamKind.DEVICE), InvalidArgumentError, "already"
     )
+
+
+def test_every_exception_class_of_the_package_is_rooted_in_block_pool_error() -> None:
+    """One hierarchy: every exception (not warning) class any module of the
+    package defines derives from BlockPoolError, found by walking the modules
+    (the vLLM integration only where vLLM is installed)."""
+    import importlib
+    import importlib.util
+    import inspect
+    import pkgutil
+    import warnings
+
+    have_vllm = importlib.util.find_spec("vllm") is not None
+    found = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for info in pkgutil.walk_packages(blockpool.__path__, "blockpool."):
+            if info.name.startswith("blockpool.integrations.vllm") and not have_vllm:
+                continue
+            if info.name == "blockpool.__main__":
+                continue
+            mod = importlib.import_module(info.name)
+            for _, cls in inspect.getmembers(mod, inspect.isclass):
+                if cls.__module__ == info.name and issubclass(cls, Exception) and not issubclass(cls, Warning):
+                    found.append(cls)
+    assert len(found) > 20
+    assert [c.__qualname__ for c in found if not issubclass(c, BlockPoolError)] == []

@@ -48,14 +48,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from blockpool.errors import BlockPoolError
+
 __all__ = ["StandInDeadlock", "StandInDevice", "StandInEvent", "StandInStream"]
 
 _Point = tuple["StandInStream", int]
 
 
-class StandInDeadlock(RuntimeError):
+class StandInDeadlock(BlockPoolError, RuntimeError):
     """A blocking call on a stand-in can never return: the work it waits on
-    is behind a wait that nothing will satisfy."""
+    is behind a wait that nothing will satisfy. (On a real device the call
+    would hang; the stand-ins can tell.) A :class:`~blockpool.BlockPoolError`
+    and a ``RuntimeError``."""
 
 
 class StandInDevice:
