@@ -27,40 +27,31 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from sortedcontainers import SortedList
-
-from blockpool._base import (
-    _COUNTERS,
-    _DEVICE,
-    _HOST,
-    _READ,
-    _UNSET,
-    _WRITE,
-    _as_list,
-    _shadow_tokens,
-)
+from blockpool import placement as _placement
+from blockpool._base import _COUNTERS, _DEVICE, _HOST, _READ, _WRITE, _as_list
 from blockpool._caching import CacheOps
 from blockpool._fences import FenceOps
 from blockpool._introspection import IntrospectionOps
 from blockpool._tokens import TokenOps
-from blockpool.block import KVCacheBlock, NullBlock, block_class_for_pool
-from blockpool.eviction import EVICTION_POLICIES, PolicyFreeBlockQueue, UnknownEvictionPolicyError, make_free_queue
-from blockpool.errors import (
-    InvalidArgumentError,
-    NoFreeBlocksError,
-    RefCountError,
-)
+from blockpool.block import FreeBlockQueue, KVCacheBlock, NullBlock, block_class_for_pool
+from blockpool.errors import InvalidArgumentError, NoFreeBlocksError, RefCountError
 from blockpool.events import MEDIUM_GPU, KVCacheEvent
+from blockpool.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError, make_free_queue
 from blockpool.hazards import EMPTY_FENCE, LAST_STEP, AccessKind, Fence, FreeTag, StreamKind, Token
+from blockpool.holdback import HoldBack
+from blockpool.pending_writes import PendingWrites
+from blockpool.placement import PLACEMENTS
 from blockpool.prefix_cache import PrefixCache
 from blockpool.tracker import HazardTracker, StreamState
 
 __all__ = ["PLACEMENTS", "HazardAwareBlockPool"]
 
-PLACEMENTS: tuple[str, ...] = ("lru", "ready_first", "ready_first_cached")
-"""Placement modes of :meth:`HazardAwareBlockPool.allocate_for`."""
+
+class _NoBlock:
+    """A class no block has: with a block factory, every block is checked
+    by identity (``blocks[b.block_id] is b``)."""
 
 
 class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
@@ -113,6 +104,14 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             prefix that might still be hit, for a fence with nothing in
             it; measured in ``docs/replay.md``. Only :meth:`allocate_for`
             places; :meth:`get_new_blocks` has no consumer to place for.
+        block_factory: ``block_factory(block_id)`` makes each block record
+            (an adapter's subclass of the host framework's block type, say);
+            block 0 must be a null block (``is_null`` true). Blocks it makes
+            are checked as this pool's by identity. Default: the core's
+            :class:`~blockpool.block.KVCacheBlock`.
+        free_queue_class: The :class:`~blockpool.block.FreeBlockQueue`
+            subclass to build (with ``eviction="lru"``; an adapter's subclass
+            adding names, say).
 
     Raises:
         InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``, a
@@ -120,20 +119,20 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             ``"each"``.
         UnknownEvictionPolicyError: ``eviction`` or ``placement`` is not a
             known name (an :class:`InvalidArgumentError`).
+        InvalidArgumentError: ``block_factory`` made a null block (block 0)
+            whose ``is_null`` is false, or ``free_queue_class`` with an
+            ``eviction`` other than ``"lru"``.
 
     Runtime complexity: construction is O(num_gpu_blocks).
     """
 
-    PLACEMENT_SCAN = 4096
+    PLACEMENT_SCAN = _placement.PLACEMENT_SCAN
     """Unkeyed free blocks ``placement="ready_first"`` looks at beyond the
-    ``n`` it needs, at most (bounds the cost of one allocation)."""
+    ``n`` it needs, at most (:data:`blockpool.placement.PLACEMENT_SCAN`)."""
 
-    CACHED_SCAN = 1024
-    """The window of ``placement="ready_first_cached"``: free cached blocks
-    it looks at, from the eviction end, beyond the ``n`` it needs, at most.
-    Only a ready block among the coldest ``n + CACHED_SCAN`` is taken out
-    of eviction order, which bounds both the cost of one allocation and
-    how hot a prefix it may evict."""
+    CACHED_SCAN = _placement.CACHED_SCAN
+    """The window of ``placement="ready_first_cached"``
+    (:data:`blockpool.placement.CACHED_SCAN`)."""
 
     def __init__(
         self,
@@ -151,6 +150,8 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         removal_events: str = "last",
         eviction: str = "lru",
         placement: str = "lru",
+        block_factory: Callable[[int], KVCacheBlock] | None = None,
+        free_queue_class: type[FreeBlockQueue] | None = None,
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool) or num_gpu_blocks < 1:
             raise InvalidArgumentError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
@@ -164,8 +165,10 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             )
         if eviction not in EVICTION_POLICIES:
             make_free_queue(eviction, [], 0)  # raises the typed error
-        self._removal_each = removal_events == "each"
+        if free_queue_class is not None and eviction != "lru":
+            raise InvalidArgumentError("free_queue_class needs eviction='lru'")
         self.eviction = eviction
+        self._policy = eviction != "lru"  # the queue counts hits
         self.placement = placement
         self._ready_first = placement != "lru"
         self._ready_cached = placement == "ready_first_cached"
@@ -179,21 +182,29 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         self.medium = medium
         self.debug = debug
         self.lease_timeout = lease_timeout
-        self._clock = clock
 
-        self.null_block: KVCacheBlock = NullBlock(0)
-        # This pool's own block class: "is b mine" becomes a type test
-        # (block_class_for_pool says why); other blocks are checked by identity.
-        self._block_cls = block_cls = block_class_for_pool()
-        # Sized exactly (a list grown by appends keeps up to 1/8 spare slots).
-        self.blocks: list[KVCacheBlock] = [self.null_block] * num_gpu_blocks
-        self.blocks[1:] = map(block_cls, range(1, num_gpu_blocks))
-        self.free_block_queue = make_free_queue(eviction, self.blocks[1:], num_gpu_blocks)
-        if eviction != "lru":
-            # The policy counts hits; LRU keeps the class's _touch untouched.
-            self._touch = self._touch_counted  # type: ignore[method-assign]
+        if block_factory is None:
+            # This pool's own block class: "is b mine" becomes a type test
+            # (block_class_for_pool says why); other blocks are checked by identity.
+            self._block_cls = block_cls = block_class_for_pool()
+            self.null_block: KVCacheBlock = NullBlock(0)
+            # Sized exactly (a list grown by appends keeps up to 1/8 spare slots).
+            self.blocks: list[KVCacheBlock] = [self.null_block] * num_gpu_blocks
+            self.blocks[1:] = map(block_cls, range(1, num_gpu_blocks))
+        else:
+            self._block_cls = _NoBlock
+            self.blocks = [block_factory(i) for i in range(num_gpu_blocks)]
+            self.null_block = self.blocks[0]
+            if not self.null_block.is_null:
+                raise InvalidArgumentError("block_factory(0) must make a null block (is_null true)")
+        if free_queue_class is None:
+            self.free_block_queue = make_free_queue(eviction, self.blocks[1:], num_gpu_blocks)
+        else:
+            self.free_block_queue = free_queue_class(self.blocks[1:])
 
-        self.prefix_cache = PrefixCache()
+        self.prefix_cache = PrefixCache(removal_each=removal_events == "each")
+        self.holdback = HoldBack(lease_timeout, clock)
+        self.writes = PendingWrites()
         self.kv_event_queue: list[KVCacheEvent] = []
 
         # This pool's identity, stamped on its tokens (Token.pool): a token
@@ -204,32 +215,9 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         for name, kind in (streams if streams is not None else {"compute": _DEVICE}).items():
             self.tracker.add_stream(name, kind)
 
-        # Held blocks: block_id -> host tokens still pending on it.
-        self._held: dict[int, set[Token]] = {}
-        self._held_by: dict[Token, list[KVCacheBlock]] = {}
-        self._leases: SortedList = SortedList()  # (deadline, block_id)
-        self._deadline: dict[int, float] = {}  # lease of each held block
-        self._expired: set[int] = set()
-        # Writes begun by begin_load / begin_copy and not yet ended:
-        # stream -> {seq: [(block, writer before, readers before)]}. A failed
-        # write restores what it replaced (it may have failed before its
-        # waits) and unpublishes the blocks' keys.
-        self._writes: dict[str, dict[int, list[tuple[KVCacheBlock, Token | None, Token | tuple[Token, ...] | None]]]] = {}
-        # Blocks whose content is invalid (their load failed) until rewritten.
-        self._invalid: set[int] = set()
-        # Prefix-cache bookkeeping beside the key map: blocks whose primary
-        # key is a partial key (cache_partial_block), and keys retired from a
-        # block by a promotion (never republished for it until it is reused).
-        self._partial: set[int] = set()
-        self._retired: dict[int, set[Hashable]] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
-        # Lookups and hits are counted on the hottest path (one per block of
-        # a prefix): plain ints, folded into the counters by stats().
-        self._lookups = 0
-        self._hits = 0
-        # Hot paths test these two before calling _apply_completions (which does the work):
-        # the completion inbox (a deque, appended from any thread) and
-        # whether leases are on.
+        # _apply_completions tests these two: the completion inbox (a
+        # deque, appended from any thread) and whether leases are on.
         self._inbox = self.tracker._inbox
         self._leases_on = lease_timeout is not None
         # Block generations (stale block tables): off (None) until the first
@@ -253,13 +241,12 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             InvalidArgumentError: ``num_blocks`` is not an int ``>= 0``.
             NoFreeBlocksError: fewer than ``num_blocks`` blocks are free.
         """
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         n = num_blocks if type(num_blocks) is int and num_blocks >= 0 else self._check_count(num_blocks)
         if n > self.free_block_queue.num_free_blocks:
             raise NoFreeBlocksError(
                 f"Cannot get {n} free blocks from the pool "
-                f"({self.free_block_queue.num_free_blocks} free, {len(self._held)} held back)"
+                f"({self.free_block_queue.num_free_blocks} free, {len(self.holdback)} held back)"
             )
         if self._gens is None:
             return self._take(n)
@@ -269,41 +256,6 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         """Pop ``n`` free blocks from the queue's front and :meth:`_claim`
         them. O(n)."""
         return self._claim(self.free_block_queue.popleft_n(n))
-
-    def _claim(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-        """Blocks just taken off the free queue: evict their keys, give each
-        ref count 1, forget the old content's marks. Eviction is inline: a
-        block whose only key maps to it alone costs one dict deletion;
-        anything else (extra keys, a shared key, events on) goes through
-        :meth:`_drop_keys`. Returns ``blocks``. O(len(blocks))."""
-        pc = self.prefix_cache
-        m = pc._map
-        extra = pc._extra
-        slow = self.enable_kv_cache_events
-        evicted = 0
-        for b in blocks:
-            key = b.block_hash
-            if key is not None:
-                evicted += 1
-                if slow or (extra and b.block_id in extra) or m.get(key) is not b:
-                    self._drop_keys(b)
-                else:
-                    del m[key]
-                    b.block_hash = None
-                    b.block_hash_num_tokens = None
-            b.ref_cnt = 1
-        if evicted:
-            self._counters["evictions"] += evicted
-        invalid = self._invalid
-        if invalid:
-            for b in blocks:
-                invalid.discard(b.block_id)
-        if self._partial or self._retired:  # new content: forget the old one's keys
-            partial, retired = self._partial, self._retired
-            for b in blocks:
-                partial.discard(b.block_id)
-                retired.pop(b.block_id, None)
-        return blocks
 
     def allocate_for(
         self,
@@ -329,8 +281,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             ForeignBlockError: a hit is not a block of this pool.
             NoFreeBlocksError: not enough free blocks once the hits are taken.
         """
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         n = num_blocks if type(num_blocks) is int and num_blocks >= 0 else self._check_count(num_blocks)
         if access is not _WRITE and access is not _READ:
             access = self._check_access(access)
@@ -356,99 +307,22 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             return new, EMPTY_FENCE
         return new, self._fence(((hit_list, _READ), (new, access)), st)
 
-    def _stamp(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-        """Give newly allocated ``blocks`` a new generation (the serial of
-        this allocation), once :meth:`generations` turned generations on.
-        Returns ``blocks``. O(len(blocks))."""
-        self._alloc_serial = serial = self._alloc_serial + 1
-        gens = self._gens
-        assert gens is not None
-        for b in blocks:
-            gens[b.block_id] = serial
-        return blocks
-
     def _take_ready(self, n: int, st: StreamState) -> list[KVCacheBlock]:
-        """Ready-first placement: ``n`` free blocks for a consumer on ``st``.
-        Unkeyed blocks with an empty shadow for it first (at most
-        ``n + PLACEMENT_SCAN`` looked at); with ``ready_first_cached``, then
-        cached blocks with an empty shadow among the ``n + CACHED_SCAN``
-        coldest (their keys evicted); then the queue's front (see the class
-        docstring). Readiness is decided once per distinct shadow (blocks
-        freed together share it). O(n + PLACEMENT_SCAN + CACHED_SCAN)."""
+        """Ready-first placement (:func:`blockpool.placement.find_ready`):
+        ``n`` free blocks for a consumer on ``st``, the ready ones first,
+        then the queue's front. O(n + PLACEMENT_SCAN + CACHED_SCAN)."""
         q = self.free_block_queue
-        b = q.head.next_free_block
-        tail = q.tail
-        limit = n + self.PLACEMENT_SCAN
-        ready: list[KVCacheBlock] = []
-        lw: object = _UNSET
-        lr: object = _UNSET
-        ok = False
-        scanned = 0
-        while b is not tail and scanned < limit:
-            assert b is not None
-            if b.block_hash is not None or b.block_id < 0:
-                break  # the cached part (or the policy queue's divider)
-            w, r = b.writer, b.readers
-            if w is not lw or r is not lr:
-                lw, lr = w, r
-                ok = self._shadow_ready(w, r, st)
-            if ok:
-                ready.append(b)
-                if len(ready) == n:
-                    break
-            scanned += 1
-            b = b.next_free_block
-        cached: list[KVCacheBlock] = []
-        if self._ready_cached and len(ready) < n and (b is tail or b.block_hash is not None or b.block_id < 0):  # type: ignore[union-attr]
-            # The unkeyed front was scanned whole: the cached part, from
-            # the eviction end (its coldest block), within the window.
-            need = n - len(ready)
-            limit = n + self.CACHED_SCAN
-            scanned = 0
-            while b is not tail and scanned < limit:
-                assert b is not None
-                if b.block_id >= 0:  # not the policy queue's divider
-                    w, r = b.writer, b.readers
-                    if w is not lw or r is not lr:
-                        lw, lr = w, r
-                        ok = self._shadow_ready(w, r, st)
-                    if ok:
-                        cached.append(b)
-                        if len(cached) == need:
-                            break
-                    scanned += 1
-                b = b.next_free_block
+        ready, cached = _placement.find_ready(
+            q, n, st, self.tracker, self.PLACEMENT_SCAN, self.CACHED_SCAN if self._ready_cached else None
+        )
         if not ready and not cached:
             return self._take(n)
-        for b in ready:
-            q.remove(b)
-        for b in cached:
-            q.remove(b)
-        self.placed_cached += len(cached)
         ready.extend(cached)
-        freq = q.freq if isinstance(q, PolicyFreeBlockQueue) else None
-        if freq:
-            for b in ready:
-                freq.pop(b.block_id, None)
-        self._claim(ready)
+        q.take_n(ready)
+        self.placed_cached += len(cached)
         self.placed_ready += len(ready)
+        self._claim(ready)
         return ready + self._take(n - len(ready)) if len(ready) < n else ready
-
-    def _shadow_ready(self, w: Token | None, r: Token | tuple[Token, ...] | None, st: StreamState) -> bool:
-        """Whether a write by ``st`` to a block with shadow ``(w, r)`` waits
-        on nothing. O(k^2), k = tokens in the shadow."""
-        if w is None and r is None:
-            return True
-        toks: list[Token] = [] if w is None else [w]
-        if r is not None:
-            toks.extend((r,) if type(r) is Token else r)  # type: ignore[arg-type]
-        return not self.tracker.reduce(toks, st)
-
-    def _touch_counted(self, blocks: list[KVCacheBlock]) -> None:
-        """:meth:`_touch` for a non-LRU eviction policy: the queue counts
-        the hits first. O(len(blocks))."""
-        self.free_block_queue.on_hit(blocks)  # type: ignore[attr-defined]
-        HazardAwareBlockPool._touch(self, blocks)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to each block (prefix hit or pin); a block with ref
@@ -458,38 +332,33 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         Raises:
             ForeignBlockError: a block is not of this pool (nothing changes).
         """
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         self._touch(self._own_all(blocks))
 
     def _touch(self, blocks: list[KVCacheBlock]) -> None:
-        # A free block leaves the queue: FreeBlockQueue.remove's unlinking,
-        # inline (the per-block method call was a third of a prefix hit).
         q = self.free_block_queue
-        held = self._held
+        if self._policy:
+            q.on_hit(blocks)
         null = self.null_block
-        removed = 0
+        zero: list[KVCacheBlock] = []
         for b in blocks:
             if b is null:
                 continue
             if b.ref_cnt == 0:
-                prev = b.prev_free_block
-                if prev is not None:
-                    nxt = b.next_free_block
-                    prev.next_free_block = nxt
-                    nxt.prev_free_block = prev  # type: ignore[union-attr]
-                    b.prev_free_block = b.next_free_block = None
-                    removed += 1
-                elif held:
-                    self._unhold(b.block_id)
+                zero.append(b)
             b.ref_cnt += 1
-        q.num_free_blocks -= removed
+        if zero:
+            held = q.remove_n(zero)
+            if held:
+                self.holdback.unhold_n(held)
 
     def free_blocks(
         self,
         ordered_blocks: Iterable[KVCacheBlock],
         token: Token | FreeTag | None = LAST_STEP,
         access: AccessKind = AccessKind.READ,
+        *,
+        to_tail: bool = False,
     ) -> None:
         """Drop one reference per listed block, in eviction order (first =
         evicted first). A block reaching ref count 0 goes to the front of the
@@ -507,7 +376,9 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         off. Pass the token explicitly to tag another access, or
         ``token=None`` to record none (opt-out: the caller knows nothing in
         flight touches the blocks). A ``WRITE`` is undone if ``token`` fails,
-        as for :meth:`tag`.
+        as for :meth:`tag`. ``to_tail``: blocks that become free go to the
+        back of the free queue whatever their keys (reused last; vLLM's
+        ``unpin_blocks``); blocks held back go as usual once released.
 
         Raises:
             ForeignBlockError: a block of another pool.
@@ -517,8 +388,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             InvalidArgumentError: ``access`` is not an :class:`AccessKind`,
                 or ``blocks`` is not iterable.
         """
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         blocks = (
             ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else _as_list(ordered_blocks, "blocks")
         )
@@ -566,131 +436,5 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         elif access is _WRITE and token is not None and self.tracker.has_failed(token):
             self._unwritten(blocks)  # a write by a token that failed never happened
         if zero:
-            self._enqueue_free(zero)
+            self._enqueue_free(zero, to_tail)
 
-    def allocatable_if_freed(self, blocks: Iterable[KVCacheBlock]) -> list[bool]:
-        """Whether freeing ``blocks`` now (one reference per listing, as
-        :meth:`free_blocks`) would make each allocatable at once: its ref
-        count reaches 0 and no host-engine access on it is pending (else
-        :meth:`free_blocks` would hold it back). One answer per listed
-        block, in order; the null block is never allocatable. A device
-        access still in flight does not prevent it (the next user gets a
-        fence instead). Changes nothing (it applies queued completions
-        first, like every call). O(len(blocks)).
-
-        Raises:
-            ForeignBlockError: a block of another pool.
-            InvalidArgumentError: ``blocks`` is not iterable.
-            RefCountError: a block is listed more often than it is
-                referenced (:meth:`free_blocks` would refuse the call).
-        """
-        if self._inbox or self._leases_on:
-            self._apply_completions()
-        block_list = self._own_all(blocks)
-        listed: dict[int, int] = {}
-        for b in block_list:
-            if b is not self.null_block:
-                listed[b.block_id] = listed.get(b.block_id, 0) + 1
-        for bid, n in listed.items():
-            if self.blocks[bid].ref_cnt < n:
-                raise RefCountError(
-                    f"block {bid} is listed {n} times but referenced {self.blocks[bid].ref_cnt} times"
-                )
-        check_host = self.track_hazards and self.tracker.host_pending()
-        out = []
-        for b in block_list:
-            if b is self.null_block or b.ref_cnt != listed[b.block_id]:
-                out.append(False)
-            elif check_host:
-                ended = self.tracker.is_ended
-                out.append(not any(t.kind is _HOST and not ended(t) for t in _shadow_tokens(b)))
-            else:
-                out.append(True)
-        return out
-
-    def _enqueue_free(self, blocks: list[KVCacheBlock]) -> None:
-        """Put blocks that reached ref count 0 in the free queue (unkeyed to
-        the front, keyed to the back) or, when a host-engine access on them
-        has not ended, into the held set. Blocks freed together usually share
-        their readers value, so the hold decision is made once per distinct
-        ``(host writer, readers)`` pair (a device writer never holds a block)
-        and the held blocks of that pair share one pending set.
-        O(len(blocks))."""
-        first: list[KVCacheBlock] = []
-        last: list[KVCacheBlock] = []
-        caching = self.enable_caching
-        if self.track_hazards and self.tracker.host_pending():
-            lw: object = _UNSET
-            lr: object = _UNSET
-            pend: tuple[set[Token], list[list[KVCacheBlock]]] | None = None
-            held = self._held
-            leases = self._leases_on
-            for b in blocks:
-                w = b.writer
-                r = b.readers
-                if w is not None and w.kind is not _HOST:
-                    w = None  # a device writer never holds a block back
-                if w is not None or (r is not None and (type(r) is not Token or r.kind is _HOST)):  # type: ignore[union-attr]
-                    # Some host token in the shadow. The decision depends on
-                    # the host writer (rare) and the readers value, which
-                    # blocks read together share: recompute only on change.
-                    if w is not lw or r is not lr:
-                        lw, lr = w, r
-                        pend = self._pending_host(w, r)
-                    if pend is not None:
-                        # Hold b back on the pending host tokens; blocks with
-                        # this shadow share the pending set.
-                        held[b.block_id] = pend[0]
-                        for lst in pend[1]:
-                            lst.append(b)
-                        if leases:
-                            self._lease(b)
-                        continue
-                if b.block_hash is None or not caching:
-                    first.append(b)
-                else:
-                    last.append(b)
-        else:
-            for b in blocks:
-                if b.block_hash is None or not caching:
-                    first.append(b)
-                else:
-                    last.append(b)
-        q = self.free_block_queue
-        q.prepend_n(first)
-        q.append_n(last)
-
-    def _pending_host(
-        self, w: Token | None, r: Token | tuple[Token, ...] | None
-    ) -> tuple[set[Token], list[list[KVCacheBlock]]] | None:
-        """For a shadow ``(writer, readers)``: the host tokens in it that have
-        not ended, and the ``_held_by`` list of each; ``None`` when there are
-        none (the block need not be held)."""
-        if (w is None or w.kind is not _HOST) and (r is None or (type(r) is Token and r.kind is not _HOST)):  # type: ignore[union-attr]
-            return None  # no host token at all: the usual case
-        if r is None:
-            toks: tuple[Token, ...] = () if w is None else (w,)
-        elif type(r) is Token:
-            toks = (r,) if w is None else (w, r)  # type: ignore[assignment]
-        else:
-            toks = r if w is None else (w, *r)  # type: ignore[assignment,misc]
-        ended = self.tracker.is_ended
-        pending = {t for t in toks if t.kind is _HOST and not ended(t)}
-        if not pending:
-            return None
-        held_by = self._held_by
-        return pending, [held_by.setdefault(t, []) for t in pending]
-
-    def _lease(self, b: KVCacheBlock) -> None:
-        """Start the lease of held block ``b`` (leases on)."""
-        assert self.lease_timeout is not None
-        deadline = self._clock() + self.lease_timeout
-        self._deadline[b.block_id] = deadline
-        self._leases.add((deadline, b.block_id))
-
-    def _unhold(self, block_id: int) -> None:
-        self._held.pop(block_id, None)
-        if self._deadline:
-            self._deadline.pop(block_id, None)
-        if self._expired:
-            self._expired.discard(block_id)
