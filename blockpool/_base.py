@@ -17,7 +17,8 @@ Who owns what (each changes its state only through its own methods):
 - :class:`~blockpool.tracker.HazardTracker` (``tracker``): streams, tokens,
   clocks, completions.
 - :mod:`blockpool.shadows`: the blocks' ``writer``/``readers``.
-- this module: ref counts, the event queue and the fence counters.
+- this module: the event queue and the fence counters;
+  :mod:`blockpool.pool`: ref counts and generations.
 """
 
 from __future__ import annotations
@@ -167,18 +168,6 @@ class PoolBase:
     # blocks in and out of the free queue
     # ------------------------------------------------------------------
 
-    def _claim(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-        """Blocks just taken off the free queue: evict their keys (removed
-        events), give each ref count 1, forget the old content's marks.
-        Returns ``blocks``. O(len(blocks))."""
-        dropped = self.prefix_cache.evict_for_reuse(blocks, self.enable_kv_cache_events)
-        for b, keys in dropped:
-            self._removed(keys, "load_failed" if self.writes.is_invalid(b.block_id) else "evicted")
-        for b in blocks:
-            b.ref_cnt = 1
-        self.writes.rewritten(blocks)
-        return blocks
-
     def _enqueue_free(self, blocks: list[KVCacheBlock], to_tail: bool = False) -> None:
         """Put blocks that reached ref count 0 in the free queue (unkeyed to
         the front, keyed to the back; all to the back with ``to_tail``) or,
@@ -263,8 +252,7 @@ class PoolBase:
             c["empty_fences"] += 1
             return fence
         c["fence_tokens"] += n
-        if n > c["max_fence_size"]:
-            c["max_fence_size"] = n
+        c["max_fence_size"] = max(c["max_fence_size"], n)
         if fence.needs_host_wait:
             c["host_wait_fences"] += 1
         return fence

@@ -4,8 +4,21 @@ over the free queue and the hazard tracker.
 ``"lru"`` takes the queue's front (as ``get_new_blocks``). The ready-first
 modes look for free blocks whose shadow is empty for the consumer (every
 access on them ended, or the consumer is already ordered after it) and take
-those first, so the consumer's fence has nothing in it; see
-:class:`~blockpool.pool.HazardAwareBlockPool` for the trade.
+those first, so the consumer's fence has nothing in it.
+
+``"ready_first"``: free *unkeyed* blocks whose shadow is empty for the
+consumer first, in queue order, then the rest in queue order. It looks at
+most ``n + PLACEMENT_SCAN`` blocks of the queue's unkeyed front; cached
+blocks keep their order. ``"ready_first_cached"`` (the opt-in for cached
+blocks) does the same, then, while it still needs blocks, looks at the
+first ``n + CACHED_SCAN`` free *cached* blocks from the eviction end (the
+coldest: LRU order under ``eviction="lru"``, segment S then M under the
+other policies; reached only when the unkeyed front was scanned whole) and
+takes those with an empty shadow too, evicting their keys (removed events
+as for any eviction), ahead of the not-ready blocks at the queue's front.
+The trade: a prefix that might still be hit, for a fence with nothing in
+it; measured in ``docs/replay.md``. Only ``allocate_for`` places;
+``get_new_blocks`` has no consumer to place for.
 """
 
 from __future__ import annotations

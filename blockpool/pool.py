@@ -86,24 +86,14 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             ``"2q"`` (keep blocks that were hit longer; see
             :mod:`blockpool.eviction` for each policy and its source).
         placement: Which free blocks :meth:`allocate_for` hands out:
-            ``"lru"`` (default: the queue's front, as :meth:`get_new_blocks`)
-            or ``"ready_first"``: free *unkeyed* blocks whose shadow is
-            empty for the consumer (every access on them ended, or the
-            consumer is already ordered after it) first, in queue order,
-            then the rest in queue order. It looks at most
-            ``n + PLACEMENT_SCAN`` blocks of the queue's unkeyed front;
-            cached blocks keep their order. ``"ready_first_cached"``
-            (the opt-in for cached blocks) does the same, then, while it
-            still needs blocks, looks at the first ``n + CACHED_SCAN``
-            free *cached* blocks from the eviction end (the coldest: LRU
-            order under ``eviction="lru"``, segment S then M under the
-            other policies; reached only when the unkeyed front was
-            scanned whole) and takes those with an empty shadow too,
-            evicting their keys (removed events as for any eviction), ahead
-            of the not-ready blocks at the queue's front. The trade: a
-            prefix that might still be hit, for a fence with nothing in
-            it; measured in ``docs/replay.md``. Only :meth:`allocate_for`
-            places; :meth:`get_new_blocks` has no consumer to place for.
+            ``"lru"`` (default: the queue's front, as :meth:`get_new_blocks`),
+            ``"ready_first"`` (free unkeyed blocks whose shadow is empty for
+            the consumer first, looking at most ``n + PLACEMENT_SCAN``) or
+            ``"ready_first_cached"`` (then ready cached blocks among the
+            ``n + CACHED_SCAN`` coldest, their keys evicted: a prefix that
+            might still be hit, for a fence with nothing in it). See
+            :mod:`blockpool.placement` and ``docs/replay.md``. Only
+            :meth:`allocate_for` places.
         block_factory: ``block_factory(block_id)`` makes each block record
             (an adapter's subclass of the host framework's block type, say);
             block 0 must be a null block (``is_null`` true). Blocks it makes
@@ -256,6 +246,18 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         """Pop ``n`` free blocks from the queue's front and :meth:`_claim`
         them. O(n)."""
         return self._claim(self.free_block_queue.popleft_n(n))
+
+    def _claim(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Blocks just taken off the free queue: evict their keys (removed
+        events), give each ref count 1, forget the old content's marks.
+        Returns ``blocks``. O(len(blocks))."""
+        dropped = self.prefix_cache.evict_for_reuse(blocks, self.enable_kv_cache_events)
+        for b, keys in dropped:
+            self._removed(keys, "load_failed" if self.writes.is_invalid(b.block_id) else "evicted")
+        for b in blocks:
+            b.ref_cnt = 1
+        self.writes.rewritten(blocks)
+        return blocks
 
     def allocate_for(
         self,

@@ -28,7 +28,7 @@ does, by vLLM's own code on the shared key map; they never reach the core.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
