@@ -147,7 +147,7 @@ class _RecordingPool(HazardAwareBlockPool):
             return fn()
         log.depth = 1
         log.pre = []
-        held_before = set(self._held)
+        held_before = set(self.holdback.held_ids())
         try:
             out = fn()
         except NoFreeBlocksError:
@@ -160,11 +160,11 @@ class _RecordingPool(HazardAwareBlockPool):
         released = {bid for op in log.pre if op[0] == "release" for bid in op[1]}
         if name == "free_blocks":
             ids = enc[0]
-            held = sorted({bid for bid in ids if bid in self._held and bid not in held_before})
+            held = sorted({bid for bid in ids if bid in self.holdback and bid not in held_before})
             log.ops.append((name, *enc, held))
         else:
             log.ops.append((name, *enc, res(out)))
-        unheld = sorted(held_before - set(self._held) - released)
+        unheld = sorted(held_before - set(self.holdback.held_ids()) - released)
         if unheld:
             assert all(self.blocks[b].ref_cnt > 0 for b in unheld)
             log.ops.append(("unhold", unheld))
@@ -181,21 +181,22 @@ class _RecordingPool(HazardAwareBlockPool):
         finally:
             log.in_apply_completions = False
 
-    def _enqueue_free(self, blocks: list[Any]) -> None:
+    def _enqueue_free(self, blocks: list[Any], to_tail: bool = False) -> None:
         log = _LOG
         assert log is not None
-        super()._enqueue_free(blocks)
+        super()._enqueue_free(blocks, to_tail)
         if log.in_apply_completions and log.depth:
-            assert not any(b.block_id in self._held for b in blocks)
+            assert not any(b.block_id in self.holdback for b in blocks)
             log.pre.append(("release", _ids(blocks)))
 
-    def _drop_keys(self, b: Any) -> None:
+    def _drop_keys(self, b: Any, reason: str | None = None) -> list[Any]:
         log = _LOG
         assert log is not None
         had = bool(self.prefix_cache.keys_of(b))
-        super()._drop_keys(b)
+        keys = super()._drop_keys(b, reason)
         if log.in_apply_completions and log.depth and had:
             log.pre.append(("unpublish", b.block_id))
+        return keys
 
     # -- the driver's operations --
 

@@ -1,25 +1,47 @@
-"""Shared parts of :class:`~blockpool.pool.HazardAwareBlockPool`: constants,
-shadow helpers, the attributes every part uses and the argument checks."""
+"""The pool's own seam between its parts: the attributes every part of
+:class:`~blockpool.pool.HazardAwareBlockPool` reads, the argument checks,
+and the coordination that spans several owned parts: applying completions
+(in one place, at the start of every call), taking and freeing blocks,
+withdrawing keys with their events, fences and recorded accesses.
+
+Who owns what (each changes its state only through its own methods):
+
+- :class:`~blockpool.block.FreeBlockQueue` (``free_block_queue``): free
+  blocks in eviction order and their links.
+- :class:`~blockpool.prefix_cache.PrefixCache` (``prefix_cache``): keys,
+  partial and retired marks, lookup/hit/eviction counters.
+- :class:`~blockpool.holdback.HoldBack` (``holdback``): held blocks, their
+  pending host tokens, leases.
+- :class:`~blockpool.pending_writes.PendingWrites` (``writes``): writes in
+  flight, invalid marks, the undo of failed writes.
+- :class:`~blockpool.tracker.HazardTracker` (``tracker``): streams, tokens,
+  clocks, completions.
+- :mod:`blockpool.shadows`: the blocks' ``writer``/``readers``.
+- this module: the event queue and the fence counters;
+  :mod:`blockpool.pool`: ref counts and generations.
+"""
 
 from __future__ import annotations
 
 import logging
+import warnings
 from array import array
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING
-
-from sortedcontainers import SortedList
+from collections.abc import Hashable, Iterable, Sequence
 
 from blockpool.block import FreeBlockQueue, KVCacheBlock
 from blockpool.errors import (
     BlockNotAllocatedError,
     ForeignBlockError,
     InvalidArgumentError,
+    LeaseExpiredWarning,
     StaleBlockError,
 )
-from blockpool.events import KVCacheEvent
+from blockpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from blockpool.hazards import AccessKind, Fence, StreamKind, Token
+from blockpool.holdback import HoldBack
+from blockpool.pending_writes import PendingWrites
 from blockpool.prefix_cache import PrefixCache
+from blockpool.shadows import clear, fence_of, record
 from blockpool.tracker import HazardTracker, StreamState
 
 __all__ = ["PoolBase"]
@@ -28,60 +50,18 @@ logger = logging.getLogger(__name__)
 
 _DEVICE = StreamKind.DEVICE
 _HOST = StreamKind.HOST
-_UNSET = object()  # "no previous value" for the per-call identity memos
 _READ = AccessKind.READ
 _WRITE = AccessKind.WRITE
 
 _COUNTERS = (
-    "lookups",
-    "hits",
-    "evictions",
     "fences",
     "fence_tokens",
     "empty_fences",
     "host_wait_fences",
     "max_fence_size",
-    "leases_expired",
     "abandoned",
     "unpublished_failed_loads",
 )
-
-
-def _same_key(a: Token, b: Token) -> bool:
-    """Whether two tokens share a shadow slot: the same device stream (the
-    newer covers the older), or equal host tokens (each host token apart).
-    Compares fields, not ``==``: Token's attrs-made ``__eq__``/``__hash__``
-    are Python functions, too slow for a per-block path."""
-    return a.stream == b.stream and (a.kind is not _HOST or a.seq == b.seq)
-
-
-def _shadow_tokens(b: KVCacheBlock) -> list[Token]:
-    out: list[Token] = []
-    if b.writer is not None:
-        out.append(b.writer)
-    r = b.readers
-    if r is not None:
-        out.extend([r] if type(r) is Token else r)  # type: ignore[arg-type]
-    return out
-
-
-def _with_read(r: Token | tuple[Token, ...] | None, t: Token, ended: Callable[[Token], bool]) -> Token | tuple[Token, ...]:
-    """The readers of a block after a read by ``t``, from its readers ``r``:
-    newest token per device stream, each host token apart. A single earlier
-    reader that has ended is dropped. The result is a new value (readers are
-    shared between blocks and never mutated). O(len(r))."""
-    if r is None:
-        return t
-    if type(r) is Token:
-        if _same_key(r, t):  # type: ignore[arg-type]
-            return t if r.seq < t.seq else r  # type: ignore[union-attr]
-        if ended(r):  # type: ignore[arg-type]
-            return t
-        return (r, t)  # type: ignore[return-value]
-    for i, x in enumerate(r):  # type: ignore[arg-type]
-        if _same_key(x, t):
-            return r[:i] + (t,) + r[i + 1 :] if x.seq < t.seq else r  # type: ignore[index,operator,return-value]
-    return r + (t,)  # type: ignore[operator,return-value]
 
 
 def _as_list(x: Iterable[object], what: str) -> list:  # type: ignore[type-arg]
@@ -102,9 +82,9 @@ def _check_key(key: object) -> None:
 
 
 class PoolBase:
-    """Attributes of :class:`~blockpool.pool.HazardAwareBlockPool` shared by
-    its parts (set in its ``__init__``), and the checks every part uses to
-    validate arguments before it changes anything."""
+    """The parts of :class:`~blockpool.pool.HazardAwareBlockPool` (set in its
+    ``__init__``), the checks every public call uses to validate arguments
+    before it changes anything, and the coordination between the parts."""
 
     num_gpu_blocks: int
     pool_id: int
@@ -115,46 +95,187 @@ class PoolBase:
     medium: str
     debug: bool
     lease_timeout: float | None
-    _clock: Callable[[], float]
     null_block: KVCacheBlock
     _block_cls: type
     blocks: list[KVCacheBlock]
     free_block_queue: FreeBlockQueue
     prefix_cache: PrefixCache
-    kv_event_queue: list[KVCacheEvent]
+    holdback: HoldBack
+    writes: PendingWrites
     tracker: HazardTracker
-    _held: dict[int, set[Token]]
-    _held_by: dict[Token, list[KVCacheBlock]]
-    _leases: SortedList
-    _deadline: dict[int, float]
-    _expired: set[int]
-    _writes: dict[str, dict[int, list[tuple[KVCacheBlock, Token | None, Token | tuple[Token, ...] | None]]]]
-    _invalid: set[int]
-    _partial: set[int]
-    _removal_each: bool
-    _retired: dict[int, set[Hashable]]
+    kv_event_queue: list[KVCacheEvent]
     _counters: dict[str, int]
-    _lookups: int
-    _hits: int
     _inbox: object
     _leases_on: bool
     _gens: array | None  # type: ignore[type-arg]
     _alloc_serial: int
 
-    if TYPE_CHECKING:  # implemented by the other parts of the pool
+    # ------------------------------------------------------------------
+    # completions: applied first by every call, here and nowhere else
+    # ------------------------------------------------------------------
 
-        def _apply_completions(self) -> None: ...
-        def _take(self, n: int) -> list[KVCacheBlock]: ...
-        def _touch(self, blocks: list[KVCacheBlock]) -> None: ...
-        def _enqueue_free(self, blocks: list[KVCacheBlock]) -> None: ...
-        def _unhold(self, block_id: int) -> None: ...
-        def _fence(
-            self, groups: Iterable[tuple[Sequence[KVCacheBlock], AccessKind]], st: StreamState
-        ) -> Fence: ...
-        def _record(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None: ...
-        def _drop_keys(self, b: KVCacheBlock, reason: str | None = None) -> list[Hashable]: ...
-        def _unwritten(self, blocks: Iterable[KVCacheBlock]) -> None: ...
-        def get_num_free_blocks(self) -> int: ...
+    def _apply_completions(self) -> None:
+        """Apply the completions and failures queued by ``complete``/``fail``
+        (any thread) and check expired leases: ended tokens release their
+        held blocks, failed writes are undone. Every public call calls this
+        first (``docs/api.md``). Never blocks (not a "sync": that word is
+        kept for blocking waits). O(1) when nothing is queued; else
+        O(queued + newly ended + blocks released)."""
+        if self._inbox:
+            for token, failed, ended in self.tracker.drain():
+                if failed and not ended:
+                    self._late_failure(token)
+                else:
+                    self._on_ended(token, failed, ended)
+        if self._leases_on:
+            expired = self.holdback.expire()
+            if expired:
+                tokens = sorted({str(t) for _, pending in expired for t in pending})
+                msg = (
+                    f"lease expired for held blocks {[bid for bid, _ in expired]}: host transfers "
+                    f"{tokens} have not ended; the blocks stay quarantined until abandon()"
+                )
+                logger.warning(msg)
+                warnings.warn(msg, LeaseExpiredWarning, stacklevel=4)
+
+    def _on_ended(self, token: Token, failed: bool, ended: list[tuple[StreamState, list[int]]]) -> None:
+        """Tokens ended (``token`` and what it ended, per stream): undo a
+        failed write (keys withdrawn, a free block re-queued or held), and
+        release the blocks the ended host tokens held."""
+        is_ended = self.tracker.is_ended
+        for entry in ended:
+            st, seqs = entry
+            for b in self.writes.ended(token, failed, [entry], is_ended):
+                self._drop_keys(b)
+                if b.ref_cnt == 0 and b.prev_free_block is not None:
+                    # Free again, but the restored accesses may need a hold.
+                    self.free_block_queue.remove_n([b])
+                    self._enqueue_free([b])
+            if st.kind is _HOST and len(self.holdback):
+                for seq in seqs:
+                    released = self.holdback.release(Token(st.name, seq, _HOST))
+                    if released:
+                        self._enqueue_free(released)
+
+    def _late_failure(self, token: Token) -> None:
+        """``token`` failed after it had already ended: every block whose
+        write in effect is still ``token``'s loses its keys and is not
+        published until rewritten. O(num_gpu_blocks); failures are rare."""
+        for b in self.writes.late_failure(token, self.blocks):
+            self._drop_keys(b)
+
+    # ------------------------------------------------------------------
+    # blocks in and out of the free queue
+    # ------------------------------------------------------------------
+
+    def _enqueue_free(self, blocks: list[KVCacheBlock], to_tail: bool = False) -> None:
+        """Put blocks that reached ref count 0 in the free queue (unkeyed to
+        the front, keyed to the back; all to the back with ``to_tail``) or,
+        when a host-engine access on them has not ended, hold them back.
+        O(len(blocks))."""
+        if self.track_hazards and self.tracker.host_pending():
+            blocks = self.holdback.hold_back(blocks, self.tracker.is_ended)
+        q = self.free_block_queue
+        if to_tail or not self.enable_caching:
+            if to_tail:
+                q.append_n(blocks)
+            else:
+                q.prepend_n(blocks)
+            return
+        first: list[KVCacheBlock] = []
+        last: list[KVCacheBlock] = []
+        for b in blocks:
+            if b.block_hash is None:
+                first.append(b)
+            else:
+                last.append(b)
+        q.prepend_n(first)
+        q.append_n(last)
+
+    # ------------------------------------------------------------------
+    # keys and events
+    # ------------------------------------------------------------------
+
+    def _drop_keys(self, b: KVCacheBlock, reason: str | None = None) -> list[Hashable]:
+        """Withdraw every key of ``b``, with a removed event for each key
+        the prefix cache reports (:meth:`PrefixCache.reportable`).
+        ``reason`` (see :class:`BlockRemoved`): by default ``"load_failed"``
+        for a block whose load failed, else ``"evicted"``. Returns the keys
+        withdrawn. O(keys of the block)."""
+        keys = self.prefix_cache.remove(b)
+        if keys and self.enable_kv_cache_events:
+            if reason is None:
+                reason = "load_failed" if self.writes.is_invalid(b.block_id) else "evicted"
+            self._removed(self.prefix_cache.reportable(keys), reason)
+        return keys
+
+    def _removed(self, keys: Iterable[Hashable], reason: str) -> None:
+        """Queue one removed event per key (events on). O(len(keys))."""
+        if self.enable_kv_cache_events:
+            medium = self.medium
+            self.kv_event_queue.extend(BlockRemoved((k,), medium, reason) for k in keys)
+
+    def _stored(self, keys: tuple[Hashable, ...], parent: Hashable | None, size: int | None, ids: tuple[int, ...]) -> None:
+        """Queue a stored event (events on). O(len(keys))."""
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(BlockStored(keys, parent, size, ids, self.medium))
+
+    def _cleared(self) -> None:
+        """Queue an all-cleared event (events on). O(1)."""
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared(self.medium))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Take and clear the queued KV cache events (``[]`` when disabled),
+        after applying queued completions (a failed load's removed events).
+        O(1)."""
+        self._apply_completions()
+        if not self.enable_kv_cache_events:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counters[name] += n
+
+    # ------------------------------------------------------------------
+    # fences and accesses
+    # ------------------------------------------------------------------
+
+    def _fence(self, groups: Iterable[tuple[Sequence[KVCacheBlock], AccessKind]], st: StreamState) -> Fence:
+        """:func:`~blockpool.shadows.fence_of`, counted. O(blocks + k^2)."""
+        fence = fence_of(groups, st, self.tracker, self.debug)
+        c = self._counters
+        c["fences"] += 1
+        n = len(fence.tokens)
+        if not n:
+            c["empty_fences"] += 1
+            return fence
+        c["fence_tokens"] += n
+        c["max_fence_size"] = max(c["max_fence_size"], n)
+        if fence.needs_host_wait:
+            c["host_wait_fences"] += 1
+        return fence
+
+    def _record(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
+        """Record ``token``'s ``access`` in the shadows of ``blocks`` (nulls
+        skipped). A write first saves what it replaces (pending writes: a
+        failed write puts it back). O(len(blocks))."""
+        null = self.null_block
+        if access is _WRITE:
+            self.writes.begin_write(token, blocks, null)
+        record(blocks, token, access, self.tracker.is_ended)
+        clear(null)  # the null block never has a shadow
+
+    def _unwritten(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """A write recorded after its token had failed: it never happened,
+        so the blocks' content is not what their keys name: withdraw the
+        keys and mark the content invalid (no shadow changes). O(len(blocks))."""
+        null = self.null_block
+        data = [b for b in blocks if b is not null]
+        self.writes.mark_invalid(data)
+        for b in data:
+            self._drop_keys(b)
 
     # ------------------------------------------------------------------
     # validation helpers (raise before any change)

@@ -5,19 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from blockpool._base import (
-    PoolBase,
-    _as_list,
-    _check_key,
-    logger,
-)
+from blockpool._base import PoolBase, _as_list, _check_key, logger
 from blockpool.block import KVCacheBlock
-from blockpool.errors import (
-    HashConflictError,
-    InvalidArgumentError,
-    NullBlockError,
-)
-from blockpool.events import AllBlocksCleared, BlockRemoved, BlockStored
+from blockpool.errors import HashConflictError, InvalidArgumentError, NullBlockError
 
 __all__ = ["CacheOps"]
 
@@ -36,18 +26,11 @@ class CacheOps(PoolBase):
         Raises:
             InvalidArgumentError: ``block_hash`` is not hashable.
         """
-        if self._inbox:
-            self._apply_completions()  # a queued failed load must unpublish its keys first
+        self._apply_completions()  # a queued failed load must unpublish its keys first
         try:
-            v = self.prefix_cache._map.get(block_hash)
+            return self.prefix_cache.lookup(block_hash)
         except TypeError:
             raise InvalidArgumentError(f"block hash must be hashable, got {block_hash!r}") from None
-        self._lookups += 1
-        if v is None:
-            return None
-        self._hits += 1
-        # A key shared by several blocks maps to {block_id: block} (PrefixCache).
-        return next(iter(v.values())) if type(v) is dict else v  # type: ignore[union-attr,return-value]
 
     def cache_full_blocks(
         self,
@@ -81,8 +64,7 @@ class CacheOps(PoolBase):
             HashConflictError: a block already cached under a different key
                 for the same or a longer prefix.
         """
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         lo, hi = num_cached_blocks, num_full_blocks
         if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= len(blocks)):
             raise InvalidArgumentError(
@@ -101,16 +83,18 @@ class CacheOps(PoolBase):
             not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0
         ):
             raise InvalidArgumentError(f"block_size must be a positive int or None, got {block_size!r}")
-        # Pass 1 checks everything (nothing changes if it raises); pass 2
-        # publishes. A block with no key yet (the common case) is inserted
-        # inline: one dict lookup and one store; promotions and blocks that
-        # already hold a key go through the prefix cache's insert.
+        # Pass 1 checks everything (nothing changes if it raises) and lists
+        # the blocks to publish; pass 2 (the prefix cache) publishes.
         self._own_all(blocks[lo:hi])
         null = self.null_block
         mask = block_mask
         if generations is not None:
             self._fresh_range(blocks, generations, lo, hi, mask)
+        writes = self.writes
+        invalid = writes.has_invalid()
+        refused = 0
         promote: set[int] = set()
+        publish: list[int] = []
         for i in range(lo, hi):
             b = blocks[i]
             if b is null or (mask is not None and not mask[i - lo]):
@@ -133,46 +117,23 @@ class CacheOps(PoolBase):
                             f"({old} tokens); it cannot also be full block {key!r} ({ntok} tokens)"
                         )
                     promote.add(i)
-        pc = self.prefix_cache
-        m = pc._map
-        invalid = self._invalid
-        events = self.enable_kv_cache_events
-        stored: list[Hashable] = []
-        ids: list[int] = []
-        for i in range(lo, hi):
-            b = blocks[i]
-            if b is null or (mask is not None and not mask[i - lo]):
+            if invalid and writes.is_invalid(b.block_id):
+                refused += 1
                 continue
-            if invalid and b.block_id in invalid:
-                self._counters["unpublished_failed_loads"] += 1
-                continue
-            key = block_hashes[i]
-            if b.block_hash is None:
-                # PrefixCache.insert for a block holding no key, inline.
-                v = m.get(key)
-                if v is None:
-                    m[key] = b
-                elif v is b or (type(v) is dict and b.block_id in v):  # type: ignore[operator]
-                    continue
-                elif type(v) is dict:
-                    v[b.block_id] = b  # type: ignore[index]
-                else:
-                    m[key] = {v.block_id: v, b.block_id: b}  # type: ignore[union-attr,dict-item]
-                b.block_hash = key
-                b.block_hash_num_tokens = (i + 1) * block_size if block_size else None
-            else:
-                if i in promote:
-                    self._retire(b, self._drop_keys(b, "promoted"))
-                if not pc.insert(key, b, (i + 1) * block_size if block_size else None):
-                    continue
-            if events:
-                stored.append(key)
-                ids.append(b.block_id)
-        if stored and self.enable_kv_cache_events:
-            parent = block_hashes[lo - 1] if lo > 0 else None
-            self.kv_event_queue.append(
-                BlockStored(tuple(stored), parent, block_size, tuple(ids), self.medium)
-            )
+            publish.append(i)
+        if refused:
+            self._count("unpublished_failed_loads", refused)
+        published, removed = self.prefix_cache.publish_full(blocks, block_hashes, publish, block_size, promote)
+        if self.enable_kv_cache_events:
+            self._removed(removed, "promoted")
+            if published:
+                parent = block_hashes[lo - 1] if lo > 0 else None
+                self._stored(
+                    tuple(block_hashes[i] for i in published),
+                    parent,
+                    block_size,
+                    tuple(blocks[i].block_id for i in published),
+                )
 
     def _fresh_range(
         self,
@@ -239,8 +200,7 @@ class CacheOps(PoolBase):
                 inside its block); or ``block_hash`` is ``None`` or
                 unhashable; ``generation`` is not an int. Nothing changes.
         """
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         b = self._own(block)
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens <= 0:
             raise InvalidArgumentError(f"num_tokens must be a positive int, got {num_tokens!r}")
@@ -250,11 +210,12 @@ class CacheOps(PoolBase):
         if b.is_null:
             return None
         bid = b.block_id
+        pc = self.prefix_cache
         old = b.block_hash_num_tokens
         if (
             not replace_existing_hashes
             and b.block_hash is not None
-            and bid not in self._partial
+            and not pc.is_partial(bid)
             and old is not None
             and num_tokens > old
         ):
@@ -262,29 +223,22 @@ class CacheOps(PoolBase):
                 f"block {bid} is a full block covering {old} tokens (key {b.block_hash!r}); "
                 f"a partial key inside it cannot cover {num_tokens} tokens"
             )
-        if bid in self._invalid:
-            self._counters["unpublished_failed_loads"] += 1
+        if self.writes.is_invalid(bid):
+            self._count("unpublished_failed_loads")
             return None
-        pc = self.prefix_cache
         already = b.block_hash == block_hash or pc.contains(block_hash, b)
         if replace_existing_hashes:
-            self._retired.pop(bid, None)
-        elif not already:
-            retired = self._retired.get(bid)
-            if retired is not None and block_hash in retired:
-                return None
-        if replace_existing_hashes:
+            pc.unretire(bid)
             self._drop_keys(b, "replaced")
             already = False
+        elif not already and pc.is_retired(bid, block_hash):
+            return None
         elif not already and b.block_hash is not None and old is not None and old < num_tokens:
-            self._retire(b, self._drop_keys(b, "promoted"))  # a longer partial key of the same block
-        if b.block_hash is None:
-            self._partial.add(bid)  # the key becomes the primary one
-        pc.insert(block_hash, b, num_tokens)
-        if not already and self.enable_kv_cache_events:
-            self.kv_event_queue.append(
-                BlockStored((block_hash,), parent_block_hash, num_tokens, (bid,), self.medium)
-            )
+            # a longer partial key of the same block
+            self._removed(pc.reportable(pc.promote(b)), "promoted")
+        pc.publish(block_hash, b, num_tokens, partial=True)
+        if not already:
+            self._stored((block_hash,), parent_block_hash, num_tokens, (bid,))
         return block_hash
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
@@ -303,45 +257,7 @@ class CacheOps(PoolBase):
             raise NullBlockError("the null block holds no prefix-cache keys")
         if self.prefix_cache.keys_of(dst):
             raise HashConflictError(f"block {dst.block_id} already holds prefix-cache keys")
-        ntok = src.block_hash_num_tokens
-        partial = self._partial
-        was_partial = src.block_id in partial
-        partial.discard(src.block_id)
-        if was_partial:
-            partial.add(dst.block_id)
-        retired = self._retired.pop(src.block_id, None)
-        self._retired.pop(dst.block_id, None)
-        if retired:
-            self._retired[dst.block_id] = retired
-        first = True
-        for key in self.prefix_cache.remove_block(src):
-            self.prefix_cache.insert(key, dst, ntok if first else None)
-            first = False
-
-    def _drop_keys(self, b: KVCacheBlock, reason: str | None = None) -> list[Hashable]:
-        """Withdraw every key of ``b``; a removed event for each key that no
-        block holds any more (a key another block still holds stays
-        published, so no event), or for every key with
-        ``removal_events="each"``. ``reason`` (see :class:`BlockRemoved`): by
-        default ``"load_failed"`` for a block whose load failed (marked
-        invalid before its keys go), else ``"evicted"``. Returns the keys
-        withdrawn from ``b``."""
-        keys = self.prefix_cache.remove_block(b)
-        self._partial.discard(b.block_id)
-        if keys and self.enable_kv_cache_events:
-            if reason is None:
-                reason = "load_failed" if b.block_id in self._invalid else "evicted"
-            medium = self.medium
-            m = self.prefix_cache._map
-            each = self._removal_each
-            self.kv_event_queue.extend(BlockRemoved((k,), medium, reason) for k in keys if each or k not in m)
-        return keys
-
-    def _retire(self, b: KVCacheBlock, keys: list[Hashable]) -> None:
-        """Remember ``keys``, withdrawn from ``b`` by a promotion, as retired
-        for ``b`` (see :meth:`cache_partial_block`)."""
-        if keys:
-            self._retired.setdefault(b.block_id, set()).update(keys)
+        self.prefix_cache.move(src, dst)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the prefix-cache keys of the given blocks (removed events).
@@ -359,11 +275,12 @@ class CacheOps(PoolBase):
                 raise InvalidArgumentError(
                     f"invalid block_id {bid!r}: the pool has {self.num_gpu_blocks} blocks"
                 )
+        pc = self.prefix_cache
         for bid in ids:
             b = self.blocks[bid]
-            if self.prefix_cache.keys_of(b):
-                self._drop_keys(b, "evicted")
-                self._counters["evictions"] += 1
+            keys = pc.evict(b)
+            if keys:
+                self._removed(pc.reportable(keys), "evicted")
 
     def reset_prefix_cache(self, *, while_running: bool = False) -> bool:
         """Drop every key (one all-cleared event).
@@ -385,17 +302,12 @@ class CacheOps(PoolBase):
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet "
                 "(%d held back for host transfers)",
                 busy,
-                len(self._held),
+                len(self.holdback),
             )
             return False
-        self.prefix_cache.clear()
-        for b in self.blocks:
-            b.reset_hash()
+        self.prefix_cache.clear(self.blocks)
         if not busy:
-            self._invalid.clear()  # every block is free: each is rewritten before it is published
-        self._partial.clear()
-        self._retired.clear()
-        if self.enable_kv_cache_events:
-            self.kv_event_queue.append(AllBlocksCleared(self.medium))
+            self.writes.clear_invalid()  # every block is free: each is rewritten before it is published
+        self._cleared()
         logger.info("Successfully reset prefix cache%s", f" ({busy} blocks in use or held kept)" if busy else "")
         return True

@@ -1,26 +1,14 @@
-"""Fences and accesses: computing the fence of an access from the blocks'
-shadows, recording accesses, and the ``begin_*`` calls."""
+"""Fences and accesses of the pool: ``fence_for``, ``tag`` and the
+``begin_*`` calls (the computation is :mod:`blockpool.shadows`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from blockpool._base import (
-    _DEVICE,
-    _HOST,
-    _READ,
-    _UNSET,
-    _WRITE,
-    PoolBase,
-    _as_list,
-    _with_read,
-)
+from blockpool._base import _READ, _WRITE, PoolBase, _as_list
 from blockpool.block import KVCacheBlock
-from blockpool.errors import (
-    InvalidArgumentError,
-    NullBlockError,
-)
-from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, Token
+from blockpool.errors import InvalidArgumentError, NullBlockError
+from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, Token
 from blockpool.tracker import StreamState
 
 __all__ = ["FenceOps"]
@@ -52,126 +40,13 @@ class FenceOps(PoolBase):
             ForeignBlockError: a block of another pool.
             InvalidArgumentError: ``access`` is not an AccessKind.
         """
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         st = self.tracker.state(stream)
         access = self._check_access(access)
         block_list = self._own_all(blocks)
         if not self.track_hazards:
             return EMPTY_FENCE
         return self._fence(((block_list, access),), st)
-
-    def _fence(
-        self,
-        groups: Iterable[tuple[Sequence[KVCacheBlock], AccessKind]],
-        st: StreamState,
-    ) -> Fence:
-        # Candidates: newest token per device stream, each host token apart
-        # (keyed by (stream, seq): Token's own hash is a Python function).
-        # Blocks allocated together were mostly freed together and share
-        # their shadow objects, so a writer or readers object identical to
-        # the previous block's adds nothing and is skipped: per block, the
-        # scan is two attribute reads and two identity tests.
-        # Tokens on the consumer itself, when it is an in-order device
-        # stream, are never waited on (HazardTracker.reduce drops them
-        # first); the scan skips them before they become candidates.
-        cand: dict[object, Token] = {}
-        why: dict[Token, FenceReason] | None = {} if self.debug else None
-        get = cand.get
-        own = st.name if st.kind is _DEVICE else None
-        lw: object = _UNSET
-        lr: object = _UNSET
-        for blocks, access in groups:
-            write = access is _WRITE
-            for b in blocks:
-                w = b.writer
-                if w is not None and w is not lw:
-                    lw = w
-                    if w.stream != own:
-                        k: object = w.stream if w.kind is not _HOST else (w.stream, w.seq)
-                        cur = get(k)
-                        if cur is None or cur.seq < w.seq:
-                            cand[k] = w
-                            if why is not None:
-                                why[w] = FenceReason(w, b.block_id, "writer", access)
-                if write:
-                    r = b.readers
-                    if r is not None and r is not lr:
-                        lr = r
-                        for t in (r,) if type(r) is Token else r:  # type: ignore[union-attr]
-                            if t.stream == own:
-                                continue
-                            k = t.stream if t.kind is not _HOST else (t.stream, t.seq)
-                            cur = get(k)
-                            if cur is None or cur.seq < t.seq:
-                                cand[k] = t
-                                if why is not None:
-                                    why[t] = FenceReason(t, b.block_id, "reader", access)
-        c = self._counters
-        c["fences"] += 1
-        if not cand:
-            c["empty_fences"] += 1
-            return EMPTY_FENCE
-        tokens = self.tracker.reduce(cand.values(), st)
-        if not tokens:
-            c["empty_fences"] += 1
-            return EMPTY_FENCE
-        self.tracker.wait(st, tokens)
-        host_wait = st.kind is _HOST or any(t.kind is _HOST for t in tokens)
-        c["fence_tokens"] += len(tokens)
-        if len(tokens) > c["max_fence_size"]:
-            c["max_fence_size"] = len(tokens)
-        if host_wait:
-            c["host_wait_fences"] += 1
-        reasons: tuple[FenceReason, ...] = ()
-        if why is not None:
-            tokens.sort(key=lambda t: (t.stream, t.seq))
-            reasons = tuple(why[t] for t in tokens)
-        return Fence(tokens, host_wait, reasons)
-
-    def _record(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
-        """Write ``token`` into the shadows of ``blocks`` (nulls skipped).
-
-        A write replaces the shadow. A read joins the readers
-        (:func:`_with_read`); readers values are immutable and shared, so the
-        new value is computed once per distinct old value and assigned to
-        every block that had it: one identity test and one store per block."""
-        null = self.null_block
-        if access is _WRITE:
-            # Save what the write replaces, whatever records it (tag, a
-            # free with WRITE, begin_load, begin_copy): a failed write may
-            # have failed before its waits, so its fail() puts this back
-            # (TokenOps._undo_failed_write). Dropped when the token ends.
-            per_stream = self._writes.get(token.stream)
-            if per_stream is None:
-                per_stream = self._writes[token.stream] = {}
-            saved = per_stream.get(token.seq)
-            if saved is None:
-                saved = per_stream[token.seq] = []
-            seq = token.seq
-            stream = token.stream
-            for b in blocks:
-                w = b.writer
-                if b is not null and (w is None or w.seq != seq or w.stream != stream):
-                    saved.append((b, w, b.readers))
-                b.writer = token
-                b.readers = None
-            null.writer = null.readers = None  # the null block never has a shadow
-            invalid = self._invalid
-            if invalid:
-                for b in blocks:
-                    invalid.discard(b.block_id)
-            return
-        ended = self.tracker.is_ended
-        last_in: object = _UNSET
-        last_out: Token | tuple[Token, ...] | None = None
-        for b in blocks:
-            r = b.readers
-            if r is not last_in:
-                last_in = r
-                last_out = _with_read(r, token, ended)
-            b.readers = last_out
-        null.readers = None
 
     def tag(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
         """Record that ``token``'s work accesses ``blocks`` (e.g. step N's
@@ -187,8 +62,7 @@ class FenceOps(PoolBase):
             ForeignBlockError, UnknownStreamError, UnknownTokenError, ForeignTokenError,
             InvalidArgumentError: as the names say; nothing changes.
         """
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         self.tracker.validate(token)
         access = self._check_access(access)
         block_list = self._own_all(blocks)
@@ -197,19 +71,8 @@ class FenceOps(PoolBase):
         elif access is _WRITE:
             if self.tracker.has_failed(token):
                 self._unwritten(block_list)  # the write never happened
-            elif self._invalid:
-                for b in block_list:
-                    self._invalid.discard(b.block_id)
-
-    def _unwritten(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """A write recorded after its token had failed: it never happened,
-        so the blocks' content is not what their keys name: withdraw the
-        keys and mark the content invalid (no shadow changes). O(len(blocks))."""
-        null = self.null_block
-        for b in blocks:
-            if b is not null:
-                self._invalid.add(b.block_id)
-                self._drop_keys(b)
+            else:
+                self.writes.rewritten(block_list)
 
     def _begin(
         self,
@@ -262,8 +125,7 @@ class FenceOps(PoolBase):
             InvalidArgumentError: a pair is not a 2-tuple, or
                 ``generations`` is not one pair of ints per pair.
         """
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         st = self.tracker.state(stream)
         srcs: list[KVCacheBlock] = []
         dsts: list[KVCacheBlock] = []
@@ -297,8 +159,7 @@ class FenceOps(PoolBase):
     def _begin_transfer(
         self, blocks: Iterable[KVCacheBlock], stream: str, access: AccessKind, what: str
     ) -> tuple[Token, Fence]:
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         st = self.tracker.state(stream)
         return self._begin(((self._data_blocks(blocks, what), access),), stream, st, access is _WRITE)
 
@@ -307,8 +168,7 @@ class FenceOps(PoolBase):
     ) -> tuple[Token, Fence]:
         """:meth:`_begin_transfer` of a table checked against its
         ``generations`` first (the fast path stays as it was)."""
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         st = self.tracker.state(stream)
         block_list = self._own_all(blocks)
         self._check_fresh(block_list, generations, what)

@@ -5,17 +5,14 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 
-from blockpool._base import (
-    PoolBase,
-    _shadow_tokens,
-)
+from blockpool._base import _HOST, PoolBase
 from blockpool.block import KVCacheBlock
 from blockpool.errors import (
     InvalidArgumentError,
     InvariantError,
+    RefCountError,
 )
-from blockpool.events import KVCacheEvent
-from blockpool.hazards import StreamKind
+from blockpool.shadows import _UNSET, shadow_ready, shadow_tokens
 from blockpool.stats import PoolSnapshot, PoolStats
 
 __all__ = ["IntrospectionOps"]
@@ -31,8 +28,7 @@ class IntrospectionOps(PoolBase):
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (held blocks excluded). O(1) plus queued
         completions."""
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
@@ -79,44 +75,120 @@ class IntrospectionOps(PoolBase):
             ForeignBlockError: a block of another pool.
             InvalidArgumentError: ``blocks`` is not an iterable of blocks.
         """
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         block_list = self._own_all(blocks)
         gens = self._gens
         if gens is None:
             gens = self._gens = array("Q", (0,)) * self.num_gpu_blocks  # exactly sized (frombytes over-allocates 1/16)
         return tuple([gens[b.block_id] for b in block_list])
 
+    def _stamp(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Give newly allocated ``blocks`` a new generation (the serial of
+        this allocation), once :meth:`generations` turned generations on.
+        Returns ``blocks``. O(len(blocks))."""
+        self._alloc_serial = serial = self._alloc_serial + 1
+        gens = self._gens
+        assert gens is not None
+        for b in blocks:
+            gens[b.block_id] = serial
+        return blocks
+
+    def allocatable_if_freed(self, blocks: Iterable[KVCacheBlock]) -> list[bool]:
+        """Whether freeing ``blocks`` now (one reference per listing, as
+        :meth:`free_blocks`) would make each allocatable at once: its ref
+        count reaches 0 and no host-engine access on it is pending (else
+        :meth:`free_blocks` would hold it back). One answer per listed
+        block, in order; the null block is never allocatable. A device
+        access still in flight does not prevent it (the next user gets a
+        fence instead). Changes nothing (it applies queued completions
+        first, like every call). O(len(blocks)).
+
+        Raises:
+            ForeignBlockError: a block of another pool.
+            InvalidArgumentError: ``blocks`` is not iterable.
+            RefCountError: a block is listed more often than it is
+                referenced (:meth:`free_blocks` would refuse the call).
+        """
+        self._apply_completions()
+        block_list = self._own_all(blocks)
+        listed: dict[int, int] = {}
+        for b in block_list:
+            if b is not self.null_block:
+                listed[b.block_id] = listed.get(b.block_id, 0) + 1
+        for bid, n in listed.items():
+            if self.blocks[bid].ref_cnt < n:
+                raise RefCountError(
+                    f"block {bid} is listed {n} times but referenced {self.blocks[bid].ref_cnt} times"
+                )
+        check_host = self.track_hazards and self.tracker.host_pending()
+        out = []
+        for b in block_list:
+            if b is self.null_block or b.ref_cnt != listed[b.block_id]:
+                out.append(False)
+            elif check_host:
+                ended = self.tracker.is_ended
+                out.append(not any(t.kind is _HOST and not ended(t) for t in shadow_tokens(b)))
+            else:
+                out.append(True)
+        return out
+
+    def num_ready_free_blocks(self, stream: str) -> int:
+        """Free blocks a write on ``stream`` could begin on without waiting:
+        every access on them ended, or ``stream`` is already ordered after
+        it (their fence for ``stream`` would be empty). Held blocks are not
+        free. With ``track_hazards=False``, every free block. The figure
+        ready-first placement works with: a load of ``n`` blocks can have
+        an empty fence only if this is at least ``n`` when it is placed.
+        O(free blocks); readiness is decided once per distinct shadow.
+
+        Raises:
+            UnknownStreamError: ``stream`` is not registered.
+        """
+        self._apply_completions()
+        st = self.tracker.state(stream)
+        if not self.track_hazards:
+            return self.free_block_queue.num_free_blocks
+        tracker = self.tracker
+        lw: object = _UNSET
+        lr: object = _UNSET
+        ok = True
+        count = 0
+        for b in self.free_block_queue:
+            if b.block_id < 0:
+                continue  # a policy queue's divider
+            w, r = b.writer, b.readers
+            if w is not lw or r is not lr:
+                lw, lr = w, r
+                ok = shadow_ready(w, r, st, tracker)
+            count += ok
+        return count
+
     def held_block_ids(self) -> list[int]:
         """Blocks held back for pending host-engine accesses, sorted. O(h log h)."""
         self._apply_completions()
-        return sorted(self._held)
+        return self.holdback.held_ids()
 
     def expired_leases(self) -> list[int]:
         """Held blocks whose lease expired (still quarantined), sorted.
         O(h log h), h = expired held blocks."""
         self._apply_completions()
-        return sorted(self._expired)
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """Take and clear the queued KV cache events (``[]`` when disabled),
-        after applying queued completions (a failed load's removed events).
-        O(1)."""
-        if self._inbox:
-            self._apply_completions()
-        if not self.enable_kv_cache_events:
-            return []
-        events, self.kv_event_queue = self.kv_event_queue, []
-        return events
+        return self.holdback.expired_ids()
 
     def _all_counters(self) -> dict[str, int]:
-        return {**self._counters, "lookups": self._lookups, "hits": self._hits}
+        pc = self.prefix_cache
+        return {
+            **self._counters,
+            "lookups": pc.lookups,
+            "hits": pc.hits,
+            "evictions": pc.evictions,
+            "leases_expired": self.holdback.leases_expired,
+        }
 
     def stats(self) -> PoolStats:
         """Counters and occupancy. O(num_gpu_blocks)."""
         self._apply_completions()
         free = self.free_block_queue.num_free_blocks
-        held = len(self._held)
+        held = len(self.holdback)
         usable = self.num_gpu_blocks - 1
         cached = sum(1 for b in self.blocks if b.block_hash is not None)
         return PoolStats(
@@ -160,87 +232,30 @@ class IntrospectionOps(PoolBase):
         if len(free_set) != len(free_ids):
             raise InvariantError("a block appears twice in the free queue")
         null = self.null_block
-        if 0 in free_set or null.ref_cnt != 0 or null.block_hash is not None or 0 in self._held:
+        held = self.holdback
+        if 0 in free_set or null.ref_cnt != 0 or null.block_hash is not None or 0 in held:
             raise InvariantError("the null block is free, held, referenced or cached")
+        if null.writer is not None or null.readers is not None:
+            raise InvariantError("the null block has a shadow")
         for b in self.blocks:
             if b.ref_cnt < 0:
                 raise InvariantError(f"block {b.block_id} has ref count {b.ref_cnt}")
             if b.block_id in free_set and b.ref_cnt != 0:
                 raise InvariantError(f"free block {b.block_id} has ref count {b.ref_cnt}")
-        for bid, pending in self._held.items():
-            if bid in free_set or self.blocks[bid].ref_cnt != 0 or not pending:
-                raise InvariantError(f"held block {bid} is free, referenced or has no pending token")
         used = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
         zero_not_free = sum(
             1 for b in self.blocks[1:] if b.ref_cnt == 0 and b.block_id not in free_set
         )
-        if zero_not_free != len(self._held):
+        if zero_not_free != len(held):
             raise InvariantError(
                 f"{zero_not_free} unreferenced blocks are outside the free queue but "
-                f"{len(self._held)} are held"
+                f"{len(held)} are held"
             )
-        if len(free_set) + len(self._held) + used != self.num_gpu_blocks - 1:
+        if len(free_set) + len(held) + used != self.num_gpu_blocks - 1:
             raise InvariantError("free + held + used != total")
-        seen_pairs = set()
-        for key, blocks in self.prefix_cache.items():
-            if not blocks:
-                raise InvariantError(f"key {key!r} maps to no block")
-            for b in blocks:
-                if self.blocks[b.block_id] is not b or b.is_null:
-                    raise InvariantError(f"key {key!r} maps to a foreign or null block")
-                if key not in self.prefix_cache.keys_of(b):
-                    raise InvariantError(f"key {key!r} maps to block {b.block_id} which lacks it")
-                seen_pairs.add((key, b.block_id))
-        for b in self.blocks:
-            for key in self.prefix_cache.keys_of(b):
-                if (key, b.block_id) not in seen_pairs:
-                    raise InvariantError(f"block {b.block_id} holds key {key!r} the map lacks")
-        for bid, extra in self.prefix_cache.extra_keys().items():
-            if extra and self.blocks[bid].block_hash is None:
-                raise InvariantError(f"block {bid} has extra keys but no primary key")
-        self._check_hazards()
-
-    def _check_hazards(self) -> None:
-        """The hazard half of :meth:`check`: held sets, leases, pending
-        writes, invalid marks. O(held + pending write entries + invalid)."""
-        tracker = self.tracker
-        host = StreamKind.HOST
-        for bid, pending in self._held.items():
-            for t in pending:
-                st = tracker.streams.get(t.stream)
-                if st is None or st.kind is not host or t.kind is not host:
-                    raise InvariantError(f"held block {bid} waits on {t}, not a host-engine token")
-                if tracker.is_ended(t):
-                    raise InvariantError(f"held block {bid} still waits on {t}, which has ended")
-                if not any(b.block_id == bid for b in self._held_by.get(t, ())):
-                    raise InvariantError(f"held block {bid} is not listed under its pending token {t}")
-        if self._held_by and not tracker.host_pending():
-            live = [t for t, blocks in self._held_by.items() if any(b.block_id in self._held for b in blocks)]
-            if live:
-                raise InvariantError(f"blocks held on {live[0]} with no host token pending")
-        if self._leases_on:
-            for bid in self._held:
-                if bid not in self._deadline:
-                    raise InvariantError(f"held block {bid} has no lease")
-        for bid in self._deadline:
-            if bid not in self._held:
-                raise InvariantError(f"block {bid} has a lease but is not held")
-        for bid in self._expired:
-            if bid not in self._held:
-                raise InvariantError(f"block {bid} has an expired lease but is not held")
-        for stream, per_seq in self._writes.items():
-            st = tracker.streams.get(stream)
-            if st is None:
-                raise InvariantError(f"pending writes on unknown stream {stream!r}")
-            for seq, entries in per_seq.items():
-                if st.is_ended(seq):
-                    raise InvariantError(f"saved shadows of {stream}:{seq}, which has ended")
-                for b, _w, _r in entries:
-                    if self.blocks[b.block_id] is not b or b.is_null:
-                        raise InvariantError(f"{stream}:{seq} saved the shadow of a foreign or null block")
-        for bid in self._invalid:
-            if not (isinstance(bid, int) and 0 < bid < self.num_gpu_blocks):
-                raise InvariantError(f"invalid mark on {bid!r}, not a data block")
+        self.prefix_cache._check(self.blocks)
+        held._check(self.tracker, self.blocks, free_set)
+        self.writes._check(self.tracker, self.blocks)
         gens = self._gens
         if gens is not None and (
             len(gens) != self.num_gpu_blocks or gens[0] != 0 or max(gens) > self._alloc_serial
@@ -258,16 +273,14 @@ class IntrospectionOps(PoolBase):
         return PoolSnapshot(
             ref_counts=tuple(b.ref_cnt for b in self.blocks),
             free_queue=tuple(b.block_id for b in self.free_block_queue),
-            held=tuple(
-                (bid, tuple(sorted(map(str, toks)))) for bid, toks in sorted(self._held.items())
-            ),
+            held=self.holdback.snapshot(),
             cache=tuple(
                 (b.block_id, repr(k), b.block_hash_num_tokens if k == b.block_hash else None)
                 for b in self.blocks
                 for k in pc.keys_of(b)
             ),
             shadows=tuple(
-                (b.block_id, str(b.writer), tuple(sorted(map(str, _shadow_tokens(b)))))
+                (b.block_id, str(b.writer), tuple(sorted(map(str, shadow_tokens(b)))))
                 for b in self.blocks
                 if b.writer is not None or b.readers is not None
             ),
@@ -279,5 +292,5 @@ class IntrospectionOps(PoolBase):
                 (n, tuple(sorted(s.clock.dev.items())), tuple(sorted(map(str, s.clock.host))))
                 for n, s in sorted(tr.streams.items())
             ),
-            counters=tuple(sorted(self._all_counters().items())) + (("invalid", len(self._invalid)),),
+            counters=tuple(sorted(self._all_counters().items())) + (("invalid", self.writes.num_invalid()),),
         )

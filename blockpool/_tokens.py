@@ -1,24 +1,11 @@
 """Streams, tokens and completions of the pool: issue, complete, fail,
-abandon, and what applying a completion does (held blocks released, failed
-writes undone, leases checked)."""
+abandon. What applying a completion does (held blocks released, failed
+writes undone, leases checked) is :meth:`PoolBase._apply_completions`."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
-
-from blockpool._base import (
-    _HOST,
-    PoolBase,
-    _with_read,
-    logger,
-)
-from blockpool.block import KVCacheBlock
-from blockpool.errors import (
-    LeaseExpiredWarning,
-)
+from blockpool._base import PoolBase
 from blockpool.hazards import StreamKind, Token
-from blockpool.tracker import StreamState
 
 __all__ = ["TokenOps"]
 
@@ -37,6 +24,7 @@ class TokenOps(PoolBase):
             InvalidArgumentError: empty name, bad kind, or the name is already
                 registered with another kind.
         """
+        self._apply_completions()
         self.tracker.add_stream(name, kind)
 
     @property
@@ -52,8 +40,7 @@ class TokenOps(PoolBase):
         Raises:
             UnknownStreamError: ``stream`` was never registered.
         """
-        if self._inbox or self._leases_on:
-            self._apply_completions()
+        self._apply_completions()
         return self.tracker.issue(stream)
 
     def last_token(self, stream: str) -> Token | None:
@@ -65,6 +52,7 @@ class TokenOps(PoolBase):
         Raises:
             UnknownStreamError: ``stream`` is not registered.
         """
+        self._apply_completions()
         st = self.tracker.state(stream)
         return Token(st.name, st.last_seq, st.kind, self.pool_id) if st.last_seq else None
 
@@ -117,12 +105,12 @@ class TokenOps(PoolBase):
         """
         self._apply_completions()
         self.tracker.validate(token)
-        before = set(self._held)
+        before = set(self.holdback.held_ids())
         ended = self.tracker.end(token, True)
         if ended:
-            self._counters["abandoned"] += 1
+            self._count("abandoned")
         self._on_ended(token, True, ended)
-        return sorted(before - set(self._held))
+        return sorted(before - set(self.holdback.held_ids()))
 
     def poll(self) -> None:
         """Apply queued completions and check leases now. O(completions)."""
@@ -140,138 +128,3 @@ class TokenOps(PoolBase):
         self._apply_completions()
         self.tracker.validate(token)
         return self.tracker.is_ended(token)
-
-    def _apply_completions(self) -> None:
-        """Apply the completions and failures queued by ``complete``/``fail``
-        (any thread) and check expired leases: ended tokens release their
-        held blocks, failed writes are undone. Never blocks (not a "sync":
-        that word is kept for blocking waits). O(queued + newly ended +
-        blocks released)."""
-        tracker = self.tracker
-        if tracker._inbox:
-            for token, failed, ended in tracker.drain():
-                if failed and not ended:
-                    self._late_failure(token)
-                else:
-                    self._on_ended(token, failed, ended)
-        if self._leases:
-            self._check_leases()
-
-    def _on_ended(
-        self, token: Token, failed: bool, ended: list[tuple[StreamState, list[int]]]
-    ) -> None:
-        for st, seqs in ended:
-            writes = self._writes.get(st.name)
-            if writes:
-                for seq in seqs:
-                    before = writes.pop(seq, None)
-                    if before is not None and failed and seq == token.seq and st.name == token.stream:
-                        self._undo_failed_write(token, before)
-            if st.kind is _HOST and self._held_by:
-                for seq in seqs:
-                    self._release_held(Token(st.name, seq, _HOST))
-
-    def _release_held(self, token: Token) -> None:
-        # Blocks held together share one pending set (see _enqueue_free), so
-        # the set is usually the same object block after block: discard once.
-        held = self._held
-        leases = self._leases_on
-        release: list[KVCacheBlock] = []
-        last = None
-        for b in self._held_by.pop(token, ()):
-            pending = held.get(b.block_id)
-            if pending is None:
-                continue  # released already (a touch took it)
-            if pending is not last:
-                last = pending
-                pending.discard(token)
-            if not pending:
-                if leases:
-                    self._unhold(b.block_id)
-                else:
-                    del held[b.block_id]
-                release.append(b)
-        if release:
-            self._enqueue_free(release)
-
-    def _late_failure(self, token: Token) -> None:
-        """``token`` failed after it had already ended (through another
-        token's completion, or a later token of its in-order stream): the
-        accesses it replaced had ended, but its content was never written.
-        Every block whose write in effect is still ``token``'s loses its keys
-        and is not published until rewritten. O(num_gpu_blocks); failures
-        are rare."""
-        stream, seq = token.stream, token.seq
-        invalid = self._invalid
-        for b in self.blocks:
-            w = b.writer
-            if w is not None and w.seq == seq and w.stream == stream:
-                invalid.add(b.block_id)
-                self._drop_keys(b)
-
-    def _undo_failed_write(
-        self, token: Token, before: list[tuple[KVCacheBlock, Token | None, Token | tuple[Token, ...] | None]]
-    ) -> None:
-        """A write (tag, free with WRITE, load, copy) failed: it may have
-        failed before its own waits, so
-        the accesses it replaced in each block's shadow may still run; put
-        them back (with the reads recorded since), mark the content invalid
-        and withdraw the blocks' keys."""
-        ended = self.tracker.is_ended
-
-        def merge(base: object, extra: object) -> object:
-            for t in () if extra is None else ((extra,) if type(extra) is Token else extra):  # type: ignore[attr-defined]
-                base = _with_read(base, t, ended)  # type: ignore[arg-type]
-            return base
-
-        for b, writer, readers in before:
-            w = b.writer
-            if w is None or w.stream != token.stream or w.seq != token.seq:
-                # Rewritten since: the newer write saved this failed one as
-                # what it replaced; hand it what the failed write replaced.
-                self._resave_replaced(b, token, writer, readers, merge)
-                continue
-            b.writer = writer
-            b.readers = merge(readers, b.readers)  # type: ignore[assignment]
-            self._invalid.add(b.block_id)
-            self._drop_keys(b)
-            if b.ref_cnt == 0 and b.prev_free_block is not None:
-                # Free again, but the restored accesses may need a hold.
-                self.free_block_queue.remove(b)
-                self._enqueue_free([b])
-
-    def _resave_replaced(
-        self,
-        b: KVCacheBlock,
-        failed: Token,
-        writer: Token | None,
-        readers: Token | tuple[Token, ...] | None,
-        merge: Callable[[object, object], object],
-    ) -> None:
-        """In the saved shadow of every later pending write of ``b`` that
-        replaced the failed write ``failed``, put back what ``failed`` had
-        replaced. O(pending writes); failures are rare."""
-        for per_stream in self._writes.values():
-            for entries in per_stream.values():
-                for i, (blk, w, r) in enumerate(entries):
-                    if blk is b and w is not None and w.stream == failed.stream and w.seq == failed.seq:
-                        entries[i] = (blk, writer, merge(readers, r))  # type: ignore[assignment]
-
-    def _check_leases(self) -> None:
-        now = self._clock()
-        leases = self._leases
-        expired: list[int] = []
-        while leases and leases[0][0] <= now:
-            deadline, bid = leases.pop(0)
-            if self._deadline.get(bid) == deadline and bid not in self._expired:
-                self._expired.add(bid)
-                expired.append(bid)
-        if expired:
-            self._counters["leases_expired"] += len(expired)
-            tokens = sorted({str(t) for bid in expired for t in self._held[bid]})
-            msg = (
-                f"lease expired for held blocks {expired}: host transfers {tokens} "
-                "have not ended; the blocks stay quarantined until abandon()"
-            )
-            logger.warning(msg)
-            warnings.warn(msg, LeaseExpiredWarning, stacklevel=3)

@@ -30,8 +30,7 @@ class KVCacheBlock:
         block_hash: Primary prefix-cache key, or ``None`` when not cached.
         block_hash_num_tokens: Prefix tokens covered by ``block_hash``.
         prev_free_block, next_free_block: Links of the free queue; only
-            :class:`FreeBlockQueue` touches them (and the pool's ``touch``,
-            which unlinks hit blocks inline, as ``FreeBlockQueue.remove`` does).
+            :class:`FreeBlockQueue` (and its policy subclasses) touches them.
         writer: Shadow: the last write not known to have ended (a token), or ``None``.
         readers: Shadow: reads since that write: ``None``, one token, or a
             tuple of tokens (the newest read per device stream, each host
@@ -198,6 +197,41 @@ class FreeBlockQueue:
         b.prev_free_block = b.next_free_block = None
         self.num_free_blocks -= 1
 
+    def remove_n(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Unlink every block of ``blocks`` that is in the queue (prefix hits
+        on free blocks); returns those that were not (held back, say), in
+        order: ``[]`` when all were. O(len(blocks)).
+
+        >>> q = FreeBlockQueue([KVCacheBlock(i) for i in range(1, 4)])
+        >>> a, b, c = list(q)
+        >>> q.remove_n([c, a]), [x.block_id for x in q], q.remove_n([a])
+        ([], [2], [KVCacheBlock(block_id=1, ref_cnt=0, block_hash=None)])
+        """
+        missing: list[KVCacheBlock] = []
+        removed = 0
+        for b in blocks:
+            prev = b.prev_free_block
+            if prev is not None:
+                nxt = b.next_free_block
+                prev.next_free_block = nxt
+                nxt.prev_free_block = prev  # type: ignore[union-attr]
+                b.prev_free_block = b.next_free_block = None
+                removed += 1
+            else:
+                missing.append(b)
+        self.num_free_blocks -= removed
+        return missing
+
+    def take_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Unlink ``blocks`` (each in the queue) to hand them out from
+        anywhere in the queue (placement), as :meth:`popleft_n` hands out
+        its front: a policy queue forgets their hit counts. O(len(blocks))."""
+        self.remove_n(blocks)
+
+    def on_hit(self, blocks: list[KVCacheBlock]) -> None:
+        """A prefix hit on ``blocks`` (before their ref counts grow); the
+        LRU queue counts nothing. O(1)."""
+
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Insert ``blocks`` at the front, keeping their order. O(len)."""
         if not blocks:
@@ -214,7 +248,8 @@ class FreeBlockQueue:
         self.num_free_blocks += len(blocks)
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        """Insert ``blocks`` at the back, keeping their order. O(len)."""
+        """Insert ``blocks`` at the back, keeping their order (a policy queue:
+        each at the back of its segment). O(len)."""
         if not blocks:
             return
         prev = self.tail.prev_free_block

@@ -7,8 +7,8 @@ blocks appended at the back when freed, the front evicted first). The pool
 then runs its usual code; no policy object is consulted on any path.
 
 The other policies keep blocks that were hit longer. Both keep the one
-intrusive list of :class:`FreeBlockQueue` (so every inline unlink, walk and
-check of the pool works unchanged) and add a *divider* record that splits
+intrusive list of :class:`FreeBlockQueue` (so every walk and check of the
+pool works unchanged) and add a *divider* record that splits
 the cached part into two segments::
 
     head | unkeyed blocks ... | S (probation) ... | DIVIDER | M (protected) ... | tail
@@ -104,20 +104,36 @@ class PolicyFreeBlockQueue(FreeBlockQueue):
     # -- hooks the pool calls --------------------------------------------------
 
     def on_hit(self, blocks: list[KVCacheBlock]) -> None:
-        """Count a hit on each keyed block and unlink-account each free one
-        (the pool unlinks them right after). O(len(blocks))."""
-        freq, seg = self.freq, self.seg
+        """Count a hit on each keyed block (capped at 3). O(len(blocks))."""
+        freq = self.freq
         for b in blocks:
-            bid = b.block_id
-            if b.ref_cnt == 0 and bid in seg:
-                if seg.pop(bid):
-                    self.n_main -= 1
-                else:
-                    self.n_small -= 1
             if b.block_hash is not None:
+                bid = b.block_id
                 f = freq.get(bid, 0)
                 if f < _MAX_FREQ:
                     freq[bid] = f + 1
+
+    def remove_n(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """:meth:`FreeBlockQueue.remove_n`, leaving the blocks' segments
+        too. O(len(blocks))."""
+        seg = self.seg
+        for b in blocks:
+            if b.prev_free_block is not None:
+                s = seg.pop(b.block_id, None)
+                if s is not None:
+                    if s:
+                        self.n_main -= 1
+                    else:
+                        self.n_small -= 1
+        return super().remove_n(blocks)
+
+    def take_n(self, blocks: list[KVCacheBlock]) -> None:
+        """:meth:`remove_n`, forgetting the blocks' hit counts (they are
+        handed out). O(len(blocks))."""
+        self.remove_n(blocks)
+        freq = self.freq
+        for b in blocks:
+            freq.pop(b.block_id, None)
 
     # -- queue operations ------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The block-hash -> block map of the prefix cache.
+"""The prefix cache: the block-hash -> block map and the bookkeeping beside it.
 
 vLLM's key model (``vllm/v1/core/block_pool.py``, ``BlockHashToBlockMap``):
 a key may map to several blocks (vLLM does not de-duplicate identical full
@@ -7,41 +7,107 @@ blocks, so block tables stay append-only), and a block may hold several keys
 key lives on the block record (``block.block_hash``); extra keys live in a
 side table so the common one-key block costs no extra object.
 
-A key maps to one block directly, or to a ``{block_id: block}`` dict when
-shared (the dict is created only then, which keeps GC pressure low, as in
-vLLM).
+One representation, vLLM's own: a key maps to one block directly, or, once
+a second block joins it, to a ``{block_id: block}`` dict, which stays a dict
+until its last block leaves (``BlockHashToBlockMap.insert``/``pop``). The
+dict is created only for shared keys, which keeps GC pressure low. The vLLM
+adapter hands this very dict to vLLM's ``cached_block_hash_to_block`` view
+(:attr:`PrefixCache.key_map`), so vLLM's code for blocks of no pool and the
+core read and write one map.
+
+>>> from blockpool.block import KVCacheBlock
+>>> pc = PrefixCache()
+>>> a, b = KVCacheBlock(1), KVCacheBlock(2)
+>>> pc.publish("k", a, 16), pc.publish("k", b, 16), pc.publish("k", b, 16)
+(True, True, False)
+>>> [x.block_id for x in pc.blocks_of("k")], pc.lookup("k") is a
+([1, 2], True)
+>>> pc.remove(a), pc.remove(a), a.block_hash
+(['k'], [], None)
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 
 from blockpool.block import KVCacheBlock
+from blockpool.errors import InvariantError
 
 __all__ = ["PrefixCache"]
 
 
 class PrefixCache:
-    """Key -> block(s) map plus the block -> extra keys table. Every method is
-    O(1) per key touched."""
+    """Owns the prefix cache's state; nothing else changes it.
 
-    __slots__ = ("_map", "_extra")
+    Owns: the key map (key -> block or ``{block_id: block}``), the extra
+    keys of each block (block id -> keys beyond its primary one), the
+    blocks whose primary key is a partial-block key, the keys *retired*
+    from a block by a promotion (never published for it again until its
+    content changes), the ``block_hash`` / ``block_hash_num_tokens`` fields
+    of the block records, and the lookup, hit and eviction counters.
 
-    def __init__(self) -> None:
+    Args:
+        removal_each: Which removals :meth:`reportable` reports: every key a
+            block loses (``True``, vLLM 0.33's events), or only keys no block
+            holds any more (``False``).
+
+    Every method is O(1) per key or block touched unless it says otherwise.
+    """
+
+    __slots__ = ("_map", "_extra", "_partial", "_retired", "_each", "lookups", "hits", "evictions")
+
+    def __init__(self, removal_each: bool = False) -> None:
         self._map: dict[Hashable, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self._extra: dict[int, set[Hashable]] = {}
+        self._partial: set[int] = set()
+        self._retired: dict[int, set[Hashable]] = {}
+        self._each = removal_each
+        self.lookups = 0
+        self.hits = 0
+        self.evictions = 0
 
     def __len__(self) -> int:
-        """Number of distinct keys."""
+        """Number of distinct keys. O(1)."""
         return len(self._map)
 
+    # -- reads -----------------------------------------------------------------
+
+    @property
+    def key_map(self) -> dict[Hashable, KVCacheBlock | dict[int, KVCacheBlock]]:
+        """The live key map, in vLLM's ``BlockHashToBlockMap._cache``
+        representation. For vLLM's view of it (the adapter's
+        ``cached_block_hash_to_block``); the core changes it only through
+        this class's methods. O(1)."""
+        return self._map
+
+    def extra_keys(self) -> dict[int, set[Hashable]]:
+        """The live ``{block_id: extra keys}`` table (vLLM's
+        ``cached_block_hashes_by_block`` view). O(1)."""
+        return self._extra
+
+    def lookup(self, key: Hashable) -> KVCacheBlock | None:
+        """The first block under ``key`` or ``None``; counts a lookup, and a
+        hit when found. O(1).
+
+        Raises:
+            TypeError: ``key`` is not hashable.
+        """
+        v = self._map.get(key)
+        self.lookups += 1
+        if v is None:
+            return None
+        self.hits += 1
+        return next(iter(v.values())) if type(v) is dict else v  # type: ignore[union-attr,return-value]
+
     def blocks_of(self, key: Hashable) -> list[KVCacheBlock]:
+        """Every block under ``key`` (``[]`` if none). O(blocks under it)."""
         v = self._map.get(key)
         if v is None:
             return []
         return list(v.values()) if type(v) is dict else [v]  # type: ignore[list-item, union-attr]
 
     def contains(self, key: Hashable, block: KVCacheBlock) -> bool:
+        """Whether ``key`` maps to ``block``. O(1)."""
         v = self._map.get(key)
         if v is None:
             return False
@@ -50,7 +116,7 @@ class PrefixCache:
         return v is block
 
     def keys_of(self, block: KVCacheBlock) -> list[Hashable]:
-        """Every key the block holds, primary first."""
+        """Every key the block holds, primary first. O(keys of the block)."""
         keys: list[Hashable] = []
         if block.block_hash is not None:
             keys.append(block.block_hash)
@@ -59,58 +125,245 @@ class PrefixCache:
             keys.extend(extra)
         return keys
 
-    def insert(self, key: Hashable, block: KVCacheBlock, num_tokens: int | None) -> bool:
-        """Make ``block`` reachable under ``key``; returns False if it already was."""
+    def mapped_keys(self, block: KVCacheBlock) -> list[Hashable]:
+        """The block's keys that the map still points at it (code outside
+        the core, vLLM's tests, may pop map entries). O(keys)."""
+        m, bid = self._map, block.block_id
+        out = []
+        for key in self.keys_of(block):
+            v = m.get(key)
+            if v is not None and (bid in v if type(v) is dict else v.block_id == bid):  # type: ignore[operator,union-attr]
+                out.append(key)
+        return out
+
+    def is_partial(self, block_id: int) -> bool:
+        """Whether the block's primary key is a partial-block key. O(1)."""
+        return block_id in self._partial
+
+    def is_retired(self, block_id: int, key: Hashable) -> bool:
+        """Whether ``key`` was retired from the block by a promotion. O(1)."""
+        retired = self._retired.get(block_id)
+        return retired is not None and key in retired
+
+    def reportable(self, keys: Iterable[Hashable]) -> list[Hashable]:
+        """Of ``keys`` just removed from a block, those whose removal is
+        reported (every one with ``removal_each``, else those no block
+        holds any more). O(len(keys))."""
+        if self._each:
+            return list(keys)
+        m = self._map
+        return [k for k in keys if k not in m]
+
+    def items(self) -> Iterator[tuple[Hashable, list[KVCacheBlock]]]:
+        """``(key, blocks)`` for every key. O(keys + blocks)."""
+        for key in self._map:
+            yield key, self.blocks_of(key)
+
+    # -- changes -----------------------------------------------------------------
+
+    def publish(self, key: Hashable, block: KVCacheBlock, num_tokens: int | None, partial: bool = False) -> bool:
+        """Make ``block`` reachable under ``key``: its primary key (covering
+        ``num_tokens``; a partial-block key when ``partial``) if it has none,
+        else an extra key. Returns False, changing nothing, if it already
+        was. O(1)."""
         if block.block_hash == key or self.contains(key, block):
             return False
         if block.block_hash is None:
             block.block_hash = key
             block.block_hash_num_tokens = num_tokens
+            if partial:
+                self._partial.add(block.block_id)
         else:
             self._extra.setdefault(block.block_id, set()).add(key)
-        v = self._map.get(key)
+        self._link(key, block)
+        return True
+
+    def _link(self, key: Hashable, block: KVCacheBlock) -> None:
+        m = self._map
+        v = m.get(key)
         if v is None:
-            self._map[key] = block
+            m[key] = block
         elif type(v) is dict:
             v[block.block_id] = block  # type: ignore[index]
         else:
-            self._map[key] = {v.block_id: v, block.block_id: block}  # type: ignore[union-attr, dict-item]
-        return True
+            m[key] = {v.block_id: v, block.block_id: block}  # type: ignore[union-attr, dict-item]
 
-    def remove_block(self, block: KVCacheBlock) -> list[Hashable]:
-        """Withdraw every key of ``block``; returns the keys that actually
-        mapped to it (primary first), as vLLM reports removals. The block
-        forgets all its keys either way. O(keys of the block)."""
+    def publish_full(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        keys: Sequence[Hashable],
+        indices: Iterable[int],
+        block_size: int | None,
+        promote: set[int],
+    ) -> tuple[list[int], list[Hashable]]:
+        """Publish full block ``blocks[i]`` under ``keys[i]`` for each ``i``
+        of ``indices`` (covering ``(i + 1) * block_size`` tokens), promoting
+        those in ``promote`` first (their keys removed and retired). Returns
+        the indices newly published and the reportable keys the promotions
+        removed, in order. The caller checked every argument. O(len(indices)).
+        """
+        m = self._map
+        published: list[int] = []
+        removed: list[Hashable] = []
+        for i in indices:
+            b = blocks[i]
+            key = keys[i]
+            if b.block_hash is None:
+                # publish() for a block holding no key, inline.
+                v = m.get(key)
+                if v is None:
+                    m[key] = b
+                elif v is b or (type(v) is dict and b.block_id in v):  # type: ignore[operator]
+                    continue
+                elif type(v) is dict:
+                    v[b.block_id] = b  # type: ignore[index]
+                else:
+                    m[key] = {v.block_id: v, b.block_id: b}  # type: ignore[union-attr,dict-item]
+                b.block_hash = key
+                b.block_hash_num_tokens = (i + 1) * block_size if block_size else None
+            else:
+                if i in promote:
+                    removed.extend(self.reportable(self.promote(b)))
+                if not self.publish(key, b, (i + 1) * block_size if block_size else None):
+                    continue
+            published.append(i)
+        return published, removed
+
+    def remove(self, block: KVCacheBlock) -> list[Hashable]:
+        """Withdraw every key of ``block``; returns the keys that mapped to
+        it (primary first), as vLLM reports removals. The block forgets all
+        its keys, and that its primary key was partial, either way. A shared
+        key's dict stays until its last block leaves. O(keys of the block)."""
         keys = self.keys_of(block)
+        bid = block.block_id
+        if self._partial:
+            self._partial.discard(bid)
         if not keys:
             return keys
-        self._extra.pop(block.block_id, None)
+        self._extra.pop(bid, None)
         m = self._map
-        bid = block.block_id
         removed: list[Hashable] = []
         for key in keys:
             v = m.get(key)
-            if v is block:
-                del m[key]
-                removed.append(key)
-            elif type(v) is dict:
+            if v is None:
+                continue
+            if type(v) is dict:
                 if v.pop(bid, None) is not None:  # type: ignore[union-attr]
                     removed.append(key)
-                if len(v) == 1:  # type: ignore[arg-type]
-                    m[key] = next(iter(v.values()))  # type: ignore[union-attr]
-                elif not v:
+                if not v:
                     del m[key]
+            elif v.block_id == bid:  # type: ignore[union-attr]
+                del m[key]
+                removed.append(key)
         block.block_hash = None
         block.block_hash_num_tokens = None
         return removed
 
-    def clear(self) -> None:
+    def promote(self, block: KVCacheBlock) -> list[Hashable]:
+        """:meth:`remove` for a block about to be published under a key for
+        a longer prefix: the removed keys are also retired for the block
+        (see :meth:`is_retired`). Returns them. O(keys of the block)."""
+        keys = self.remove(block)
+        if keys:
+            self._retired.setdefault(block.block_id, set()).update(keys)
+        return keys
+
+    def unretire(self, block_id: int) -> None:
+        """Forget the keys retired from the block (its content was
+        replaced). O(1)."""
+        self._retired.pop(block_id, None)
+
+    def evict_for_reuse(self, blocks: list[KVCacheBlock], report: bool) -> list[tuple[KVCacheBlock, list[Hashable]]]:
+        """Blocks just taken for new content: withdraw their keys and forget
+        what was retired or partial about the old content; counts one
+        eviction per block that held a key. A block whose only key maps to
+        it alone costs one dict deletion. With ``report``, returns
+        ``(block, reportable keys)`` for each block that lost keys (else
+        ``[]``). O(len(blocks) + keys)."""
+        m = self._map
+        extra = self._extra
+        out: list[tuple[KVCacheBlock, list[Hashable]]] = []
+        evicted = 0
+        for b in blocks:
+            key = b.block_hash
+            if key is not None:
+                evicted += 1
+                if report:
+                    out.append((b, self.reportable(self.remove(b))))
+                elif (extra and b.block_id in extra) or m.get(key) is not b:
+                    self.remove(b)
+                else:
+                    del m[key]
+                    b.block_hash = None
+                    b.block_hash_num_tokens = None
+        if evicted:
+            self.evictions += evicted
+        if self._partial or self._retired:
+            partial, retired = self._partial, self._retired
+            for b in blocks:
+                partial.discard(b.block_id)
+                retired.pop(b.block_id, None)
+        return out
+
+    def evict(self, block: KVCacheBlock) -> list[Hashable]:
+        """:meth:`remove` counted as an eviction when the block held a key
+        (``evict_blocks``). O(keys of the block)."""
+        if not self.keys_of(block):
+            return []
+        self.evictions += 1
+        return self.remove(block)
+
+    def move(self, src: KVCacheBlock, dst: KVCacheBlock) -> None:
+        """Re-point every key of ``src`` to ``dst`` (``dst`` holds none), with
+        the partial mark and retired keys. O(keys)."""
+        ntok = src.block_hash_num_tokens
+        was_partial = src.block_id in self._partial
+        retired = self._retired.pop(src.block_id, None)
+        self._retired.pop(dst.block_id, None)
+        if retired:
+            self._retired[dst.block_id] = retired
+        first = True
+        for key in self.remove(src):
+            self.publish(key, dst, ntok if first else None, partial=first and was_partial)
+            first = False
+
+    def clear(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop every key; ``blocks``: every block record that may hold one.
+        O(len(blocks) + keys)."""
         self._map.clear()
         self._extra.clear()
+        self._partial.clear()
+        self._retired.clear()
+        for b in blocks:
+            b.block_hash = None
+            b.block_hash_num_tokens = None
 
-    def items(self) -> Iterator[tuple[Hashable, list[KVCacheBlock]]]:
-        for key in self._map:
-            yield key, self.blocks_of(key)
+    def _check(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Assert the invariants against the pool's ``blocks``: the map and
+        the blocks' keys agree both ways, no key maps to no block, to a
+        foreign or to the null block; extra keys only beside a primary key;
+        partial and retired marks name data blocks. O(blocks + keys).
 
-    def extra_keys(self) -> dict[int, set[Hashable]]:
-        return self._extra
+        Raises:
+            InvariantError: the first broken invariant.
+        """
+        seen_pairs = set()
+        for key, owners in self.items():
+            if not owners:
+                raise InvariantError(f"key {key!r} maps to no block")
+            for b in owners:
+                if blocks[b.block_id] is not b or b.is_null:
+                    raise InvariantError(f"key {key!r} maps to a foreign or null block")
+                if key not in self.keys_of(b):
+                    raise InvariantError(f"key {key!r} maps to block {b.block_id} which lacks it")
+                seen_pairs.add((key, b.block_id))
+        for b in blocks:
+            for key in self.keys_of(b):
+                if (key, b.block_id) not in seen_pairs:
+                    raise InvariantError(f"block {b.block_id} holds key {key!r} the map lacks")
+        for bid, extra in self._extra.items():
+            if extra and blocks[bid].block_hash is None:
+                raise InvariantError(f"block {bid} has extra keys but no primary key")
+        for bid in (*self._partial, *self._retired):
+            if not 0 < bid < len(blocks):
+                raise InvariantError(f"partial or retired mark on {bid!r}, not a data block")

@@ -3,14 +3,17 @@ a transfer of the blocks posts one descriptor per run of consecutive block ids."
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockpool import HazardAwareBlockPool, StreamKind
 from blockpool.block import KVCacheBlock
-from blockpool.pool import PLACEMENTS, _fewest_runs
-from blockpool.replay.machine import fewest_runs, runs
+from blockpool.placement import PLACEMENTS
+from blockpool.placement import fewest_runs as _fewest_runs
+from blockpool.replay.machine import min_runs, runs
 
 STREAMS = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "rdma": StreamKind.HOST}
 
@@ -130,23 +133,30 @@ def test_runs_with_one_block_or_too_few_candidates_falls_back_to_the_front():
 def test_fewest_runs_helpers_agree_with_brute_force():
     assert runs([KVCacheBlock(i) for i in (4, 5, 6, 9)]) == 2
     assert runs([KVCacheBlock(i) for i in (6, 5, 4)]) == 3
-    assert fewest_runs([1, 2, 3, 7, 8, 20], 4) == 2
+    assert min_runs([1, 2, 3, 7, 8, 20], 4) == 2
     with pytest.raises(ValueError):
-        fewest_runs([1, 2], 3)
+        min_runs([1, 2], 3)
+
+
+def _brute_force_min_runs(free: set[int], n: int) -> int:
+    """The fewest runs over every ``n``-subset of ``free`` (small sets only)."""
+    return min(runs([KVCacheBlock(i) for i in sorted(c)]) for c in itertools.combinations(sorted(free), n))
 
 
 @settings(max_examples=200, deadline=None)
-@given(free=st.sets(st.integers(1, 40), min_size=2), n=st.integers(1, 40))
+@given(free=st.sets(st.integers(1, 16), min_size=2, max_size=10), n=st.integers(1, 9))
 def test_fewest_runs_choice_is_optimal(free, n):
-    """``_fewest_runs`` picks ``n`` distinct free blocks in exactly as many
-    runs as the brute-force floor (:func:`fewest_runs`), all from the set."""
-    n = min(n, len(free) - 1) or 1
-    if len(free) <= n:
-        return
+    """``placement.fewest_runs`` picks ``n`` distinct free blocks, ascending,
+    in exactly as many runs as the best ``n``-subset of the free set (brute
+    force over every subset); the replay's floor ``min_runs`` agrees."""
+    if n >= len(free):
+        n = len(free) - 1
     cand = [KVCacheBlock(i) for i in sorted(free, reverse=True)]
     got = _fewest_runs(cand, n)
-    assert len(got) == n and len({b.block_id for b in got}) == n and {b.block_id for b in got} <= free
-    assert runs(sorted(got, key=lambda b: b.block_id)) == fewest_runs(free, n)
+    ids_ = [b.block_id for b in got]
+    assert len(set(ids_)) == n and set(ids_) <= free and ids_ == sorted(ids_)
+    best = _brute_force_min_runs(free, n)
+    assert runs(got) == best == min_runs(free, n)
 
 
 @pytest.mark.parametrize("placement", ["runs", "runs_cached", "ready_first_runs"])

@@ -219,9 +219,9 @@ def test_prefix_cache_removal_reports_only_keys_that_mapped_and_leaves_no_empty_
 
     pc = PrefixCache()
     a, b = KVCacheBlock(1), KVCacheBlock(2)
-    pc.insert("k", a, 16)
-    pc.insert("k", b, 16)
+    pc.publish("k", a, 16)
+    pc.publish("k", b, 16)
     pc._map["k"] = {2: b}  # as left by code that pops entries directly (vLLM's tests do)
-    assert pc.remove_block(b) == ["k"]
-    assert pc.remove_block(a) == []
+    assert pc.remove(b) == ["k"]
+    assert pc.remove(a) == []
     assert len(pc) == 0 and a.block_hash is None

@@ -80,8 +80,8 @@ def test_blocks_are_vllm_blocks_owned_by_the_adapter() -> None:
 def test_state_objects_are_the_cores() -> None:
     _, ours = pools()
     assert ours.free_block_queue is ours.core.free_block_queue
-    assert ours.cached_block_hash_to_block._cache is ours.core.prefix_cache._map
-    assert ours.cached_block_hashes_by_block is ours.core.prefix_cache._extra
+    assert ours.cached_block_hash_to_block._cache is ours.core.prefix_cache.key_map
+    assert ours.cached_block_hashes_by_block is ours.core.prefix_cache.extra_keys()
 
 
 def test_allocations_are_served_and_counted_by_the_core() -> None:

@@ -28,7 +28,7 @@ does, by vLLM's own code on the shared key map; they never reach the core.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -63,7 +63,6 @@ __all__ = [
     "VllmBlockPool",
     "VllmFreeBlockQueue",
     "VllmKVCacheBlock",
-    "VllmPrefixCache",
     "track_new_pools",
 ]
 
@@ -154,62 +153,13 @@ class VllmFreeBlockQueue(FreeBlockQueue):
             b = b.next_free_block
 
 
-class VllmPrefixCache(PrefixCache):
-    """The core's key map, kept in vLLM's representation: a key shared by
-    several blocks stays a ``{block_id: block}`` dict until its last block
-    leaves (vLLM's ``BlockHashToBlockMap.pop``), and removal reports only the
-    keys that were mapped to the block (vLLM's
-    ``_remove_cached_block_hashes``). Tests reach into this dict through
-    ``cached_block_hash_to_block._cache``."""
-
-    __slots__ = ()
-
-    def mapped_keys(self, block: Any) -> list[Hashable]:
-        """The block's keys that the map still points at it. O(keys)."""
-        m, bid = self._map, block.block_id
-        out = []
-        for key in self.keys_of(block):
-            v = m.get(key)
-            if v is not None and (bid in v if type(v) is dict else v.block_id == bid):  # type: ignore[operator]
-                out.append(key)
-        return out
-
-    def remove_block(self, block: Any) -> list[Hashable]:
-        """Withdraw every key of ``block``; returns those that were mapped to
-        it, primary first. O(keys)."""
-        keys: list[Hashable] = []
-        if block.block_hash is not None:
-            keys.append(block.block_hash)
-        extra = self._extra.pop(block.block_id, None)
-        if extra:
-            keys.extend(extra)
-        if not keys:
-            return keys
-        m, bid = self._map, block.block_id
-        removed = []
-        for key in keys:
-            v = m.get(key)
-            if v is None:
-                continue
-            if type(v) is dict:
-                if v.pop(bid, None) is not None:  # type: ignore[union-attr]
-                    removed.append(key)
-                if not v:
-                    del m[key]
-            elif v.block_id == bid:  # type: ignore[union-attr]
-                del m[key]
-                removed.append(key)
-        block.reset_hash()
-        return removed
-
-
 class _HashMapView(BlockHashToBlockMap):
     """vLLM's ``BlockHashToBlockMap`` whose ``_cache`` *is* the core's key
     dict: vLLM's methods (and tests reaching into ``_cache``) read and write
     the core's map."""
 
     def __init__(self, prefix_cache: PrefixCache) -> None:
-        self._cache = prefix_cache._map  # type: ignore[assignment]
+        self._cache = prefix_cache.key_map  # type: ignore[assignment]
 
 
 class _GroupKeys(Sequence):  # type: ignore[type-arg]
@@ -331,15 +281,10 @@ class VllmBlockPool:
             streams={COMPUTE: StreamKind.DEVICE, **(streams or {})},
             medium=medium,
             removal_events="each",  # vLLM 0.33's events: a removal per block that loses a key
+            block_factory=self._make_block,
+            free_queue_class=VllmFreeBlockQueue,
         )
-        # The core builds its own block records; hand it vLLM-typed ones
-        # before anything refers to them (core request: a block factory).
-        blocks = [VllmKVCacheBlock(i, self) for i in range(num_gpu_blocks)]
-        blocks[0].is_null = True
-        core.blocks = blocks
-        core.null_block = blocks[0]
-        core.free_block_queue = VllmFreeBlockQueue(blocks[1:])
-        core.prefix_cache = VllmPrefixCache()
+        blocks = core.blocks
         self.core = core
         self.hazards: StepHazards | None = StepHazards(core) if track else None
 
@@ -352,15 +297,23 @@ class VllmBlockPool:
         self.metrics_collector = metrics_collector
         self.blocks: list[Any] = blocks
         self.null_block: Any = blocks[0]
-        self.free_block_queue: VllmFreeBlockQueue = core.free_block_queue
+        self.free_block_queue: VllmFreeBlockQueue = core.free_block_queue  # type: ignore[assignment]
         self.cached_block_hash_to_block: BlockHashToBlockMap = _HashMapView(core.prefix_cache)
-        self.cached_block_hashes_by_block: dict[int, set[Any]] = core.prefix_cache._extra
+        self.cached_block_hashes_by_block: dict[int, set[Any]] = core.prefix_cache.extra_keys()
         self.kv_event_queue: list[VllmKVCacheEvent] = []
         self._reuse_watchers: dict[int, Callable[[Any], None]] = {}
         self._warned_loose = False
         SERVED.pools += 1
         if _TRACKED is not None:
             _TRACKED.append(self)
+
+    def _make_block(self, block_id: int) -> Any:
+        """The core's block factory: vLLM-typed records owned by this
+        adapter; block 0 is the null block. O(1)."""
+        b = VllmKVCacheBlock(block_id, self)
+        if block_id == 0:
+            b.is_null = True
+        return b
 
     def __repr__(self) -> str:
         return (
@@ -503,23 +456,10 @@ class VllmBlockPool:
             RefCountError: a block listed more often than it is referenced.
         """
         block_list = list(blocks)
-        left: dict[int, int] = {}
-        released: list[Any] = []
         for b in block_list:
             assert b.ref_cnt > 0 and not b.is_null
-            n = left.get(b.block_id, b.ref_cnt) - 1
-            left[b.block_id] = n
-            if n == 0:
-                released.append(b)
         hz = self.hazards
-        self.core.free_blocks(block_list, hz.free_token() if hz is not None else None, _READ)
-        # The core put unhashed blocks at the front; vLLM wants all at the
-        # tail (core request: a tail option on free_blocks).
-        q = self.free_block_queue
-        tail = [b for b in released if q.contains(b)]
-        for b in tail:
-            q.remove(b)
-        q.append_n(tail)
+        self.core.free_blocks(block_list, hz.free_token() if hz is not None else None, _READ, to_tail=True)
         for b in block_list:
             self._reuse_watchers[b.block_id] = on_reuse
 
@@ -717,7 +657,7 @@ class VllmBlockPool:
             self.metrics_collector.on_block_evicted(block)
         if block.pool is not self:
             return bool(self._remove_unowned(block))
-        evicted = bool(self.core.prefix_cache.mapped_keys(block))  # type: ignore[attr-defined]
+        evicted = bool(self.core.prefix_cache.mapped_keys(block))
         self.core.evict_blocks([block.block_id])
         if self.enable_kv_cache_events:
             self._pull_events()
@@ -732,14 +672,14 @@ class VllmBlockPool:
         """vLLM's private insert (no events), used by its CPU offload
         manager: the core's key map for own blocks. O(1)."""
         if block.pool is self:
-            self.core.prefix_cache.insert(block_hash_with_group_id, block, num_tokens)
+            self.core.prefix_cache.publish(block_hash_with_group_id, block, num_tokens)
         else:
             VLLM_BLOCK_POOL._insert_block_hash(self, block_hash_with_group_id, block, num_tokens)
 
     def _remove_cached_block_hashes(self, block: Any) -> list[Any]:
         """vLLM's private removal (no events): the keys mapped to the block. O(keys)."""
         if block.pool is self:
-            return self.core.prefix_cache.remove_block(block)
+            return self.core.prefix_cache.remove(block)
         return VLLM_BLOCK_POOL._remove_cached_block_hashes(self, block)  # type: ignore[no-any-return]
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:

@@ -27,7 +27,7 @@ from blockpool.replay.policies import WaitPolicy
 from blockpool.replay.state import TimedPool
 from blockpool.sim.simulator import StreamSimulator, StreamSpec, Work
 
-__all__ = ["Machine", "fewest_runs", "runs"]
+__all__ = ["Machine", "min_runs", "runs"]
 
 _READ, _WRITE = AccessKind.READ, AccessKind.WRITE
 _HOST = StreamKind.HOST
@@ -58,7 +58,7 @@ def runs(blocks: Sequence[KVCacheBlock]) -> int:
     return n
 
 
-def fewest_runs(ids: Iterable[int], n: int) -> int:
+def min_runs(ids: Iterable[int], n: int) -> int:
     """The fewest runs of consecutive ids that ``n`` of the distinct
     ``ids`` can form: the longest runs first until they hold ``n`` (no
     ``k`` runs hold more than the ``k`` longest). The floor for any
@@ -68,7 +68,7 @@ def fewest_runs(ids: Iterable[int], n: int) -> int:
     Raises:
         ValueError: fewer than ``n`` ids.
 
-    >>> fewest_runs([1, 2, 3, 7, 8, 20], 4)
+    >>> min_runs([1, 2, 3, 7, 8, 20], 4)
     2
     """
     if n <= 0:
@@ -152,7 +152,7 @@ class Machine:
         self.loads_short_of_ready = 0  # waited, and fewer ready free blocks than needed existed
         self.load_delays: list[float] = []
         self.load_runs: list[int] = []  # runs of consecutive block ids, per load
-        self.load_min_runs: list[int] = []  # the fewest its block count allowed (fewest_runs)
+        self.load_min_runs: list[int] = []  # the fewest its block count allowed (min_runs)
         self.store_runs: list[int] = []  # the same, per store
 
     def _logged(self, call: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -283,7 +283,7 @@ class Machine:
         self.load_runs.append(runs(blocks))
         ids = [b.block_id for b in blocks if not b.is_null]
         self.load_min_runs.append(
-            fewest_runs([*ids, *(f.block_id for f in self.raw_pool.free_block_queue if f.block_id > 0)], len(ids))
+            min_runs([*ids, *(f.block_id for f in self.raw_pool.free_block_queue if f.block_id > 0)], len(ids))
         )
         return w
 

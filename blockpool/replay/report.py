@@ -77,7 +77,7 @@ class PolicyResult:
             could have given them an empty fence.
         load_min_runs: For every load, the fewest runs its block count
             could have had, from the free blocks when it was placed
-            (:func:`blockpool.replay.machine.fewest_runs`).
+            (:func:`blockpool.replay.machine.min_runs`).
     """
 
     policy: str

@@ -1,0 +1,213 @@
+"""The hold-back part of the pool: free blocks kept out of the free queue
+while a host-engine access on them has not ended, and their leases.
+
+A device consumer waits for a device token with an enqueued event wait, so
+a block whose last access is on a device stream is freed at once and its
+next user gets a fence. A host engine (an RDMA queue, a transfer thread)
+cannot be waited on by a device stream, so a block with a pending host
+access is *held* until every such access ends, then freed. With a lease
+timeout, a block held longer is reported once (its lease expired) and stays
+held (quarantined) until the engine's tokens end or are abandoned.
+
+>>> from blockpool.block import KVCacheBlock
+>>> from blockpool.hazards import StreamKind, Token
+>>> hb = HoldBack()
+>>> t = Token("rdma", 1, StreamKind.HOST)
+>>> b = KVCacheBlock(3); b.writer = t
+>>> hb.hold_back([b], lambda tok: False), hb.held_ids()
+([], [3])
+>>> [x.block_id for x in hb.release(t)], len(hb)
+([3], 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sortedcontainers import SortedList
+
+from blockpool.block import KVCacheBlock
+from blockpool.errors import InvariantError
+from blockpool.hazards import StreamKind, Token
+from blockpool.shadows import pending_host
+from blockpool.tracker import HazardTracker
+
+__all__ = ["HoldBack"]
+
+_UNSET = object()
+
+
+class HoldBack:
+    """Owns the held blocks: for each, the host tokens still pending on it;
+    for each pending token, the blocks held on it; each held block's lease
+    (deadline) and the leases that expired; the ``leases_expired`` counter.
+
+    Args:
+        lease_timeout: Seconds a block may stay held before its lease
+            expires (``None``: no leases).
+        clock: Time source of the leases (seconds).
+    """
+
+    __slots__ = ("_held", "_held_by", "_leases", "_deadline", "_expired", "timeout", "_clock", "leases_expired")
+
+    def __init__(self, lease_timeout: float | None = None, clock: Callable[[], float] | None = None) -> None:
+        self._held: dict[int, set[Token]] = {}  # block id -> host tokens still pending on it
+        self._held_by: dict[Token, list[KVCacheBlock]] = {}  # pending token -> blocks held on it
+        self._leases: SortedList = SortedList()  # (deadline, block_id)
+        self._deadline: dict[int, float] = {}  # lease of each held block
+        self._expired: set[int] = set()
+        self.timeout = lease_timeout
+        self._clock = clock
+        self.leases_expired = 0
+
+    def __len__(self) -> int:
+        """Blocks held. O(1)."""
+        return len(self._held)
+
+    def __contains__(self, block_id: object) -> bool:
+        """Whether the block (by id) is held. O(1)."""
+        return block_id in self._held
+
+    def held_ids(self) -> list[int]:
+        """Held block ids, sorted. O(h log h)."""
+        return sorted(self._held)
+
+    def expired_ids(self) -> list[int]:
+        """Held blocks whose lease expired, sorted. O(e log e)."""
+        return sorted(self._expired)
+
+    def pending_of(self, block_id: int) -> set[Token]:
+        """The host tokens the held block waits on (a copy). O(k).
+
+        Raises:
+            KeyError: the block is not held.
+        """
+        return set(self._held[block_id])
+
+    def hold_back(self, blocks: list[KVCacheBlock], ended: Callable[[Token], bool]) -> list[KVCacheBlock]:
+        """Blocks that just reached ref count 0: hold those whose shadow has
+        a host token that has not ended (``ended`` tells), each with its own
+        pending set, starting their leases; return the others, in order. The
+        pending set is computed once per distinct ``(host writer, readers)``
+        pair (blocks freed together share their readers value; a device
+        writer never holds a block). O(len(blocks))."""
+        free: list[KVCacheBlock] = []
+        lw: object = _UNSET
+        lr: object = _UNSET
+        pend: set[Token] | None = None
+        held, held_by = self._held, self._held_by
+        leases = self.timeout is not None
+        for b in blocks:
+            w = b.writer
+            r = b.readers
+            if w is not None and w.kind is not StreamKind.HOST:
+                w = None
+            if w is not None or (r is not None and (type(r) is not Token or r.kind is StreamKind.HOST)):  # type: ignore[union-attr]
+                if w is not lw or r is not lr:
+                    lw, lr = w, r
+                    pend = pending_host(w, r, ended)
+                if pend is not None:
+                    held[b.block_id] = set(pend)
+                    for t in pend:
+                        held_by.setdefault(t, []).append(b)
+                    if leases:
+                        self._lease(b.block_id)
+                    continue
+            free.append(b)
+        return free
+
+    def _lease(self, block_id: int) -> None:
+        assert self.timeout is not None and self._clock is not None
+        deadline = self._clock() + self.timeout
+        self._deadline[block_id] = deadline
+        self._leases.add((deadline, block_id))
+
+    def _drop(self, block_id: int) -> None:
+        del self._held[block_id]
+        if self._deadline:
+            self._deadline.pop(block_id, None)
+        if self._expired:
+            self._expired.discard(block_id)
+
+    def release(self, token: Token) -> list[KVCacheBlock]:
+        """``token`` ended: it stops holding its blocks; returns those that
+        no pending token holds any more (they leave the held set), in the
+        order they were held. O(blocks held on ``token``)."""
+        held = self._held
+        out: list[KVCacheBlock] = []
+        for b in self._held_by.pop(token, ()):
+            pending = held.get(b.block_id)
+            if pending is None:
+                continue  # released already (a touch took it)
+            pending.discard(token)
+            if not pending:
+                self._drop(b.block_id)
+                out.append(b)
+        return out
+
+    def unhold_n(self, blocks: list[KVCacheBlock]) -> None:
+        """``blocks`` (held) were taken back by a touch: they leave the held
+        set (their tokens' lists drop them lazily). O(len(blocks))."""
+        for b in blocks:
+            if b.block_id in self._held:
+                self._drop(b.block_id)
+
+    def expire(self) -> list[tuple[int, set[Token]]]:
+        """Check the leases: each held block whose deadline passed (and not
+        reported yet) is marked expired and returned with its pending
+        tokens; counted in ``leases_expired``. O(expired log h)."""
+        if not self._leases:
+            return []
+        assert self._clock is not None
+        now = self._clock()
+        leases = self._leases
+        expired: list[tuple[int, set[Token]]] = []
+        while leases and leases[0][0] <= now:
+            deadline, bid = leases.pop(0)
+            if self._deadline.get(bid) == deadline and bid not in self._expired:
+                self._expired.add(bid)
+                expired.append((bid, set(self._held[bid])))
+        self.leases_expired += len(expired)
+        return expired
+
+    def snapshot(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
+        """``(block id, sorted pending tokens as str)`` per held block,
+        sorted. O(h log h)."""
+        return tuple((bid, tuple(sorted(map(str, toks)))) for bid, toks in sorted(self._held.items()))
+
+    def _check(self, tracker: HazardTracker, blocks: list[KVCacheBlock], free: set[int]) -> None:
+        """Assert: each held block is a data block, unreferenced, not free,
+        and waits on host-engine tokens that have not ended, each listing
+        it; a token lists held blocks only while some host token is pending;
+        leases exist exactly for held blocks (all of them when leases are
+        on); expired leases are of held blocks. O(held + listed blocks).
+
+        Raises:
+            InvariantError: the first broken invariant.
+        """
+        host = StreamKind.HOST
+        for bid, pending in self._held.items():
+            if not 0 < bid < len(blocks) or bid in free or blocks[bid].ref_cnt != 0 or not pending:
+                raise InvariantError(f"held block {bid} is free, referenced or has no pending token")
+            for t in pending:
+                st = tracker.streams.get(t.stream)
+                if st is None or st.kind is not host or t.kind is not host:
+                    raise InvariantError(f"held block {bid} waits on {t}, not a host-engine token")
+                if tracker.is_ended(t):
+                    raise InvariantError(f"held block {bid} still waits on {t}, which has ended")
+                if not any(b.block_id == bid for b in self._held_by.get(t, ())):
+                    raise InvariantError(f"held block {bid} is not listed under its pending token {t}")
+        if self._held_by and not tracker.host_pending():
+            live = [t for t, bs in self._held_by.items() if any(b.block_id in self._held for b in bs)]
+            if live:
+                raise InvariantError(f"blocks held on {live[0]} with no host token pending")
+        if self.timeout is not None:
+            for bid in self._held:
+                if bid not in self._deadline:
+                    raise InvariantError(f"held block {bid} has no lease")
+        for bid in self._deadline:
+            if bid not in self._held:
+                raise InvariantError(f"block {bid} has a lease but is not held")
+        for bid in self._expired:
+            if bid not in self._held:
+                raise InvariantError(f"block {bid} has an expired lease but is not held")

@@ -1,0 +1,191 @@
+"""The pending-writes part of the pool: writes in flight and invalid marks.
+
+Every write the pool records (``tag``, a free with ``WRITE``,
+``begin_load``, ``begin_copy``) replaces its blocks' shadows. It may fail
+before its own waits ran, so the accesses it replaced may still run: until
+the write's token ends, what it replaced is kept here, and if the token
+*fails* it is put back (:func:`blockpool.shadows.restore`) and the blocks'
+content is marked invalid: not what their keys name, never published until
+rewritten.
+
+>>> from blockpool.block import KVCacheBlock
+>>> from blockpool.hazards import StreamKind
+>>> from blockpool.tracker import HazardTracker
+>>> tr = HazardTracker(); tr.add_stream("h2d", StreamKind.DEVICE)
+>>> pw, b = PendingWrites(), KVCacheBlock(1)
+>>> t = tr.issue("h2d"); pw.begin_write(t, [b], None); b.writer = t
+>>> undone = pw.ended(t, True, tr.end(t, True), tr.is_ended)
+>>> [x.block_id for x in undone], b.writer, pw.is_invalid(1)
+([1], None, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from blockpool.block import KVCacheBlock
+from blockpool.errors import InvariantError
+from blockpool.hazards import Token
+from blockpool.shadows import Readers, merge_readers, restore
+from blockpool.tracker import HazardTracker, StreamState
+
+__all__ = ["PendingWrites"]
+
+Saved = list[tuple[KVCacheBlock, Token | None, Readers]]
+
+
+class PendingWrites:
+    """Owns the writes in flight (stream -> seq -> ``[(block, writer
+    before, readers before)]``: what each write replaced, kept until its
+    token ends) and the invalid marks (block ids whose content a failed
+    write left invalid, until rewritten), with the undo of failed writes.
+    Every method is O(blocks touched) unless it says otherwise."""
+
+    __slots__ = ("_writes", "_invalid")
+
+    def __init__(self) -> None:
+        self._writes: dict[str, dict[int, Saved]] = {}
+        self._invalid: set[int] = set()
+
+    # -- invalid marks -------------------------------------------------------
+
+    def is_invalid(self, block_id: int) -> bool:
+        """Whether the block's content is invalid (a failed write). O(1)."""
+        return block_id in self._invalid
+
+    def has_invalid(self) -> bool:
+        """Whether any block is marked invalid. O(1)."""
+        return bool(self._invalid)
+
+    def num_invalid(self) -> int:
+        """Blocks marked invalid. O(1)."""
+        return len(self._invalid)
+
+    def mark_invalid(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """A write to ``blocks`` by a token that had already failed: it
+        never happened, their content is invalid. O(len(blocks))."""
+        self._invalid.update(b.block_id for b in blocks)
+
+    def rewritten(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """``blocks`` get new content (a write, or they are handed out):
+        their invalid marks go. O(len(blocks)), nothing when none is marked."""
+        invalid = self._invalid
+        if invalid:
+            for b in blocks:
+                invalid.discard(b.block_id)
+
+    def clear_invalid(self) -> None:
+        """Forget every invalid mark (every block is free: each is rewritten
+        before it is published). O(marks)."""
+        self._invalid.clear()
+
+    # -- writes in flight ------------------------------------------------------
+
+    def begin_write(self, token: Token, blocks: Iterable[KVCacheBlock], null: KVCacheBlock | None) -> None:
+        """``token`` begins writing ``blocks`` (before their shadows change;
+        ``null``, the pool's null block, is skipped): keep what it replaces,
+        unless the block's writer is ``token`` already, and clear their
+        invalid marks. O(len(blocks))."""
+        per_stream = self._writes.get(token.stream)
+        if per_stream is None:
+            per_stream = self._writes[token.stream] = {}
+        saved = per_stream.get(token.seq)
+        if saved is None:
+            saved = per_stream[token.seq] = []
+        seq = token.seq
+        stream = token.stream
+        for b in blocks:
+            w = b.writer
+            if b is not null and (w is None or w.seq != seq or w.stream != stream):
+                saved.append((b, w, b.readers))
+        if self._invalid:
+            self.rewritten(blocks)
+
+    def ended(
+        self,
+        token: Token,
+        failed: bool,
+        ended: list[tuple[StreamState, list[int]]],
+        is_ended: Callable[[Token], bool],
+    ) -> list[KVCacheBlock]:
+        """Tokens ``ended`` (per stream, the seqs that ended, as the tracker
+        reports when ``token`` ended): forget what their writes replaced,
+        except that a ``failed`` ``token``'s writes are undone: each block
+        it still is the writer of gets its replaced shadow back (with the
+        reads recorded since) and an invalid mark, and is returned (its keys
+        must go, and a free one may need holding back); a block rewritten
+        since hands the replaced shadow to the write that replaced it.
+        O(entries of the ended writes)."""
+        undone: list[KVCacheBlock] = []
+        for st, seqs in ended:
+            writes = self._writes.get(st.name)
+            if not writes:
+                continue
+            for seq in seqs:
+                before = writes.pop(seq, None)
+                if before is not None and failed and seq == token.seq and st.name == token.stream:
+                    undone.extend(self._undo(token, before, is_ended))
+        return undone
+
+    def _undo(self, token: Token, before: Saved, is_ended: Callable[[Token], bool]) -> list[KVCacheBlock]:
+        out: list[KVCacheBlock] = []
+        for b, writer, readers in before:
+            w = b.writer
+            if w is None or w.stream != token.stream or w.seq != token.seq:
+                # Rewritten since: the newer write saved this failed one as
+                # what it replaced; hand it what the failed write replaced.
+                self._resave(b, token, writer, readers, is_ended)
+                continue
+            restore(b, writer, readers, is_ended)
+            self._invalid.add(b.block_id)
+            out.append(b)
+        return out
+
+    def _resave(
+        self, b: KVCacheBlock, failed: Token, writer: Token | None, readers: Readers, is_ended: Callable[[Token], bool]
+    ) -> None:
+        """In the saved shadow of every later pending write of ``b`` that
+        replaced the failed write ``failed``, put back what ``failed`` had
+        replaced. O(pending writes); failures are rare."""
+        for per_stream in self._writes.values():
+            for entries in per_stream.values():
+                for i, (blk, w, r) in enumerate(entries):
+                    if blk is b and w is not None and w.stream == failed.stream and w.seq == failed.seq:
+                        entries[i] = (blk, writer, merge_readers(readers, r, is_ended))
+
+    def late_failure(self, token: Token, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        """``token`` failed after it had already ended: of ``blocks`` (every
+        block of the pool), those whose write in effect is still ``token``'s
+        get an invalid mark and are returned (their keys must go).
+        O(len(blocks)); failures are rare."""
+        stream, seq = token.stream, token.seq
+        out = []
+        for b in blocks:
+            w = b.writer
+            if w is not None and w.seq == seq and w.stream == stream:
+                self._invalid.add(b.block_id)
+                out.append(b)
+        return out
+
+    def _check(self, tracker: HazardTracker, blocks: list[KVCacheBlock]) -> None:
+        """Assert: saved shadows belong to tokens of known streams that have
+        not ended, and to the pool's data blocks; invalid marks name data
+        blocks. O(pending write entries + marks).
+
+        Raises:
+            InvariantError: the first broken invariant.
+        """
+        for stream, per_seq in self._writes.items():
+            st = tracker.streams.get(stream)
+            if st is None:
+                raise InvariantError(f"pending writes on unknown stream {stream!r}")
+            for seq, entries in per_seq.items():
+                if st.is_ended(seq):
+                    raise InvariantError(f"saved shadows of {stream}:{seq}, which has ended")
+                for b, _w, _r in entries:
+                    if not 0 <= b.block_id < len(blocks) or blocks[b.block_id] is not b or b.is_null:
+                        raise InvariantError(f"{stream}:{seq} saved the shadow of a foreign or null block")
+        for bid in self._invalid:
+            if not (isinstance(bid, int) and 0 < bid < len(blocks)):
+                raise InvariantError(f"invalid mark on {bid!r}, not a data block")
+

@@ -1,0 +1,214 @@
+"""Block shadows: fence computation and access recording, as functions over
+the blocks' shadows and the :class:`~blockpool.tracker.HazardTracker`.
+
+A block's *shadow* is its ``writer`` (the last write not known to have
+ended) and its ``readers`` (the reads since: ``None``, one token, or a tuple
+of tokens, the newest read per device stream and each host token apart).
+Readers values are immutable and shared: blocks read or freed together hold
+the same object, so the work below is done once per distinct shadow, not
+once per block. This module is the only one that writes ``writer`` and
+``readers`` (:func:`record` and :func:`restore`).
+
+>>> from blockpool.block import KVCacheBlock
+>>> from blockpool.hazards import AccessKind, Token
+>>> b = KVCacheBlock(1)
+>>> record([b], Token("compute", 1), AccessKind.WRITE, lambda t: False)
+>>> record([b], Token("h2d", 2), AccessKind.READ, lambda t: False)
+>>> [str(t) for t in shadow_tokens(b)]
+['compute:1', 'h2d:2']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from blockpool.block import KVCacheBlock
+from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, StreamKind, Token
+from blockpool.tracker import HazardTracker, StreamState
+
+__all__ = ["fence_of", "pending_host", "record", "restore", "shadow_ready", "shadow_tokens", "with_read"]
+
+Readers = Token | tuple[Token, ...] | None
+
+_DEVICE = StreamKind.DEVICE
+_HOST = StreamKind.HOST
+_WRITE = AccessKind.WRITE
+_UNSET = object()  # "no previous value" for the per-call identity memos
+
+
+def _same_key(a: Token, b: Token) -> bool:
+    """Whether two tokens share a shadow slot: the same device stream (the
+    newer covers the older), or equal host tokens (each host token apart).
+    Compares fields, not ``==``: Token's attrs-made ``__eq__``/``__hash__``
+    are Python functions, too slow for a per-block path."""
+    return a.stream == b.stream and (a.kind is not _HOST or a.seq == b.seq)
+
+
+def _tokens(w: Token | None, r: Readers) -> list[Token]:
+    out: list[Token] = [] if w is None else [w]
+    if r is not None:
+        out.extend((r,) if type(r) is Token else r)  # type: ignore[arg-type]
+    return out
+
+
+def shadow_tokens(b: KVCacheBlock) -> list[Token]:
+    """The tokens in ``b``'s shadow, writer first. O(k)."""
+    return _tokens(b.writer, b.readers)
+
+
+def with_read(r: Readers, t: Token, ended: Callable[[Token], bool]) -> Token | tuple[Token, ...]:
+    """The readers of a block after a read by ``t``, from its readers ``r``:
+    newest token per device stream, each host token apart. A single earlier
+    reader that has ended is dropped. The result is a new value (readers are
+    shared between blocks and never mutated). O(len(r))."""
+    if r is None:
+        return t
+    if type(r) is Token:
+        if _same_key(r, t):  # type: ignore[arg-type]
+            return t if r.seq < t.seq else r  # type: ignore[union-attr]
+        if ended(r):  # type: ignore[arg-type]
+            return t
+        return (r, t)  # type: ignore[return-value]
+    for i, x in enumerate(r):  # type: ignore[arg-type]
+        if _same_key(x, t):
+            return r[:i] + (t,) + r[i + 1 :] if x.seq < t.seq else r  # type: ignore[index,operator,return-value]
+    return r + (t,)  # type: ignore[operator,return-value]
+
+
+def _merge(base: Readers, extra: Readers, ended: Callable[[Token], bool]) -> Readers:
+    for t in () if extra is None else ((extra,) if type(extra) is Token else extra):  # type: ignore[union-attr]
+        base = with_read(base, t, ended)
+    return base
+
+
+def fence_of(
+    groups: Iterable[tuple[Sequence[KVCacheBlock], AccessKind]],
+    st: StreamState,
+    tracker: HazardTracker,
+    debug: bool,
+) -> Fence:
+    """The fence of accesses by stream ``st`` to each group of blocks (a
+    write waits for writer and readers, a read for the writer), reduced by
+    the tracker (ended, covered, already ordered), and record that ``st``
+    waits on it (``tracker.wait``). ``debug``: the fence carries reasons.
+    O(blocks + k^2), k = distinct candidate tokens."""
+    # Candidates: newest token per device stream, each host token apart
+    # (keyed by (stream, seq): Token's own hash is a Python function).
+    # Blocks allocated together were mostly freed together and share
+    # their shadow objects, so a writer or readers object identical to
+    # the previous block's adds nothing and is skipped: per block, the
+    # scan is two attribute reads and two identity tests. Tokens on the
+    # consumer itself, when it is an in-order device stream, are never
+    # waited on (HazardTracker.reduce drops them first); the scan skips
+    # them before they become candidates.
+    cand: dict[object, Token] = {}
+    why: dict[Token, FenceReason] | None = {} if debug else None
+    get = cand.get
+    own = st.name if st.kind is _DEVICE else None
+    lw: object = _UNSET
+    lr: object = _UNSET
+    for blocks, access in groups:
+        write = access is _WRITE
+        for b in blocks:
+            w = b.writer
+            if w is not None and w is not lw:
+                lw = w
+                if w.stream != own:
+                    k: object = w.stream if w.kind is not _HOST else (w.stream, w.seq)
+                    cur = get(k)
+                    if cur is None or cur.seq < w.seq:
+                        cand[k] = w
+                        if why is not None:
+                            why[w] = FenceReason(w, b.block_id, "writer", access)
+            if write:
+                r = b.readers
+                if r is not None and r is not lr:
+                    lr = r
+                    for t in (r,) if type(r) is Token else r:  # type: ignore[union-attr]
+                        if t.stream == own:
+                            continue
+                        k = t.stream if t.kind is not _HOST else (t.stream, t.seq)
+                        cur = get(k)
+                        if cur is None or cur.seq < t.seq:
+                            cand[k] = t
+                            if why is not None:
+                                why[t] = FenceReason(t, b.block_id, "reader", access)
+    if not cand:
+        return EMPTY_FENCE
+    tokens = tracker.reduce(cand.values(), st)
+    if not tokens:
+        return EMPTY_FENCE
+    tracker.wait(st, tokens)
+    host_wait = st.kind is _HOST or any(t.kind is _HOST for t in tokens)
+    reasons: tuple[FenceReason, ...] = ()
+    if why is not None:
+        tokens.sort(key=lambda t: (t.stream, t.seq))
+        reasons = tuple(why[t] for t in tokens)
+    return Fence(tokens, host_wait, reasons)
+
+
+def record(blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind, ended: Callable[[Token], bool]) -> None:
+    """Write ``token`` into the shadows of ``blocks`` (the caller left out
+    null blocks, or resets theirs). A write replaces the shadow; a read
+    joins the readers (:func:`with_read`), computed once per distinct old
+    readers value and assigned to every block that had it: one identity
+    test and one store per block. O(len(blocks))."""
+    if access is _WRITE:
+        for b in blocks:
+            b.writer = token
+            b.readers = None
+        return
+    last_in: object = _UNSET
+    last_out: Readers = None
+    for b in blocks:
+        r = b.readers
+        if r is not last_in:
+            last_in = r
+            last_out = with_read(r, token, ended)
+        b.readers = last_out
+
+
+def clear(b: KVCacheBlock) -> None:
+    """Empty ``b``'s shadow (the null block never keeps one). O(1)."""
+    b.writer = b.readers = None
+
+
+def restore(b: KVCacheBlock, writer: Token | None, readers: Readers, ended: Callable[[Token], bool]) -> None:
+    """Undo a failed write of ``b``: its writer goes back to ``writer`` and
+    the reads recorded since the failed write join ``readers``. O(k)."""
+    b.writer = writer
+    b.readers = _merge(readers, b.readers, ended)
+
+
+def merge_readers(base: Readers, extra: Readers, ended: Callable[[Token], bool]) -> Readers:
+    """``base`` with every read of ``extra`` joined (:func:`with_read`). O(k^2)."""
+    return _merge(base, extra, ended)
+
+
+def shadow_ready(w: Token | None, r: Readers, st: StreamState, tracker: HazardTracker) -> bool:
+    """Whether a write by ``st`` to a block with shadow ``(w, r)`` waits on
+    nothing. O(k^2), k = tokens in the shadow."""
+    if w is None and r is None:
+        return True
+    return not tracker.reduce(_tokens(w, r), st)
+
+
+def has_host(w: Token | None, r: Readers) -> bool:
+    """Whether a shadow ``(writer, readers)`` names a host token. O(k)."""
+    if w is not None and w.kind is _HOST:
+        return True
+    if r is None:
+        return False
+    if type(r) is Token:
+        return r.kind is _HOST  # type: ignore[union-attr]
+    return any(t.kind is _HOST for t in r)  # type: ignore[union-attr]
+
+
+def pending_host(w: Token | None, r: Readers, ended: Callable[[Token], bool]) -> set[Token] | None:
+    """The host tokens of a shadow ``(writer, readers)`` that have not
+    ended, or ``None`` when there are none (the block need not be held).
+    O(k)."""
+    if (w is None or w.kind is not _HOST) and (r is None or (type(r) is Token and r.kind is not _HOST)):  # type: ignore[union-attr]
+        return None  # no host token at all: the usual case
+    pending = {t for t in _tokens(w, r) if t.kind is _HOST and not ended(t)}
+    return pending or None
