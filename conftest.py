@@ -8,7 +8,7 @@ import importlib.util
 collect_ignore_glob = [
     "benchmarks/*",
     "scripts/*",
-    "blockpool/integrations/vllm_pytest.py",
+    "blockpool/integrations/vllm/pytest_plugin.py",
     "blockpool/sanitizer.py",
 ]
 
@@ -18,11 +18,11 @@ def _missing(mod: str) -> bool:
 
 
 if _missing("vllm"):
-    collect_ignore_glob += ["blockpool/integrations/vllm.py", "blockpool/integrations/vllm_pool.py"]
+    collect_ignore_glob += ["blockpool/integrations/vllm/__init__.py", "blockpool/integrations/vllm/pool.py"]
 if _missing("torch"):
     collect_ignore_glob += [
         "blockpool/worker/torch_events.py",
-        "blockpool/integrations/vllm_worker.py",
+        "blockpool/integrations/vllm/worker.py",
         "docs/worker.md",
         "docs/examples/*.py",
     ]

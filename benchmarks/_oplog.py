@@ -85,8 +85,8 @@ from typing import Any
 from _pools import Request
 
 from blockpool import HazardAwareBlockPool
-from blockpool.errors import NoFreeBlocksError
-from blockpool.hazards import AccessKind, StreamKind, Token
+from blockpool.core.errors import NoFreeBlocksError
+from blockpool.core.hazards import AccessKind, StreamKind, Token
 
 __all__ = ["TRACE", "OpLog", "build_replay", "compile_calls", "load", "record", "run_calls", "validate"]
 

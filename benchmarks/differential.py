@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.differential import FIGURES, run, smallest_failing_case  # noqa: E402
+from tests.differential import FIGURES, run, smallest_failing_case
 
 
 def main(argv: list[str] | None = None) -> int:

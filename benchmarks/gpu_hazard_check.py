@@ -33,7 +33,7 @@ Sub-checks (each fenced run is repeated with the fence dropped, and
     ``event.synchronize()``. Checks that ``d`` ends with the loaded data.
 ``offload_store_then_reload``
     The Offloading connector's cross-direction reuse, through the plugin's
-    own worker wrapper (``blockpool.integrations.vllm_worker.offload_transfer_async``)
+    own worker wrapper (``blockpool.integrations.vllm.worker.offload_transfer_async``)
     around a handler with vLLM 0.33's ``transfer_async`` ordering (a stream
     of its own per direction, ``wait_stream`` on the current stream, each job
     after the previous one of its handler): a d2h store job of K blocks
@@ -416,8 +416,8 @@ class OffloadHandler:
 
 def offload_store_then_reload(gpu: Gpu, buf: Buffers, use_fence: bool) -> dict[str, Any]:
     from blockpool import HazardAwareBlockPool, StreamKind
-    from blockpool.integrations import vllm_worker as vw
-    from blockpool.integrations.vllm_hazards import Transfer
+    from blockpool.integrations.vllm import worker as vw
+    from blockpool.integrations.vllm.hazards import Transfer
     from blockpool.worker.torch_events import EventLedger
 
     torch = gpu.torch

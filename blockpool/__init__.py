@@ -18,8 +18,8 @@ now, with a :class:`DeprecationWarning` (:data:`blockpool._moved.MOVED`).
 """
 
 from blockpool import _moved
-from blockpool.block import FreeBlockQueue, KVCacheBlock
-from blockpool.errors import (
+from blockpool.core.block import FreeBlockQueue, KVCacheBlock
+from blockpool.core.errors import (
     BlockNotAllocatedError,
     BlockPoolError,
     ClusterUnavailableError,
@@ -38,8 +38,8 @@ from blockpool.errors import (
     UnknownStreamError,
     UnknownTokenError,
 )
-from blockpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from blockpool.hazards import (
+from blockpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from blockpool.core.hazards import (
     EMPTY_FENCE,
     LAST_STEP,
     AccessKind,
@@ -49,8 +49,8 @@ from blockpool.hazards import (
     StreamKind,
     Token,
 )
-from blockpool.pool import HazardAwareBlockPool
-from blockpool.stats import PoolSnapshot, PoolStats
+from blockpool.core.pool import HazardAwareBlockPool
+from blockpool.core.stats import PoolSnapshot, PoolStats
 
 __version__ = "0.1.0"
 

@@ -22,6 +22,21 @@ from types import ModuleType
 __all__ = ["MOVED", "install"]
 
 MOVED: dict[str, str] = {
+    "blockpool.block": "blockpool.core.block",
+    "blockpool.completions": "blockpool.core.completions",
+    "blockpool.errors": "blockpool.core.errors",
+    "blockpool.events": "blockpool.core.events",
+    "blockpool.eviction": "blockpool.core.eviction",
+    "blockpool.hazards": "blockpool.core.hazards",
+    "blockpool.pool": "blockpool.core.pool",
+    "blockpool.prefix_cache": "blockpool.core.prefix_cache",
+    "blockpool.stats": "blockpool.core.stats",
+    "blockpool.tracker": "blockpool.core.tracker",
+    "blockpool.integrations.vllm_pool": "blockpool.integrations.vllm.pool",
+    "blockpool.integrations.vllm_hazards": "blockpool.integrations.vllm.hazards",
+    "blockpool.integrations.vllm_connectors": "blockpool.integrations.vllm.connectors",
+    "blockpool.integrations.vllm_worker": "blockpool.integrations.vllm.worker",
+    "blockpool.integrations.vllm_pytest": "blockpool.integrations.vllm.pytest_plugin",
     "blockpool.sanitizer": "blockpool.checking.race_oracle",
     "blockpool.race_oracle": "blockpool.checking.race_oracle",
     "blockpool.testing": "blockpool.checking.harness",

@@ -33,7 +33,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from blockpool.errors import BlockPoolError, ClusterUnavailableError
+from blockpool.core.errors import BlockPoolError, ClusterUnavailableError
 
 __all__ = ["build_parser", "main"]
 

@@ -2,7 +2,7 @@
 # vLLM 0.33.0 parity harness: run vLLM's own block-pool, scheduler and KV
 # connector / offloading unit tests on a CPU-only machine, first against
 # vLLM's own BlockPool ("plugin off") and, once
-# blockpool/integrations/vllm_pytest.py exists, against ours ("plugin on").
+# blockpool/integrations/vllm/pytest_plugin.py exists, against ours ("plugin on").
 #
 # Usage (from anywhere):   bash scripts/vllm_parity.sh
 #   e.g. only plugin off:  VLLM_PARITY_PASSES=off bash scripts/vllm_parity.sh
@@ -75,8 +75,8 @@ TEST_TIMEOUT="${VLLM_PARITY_TEST_TIMEOUT:-300}"
 WITH_SCHEDULER="${VLLM_PARITY_SCHEDULER:-1}"
 WITH_CONNECTORS="${VLLM_PARITY_CONNECTORS:-1}"
 PASSES="${VLLM_PARITY_PASSES:-off on own}"
-PLUGIN_MODULE=blockpool.integrations.vllm_pytest
-PLUGIN_FILE=blockpool/integrations/vllm_pytest.py
+PLUGIN_MODULE=blockpool.integrations.vllm.pytest_plugin
+PLUGIN_FILE=blockpool/integrations/vllm/pytest_plugin.py
 # Test fixtures from vLLM's tests/conftest.py (which --confcutdir keeps out),
 # loaded in both passes from scripts/ (so plugin off needs no blockpool).
 FIXTURES_MODULE=vllm_parity_fixtures

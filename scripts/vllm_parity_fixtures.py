@@ -60,7 +60,11 @@ def dist_init() -> Generator[None, None, None]:
     import tempfile
 
     from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
-    from vllm.distributed import cleanup_dist_env_and_memory, init_distributed_environment, initialize_model_parallel
+    from vllm.distributed import (
+        cleanup_dist_env_and_memory,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
     from vllm.platforms import current_platform
 
     # tests.utils.ensure_current_vllm_config (tests/utils.py imports

@@ -1,6 +1,6 @@
 """An independent, brute-force happens-before model of the hazard contract.
 
-It shares no code with the pool's fence computation (``blockpool.tracker``,
+It shares no code with the pool's fence computation (``blockpool.core.tracker``,
 ``HazardAwareBlockPool._fence``): it keeps the *whole* access history of every
 block and the explicit happens-before graph of every token (predecessor
 edges), and answers reachability by depth-first search. Slow and obviously

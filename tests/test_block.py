@@ -1,4 +1,4 @@
-"""Block records (``blockpool/block.py``): one behaviour per test."""
+"""Block records (``blockpool/core/block.py``): one behaviour per test."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from blockpool import AccessKind, ForeignBlockError, HazardAwareBlockPool
-from blockpool.block import KVCacheBlock, NullBlock
+from blockpool.core.block import KVCacheBlock, NullBlock
 
 FIELDS = ("block_id", "ref_cnt", "block_hash", "block_hash_num_tokens", "writer", "readers")
 

@@ -56,10 +56,10 @@ def test_events_file_starts_with_the_schema_header(tmp_path: Path) -> None:
     out = tmp_path / "ev.jsonl"
     assert main(["replay", *SMALL, "--policy", "exact", "--events", str(out)]) == 0
     lines = out.read_text().splitlines()
-    assert json.loads(lines[0])["schema"] == "blockpool.events/2"
+    assert json.loads(lines[0])["schema"] == "blockpool.core.events/2"
     assert {json.loads(x)["ev"] for x in lines[1:-1]} == {"issue", "wait", "access", "fence", "table", "end"}
     trailer = json.loads(lines[-1])
-    assert trailer["trailer"] == "blockpool.events/2" and trailer["lines"] == len(lines) - 1
+    assert trailer["trailer"] == "blockpool.core.events/2" and trailer["lines"] == len(lines) - 1
     assert sum(trailer["counts"].values()) == len(lines) - 2
 
 

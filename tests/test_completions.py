@@ -1,4 +1,4 @@
-"""Completion reports and the rank merge (``blockpool.completions``): one
+"""Completion reports and the rank merge (``blockpool.core.completions``): one
 behaviour per test. Torch-free: runs without torch installed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from blockpool import BlockPoolError, InvalidArgumentError, StreamKind, Token
-from blockpool.completions import CompletionReport, RankMerger
+from blockpool.core.completions import CompletionReport, RankMerger
 from tests.conftest import make_pool
 
 HOST = StreamKind.HOST
@@ -152,7 +152,7 @@ def test_merger_rejects_a_world_size_below_one() -> None:
 
 def test_completions_and_stand_ins_import_without_torch() -> None:
     code = (
-        "import sys, blockpool, blockpool.completions, blockpool.worker.standins; "
+        "import sys, blockpool, blockpool.core.completions, blockpool.worker.standins; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False, capture_output=True).returncode == 0

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from blockpool import HazardAwareBlockPool, StreamKind
-from blockpool.errors import UnknownStreamError, UnknownTokenError
-from blockpool.hazards import Token
 from blockpool.checking.harness import RaceHarness
+from blockpool.core.errors import UnknownStreamError, UnknownTokenError
+from blockpool.core.hazards import Token
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

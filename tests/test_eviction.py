@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockpool import HazardAwareBlockPool, StreamKind
-from blockpool.block import FreeBlockQueue
-from blockpool.errors import BlockPoolError, InvalidArgumentError
-from blockpool.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError
+from blockpool.core.block import FreeBlockQueue
+from blockpool.core.errors import BlockPoolError, InvalidArgumentError
+from blockpool.core.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError
 
 STREAMS = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "rdma": StreamKind.HOST}
 
@@ -234,7 +234,7 @@ def _cached_generations(placement: str, eviction: str = "lru") -> HazardAwareBlo
 
 
 def test_ready_first_cached_takes_the_coldest_ready_cached_blocks():
-    from blockpool.events import BlockRemoved
+    from blockpool.core.events import BlockRemoved
 
     p = _cached_generations("ready_first_cached")
     assert ids(p.free_block_queue) == [3, 4, 1, 2, 5, 6, 7, 8]

@@ -12,7 +12,7 @@ from blockpool import (
     StreamKind,
     Token,
 )
-from blockpool.events import BlockRemoved
+from blockpool.core.events import BlockRemoved
 from tests.conftest import make_pool, toks
 
 R, W = AccessKind.READ, AccessKind.WRITE

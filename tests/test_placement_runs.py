@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockpool import HazardAwareBlockPool, StreamKind
-from blockpool.block import KVCacheBlock
-from blockpool.placement import PLACEMENTS
-from blockpool.placement import fewest_runs as _fewest_runs
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.placement import PLACEMENTS
+from blockpool.core.placement import fewest_runs as _fewest_runs
 from blockpool.replay.machine import min_runs, runs
 
 STREAMS = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "rdma": StreamKind.HOST}
@@ -228,7 +228,7 @@ def test_num_ready_free_blocks_counts_blocks_with_an_empty_fence_for_the_stream(
 
 
 def test_num_ready_free_blocks_unknown_stream_is_typed_and_changes_nothing():
-    from blockpool.errors import UnknownStreamError
+    from blockpool.core.errors import UnknownStreamError
 
     p = HazardAwareBlockPool(5, streams=STREAMS)
     bl = p.get_new_blocks(2)

@@ -1,4 +1,4 @@
-"""Allocation and free in the pool (``blockpool/pool.py``): a block listed
+"""Allocation and free in the pool (``blockpool/core/pool.py``): a block listed
 twice in one free, a failed allocation leaves no trace, the null block is
 never data. Faults reported from the field (issue #4): one test per
 behaviour.

@@ -1,4 +1,4 @@
-"""The fences the pool computes (``blockpool/_fences.py``): loads wait on
+"""The fences the pool computes (``blockpool/core/_fences.py``): loads wait on
 the readers of the blocks they overwrite (WAR), stores on the last writer
 (RAW), and frees under async scheduling are tagged with the last enqueued
 step. Faults reported from the field (issue #4): one test per behaviour.

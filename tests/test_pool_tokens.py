@@ -1,4 +1,4 @@
-"""Completions, failures, leases and abandon (``blockpool/_tokens.py``):
+"""Completions, failures, leases and abandon (``blockpool/core/_tokens.py``):
 blocks of an aborted load are held until their transfer ends and released
 exactly once; a failed load publishes nothing. Faults reported from the
 field (issue #4): one test per behaviour.

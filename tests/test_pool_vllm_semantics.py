@@ -214,8 +214,8 @@ def test_stats_count_cache_lookups_and_hits(pool: HazardAwareBlockPool) -> None:
 
 
 def test_prefix_cache_removal_reports_only_keys_that_mapped_and_leaves_no_empty_entry() -> None:
-    from blockpool.block import KVCacheBlock
-    from blockpool.prefix_cache import PrefixCache
+    from blockpool.core.block import KVCacheBlock
+    from blockpool.core.prefix_cache import PrefixCache
 
     pc = PrefixCache()
     a, b = KVCacheBlock(1), KVCacheBlock(2)

@@ -1,4 +1,4 @@
-"""The prefix cache (``blockpool/prefix_cache.py``, ``blockpool/_caching.py``):
+"""The prefix cache (``blockpool/core/prefix_cache.py``, ``blockpool/core/_caching.py``):
 one block with several keys, reset and eviction order with transfers in
 flight. Faults reported from the field (issue #4): one test per behaviour.
 """

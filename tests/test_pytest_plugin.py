@@ -15,10 +15,10 @@ import sys
 import pytest
 
 import blockpool
-from blockpool.errors import ForeignBlockError, UnknownStreamError
-from blockpool.hazards import AccessKind, Token
-from blockpool.checking.race_oracle import RaceViolation, UnrecordedTokenError
 from blockpool.checking.harness import DEFAULT_STREAMS, RaceHarness
+from blockpool.checking.race_oracle import RaceViolation, UnrecordedTokenError
+from blockpool.core.errors import ForeignBlockError, UnknownStreamError
+from blockpool.core.hazards import AccessKind, Token
 
 pytest_plugins = ["pytester"]
 

@@ -11,8 +11,8 @@ import attrs
 import pytest
 
 from blockpool.checking.race_oracle import RaceOracle, RaceViolation, RecordOrderError, UnrecordedTokenError
-from blockpool.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
-from blockpool.hazards import AccessKind, StreamKind, Token
+from blockpool.core.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
+from blockpool.core.hazards import AccessKind, StreamKind, Token
 
 D, H = StreamKind.DEVICE, StreamKind.HOST
 R, W = AccessKind.READ, AccessKind.WRITE
@@ -355,7 +355,7 @@ def test_waiting_on_an_ended_token_whose_clock_was_dropped_is_allowed() -> None:
 
 def test_failed_token_does_not_order_later_work_after_its_waits() -> None:
     from blockpool.checking.race_oracle import RaceOracle
-    from blockpool.hazards import AccessKind, StreamKind, Token
+    from blockpool.core.hazards import AccessKind, StreamKind, Token
 
     oracle = RaceOracle({"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "rdma": StreamKind.HOST})
     e1, load, dma = Token("compute", 1), Token("rdma", 1, StreamKind.HOST), Token("h2d", 1)

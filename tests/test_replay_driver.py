@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import collections
-
 import json
 from pathlib import Path
 
 import pytest
 
-from blockpool.errors import InvalidArgumentError
-from blockpool.hazards import AccessKind, StreamKind, Token
+from blockpool.checking.race_oracle import RaceOracle
+from blockpool.core.errors import InvalidArgumentError
+from blockpool.core.hazards import AccessKind, StreamKind, Token
 from blockpool.replay.config import ReplayConfig
 from blockpool.replay.driver import run_policy
 from blockpool.replay.eventlog import EVENTS_SCHEMA
@@ -19,7 +19,6 @@ from blockpool.replay.report import ReplayReport
 from blockpool.replay.run import replay
 from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
 from blockpool.replay.traces import Trace, read_trace
-from blockpool.checking.race_oracle import RaceOracle
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 CONVERSATION = TRACES / "conversation_trace.jsonl"
@@ -284,7 +283,7 @@ NEWEST = {"compute": Token("compute", 9), "h2d": Token("h2d", 4), "d2h": Token("
 
 
 def _waits(policy: str, fence: tuple[Token, ...], consumer: str, transfer: bool = False, ended: tuple = ()) -> list[str]:  # type: ignore[type-arg]
-    from blockpool.hazards import Fence
+    from blockpool.core.hazards import Fence
 
     p = WaitPolicy(policy, KINDS, NEWEST, lambda t: t in ended)
     return [str(t) for t in p.waits(Fence(fence), consumer, transfer=transfer)]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from blockpool.cli import main
-from blockpool.eviction import UnknownEvictionPolicyError
+from blockpool.core.eviction import UnknownEvictionPolicyError
 from blockpool.replay.config import ReplayConfig
 from blockpool.replay.run import replay
 from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace

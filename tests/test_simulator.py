@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from blockpool.errors import InvalidArgumentError, UnknownStreamError, UnknownTokenError
-from blockpool.hazards import StreamKind, Token
-from blockpool.sim.simulator import DEFAULT_STREAM_SPECS, CostModel, SimulationError, StreamSimulator, StreamSpec
+from blockpool.core.errors import InvalidArgumentError, UnknownStreamError, UnknownTokenError
+from blockpool.core.hazards import StreamKind, Token
+from blockpool.sim.simulator import (
+    DEFAULT_STREAM_SPECS,
+    CostModel,
+    SimulationError,
+    StreamSimulator,
+    StreamSpec,
+)
 
 DEV, HOST = StreamKind.DEVICE, StreamKind.HOST
 
@@ -246,8 +252,8 @@ def test_different_seeds_give_different_replay_reports() -> None:
 
 
 def test_default_streams_has_one_meaning_and_the_specs_agree_with_it() -> None:
-    from blockpool.sim import costmodel, simulator
     from blockpool.checking.harness import DEFAULT_STREAMS
+    from blockpool.sim import costmodel, simulator
 
     assert all(isinstance(k, StreamKind) for k in DEFAULT_STREAMS.values())
     assert {n: DEFAULT_STREAM_SPECS[n].kind for n in DEFAULT_STREAMS} == dict(DEFAULT_STREAMS)

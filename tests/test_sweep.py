@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from blockpool.cli import main
-from blockpool.errors import (
+from blockpool.core.errors import (
     BlockPoolError,
     ClusterUnavailableError,
     InvalidArgumentError,
     MissingDependencyError,
 )
-from blockpool.eviction import UnknownEvictionPolicyError
+from blockpool.core.eviction import UnknownEvictionPolicyError
 from blockpool.replay.config import ReplayConfig
 from blockpool.replay.policies import UnknownPolicyError
 from blockpool.replay.run import replay

@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from blockpool import BlockPoolError, Fence, InvalidArgumentError, StreamKind, Token
-from blockpool.completions import CompletionReport, RankMerger
+from blockpool.core.completions import CompletionReport, RankMerger
 from blockpool.worker.standins import StandInDevice, StandInEvent, StandInStream
 from blockpool.worker.torch_events import (
     BackendUnavailableError,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from blockpool.errors import BlockPoolError, InvalidArgumentError
+from blockpool.core.errors import BlockPoolError, InvalidArgumentError
 from blockpool.replay.keys import ROOT_DIGEST, BlockKeys
 from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
 from blockpool.replay.traces import (

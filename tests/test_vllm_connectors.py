@@ -22,12 +22,12 @@ torch = pytest.importorskip("torch")
 if not os.environ.get("BLOCKPOOL_TEST_HF_FIXTURES"):
     pytest.skip("no shape-only model configs (../shared/vllm-parity/hf)", allow_module_level=True)
 
-from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token
-from blockpool.integrations import vllm as plugin
-from blockpool.integrations import vllm_connectors as vc
-from blockpool.integrations import vllm_worker as vw
-from blockpool.integrations.vllm_hazards import StepRecord, Transfer
 from blockpool.checking.race_oracle import RaceOracle
+from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token
+from blockpool.integrations import vllm as plugin
+from blockpool.integrations.vllm import connectors as vc
+from blockpool.integrations.vllm import worker as vw
+from blockpool.integrations.vllm.hazards import StepRecord, Transfer
 from blockpool.worker.standins import StandInDevice
 from blockpool.worker.torch_events import EventLedger
 

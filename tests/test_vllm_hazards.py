@@ -1,4 +1,4 @@
-"""Scheduler-side hazard wiring (blockpool.integrations.vllm_hazards), with
+"""Scheduler-side hazard wiring (blockpool.integrations.vllm.hazards), with
 fakes for vLLM's SchedulerOutput and KVConnectorOutput: no vLLM needed."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pickle
 import pytest
 
 from blockpool import HazardAwareBlockPool, StreamKind, Token
-from blockpool.errors import UnknownStreamError
-from blockpool.integrations.vllm_hazards import StepHazards, StepRecord, Transfer
+from blockpool.core.errors import UnknownStreamError
+from blockpool.integrations.vllm.hazards import StepHazards, StepRecord, Transfer
 from tests.conftest import ids, toks
 
 

@@ -66,7 +66,7 @@ def probe(extra: str = "", **env: str) -> dict[str, object]:
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-OURS = "blockpool.integrations.vllm_pool.VllmBlockPool"
+OURS = "blockpool.integrations.vllm.pool.VllmBlockPool"
 VLLMS = "vllm.v1.core.block_pool.BlockPool"
 
 

@@ -27,7 +27,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.request import Request
 
 from blockpool import RefCountError, StreamKind
-from blockpool.integrations.vllm_pool import SERVED, VLLM_BLOCK_POOL, VllmBlockPool
+from blockpool.integrations.vllm.pool import SERVED, VLLM_BLOCK_POOL, VllmBlockPool
 from tests.conftest import ids, toks
 
 BS = 4

@@ -1,4 +1,4 @@
-"""The worker half of the connector wiring (blockpool.integrations.vllm_worker)
+"""The worker half of the connector wiring (blockpool.integrations.vllm.worker)
 on CPU stand-in streams and events: no vLLM, no GPU needed."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from blockpool.hazards import EMPTY_FENCE, Fence, StreamKind, Token
-from blockpool.integrations import vllm_worker as vw
-from blockpool.integrations.vllm_connectors import META_STEP
-from blockpool.integrations.vllm_hazards import StepRecord, Transfer
+from blockpool.core.hazards import EMPTY_FENCE, Fence, StreamKind, Token
+from blockpool.integrations.vllm import worker as vw
+from blockpool.integrations.vllm.connectors import META_STEP
+from blockpool.integrations.vllm.hazards import StepRecord, Transfer
 from blockpool.worker.standins import StandInDevice
 from blockpool.worker.torch_events import EventLedger
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from blockpool.block import KVCacheBlock
 from blockpool.checking.race_oracle import RaceOracle, RaceViolation
-from blockpool.errors import ForeignBlockError, InvalidArgumentError
-from blockpool.hazards import AccessKind, Fence, StreamKind, Token
-from blockpool.pool import HazardAwareBlockPool
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.errors import ForeignBlockError, InvalidArgumentError
+from blockpool.core.hazards import AccessKind, Fence, StreamKind, Token
+from blockpool.core.pool import HazardAwareBlockPool
 
 __all__ = ["DEFAULT_STREAMS", "RaceHarness"]
 

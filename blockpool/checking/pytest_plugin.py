@@ -32,8 +32,8 @@ import pytest
 if TYPE_CHECKING:
     from blockpool.checking.harness import RaceHarness
     from blockpool.checking.race_oracle import RaceOracle
-    from blockpool.hazards import StreamKind
-    from blockpool.pool import HazardAwareBlockPool
+    from blockpool.core.hazards import StreamKind
+    from blockpool.core.pool import HazardAwareBlockPool
 
 _HARNESS = "blockpool_harness"
 _MARKER = "blockpool_expect_races"
@@ -91,7 +91,7 @@ def blockpool_pool(
     blockpool_num_gpu_blocks: int, blockpool_streams: dict[str, StreamKind]
 ) -> HazardAwareBlockPool:
     """A debug HazardAwareBlockPool (fences carry reasons) on ``blockpool_streams``."""
-    from blockpool.pool import HazardAwareBlockPool
+    from blockpool.core.pool import HazardAwareBlockPool
 
     return HazardAwareBlockPool(blockpool_num_gpu_blocks, streams=blockpool_streams, debug=True)
 

@@ -19,7 +19,7 @@ accesses race only when neither is ordered after the other, so an access
 reported late (the block-table read made at free time) is judged by the
 order of the work, not of the calls.
 
->>> from blockpool.hazards import AccessKind, StreamKind, Token
+>>> from blockpool.core.hazards import AccessKind, StreamKind, Token
 >>> oracle = RaceOracle({"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE})
 >>> e1, load = Token("compute", 1), Token("h2d", 1)
 >>> oracle.record(e1); oracle.access(e1, [7], AccessKind.READ, "forward")
@@ -36,8 +36,8 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from blockpool.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
-from blockpool.hazards import AccessKind, StreamKind, Token
+from blockpool.core.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
+from blockpool.core.hazards import AccessKind, StreamKind, Token
 
 __all__ = ["RaceOracle", "RaceViolation", "RecordOrderError", "UnrecordedTokenError"]
 

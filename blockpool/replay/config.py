@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import attrs
 
-from blockpool.errors import BlockPoolError, InvalidArgumentError
-from blockpool.hazards import StreamKind
+from blockpool.core.errors import BlockPoolError, InvalidArgumentError
+from blockpool.core.hazards import StreamKind
 from blockpool.sim.simulator import DEFAULT_STREAM_SPECS, CostModel, StreamSpec
 
 __all__ = ["DEFAULT_NUM_BLOCKS", "SYNTHETIC_NUM_BLOCKS", "ReplayConfig", "ReplayError"]
@@ -42,15 +42,15 @@ def _fraction(_: object, a: attrs.Attribute, v: object) -> None:  # type: ignore
 
 
 def _known_eviction(v: object) -> None:
-    from blockpool.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError
+    from blockpool.core.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError
 
     if v not in EVICTION_POLICIES:
         raise UnknownEvictionPolicyError(f"unknown eviction policy {v!r}; choose from {', '.join(EVICTION_POLICIES)}")
 
 
 def _known_placement(v: object) -> None:
-    from blockpool.eviction import UnknownEvictionPolicyError
-    from blockpool.pool import PLACEMENTS
+    from blockpool.core.eviction import UnknownEvictionPolicyError
+    from blockpool.core.pool import PLACEMENTS
 
     if v not in PLACEMENTS:
         raise UnknownEvictionPolicyError(f"unknown placement {v!r}; choose from {', '.join(PLACEMENTS)}")
@@ -86,12 +86,12 @@ class ReplayConfig:
         check_every: Call ``pool.check()`` every this many steps (0: never).
         timeline: Works kept per stream for the timeline plot.
         eviction: The pool's eviction policy (``"lru"``, ``"s3fifo"``,
-            ``"2q"``; :mod:`blockpool.eviction`).
+            ``"2q"``; :mod:`blockpool.core.eviction`).
         placement: The pool's placement (one of
-            :data:`blockpool.pool.PLACEMENTS`: ``"lru"``, ``"ready_first"``,
+            :data:`blockpool.core.pool.PLACEMENTS`: ``"lru"``, ``"ready_first"``,
             ``"ready_first_cached"``, ``"runs"``, ``"runs_cached"``,
             ``"ready_first_runs"``; see
-            :class:`~blockpool.pool.HazardAwareBlockPool`); with any mode
+            :class:`~blockpool.core.pool.HazardAwareBlockPool`); with any mode
             but ``"lru"`` the scheduler also allocates a load's blocks
             with ``allocate_for(n, load stream)`` (placed for the load)
             instead of ``get_new_blocks``.

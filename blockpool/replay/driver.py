@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 import attrs
 
-from blockpool.block import KVCacheBlock
-from blockpool.hazards import Token
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.hazards import Token
 from blockpool.replay.config import ReplayConfig, ReplayError
 from blockpool.replay.eventlog import EventLog
 from blockpool.replay.machine import Machine

@@ -1,9 +1,9 @@
 """The replay event log: every token issue, wait, block access, fence and
 completion as JSON lines, so an external checker can verify a replay.
 
-Schema ``blockpool.events/2`` (documented in ``docs/replay.md``): the first
-line is a header object with ``"schema": "blockpool.events/2"``; the last
-line is the trailer ``{"trailer": "blockpool.events/2", "lines": N,
+Schema ``blockpool.core.events/2`` (documented in ``docs/replay.md``): the first
+line is a header object with ``"schema": "blockpool.core.events/2"``; the last
+line is the trailer ``{"trailer": "blockpool.core.events/2", "lines": N,
 "counts": {ev: n}}`` (``N`` lines before it, header included; ``counts``
 per ``ev``), so a truncated log is detectable; every other line is one
 event object with an ``"ev"`` field:
@@ -33,9 +33,9 @@ order the replay made them; a ``wait`` follows the ``issue`` of its token.
 >>> log.end("exact", "h2d:3", 0.25, False)
 >>> log.close()
 >>> print(buf.getvalue(), end="")
-{"schema": "blockpool.events/2", "source": "synthetic"}
+{"schema": "blockpool.core.events/2", "source": "synthetic"}
 {"ev": "end", "policy": "exact", "token": "h2d:3", "t": 0.25, "failed": false}
-{"trailer": "blockpool.events/2", "lines": 2, "counts": {"end": 1}}
+{"trailer": "blockpool.core.events/2", "lines": 2, "counts": {"end": 1}}
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import TextIO
 
 __all__ = ["EVENTS_SCHEMA", "EventLog"]
 
-EVENTS_SCHEMA = "blockpool.events/2"
+EVENTS_SCHEMA = "blockpool.core.events/2"
 """Name and version of the event-log schema."""
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from blockpool.errors import InvalidArgumentError
+from blockpool.core.errors import InvalidArgumentError
 
 __all__ = ["ROOT_DIGEST", "BlockKeys", "Segment"]
 

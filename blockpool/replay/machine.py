@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from blockpool.block import KVCacheBlock
 from blockpool.checking.race_oracle import RaceOracle
-from blockpool.hazards import AccessKind, Fence, StreamKind, Token
-from blockpool.pool import HazardAwareBlockPool
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.hazards import AccessKind, Fence, StreamKind, Token
+from blockpool.core.pool import HazardAwareBlockPool
 from blockpool.replay.eventlog import EventLog
 from blockpool.replay.policies import WaitPolicy
 from blockpool.replay.state import TimedPool
@@ -42,7 +42,7 @@ def runs(blocks: Sequence[KVCacheBlock]) -> int:
     runs; ``[6, 5, 4]`` is 3 (a descriptor covers ascending addresses).
     0 for no blocks. O(len(blocks)).
 
-    >>> from blockpool.block import KVCacheBlock
+    >>> from blockpool.core.block import KVCacheBlock
     >>> runs([KVCacheBlock(i) for i in (4, 5, 6, 9)])
     2
     """
@@ -202,7 +202,7 @@ class Machine:
         wait list: the newest token per in-order DEVICE stream, and no token
         that another token of the list already covers through its issue-time
         clock (what its stream had waited on before it;
-        :meth:`~blockpool.tracker.HazardTracker.drop_covered`, the rule the
+        :meth:`~blockpool.core.tracker.HazardTracker.drop_covered`, the rule the
         pool's fences follow)."""
         pend = self._pending.get(stream)
         toks = [*pend, *extra] if pend else list(extra)
@@ -266,7 +266,7 @@ class Machine:
         """Begin a load into ``blocks`` on ``stream``; returns its work and
         records the load-start delay, whether it waited on nothing, its
         runs, and, given ``ready_free`` (the pool's
-        :meth:`~blockpool.pool.HazardAwareBlockPool.num_ready_free_blocks`
+        :meth:`~blockpool.core.pool.HazardAwareBlockPool.num_ready_free_blocks`
         for ``stream`` just before the blocks were placed), whether it
         waited because the free queue held fewer ready blocks than it
         needed (no placement could have given it an empty fence)."""

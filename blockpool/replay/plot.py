@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from blockpool.errors import BlockPoolError
+from blockpool.core.errors import BlockPoolError
 from blockpool.replay.report import NEGATIVE_CONTROL, ReplayReport
 
 __all__ = ["TIMELINE_SPAN_S", "PlotUnavailableError", "figure", "plot_report"]

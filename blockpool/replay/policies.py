@@ -22,7 +22,7 @@ consumer's own stream when it is an in-order ``DEVICE`` stream. All policies
 but ``blind`` keep the pool's hold-back of blocks with pending host-engine
 accesses.
 
->>> from blockpool.hazards import Fence, StreamKind, Token
+>>> from blockpool.core.hazards import Fence, StreamKind, Token
 >>> kinds = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE}
 >>> newest = {"compute": Token("compute", 9), "h2d": Token("h2d", 4)}
 >>> f = Fence((Token("compute", 5),))
@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from blockpool.errors import BlockPoolError
-from blockpool.hazards import Fence, StreamKind, Token
+from blockpool.core.errors import BlockPoolError
+from blockpool.core.hazards import Fence, StreamKind, Token
 
 __all__ = ["POLICIES", "UnknownPolicyError", "WaitPolicy", "parse_policies"]
 

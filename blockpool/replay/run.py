@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from blockpool.errors import InvalidArgumentError
+from blockpool.core.errors import InvalidArgumentError
 from blockpool.replay.config import ReplayConfig
 from blockpool.replay.driver import run_policy
 from blockpool.replay.eventlog import EventLog
@@ -104,7 +104,7 @@ def replay(
         policies: Names, or a comma-separated string.
         config: The :class:`ReplayConfig` (default: defaults).
         jobs: Worker processes (``1``: run in this process).
-        events: Write the event log (schema ``blockpool.events/2``) here.
+        events: Write the event log (schema ``blockpool.core.events/2``) here.
         progress: Called with the number of requests done so far over all
             policies (each policy counts up to ``len(trace.requests)``).
         evictions, placements: Run every policy under each of these pool

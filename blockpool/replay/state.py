@@ -15,9 +15,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from blockpool.block import KVCacheBlock
-from blockpool.errors import InvalidArgumentError
-from blockpool.hazards import Token
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.errors import InvalidArgumentError
+from blockpool.core.hazards import Token
 from blockpool.replay.keys import BlockKeys
 from blockpool.replay.traces import TraceRequest
 

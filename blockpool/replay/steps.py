@@ -14,9 +14,9 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING
 
-from blockpool.block import KVCacheBlock
-from blockpool.errors import NoFreeBlocksError
-from blockpool.hazards import AccessKind, StreamKind, Token
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.errors import NoFreeBlocksError
+from blockpool.core.hazards import AccessKind, StreamKind, Token
 from blockpool.replay.keys import BlockKeys
 from blockpool.replay.state import ExternalStore, Phase, Request
 

@@ -36,9 +36,9 @@ from typing import Any
 
 import attrs
 
-from blockpool.errors import ClusterUnavailableError, InvalidArgumentError, MissingDependencyError
-from blockpool.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError
-from blockpool.pool import PLACEMENTS
+from blockpool.core.errors import ClusterUnavailableError, InvalidArgumentError, MissingDependencyError
+from blockpool.core.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError
+from blockpool.core.pool import PLACEMENTS
 from blockpool.replay.config import DEFAULT_NUM_BLOCKS, SYNTHETIC_NUM_BLOCKS, ReplayConfig
 from blockpool.replay.policies import parse_policies
 
@@ -86,8 +86,8 @@ class SweepSpec:
         traces: Trace paths, or :data:`SYNTHETIC`.
         policies: Wait policies (``exact``, ``step-event``, ``device-sync``,
             ``blind``).
-        evictions: Pool eviction policies (:data:`blockpool.eviction.EVICTION_POLICIES`).
-        placements: Pool placements (:data:`blockpool.pool.PLACEMENTS`).
+        evictions: Pool eviction policies (:data:`blockpool.core.eviction.EVICTION_POLICIES`).
+        placements: Pool placements (:data:`blockpool.core.pool.PLACEMENTS`).
         num_blocks: Pool sizes (null block included); ``None`` in the
             tuple: the default for the trace (16,384, or 2,048 for the
             synthetic workload).

@@ -28,7 +28,7 @@ import random
 
 import attrs
 
-from blockpool.errors import InvalidArgumentError
+from blockpool.core.errors import InvalidArgumentError
 from blockpool.replay.traces import Trace, TraceRequest
 
 __all__ = ["SyntheticSpec", "synthetic_trace"]

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import attrs
 
-from blockpool.errors import BlockPoolError, InvalidArgumentError
+from blockpool.core.errors import BlockPoolError, InvalidArgumentError
 
 __all__ = [
     "MOONCAKE_HASH_BLOCK_TOKENS",

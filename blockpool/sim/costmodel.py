@@ -16,8 +16,8 @@ from collections.abc import Mapping
 
 import attrs
 
-from blockpool.errors import InvalidArgumentError
-from blockpool.hazards import StreamKind
+from blockpool.core.errors import InvalidArgumentError
+from blockpool.core.hazards import StreamKind
 
 __all__ = ["DEFAULT_STREAM_SPECS", "CostModel", "StreamSpec"]
 

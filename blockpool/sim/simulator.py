@@ -25,7 +25,7 @@ end times are known at submission (no later work can change them). The cost
 model and the stream specs live in :mod:`blockpool.sim.costmodel` and are
 re-exported here.
 
->>> from blockpool.hazards import StreamKind, Token
+>>> from blockpool.core.hazards import StreamKind, Token
 >>> sim = StreamSimulator({"compute": StreamSpec(StreamKind.DEVICE),
 ...                        "h2d": StreamSpec(StreamKind.DEVICE, bandwidth=1e9)})
 >>> e1, l1 = Token("compute", 1), Token("h2d", 1)
@@ -48,8 +48,8 @@ from typing import Protocol
 
 import attrs
 
-from blockpool.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
-from blockpool.hazards import StreamKind, Token
+from blockpool.core.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
+from blockpool.core.hazards import StreamKind, Token
 from blockpool.sim.costmodel import DEFAULT_STREAM_SPECS, CostModel, StreamSpec, deprecated_default_streams
 
 __all__ = [

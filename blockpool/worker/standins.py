@@ -48,7 +48,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from blockpool.errors import BlockPoolError
+from blockpool.core.errors import BlockPoolError
 
 __all__ = ["StandInDeadlock", "StandInDevice", "StandInEvent", "StandInStream"]
 

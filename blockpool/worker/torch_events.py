@@ -21,8 +21,8 @@ tensor-parallel rank) an :class:`EventLedger`
   ``HOST`` token (:meth:`EventLedger.wait_host`). Nothing here ever calls a
   device-wide synchronize.
 - reports what it saw end as a picklable
-  :class:`~blockpool.completions.CompletionReport` for the scheduler, where
-  :class:`~blockpool.completions.RankMerger` ends a token only once every
+  :class:`~blockpool.core.completions.CompletionReport` for the scheduler, where
+  :class:`~blockpool.core.completions.RankMerger` ends a token only once every
   rank reported it.
 
 The rules are ``docs/hazard-model.md`` ("Who waits how"); the account for
@@ -40,7 +40,7 @@ This is the only module of the package that imports torch;
 
 Example with the CPU stand-ins (the same calls work with CUDA streams)::
 
-    >>> from blockpool.hazards import Fence, Token
+    >>> from blockpool.core.hazards import Fence, Token
     >>> from blockpool.worker.standins import StandInDevice
     >>> dev = StandInDevice()
     >>> compute, h2d = dev.new_stream("compute"), dev.new_stream("h2d")
@@ -69,9 +69,9 @@ from typing import Any, Protocol
 
 import torch
 
-from blockpool.completions import CompletionReport
-from blockpool.errors import BlockPoolError, FenceFailedError, InvalidArgumentError
-from blockpool.hazards import StreamKind, Token
+from blockpool.core.completions import CompletionReport
+from blockpool.core.errors import BlockPoolError, FenceFailedError, InvalidArgumentError
+from blockpool.core.hazards import StreamKind, Token
 
 __all__ = [
     "BackendUnavailableError",

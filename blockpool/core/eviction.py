@@ -2,7 +2,7 @@
 keys first.
 
 ``"lru"`` (the default) is vLLM v1's order exactly: the plain
-:class:`~blockpool.block.FreeBlockQueue` (unkeyed blocks in front, cached
+:class:`~blockpool.core.block.FreeBlockQueue` (unkeyed blocks in front, cached
 blocks appended at the back when freed, the front evicted first). The pool
 then runs its usual code; no policy object is consulted on any path.
 
@@ -48,8 +48,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Hashable, Iterator
 
-from blockpool.block import FreeBlockQueue, KVCacheBlock
-from blockpool.errors import InvalidArgumentError, InvariantError
+from blockpool.core.block import FreeBlockQueue, KVCacheBlock
+from blockpool.core.errors import InvalidArgumentError, InvariantError
 
 __all__ = [
     "EVICTION_POLICIES",

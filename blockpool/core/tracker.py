@@ -19,15 +19,15 @@ from collections.abc import Iterable
 
 from sortedcontainers import SortedSet
 
-from blockpool.errors import (
+from blockpool.core.errors import (
     ForeignTokenError,
     InvalidArgumentError,
     UnknownStreamError,
     UnknownTokenError,
 )
-from blockpool.hazards import StreamKind, Token
+from blockpool.core.hazards import StreamKind, Token
 
-__all__ = ["VectorClock", "StreamState", "HazardTracker"]
+__all__ = ["HazardTracker", "StreamState", "VectorClock"]
 
 _DEVICE = StreamKind.DEVICE
 _HOST = StreamKind.HOST
@@ -78,7 +78,7 @@ class VectorClock:
 class StreamState:
     """Per-stream bookkeeping: counter, completion mark, clocks."""
 
-    __slots__ = ("name", "kind", "last_seq", "mark", "done", "clock", "token_clocks", "failed", "failed_seqs")
+    __slots__ = ("clock", "done", "failed", "failed_seqs", "kind", "last_seq", "mark", "name", "token_clocks")
 
     def __init__(self, name: str, kind: StreamKind):
         self.name = name
@@ -130,7 +130,7 @@ class HazardTracker:
     :meth:`drain`.
     """
 
-    __slots__ = ("streams", "_inbox", "_hosts", "pool_id")
+    __slots__ = ("_hosts", "_inbox", "pool_id", "streams")
 
     def __init__(self, pool_id: int = 0) -> None:
         # Identity stamped on every token issued here (Token.pool); 0: unbound.

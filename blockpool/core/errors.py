@@ -11,23 +11,23 @@ the start of every call, as documented in ``docs/threading.md``.
 from __future__ import annotations
 
 __all__ = [
+    "BlockNotAllocatedError",
     "BlockPoolError",
-    "InvalidArgumentError",
-    "NoFreeBlocksError",
+    "ClusterUnavailableError",
+    "FenceFailedError",
     "ForeignBlockError",
+    "ForeignTokenError",
+    "HashConflictError",
+    "InvalidArgumentError",
+    "InvariantError",
+    "LeaseExpiredWarning",
+    "MissingDependencyError",
+    "NoFreeBlocksError",
     "NullBlockError",
     "RefCountError",
-    "BlockNotAllocatedError",
     "StaleBlockError",
     "UnknownStreamError",
     "UnknownTokenError",
-    "ForeignTokenError",
-    "HashConflictError",
-    "InvariantError",
-    "FenceFailedError",
-    "MissingDependencyError",
-    "ClusterUnavailableError",
-    "LeaseExpiredWarning",
 ]
 
 

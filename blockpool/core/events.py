@@ -11,7 +11,7 @@ from collections.abc import Hashable
 
 import attrs
 
-__all__ = ["KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared", "MEDIUM_GPU", "REMOVAL_REASONS"]
+__all__ = ["MEDIUM_GPU", "REMOVAL_REASONS", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent"]
 
 MEDIUM_GPU = "GPU"
 

@@ -4,13 +4,13 @@ Every write the pool records (``tag``, a free with ``WRITE``,
 ``begin_load``, ``begin_copy``) replaces its blocks' shadows. It may fail
 before its own waits ran, so the accesses it replaced may still run: until
 the write's token ends, what it replaced is kept here, and if the token
-*fails* it is put back (:func:`blockpool.shadows.restore`) and the blocks'
+*fails* it is put back (:func:`blockpool.core.shadows.restore`) and the blocks'
 content is marked invalid: not what their keys name, never published until
 rewritten.
 
->>> from blockpool.block import KVCacheBlock
->>> from blockpool.hazards import StreamKind
->>> from blockpool.tracker import HazardTracker
+>>> from blockpool.core.block import KVCacheBlock
+>>> from blockpool.core.hazards import StreamKind
+>>> from blockpool.core.tracker import HazardTracker
 >>> tr = HazardTracker(); tr.add_stream("h2d", StreamKind.DEVICE)
 >>> pw, b = PendingWrites(), KVCacheBlock(1)
 >>> t = tr.issue("h2d"); pw.begin_write(t, [b], None); b.writer = t
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from blockpool.block import KVCacheBlock
-from blockpool.errors import InvariantError
-from blockpool.hazards import Token
-from blockpool.shadows import Readers, merge_readers, restore
-from blockpool.tracker import HazardTracker, StreamState
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.errors import InvariantError
+from blockpool.core.hazards import Token
+from blockpool.core.shadows import Readers, merge_readers, restore
+from blockpool.core.tracker import HazardTracker, StreamState
 
 __all__ = ["PendingWrites"]
 
@@ -41,7 +41,7 @@ class PendingWrites:
     write left invalid, until rewritten), with the undo of failed writes.
     Every method is O(blocks touched) unless it says otherwise."""
 
-    __slots__ = ("_writes", "_invalid")
+    __slots__ = ("_invalid", "_writes")
 
     def __init__(self) -> None:
         self._writes: dict[str, dict[int, Saved]] = {}

@@ -9,8 +9,8 @@ access is *held* until every such access ends, then freed. With a lease
 timeout, a block held longer is reported once (its lease expired) and stays
 held (quarantined) until the engine's tokens end or are abandoned.
 
->>> from blockpool.block import KVCacheBlock
->>> from blockpool.hazards import StreamKind, Token
+>>> from blockpool.core.block import KVCacheBlock
+>>> from blockpool.core.hazards import StreamKind, Token
 >>> hb = HoldBack()
 >>> t = Token("rdma", 1, StreamKind.HOST)
 >>> b = KVCacheBlock(3); b.writer = t
@@ -26,11 +26,11 @@ from collections.abc import Callable
 
 from sortedcontainers import SortedList
 
-from blockpool.block import KVCacheBlock
-from blockpool.errors import InvariantError
-from blockpool.hazards import StreamKind, Token
-from blockpool.shadows import pending_host
-from blockpool.tracker import HazardTracker
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.errors import InvariantError
+from blockpool.core.hazards import StreamKind, Token
+from blockpool.core.shadows import pending_host
+from blockpool.core.tracker import HazardTracker
 
 __all__ = ["HoldBack"]
 
@@ -48,7 +48,7 @@ class HoldBack:
         clock: Time source of the leases (seconds).
     """
 
-    __slots__ = ("_held", "_held_by", "_leases", "_deadline", "_expired", "timeout", "_clock", "leases_expired")
+    __slots__ = ("_clock", "_deadline", "_expired", "_held", "_held_by", "_leases", "leases_expired", "timeout")
 
     def __init__(self, lease_timeout: float | None = None, clock: Callable[[], float] | None = None) -> None:
         self._held: dict[int, set[Token]] = {}  # block id -> host tokens still pending on it

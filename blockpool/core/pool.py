@@ -29,22 +29,22 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from blockpool import placement as _placement
-from blockpool._base import _COUNTERS, _DEVICE, _HOST, _READ, _WRITE, _as_list
-from blockpool._caching import CacheOps
-from blockpool._fences import FenceOps
-from blockpool._introspection import IntrospectionOps
-from blockpool._tokens import TokenOps
-from blockpool.block import FreeBlockQueue, KVCacheBlock, NullBlock, block_class_for_pool
-from blockpool.errors import InvalidArgumentError, NoFreeBlocksError, RefCountError
-from blockpool.events import MEDIUM_GPU, KVCacheEvent
-from blockpool.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError, make_free_queue
-from blockpool.hazards import EMPTY_FENCE, LAST_STEP, AccessKind, Fence, FreeTag, StreamKind, Token
-from blockpool.holdback import HoldBack
-from blockpool.pending_writes import PendingWrites
-from blockpool.placement import PLACEMENTS
-from blockpool.prefix_cache import PrefixCache
-from blockpool.tracker import HazardTracker, StreamState
+from blockpool.core import placement as _placement
+from blockpool.core._base import _COUNTERS, _DEVICE, _HOST, _READ, _WRITE, _as_list
+from blockpool.core._caching import CacheOps
+from blockpool.core._fences import FenceOps
+from blockpool.core._introspection import IntrospectionOps
+from blockpool.core._tokens import TokenOps
+from blockpool.core.block import FreeBlockQueue, KVCacheBlock, NullBlock, block_class_for_pool
+from blockpool.core.errors import InvalidArgumentError, NoFreeBlocksError, RefCountError
+from blockpool.core.events import MEDIUM_GPU, KVCacheEvent
+from blockpool.core.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError, make_free_queue
+from blockpool.core.hazards import EMPTY_FENCE, LAST_STEP, AccessKind, Fence, FreeTag, StreamKind, Token
+from blockpool.core.holdback import HoldBack
+from blockpool.core.pending_writes import PendingWrites
+from blockpool.core.placement import PLACEMENTS
+from blockpool.core.prefix_cache import PrefixCache
+from blockpool.core.tracker import HazardTracker, StreamState
 
 __all__ = ["PLACEMENTS", "HazardAwareBlockPool"]
 
@@ -63,7 +63,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             and stay reachable by key until evicted.
         hash_block_size: Tokens per hash block (kept for vLLM parity; the core
             treats keys as opaque).
-        enable_kv_cache_events: Queue :mod:`blockpool.events` for ``take_events``.
+        enable_kv_cache_events: Queue :mod:`blockpool.core.events` for ``take_events``.
         track_hazards: Keep shadows and compute fences. ``False`` gives a plain
             pool (every fence empty, nothing held back) for comparison.
         streams: ``{name: StreamKind}`` to register; default ``{"compute": DEVICE}``.
@@ -74,7 +74,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             :meth:`abandon`. ``None``: no lease.
         clock: Time source for leases (seconds); inject one for deterministic
             tests and replays.
-        debug: Fences carry :class:`~blockpool.hazards.FenceReason` per token.
+        debug: Fences carry :class:`~blockpool.core.hazards.FenceReason` per token.
         medium: Storage medium reported in events.
         removal_events: When a ``BlockRemoved`` is sent for a key: ``"last"``
             (default) when the last block holding it loses it, so an event
@@ -84,7 +84,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         eviction: Which free cached block loses its keys first:
             ``"lru"`` (default: vLLM's order, exactly), ``"s3fifo"`` or
             ``"2q"`` (keep blocks that were hit longer; see
-            :mod:`blockpool.eviction` for each policy and its source).
+            :mod:`blockpool.core.eviction` for each policy and its source).
         placement: Which free blocks :meth:`allocate_for` hands out:
             ``"lru"`` (default: the queue's front, as :meth:`get_new_blocks`),
             ``"ready_first"`` (free unkeyed blocks whose shadow is empty for
@@ -99,14 +99,14 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             ``"runs_cached"`` (may take runs among the ``n + RUN_SCAN``
             coldest cached blocks too, evicting their keys) or
             ``"ready_first_runs"`` (runs of ready blocks). See
-            :mod:`blockpool.placement` and ``docs/replay.md``. Only
+            :mod:`blockpool.core.placement` and ``docs/replay.md``. Only
             :meth:`allocate_for` places.
         block_factory: ``block_factory(block_id)`` makes each block record
             (an adapter's subclass of the host framework's block type, say);
             block 0 must be a null block (``is_null`` true). Blocks it makes
             are checked as this pool's by identity. Default: the core's
-            :class:`~blockpool.block.KVCacheBlock`.
-        free_queue_class: The :class:`~blockpool.block.FreeBlockQueue`
+            :class:`~blockpool.core.block.KVCacheBlock`.
+        free_queue_class: The :class:`~blockpool.core.block.FreeBlockQueue`
             subclass to build (with ``eviction="lru"``; an adapter's subclass
             adding names, say).
 
@@ -125,15 +125,15 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
 
     PLACEMENT_SCAN = _placement.PLACEMENT_SCAN
     """Unkeyed free blocks ``placement="ready_first"`` looks at beyond the
-    ``n`` it needs, at most (:data:`blockpool.placement.PLACEMENT_SCAN`)."""
+    ``n`` it needs, at most (:data:`blockpool.core.placement.PLACEMENT_SCAN`)."""
 
     CACHED_SCAN = _placement.CACHED_SCAN
     """The window of ``placement="ready_first_cached"``
-    (:data:`blockpool.placement.CACHED_SCAN`)."""
+    (:data:`blockpool.core.placement.CACHED_SCAN`)."""
 
     RUN_SCAN = _placement.RUN_SCAN
     """The window of the run-aware placements
-    (:data:`blockpool.placement.RUN_SCAN`); set it per pool to trade
+    (:data:`blockpool.core.placement.RUN_SCAN`); set it per pool to trade
     contiguity for cost and, under ``"runs_cached"``, hit rate."""
 
     def __init__(
@@ -329,7 +329,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         return new, self._fence(((hit_list, _READ), (new, access)), st)
 
     def _take_ready(self, n: int, st: StreamState) -> list[KVCacheBlock]:
-        """Ready-first placement (:func:`blockpool.placement.find_ready`):
+        """Ready-first placement (:func:`blockpool.core.placement.find_ready`):
         ``n`` free blocks for a consumer on ``st``, the ready ones first,
         then the queue's front. O(n + PLACEMENT_SCAN + CACHED_SCAN)."""
         q = self.free_block_queue
@@ -346,7 +346,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         return ready + self._take(n - len(ready)) if len(ready) < n else ready
 
     def _take_runs(self, n: int, st: StreamState) -> list[KVCacheBlock]:
-        """Run-aware placement (:func:`blockpool.placement.find_runs`): ``n``
+        """Run-aware placement (:func:`blockpool.core.placement.find_runs`): ``n``
         free blocks in the fewest runs the window allows, then the rest from
         the queue's front; ascending block ids. O(W log W), W = ``n + 2 *
         RUN_SCAN``."""
@@ -358,7 +358,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         self._claim(got)
         if len(got) < n:
             got.extend(self._take(n - len(got)))
-            got.sort(key=_placement._block_id)
+        got.sort(key=_placement._block_id)
         return got
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -406,7 +406,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
 
         ``token``: the last enqueued access to the blocks, recorded as an
         ``access`` in their shadows, so the next user of the blocks waits for
-        it. Safe by default: the default, :data:`~blockpool.hazards.LAST_STEP`,
+        it. Safe by default: the default, :data:`~blockpool.core.hazards.LAST_STEP`,
         is the newest token issued on the pool's ``compute`` stream (the last
         enqueued step, as the hazard model asks), or nothing when no token
         was issued there, no ``compute`` stream is registered, or hazards are
@@ -447,7 +447,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         zero: list[KVCacheBlock] = []
         i = 0
         try:
-            for i, b in enumerate(blocks):  # noqa: B007
+            for i, b in enumerate(blocks):
                 if b.__class__ is not cls and own[b.block_id] is not b:
                     self._own(b)
                 if b is null:

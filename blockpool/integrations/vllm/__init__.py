@@ -16,7 +16,7 @@ and the name in every other vLLM module already imported that binds vLLM's
 class (vLLM 0.33: ``single_type_kv_cache_manager``, ``hisparse.coordinator``,
 ``hisparse.block_pool``; classes already derived from vLLM's pool, e.g.
 ``SharedEventQueueBlockPool``, the HiSparse host pool, stay vLLM's). With
-hazards on it also wires :class:`~blockpool.integrations.vllm_hazards.StepHazards`
+hazards on it also wires :class:`~blockpool.integrations.vllm.hazards.StepHazards`
 into ``Scheduler.schedule``, ``Scheduler.update_from_output`` and
 ``KVCacheManager.take_kv_cache_block_copies``; those wrappers do nothing
 for a scheduler whose pool is not ours.
@@ -85,7 +85,7 @@ class InstallState:
         patched: ``(owner, attribute, original function)`` of each wrapper
             (``None``: the attribute was inherited and is deleted on undo).
         connectors: Names of the KV connectors wired
-            (:mod:`~blockpool.integrations.vllm_connectors`).
+            (:mod:`~blockpool.integrations.vllm.connectors`).
     """
 
     installed: bool = False
@@ -113,7 +113,7 @@ def is_installed() -> bool:
     co = sys.modules.get(_COORDINATOR_MODULE)
     if bp is None or co is None or not _STATE.installed:
         return False
-    from blockpool.integrations.vllm_pool import VllmBlockPool
+    from blockpool.integrations.vllm.pool import VllmBlockPool
 
     return bp.BlockPool is VllmBlockPool and co.BlockPool is VllmBlockPool
 
@@ -151,7 +151,7 @@ def register() -> None:
             "to turn it off",
             _version(),
             _vllm_version(),
-            "blockpool.integrations.vllm_pool.VllmBlockPool",
+            "blockpool.integrations.vllm.pool.VllmBlockPool",
             "on" if _STATE.hazards else f"off by {ENV_HAZARDS}",
             len(_STATE.modules),
             ", ".join(_STATE.connectors) or "none",
@@ -181,7 +181,7 @@ def _install(hazards: bool) -> None:
     # class from vLLM's pool at import time, so those keep vLLM's base.
     bp = importlib.import_module(_BLOCK_POOL_MODULE)
     importlib.import_module(_COORDINATOR_MODULE)
-    from blockpool.integrations.vllm_pool import VllmBlockPool
+    from blockpool.integrations.vllm.pool import VllmBlockPool
 
     original = getattr(bp, _ORIGINAL_ATTR, None) or bp.BlockPool
     setattr(bp, _ORIGINAL_ATTR, original)
@@ -205,7 +205,7 @@ def unregister() -> None:
     bound, remove the scheduler wrappers, forget the disabled flag. Pools
     already built stay what they are. O(modules loaded)."""
     with _LOCK:
-        from blockpool.integrations.vllm_pool import VllmBlockPool
+        from blockpool.integrations.vllm.pool import VllmBlockPool
 
         original = _STATE.original
         if original is not None:
@@ -219,7 +219,7 @@ def unregister() -> None:
                 delattr(owner, attr)
             else:
                 setattr(owner, attr, fn)
-        from blockpool.integrations import vllm_connectors
+        from blockpool.integrations.vllm import connectors as vllm_connectors
 
         vllm_connectors.unwire()
         VllmBlockPool.default_track_hazards = True
@@ -232,7 +232,7 @@ def unregister() -> None:
 
 
 def _hazards_of_pool(pool: Any) -> Any:
-    from blockpool.integrations.vllm_pool import VllmBlockPool
+    from blockpool.integrations.vllm.pool import VllmBlockPool
 
     return pool.hazards if type(pool) is VllmBlockPool else None
 
@@ -243,7 +243,7 @@ def _hazards_of_scheduler(scheduler: Any) -> Any:
 
 
 def _served() -> Any:
-    from blockpool.integrations.vllm_pool import SERVED
+    from blockpool.integrations.vllm.pool import SERVED
 
     return SERVED
 
@@ -308,7 +308,7 @@ def _wire_scheduler() -> None:
             orig(self, *args, **kwargs)
             connector = getattr(self, "connector", None)
             if connector is not None and _hazards_of_scheduler(self) is not None:
-                from blockpool.integrations.vllm_connectors import report_unwired
+                from blockpool.integrations.vllm.connectors import report_unwired
 
                 report_unwired(connector)
 
@@ -334,14 +334,14 @@ def _wire_scheduler() -> None:
 
 
 def _wire_connectors() -> None:
-    """Scheduler half (:mod:`~blockpool.integrations.vllm_connectors`) and,
-    where torch imports, worker half (:mod:`~blockpool.integrations.vllm_worker`)
+    """Scheduler half (:mod:`~blockpool.integrations.vllm.connectors`) and,
+    where torch imports, worker half (:mod:`~blockpool.integrations.vllm.worker`)
     of the connector wiring."""
-    from blockpool.integrations import vllm_connectors
+    from blockpool.integrations.vllm import connectors as vllm_connectors
 
     _STATE.connectors = vllm_connectors.wire(_patch)
     try:
-        from blockpool.integrations import vllm_worker
+        from blockpool.integrations.vllm import worker as vllm_worker
     except ImportError as exc:  # no torch: a scheduler-only process
         logger.debug("blockpool: worker-side connector wiring unavailable (%r)", exc)
         return
@@ -352,7 +352,7 @@ def __getattr__(name: str) -> Any:
     # ``from blockpool.integrations.vllm import VllmBlockPool`` without
     # importing vLLM when only register() is wanted.
     if name in ("VllmBlockPool", "SERVED"):
-        from blockpool.integrations import vllm_pool
+        from blockpool.integrations.vllm import pool as vllm_pool
 
         return getattr(vllm_pool, name)
     raise AttributeError(name)

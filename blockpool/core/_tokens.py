@@ -4,8 +4,8 @@ writes undone, leases checked) is :meth:`PoolBase._apply_completions`."""
 
 from __future__ import annotations
 
-from blockpool._base import PoolBase
-from blockpool.hazards import StreamKind, Token
+from blockpool.core._base import PoolBase
+from blockpool.core.hazards import StreamKind, Token
 
 __all__ = ["TokenOps"]
 

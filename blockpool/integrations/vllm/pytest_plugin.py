@@ -2,7 +2,7 @@
 
 Load it explicitly, before collection::
 
-    python -m pytest --noconftest -p blockpool.integrations.vllm_pytest tests/v1/core/...
+    python -m pytest --noconftest -p blockpool.integrations.vllm.pytest_plugin tests/v1/core/...
 
 With ``--noconftest`` nothing calls vLLM's plugin loader, and vLLM's test
 modules bind ``BlockPool`` when they are imported; so this module calls
@@ -15,7 +15,7 @@ After each test it runs the core's invariant check
 (:meth:`~blockpool.HazardAwareBlockPool.check`) on every pool the test
 built; a broken invariant does not fail the test (the pass sets of the two
 runs must stay comparable) but is reported. At the end of the session it
-reports what the core served (:data:`blockpool.integrations.vllm_pool.SERVED`)
+reports what the core served (:data:`blockpool.integrations.vllm.pool.SERVED`)
 and the invariant results: in the terminal summary and, when
 ``BLOCKPOOL_VLLM_SERVED`` names a file, as JSON there (the parity script
 asserts the allocation count is non-zero).
@@ -50,7 +50,7 @@ ENV_SERVED = "BLOCKPOOL_VLLM_SERVED"
 os.environ[_plugin.ENV_PLUGIN] = "1"
 _plugin.register()
 
-from blockpool.integrations import vllm_pool as _pool
+from blockpool.integrations.vllm import pool as _pool
 
 _CHECKS: dict[str, Any] = {"pools_checked": 0, "tests_checked": 0, "broken": {}}
 _FENCED: dict[str, dict[str, int]] = {}

@@ -1,15 +1,15 @@
 """Fences and accesses of the pool: ``fence_for``, ``tag`` and the
-``begin_*`` calls (the computation is :mod:`blockpool.shadows`)."""
+``begin_*`` calls (the computation is :mod:`blockpool.core.shadows`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from blockpool._base import _READ, _WRITE, PoolBase, _as_list
-from blockpool.block import KVCacheBlock
-from blockpool.errors import InvalidArgumentError, NullBlockError
-from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, Token
-from blockpool.tracker import StreamState
+from blockpool.core._base import _READ, _WRITE, PoolBase, _as_list
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.errors import InvalidArgumentError, NullBlockError
+from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, Token
+from blockpool.core.tracker import StreamState
 
 __all__ = ["FenceOps"]
 

@@ -2,9 +2,9 @@
 tokens, and each wired transfer waits on exactly its own fence before it
 touches GPU memory.
 
-The scheduler half (:mod:`blockpool.integrations.vllm_connectors`) puts the
+The scheduler half (:mod:`blockpool.integrations.vllm.connectors`) puts the
 step's record on each wired connector's metadata and a transfer's
-:class:`~blockpool.integrations.vllm_hazards.Transfer` on the item its
+:class:`~blockpool.integrations.vllm.hazards.Transfer` on the item its
 worker reads. Here, in every worker process, a :class:`WorkerHazards`
 (one :class:`~blockpool.worker.torch_events.EventLedger` per process, i.e. per
 rank) turns them into waits:
@@ -51,8 +51,8 @@ from typing import Any
 
 import torch
 
-from blockpool.hazards import Fence, StreamKind, Token
-from blockpool.integrations.vllm_connectors import (
+from blockpool.core.hazards import Fence, StreamKind, Token
+from blockpool.integrations.vllm.connectors import (
     META_LOAD,
     META_STEP,
     META_STORE,
@@ -60,7 +60,7 @@ from blockpool.integrations.vllm_connectors import (
     NIXL,
     OFFLOADING,
 )
-from blockpool.integrations.vllm_hazards import StepRecord, Transfer
+from blockpool.integrations.vllm.hazards import StepRecord, Transfer
 from blockpool.worker.torch_events import EventLedger, event_factory
 
 __all__ = [

@@ -1,5 +1,5 @@
 """Block shadows: fence computation and access recording, as functions over
-the blocks' shadows and the :class:`~blockpool.tracker.HazardTracker`.
+the blocks' shadows and the :class:`~blockpool.core.tracker.HazardTracker`.
 
 A block's *shadow* is its ``writer`` (the last write not known to have
 ended) and its ``readers`` (the reads since: ``None``, one token, or a tuple
@@ -9,8 +9,8 @@ the same object, so the work below is done once per distinct shadow, not
 once per block. This module is the only one that writes ``writer`` and
 ``readers`` (:func:`record` and :func:`restore`).
 
->>> from blockpool.block import KVCacheBlock
->>> from blockpool.hazards import AccessKind, Token
+>>> from blockpool.core.block import KVCacheBlock
+>>> from blockpool.core.hazards import AccessKind, Token
 >>> b = KVCacheBlock(1)
 >>> record([b], Token("compute", 1), AccessKind.WRITE, lambda t: False)
 >>> record([b], Token("h2d", 2), AccessKind.READ, lambda t: False)
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from blockpool.block import KVCacheBlock
-from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, StreamKind, Token
-from blockpool.tracker import HazardTracker, StreamState
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, StreamKind, Token
+from blockpool.core.tracker import HazardTracker, StreamState
 
 __all__ = ["fence_of", "pending_host", "record", "restore", "shadow_ready", "shadow_tokens", "with_read"]
 

@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import operator
 
-from blockpool.block import FreeBlockQueue, KVCacheBlock
-from blockpool.shadows import shadow_ready
-from blockpool.tracker import HazardTracker, StreamState
+from blockpool.core.block import FreeBlockQueue, KVCacheBlock
+from blockpool.core.shadows import shadow_ready
+from blockpool.core.tracker import HazardTracker, StreamState
 
-__all__ = ["CACHED_SCAN", "PLACEMENTS", "PLACEMENT_SCAN", "RUN_SCAN", "find_ready", "find_runs", "fewest_runs"]
+__all__ = ["CACHED_SCAN", "PLACEMENTS", "PLACEMENT_SCAN", "RUN_SCAN", "fewest_runs", "find_ready", "find_runs"]
 
 PLACEMENTS: tuple[str, ...] = ("lru", "ready_first", "ready_first_cached", "runs", "runs_cached", "ready_first_runs")
 """Placement modes of :meth:`HazardAwareBlockPool.allocate_for`."""
@@ -194,7 +194,7 @@ def fewest_runs(cand: list[KVCacheBlock], n: int) -> list[KVCacheBlock]:
     runs hold more blocks than the ``k`` longest. Returns them in ascending
     block-id order. O(len(cand) log len(cand)).
 
-    >>> from blockpool.block import KVCacheBlock
+    >>> from blockpool.core.block import KVCacheBlock
     >>> [b.block_id for b in fewest_runs([KVCacheBlock(i) for i in (9, 1, 2, 3, 5, 6)], 2)]
     [5, 6]
     """

@@ -15,7 +15,7 @@ adapter hands this very dict to vLLM's ``cached_block_hash_to_block`` view
 (:attr:`PrefixCache.key_map`), so vLLM's code for blocks of no pool and the
 core read and write one map.
 
->>> from blockpool.block import KVCacheBlock
+>>> from blockpool.core.block import KVCacheBlock
 >>> pc = PrefixCache()
 >>> a, b = KVCacheBlock(1), KVCacheBlock(2)
 >>> pc.publish("k", a, 16), pc.publish("k", b, 16), pc.publish("k", b, 16)
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 
-from blockpool.block import KVCacheBlock
-from blockpool.errors import InvariantError
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.errors import InvariantError
 
 __all__ = ["PrefixCache"]
 
@@ -54,7 +54,7 @@ class PrefixCache:
     Every method is O(1) per key or block touched unless it says otherwise.
     """
 
-    __slots__ = ("_map", "_extra", "_partial", "_retired", "_each", "lookups", "hits", "evictions")
+    __slots__ = ("_each", "_extra", "_map", "_partial", "_retired", "evictions", "hits", "lookups")
 
     def __init__(self, removal_each: bool = False) -> None:
         self._map: dict[Hashable, KVCacheBlock | dict[int, KVCacheBlock]] = {}

@@ -5,15 +5,15 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 
-from blockpool._base import _HOST, PoolBase
-from blockpool.block import KVCacheBlock
-from blockpool.errors import (
+from blockpool.core._base import _HOST, PoolBase
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.errors import (
     InvalidArgumentError,
     InvariantError,
     RefCountError,
 )
-from blockpool.shadows import _UNSET, shadow_ready, shadow_tokens
-from blockpool.stats import PoolSnapshot, PoolStats
+from blockpool.core.shadows import _UNSET, shadow_ready, shadow_tokens
+from blockpool.core.stats import PoolSnapshot, PoolStats
 
 __all__ = ["IntrospectionOps"]
 

@@ -35,8 +35,8 @@ from typing import Protocol
 
 import attrs
 
-from blockpool.errors import InvalidArgumentError
-from blockpool.hazards import StreamKind, Token
+from blockpool.core.errors import InvalidArgumentError
+from blockpool.core.hazards import StreamKind, Token
 
 __all__ = ["CompletionReport", "CompletionSink", "RankMerger", "WireToken"]
 
@@ -47,7 +47,7 @@ WireToken = tuple  # (stream, seq, kind) or (stream, seq, kind, pool)
 
 class CompletionSink(Protocol):
     """What :meth:`CompletionReport.apply` needs of a pool: ``complete`` and
-    ``fail`` (:class:`~blockpool.pool.HazardAwareBlockPool` has both)."""
+    ``fail`` (:class:`~blockpool.core.pool.HazardAwareBlockPool` has both)."""
 
     def complete(self, token: Token) -> None: ...
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from blockpool._base import PoolBase, _as_list, _check_key, logger
-from blockpool.block import KVCacheBlock
-from blockpool.errors import HashConflictError, InvalidArgumentError, NullBlockError
+from blockpool.core._base import PoolBase, _as_list, _check_key, logger
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.errors import HashConflictError, InvalidArgumentError, NullBlockError
 
 __all__ = ["CacheOps"]
 

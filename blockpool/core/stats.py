@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["PoolStats", "PoolSnapshot"]
+__all__ = ["PoolSnapshot", "PoolStats"]
 
 
 @attrs.frozen(slots=True)

@@ -13,12 +13,12 @@ import sys
 from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING
 
-from blockpool.errors import InvariantError
+from blockpool.core.errors import InvariantError
 
 if TYPE_CHECKING:
-    from blockpool.hazards import Token
+    from blockpool.core.hazards import Token
 
-__all__ = ["KVCacheBlock", "FreeBlockQueue", "block_class_for_pool"]
+__all__ = ["FreeBlockQueue", "KVCacheBlock", "block_class_for_pool"]
 
 
 class KVCacheBlock:
@@ -44,14 +44,14 @@ class KVCacheBlock:
     """
 
     __slots__ = (
-        "block_id",
-        "ref_cnt",
         "block_hash",
         "block_hash_num_tokens",
-        "prev_free_block",
+        "block_id",
         "next_free_block",
-        "writer",
+        "prev_free_block",
         "readers",
+        "ref_cnt",
+        "writer",
     )
 
     is_null = False
@@ -143,7 +143,7 @@ class FreeBlockQueue:
     lists.
     """
 
-    __slots__ = ("num_free_blocks", "head", "tail")
+    __slots__ = ("head", "num_free_blocks", "tail")
 
     def __init__(self, blocks: list[KVCacheBlock]):
         self.head = KVCacheBlock(-1)

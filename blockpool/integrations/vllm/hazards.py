@@ -8,7 +8,7 @@ of a ``SchedulerOutput``; ``finished_sending``, ``finished_recving``,
 it is specified by tests with fakes. :mod:`blockpool.integrations.vllm`
 wires it into ``Scheduler.schedule``, ``Scheduler.update_from_output`` and
 ``KVCacheManager.take_kv_cache_block_copies``; the adapter pool
-(:mod:`blockpool.integrations.vllm_pool`) tags every free with
+(:mod:`blockpool.integrations.vllm.pool`) tags every free with
 :meth:`StepHazards.free_token`.
 
 Where each token comes from (``docs/vllm-plugin.md``, "Hazard wiring"):
@@ -61,9 +61,9 @@ from typing import Any
 
 import attrs
 
-from blockpool.block import KVCacheBlock
-from blockpool.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token
-from blockpool.pool import HazardAwareBlockPool
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token
+from blockpool.core.pool import HazardAwareBlockPool
 
 __all__ = ["COMPUTE", "StepHazards", "StepRecord", "Transfer"]
 

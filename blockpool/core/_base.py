@@ -1,24 +1,24 @@
 """The pool's own seam between its parts: the attributes every part of
-:class:`~blockpool.pool.HazardAwareBlockPool` reads, the argument checks,
+:class:`~blockpool.core.pool.HazardAwareBlockPool` reads, the argument checks,
 and the coordination that spans several owned parts: applying completions
 (in one place, at the start of every call), taking and freeing blocks,
 withdrawing keys with their events, fences and recorded accesses.
 
 Who owns what (each changes its state only through its own methods):
 
-- :class:`~blockpool.block.FreeBlockQueue` (``free_block_queue``): free
+- :class:`~blockpool.core.block.FreeBlockQueue` (``free_block_queue``): free
   blocks in eviction order and their links.
-- :class:`~blockpool.prefix_cache.PrefixCache` (``prefix_cache``): keys,
+- :class:`~blockpool.core.prefix_cache.PrefixCache` (``prefix_cache``): keys,
   partial and retired marks, lookup/hit/eviction counters.
-- :class:`~blockpool.holdback.HoldBack` (``holdback``): held blocks, their
+- :class:`~blockpool.core.holdback.HoldBack` (``holdback``): held blocks, their
   pending host tokens, leases.
-- :class:`~blockpool.pending_writes.PendingWrites` (``writes``): writes in
+- :class:`~blockpool.core.pending_writes.PendingWrites` (``writes``): writes in
   flight, invalid marks, the undo of failed writes.
-- :class:`~blockpool.tracker.HazardTracker` (``tracker``): streams, tokens,
+- :class:`~blockpool.core.tracker.HazardTracker` (``tracker``): streams, tokens,
   clocks, completions.
-- :mod:`blockpool.shadows`: the blocks' ``writer``/``readers``.
+- :mod:`blockpool.core.shadows`: the blocks' ``writer``/``readers``.
 - this module: the event queue and the fence counters;
-  :mod:`blockpool.pool`: ref counts and generations.
+  :mod:`blockpool.core.pool`: ref counts and generations.
 """
 
 from __future__ import annotations
@@ -28,21 +28,21 @@ import warnings
 from array import array
 from collections.abc import Hashable, Iterable, Sequence
 
-from blockpool.block import FreeBlockQueue, KVCacheBlock
-from blockpool.errors import (
+from blockpool.core.block import FreeBlockQueue, KVCacheBlock
+from blockpool.core.errors import (
     BlockNotAllocatedError,
     ForeignBlockError,
     InvalidArgumentError,
     LeaseExpiredWarning,
     StaleBlockError,
 )
-from blockpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from blockpool.hazards import AccessKind, Fence, StreamKind, Token
-from blockpool.holdback import HoldBack
-from blockpool.pending_writes import PendingWrites
-from blockpool.prefix_cache import PrefixCache
-from blockpool.shadows import clear, fence_of, record
-from blockpool.tracker import HazardTracker, StreamState
+from blockpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from blockpool.core.hazards import AccessKind, Fence, StreamKind, Token
+from blockpool.core.holdback import HoldBack
+from blockpool.core.pending_writes import PendingWrites
+from blockpool.core.prefix_cache import PrefixCache
+from blockpool.core.shadows import clear, fence_of, record
+from blockpool.core.tracker import HazardTracker, StreamState
 
 __all__ = ["PoolBase"]
 
@@ -82,7 +82,7 @@ def _check_key(key: object) -> None:
 
 
 class PoolBase:
-    """The parts of :class:`~blockpool.pool.HazardAwareBlockPool` (set in its
+    """The parts of :class:`~blockpool.core.pool.HazardAwareBlockPool` (set in its
     ``__init__``), the checks every public call uses to validate arguments
     before it changes anything, and the coordination between the parts."""
 
@@ -243,7 +243,7 @@ class PoolBase:
     # ------------------------------------------------------------------
 
     def _fence(self, groups: Iterable[tuple[Sequence[KVCacheBlock], AccessKind]], st: StreamState) -> Fence:
-        """:func:`~blockpool.shadows.fence_of`, counted. O(blocks + k^2)."""
+        """:func:`~blockpool.core.shadows.fence_of`, counted. O(blocks + k^2)."""
         fence = fence_of(groups, st, self.tracker, self.debug)
         c = self._counters
         c["fences"] += 1

@@ -5,7 +5,7 @@ connector's own metadata.
 :func:`wire` (called by :func:`blockpool.integrations.vllm.register` when
 hazards are on) wraps a few methods of each connector it knows; the
 wrappers act only for a connector instance bound to a
-:class:`~blockpool.integrations.vllm_pool.VllmBlockPool` with hazard
+:class:`~blockpool.integrations.vllm.pool.VllmBlockPool` with hazard
 tracking (:func:`attach`), so a connector built around vLLM's own pool, or
 one left unwired, behaves exactly as in vLLM.
 
@@ -48,7 +48,7 @@ list of names from :data:`CONNECTORS`, or ``all``) leaves connectors
 unwired, restoring vLLM's behaviour for them.
 
 This module imports vLLM lazily (inside :func:`wire`) and never torch; the
-worker half is :mod:`blockpool.integrations.vllm_worker`.
+worker half is :mod:`blockpool.integrations.vllm.worker`.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ from typing import Any
 
 import attrs
 
-from blockpool.hazards import StreamKind
-from blockpool.integrations.vllm_hazards import StepHazards, Transfer
+from blockpool.core.hazards import StreamKind
+from blockpool.integrations.vllm.hazards import StepHazards, Transfer
 
 __all__ = [
     "CONNECTORS",
@@ -176,7 +176,7 @@ class ConnectorWiring:
         t = begin(request_id, blocks, stream, key=key)
         if key is not None:
             self.pending.add(key)
-        from blockpool.integrations.vllm_pool import SERVED
+        from blockpool.integrations.vllm.pool import SERVED
 
         SERVED.transfers_fenced += 1
         SERVED.fences_nonempty += bool(t.fence.tokens)
@@ -203,7 +203,7 @@ def attach(obj: object, pool: object, name: str, block_sizes: tuple[int, ...]) -
     ``pool`` is a :class:`VllmBlockPool` with hazard tracking, registering
     the connector's streams; else detach. Returns the wiring or ``None``.
     O(streams)."""
-    from blockpool.integrations.vllm_pool import VllmBlockPool
+    from blockpool.integrations.vllm.pool import VllmBlockPool
 
     hz = pool.hazards if type(pool) is VllmBlockPool else None
     if hz is None or name not in _WIRED:

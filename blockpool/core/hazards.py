@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 
 import attrs
 
-__all__ = ["StreamKind", "AccessKind", "Token", "Fence", "EMPTY_FENCE", "FreeTag", "LAST_STEP"]
+__all__ = ["EMPTY_FENCE", "LAST_STEP", "AccessKind", "Fence", "FreeTag", "StreamKind", "Token"]
 
 
 class StreamKind(enum.Enum):
@@ -61,7 +61,7 @@ class Token:
 
     A token also carries the identity of the pool that issued it
     (``pool``, not part of equality): a pool refuses another pool's token
-    (:class:`~blockpool.errors.ForeignTokenError`). ``pool=0`` is an
+    (:class:`~blockpool.core.errors.ForeignTokenError`). ``pool=0`` is an
     *unbound* token (made by hand, or decoded from the old three-field wire
     form), which any pool accepts.
 

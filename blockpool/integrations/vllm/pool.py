@@ -50,12 +50,12 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
-from blockpool.block import FreeBlockQueue
-from blockpool.events import AllBlocksCleared, BlockRemoved, BlockStored
-from blockpool.hazards import AccessKind, StreamKind, Token
-from blockpool.integrations.vllm_hazards import COMPUTE, StepHazards
-from blockpool.pool import HazardAwareBlockPool
-from blockpool.prefix_cache import PrefixCache
+from blockpool.core.block import FreeBlockQueue
+from blockpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from blockpool.core.hazards import AccessKind, StreamKind, Token
+from blockpool.core.pool import HazardAwareBlockPool
+from blockpool.core.prefix_cache import PrefixCache
+from blockpool.integrations.vllm.hazards import COMPUTE, StepHazards
 
 __all__ = [
     "SERVED",
@@ -244,7 +244,7 @@ class VllmBlockPool:
     ``hash_block_size``, ``enable_kv_cache_events``, ``metrics_collector``,
     ``num_hash_lookahead_tokens``, ``medium``; the state ones are the core's
     own objects. Ours: ``core`` and ``hazards`` (a
-    :class:`~blockpool.integrations.vllm_hazards.StepHazards`, or ``None``
+    :class:`~blockpool.integrations.vllm.hazards.StepHazards`, or ``None``
     when hazards are off).
 
     Raises:
