@@ -186,7 +186,7 @@ def test_generations_cost_nothing_until_first_asked_for() -> None:
     assert pool._gens is None  # no per-block word, no stamping
     t = pool.get_new_blocks(2)
     assert pool.generations(t) == (0, 0)  # allocated before generations were on
-    assert pool._gens is not None and pool._gens.itemsize == 8 and len(pool._gens) == 16
+    assert pool._gens is not None and pool._gens._gens.itemsize == 8 and len(pool._gens._gens) == 16
     pool.free_blocks(t)
     assert pool.generations(pool.get_new_blocks(2)) == (1, 1)
 
@@ -263,7 +263,7 @@ def test_stale_block_error_is_a_value_error_of_the_package_and_pickles_with_its_
 def test_check_catches_a_corrupted_generation_array() -> None:
     pool = make_pool(8)
     pool.generations([])
-    pool._gens[0] = 1  # type: ignore[index]
+    pool._gens._gens[0] = 1  # type: ignore[union-attr]
     with pytest.raises(InvariantError, match="generation"):
         pool.check()
 

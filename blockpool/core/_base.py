@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from array import array
 from collections.abc import Hashable, Iterable, Sequence
 
 from blockpool.core.block import FreeBlockQueue, KVCacheBlock
@@ -34,9 +33,9 @@ from blockpool.core.errors import (
     ForeignBlockError,
     InvalidArgumentError,
     LeaseExpiredWarning,
-    StaleBlockError,
 )
 from blockpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from blockpool.core.generations import Generations, check_fresh
 from blockpool.core.hazards import AccessKind, Fence, StreamKind, Token
 from blockpool.core.holdback import HoldBack
 from blockpool.core.pending_writes import PendingWrites
@@ -107,8 +106,7 @@ class PoolBase:
     _counters: dict[str, int]
     _inbox: object
     _leases_on: bool
-    _gens: array | None  # type: ignore[type-arg]
-    _alloc_serial: int
+    _gens: Generations | None
 
     # ------------------------------------------------------------------
     # completions: applied first by every call, here and nowhere else
@@ -321,11 +319,8 @@ class PoolBase:
         return out
 
     def _check_fresh(self, blocks: list[KVCacheBlock], generations: Iterable[object], what: str) -> None:
-        """Raise :class:`StaleBlockError` if a block of ``blocks`` (own
-        blocks; null placeholders skipped) has a generation other than the
-        one ``generations`` (aligned with ``blocks``, as
-        :meth:`generations` returned it) records: it was allocated again
-        since. Changes nothing. O(len(blocks)).
+        """:func:`blockpool.core.generations.check_fresh` for this pool.
+        O(len(blocks)).
 
         Raises:
             InvalidArgumentError: ``generations`` is not an iterable of ints
@@ -333,30 +328,7 @@ class PoolBase:
             StaleBlockError: the first stale block.
         """
         gens = generations if type(generations) is list else _as_list(generations, "generations")
-        if len(gens) != len(blocks):  # type: ignore[arg-type]
-            raise InvalidArgumentError(
-                f"{what}: {len(gens)} generations for {len(blocks)} blocks; "  # type: ignore[arg-type]
-                "pass the tuple pool.generations(blocks) returned for this table"
-            )
-        now = self._gens
-        if now is not None and [now[b.block_id] for b in blocks] == gens and set(map(type, gens)) <= {int}:  # type: ignore[arg-type]
-            return  # the usual answer, in one pass and two C-level comparisons
-        null = self.null_block
-        for b, g in zip(blocks, gens):  # type: ignore[call-overload]
-            if type(g) is not int:
-                raise InvalidArgumentError(f"{what}: a generation must be an int, got {g!r}")
-            if b is null:
-                continue
-            cur = now[b.block_id] if now is not None else 0
-            if cur != g:
-                raise StaleBlockError(
-                    f"{what}: block {b.block_id} was freed and allocated again since the block "
-                    f"table was taken (generation {cur} now, the table has {g}): it holds "
-                    "another request's data",
-                    b.block_id,
-                    cur,
-                    g,
-                )
+        check_fresh(self._gens, blocks, gens, self.null_block, what)  # type: ignore[arg-type]
 
     @staticmethod
     def _check_count(n: object) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable
 
 from blockpool.core._base import _HOST, PoolBase
@@ -12,6 +11,7 @@ from blockpool.core.errors import (
     InvariantError,
     RefCountError,
 )
+from blockpool.core.generations import Generations
 from blockpool.core.shadows import _UNSET, shadow_ready, shadow_tokens
 from blockpool.core.stats import PoolSnapshot, PoolStats
 
@@ -79,19 +79,8 @@ class IntrospectionOps(PoolBase):
         block_list = self._own_all(blocks)
         gens = self._gens
         if gens is None:
-            gens = self._gens = array("Q", (0,)) * self.num_gpu_blocks  # exactly sized (frombytes over-allocates 1/16)
-        return tuple([gens[b.block_id] for b in block_list])
-
-    def _stamp(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-        """Give newly allocated ``blocks`` a new generation (the serial of
-        this allocation), once :meth:`generations` turned generations on.
-        Returns ``blocks``. O(len(blocks))."""
-        self._alloc_serial = serial = self._alloc_serial + 1
-        gens = self._gens
-        assert gens is not None
-        for b in blocks:
-            gens[b.block_id] = serial
-        return blocks
+            gens = self._gens = Generations(self.num_gpu_blocks)
+        return gens.of(block_list)
 
     def allocatable_if_freed(self, blocks: Iterable[KVCacheBlock]) -> list[bool]:
         """Whether freeing ``blocks`` now (one reference per listing, as
@@ -256,14 +245,8 @@ class IntrospectionOps(PoolBase):
         self.prefix_cache._check(self.blocks)
         held._check(self.tracker, self.blocks, free_set)
         self.writes._check(self.tracker, self.blocks)
-        gens = self._gens
-        if gens is not None and (
-            len(gens) != self.num_gpu_blocks or gens[0] != 0 or max(gens) > self._alloc_serial
-        ):
-            raise InvariantError(
-                "the generation array is not one entry per block, 0 for the null block, "
-                "none past the allocation serial"
-            )
+        if self._gens is not None:
+            self._gens._check(self.num_gpu_blocks)
 
     def snapshot(self) -> PoolSnapshot:
         """A comparable picture of all observable state (tests: take one

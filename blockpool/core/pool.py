@@ -227,7 +227,6 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         # generations() call, then one unsigned 64-bit word per block, set to
         # the serial of the allocation that handed the block out.
         self._gens = None
-        self._alloc_serial = 0
 
     # ------------------------------------------------------------------
     # allocation (vLLM surface)
@@ -253,7 +252,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             )
         if self._gens is None:
             return self._take(n)
-        return self._stamp(self._take(n))
+        return self._gens.stamp(self._take(n))
 
     def _take(self, n: int) -> list[KVCacheBlock]:
         """Pop ``n`` free blocks from the queue's front and :meth:`_claim`
@@ -323,7 +322,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         else:
             new = self._take(n)
         if self._gens is not None:
-            self._stamp(new)
+            self._gens.stamp(new)
         if not self.track_hazards:
             return new, EMPTY_FENCE
         return new, self._fence(((hit_list, _READ), (new, access)), st)
