@@ -116,9 +116,13 @@ class PoolBase:
         """Apply the completions and failures queued by ``complete``/``fail``
         (any thread) and check expired leases: ended tokens release their
         held blocks, failed writes are undone. Every public call calls this
-        first (``docs/api.md``). Never blocks (not a "sync": that word is
-        kept for blocking waits). O(1) when nothing is queued; else
-        O(queued + newly ended + blocks released)."""
+        first (``docs/api.md``); the hot ones (allocation, frees, lookups,
+        fences, tokens issued, transfers begun) test ``self._inbox or
+        self._leases_on`` before the call: the condition under which it does
+        anything, hoisted to save a Python call per lookup (2 million on
+        the trace op log). Never blocks (not a "sync": that word is kept
+        for blocking waits). O(1) when nothing is queued; else O(queued +
+        newly ended + blocks released)."""
         if self._inbox:
             for token, failed, ended in self.tracker.drain():
                 if failed and not ended:

@@ -26,7 +26,8 @@ class CacheOps(PoolBase):
         Raises:
             InvalidArgumentError: ``block_hash`` is not hashable.
         """
-        self._apply_completions()  # a queued failed load must unpublish its keys first
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()  # a queued failed load must unpublish its keys first
         try:
             return self.prefix_cache.lookup(block_hash)
         except TypeError:
@@ -64,7 +65,8 @@ class CacheOps(PoolBase):
             HashConflictError: a block already cached under a different key
                 for the same or a longer prefix.
         """
-        self._apply_completions()
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
         lo, hi = num_cached_blocks, num_full_blocks
         if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= len(blocks)):
             raise InvalidArgumentError(

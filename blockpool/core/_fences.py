@@ -40,7 +40,8 @@ class FenceOps(PoolBase):
             ForeignBlockError: a block of another pool.
             InvalidArgumentError: ``access`` is not an AccessKind.
         """
-        self._apply_completions()
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
         st = self.tracker.state(stream)
         access = self._check_access(access)
         block_list = self._own_all(blocks)
@@ -62,7 +63,8 @@ class FenceOps(PoolBase):
             ForeignBlockError, UnknownStreamError, UnknownTokenError, ForeignTokenError,
             InvalidArgumentError: as the names say; nothing changes.
         """
-        self._apply_completions()
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
         self.tracker.validate(token)
         access = self._check_access(access)
         block_list = self._own_all(blocks)
@@ -125,7 +127,8 @@ class FenceOps(PoolBase):
             InvalidArgumentError: a pair is not a 2-tuple, or
                 ``generations`` is not one pair of ints per pair.
         """
-        self._apply_completions()
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
         st = self.tracker.state(stream)
         srcs: list[KVCacheBlock] = []
         dsts: list[KVCacheBlock] = []
@@ -159,7 +162,8 @@ class FenceOps(PoolBase):
     def _begin_transfer(
         self, blocks: Iterable[KVCacheBlock], stream: str, access: AccessKind, what: str
     ) -> tuple[Token, Fence]:
-        self._apply_completions()
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
         st = self.tracker.state(stream)
         return self._begin(((self._data_blocks(blocks, what), access),), stream, st, access is _WRITE)
 
@@ -168,7 +172,8 @@ class FenceOps(PoolBase):
     ) -> tuple[Token, Fence]:
         """:meth:`_begin_transfer` of a table checked against its
         ``generations`` first (the fast path stays as it was)."""
-        self._apply_completions()
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
         st = self.tracker.state(stream)
         block_list = self._own_all(blocks)
         self._check_fresh(block_list, generations, what)

@@ -40,7 +40,8 @@ class TokenOps(PoolBase):
         Raises:
             UnknownStreamError: ``stream`` was never registered.
         """
-        self._apply_completions()
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
         return self.tracker.issue(stream)
 
     def last_token(self, stream: str) -> Token | None:

@@ -38,9 +38,12 @@ _UNSET = object()
 
 
 class HoldBack:
-    """Owns the held blocks: for each, the host tokens still pending on it;
-    for each pending token, the blocks held on it; each held block's lease
-    (deadline) and the leases that expired; the ``leases_expired`` counter.
+    """Owns the held blocks: for each, the host tokens still pending on it
+    (an immutable set: blocks freed together share one until a token ends
+    for them, then each gets its own smaller set, so no set is mutated
+    under another block); for each pending token, the blocks held on it;
+    each held block's lease (deadline) and the leases that expired; the
+    ``leases_expired`` counter.
 
     Args:
         lease_timeout: Seconds a block may stay held before its lease
@@ -51,7 +54,7 @@ class HoldBack:
     __slots__ = ("_clock", "_deadline", "_expired", "_held", "_held_by", "_leases", "leases_expired", "timeout")
 
     def __init__(self, lease_timeout: float | None = None, clock: Callable[[], float] | None = None) -> None:
-        self._held: dict[int, set[Token]] = {}  # block id -> host tokens still pending on it
+        self._held: dict[int, frozenset[Token]] = {}  # block id -> host tokens still pending on it
         self._held_by: dict[Token, list[KVCacheBlock]] = {}  # pending token -> blocks held on it
         self._leases: SortedList = SortedList()  # (deadline, block_id)
         self._deadline: dict[int, float] = {}  # lease of each held block
@@ -86,15 +89,16 @@ class HoldBack:
 
     def hold_back(self, blocks: list[KVCacheBlock], ended: Callable[[Token], bool]) -> list[KVCacheBlock]:
         """Blocks that just reached ref count 0: hold those whose shadow has
-        a host token that has not ended (``ended`` tells), each with its own
-        pending set, starting their leases; return the others, in order. The
-        pending set is computed once per distinct ``(host writer, readers)``
-        pair (blocks freed together share their readers value; a device
-        writer never holds a block). O(len(blocks))."""
+        a host token that has not ended (``ended`` tells), starting their
+        leases; return the others, in order. The pending set (immutable) and
+        the tokens' block lists are looked up once per distinct ``(host
+        writer, readers)`` pair (blocks freed together share their readers
+        value; a device writer never holds a block). O(len(blocks))."""
         free: list[KVCacheBlock] = []
         lw: object = _UNSET
         lr: object = _UNSET
-        pend: set[Token] | None = None
+        pend: frozenset[Token] | None = None
+        lists: list[list[KVCacheBlock]] = []
         held, held_by = self._held, self._held_by
         leases = self.timeout is not None
         for b in blocks:
@@ -106,10 +110,11 @@ class HoldBack:
                 if w is not lw or r is not lr:
                     lw, lr = w, r
                     pend = pending_host(w, r, ended)
+                    lists = [held_by.setdefault(t, []) for t in pend] if pend is not None else []
                 if pend is not None:
-                    held[b.block_id] = set(pend)
-                    for t in pend:
-                        held_by.setdefault(t, []).append(b)
+                    held[b.block_id] = pend
+                    for lst in lists:
+                        lst.append(b)
                     if leases:
                         self._lease(b.block_id)
                     continue
@@ -136,13 +141,15 @@ class HoldBack:
         held = self._held
         out: list[KVCacheBlock] = []
         for b in self._held_by.pop(token, ()):
-            pending = held.get(b.block_id)
-            if pending is None:
-                continue  # released already (a touch took it)
-            pending.discard(token)
-            if not pending:
-                self._drop(b.block_id)
+            bid = b.block_id
+            pending = held.get(bid)
+            if pending is None or token not in pending:
+                continue  # released already (a touch took it), or held anew since
+            if len(pending) == 1:
+                self._drop(bid)
                 out.append(b)
+            else:
+                held[bid] = pending - {token}
         return out
 
     def unhold_n(self, blocks: list[KVCacheBlock]) -> None:
@@ -152,7 +159,7 @@ class HoldBack:
             if b.block_id in self._held:
                 self._drop(b.block_id)
 
-    def expire(self) -> list[tuple[int, set[Token]]]:
+    def expire(self) -> list[tuple[int, frozenset[Token]]]:
         """Check the leases: each held block whose deadline passed (and not
         reported yet) is marked expired and returned with its pending
         tokens; counted in ``leases_expired``. O(expired log h)."""
@@ -161,12 +168,12 @@ class HoldBack:
         assert self._clock is not None
         now = self._clock()
         leases = self._leases
-        expired: list[tuple[int, set[Token]]] = []
+        expired: list[tuple[int, frozenset[Token]]] = []
         while leases and leases[0][0] <= now:
             deadline, bid = leases.pop(0)
             if self._deadline.get(bid) == deadline and bid not in self._expired:
                 self._expired.add(bid)
-                expired.append((bid, set(self._held[bid])))
+                expired.append((bid, self._held[bid]))
         self.leases_expired += len(expired)
         return expired
 

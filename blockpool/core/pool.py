@@ -243,7 +243,8 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             InvalidArgumentError: ``num_blocks`` is not an int ``>= 0``.
             NoFreeBlocksError: fewer than ``num_blocks`` blocks are free.
         """
-        self._apply_completions()
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
         n = num_blocks if type(num_blocks) is int and num_blocks >= 0 else self._check_count(num_blocks)
         if n > self.free_block_queue.num_free_blocks:
             raise NoFreeBlocksError(
@@ -296,7 +297,8 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             ForeignBlockError: a hit is not a block of this pool.
             NoFreeBlocksError: not enough free blocks once the hits are taken.
         """
-        self._apply_completions()
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
         n = num_blocks if type(num_blocks) is int and num_blocks >= 0 else self._check_count(num_blocks)
         if access is not _WRITE and access is not _READ:
             access = self._check_access(access)
@@ -368,7 +370,8 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         Raises:
             ForeignBlockError: a block is not of this pool (nothing changes).
         """
-        self._apply_completions()
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
         self._touch(self._own_all(blocks))
 
     def _touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -424,7 +427,8 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             InvalidArgumentError: ``access`` is not an :class:`AccessKind`,
                 or ``blocks`` is not iterable.
         """
-        self._apply_completions()
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
         blocks = (
             ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else _as_list(ordered_blocks, "blocks")
         )

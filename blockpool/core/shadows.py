@@ -204,11 +204,11 @@ def has_host(w: Token | None, r: Readers) -> bool:
     return any(t.kind is _HOST for t in r)  # type: ignore[union-attr]
 
 
-def pending_host(w: Token | None, r: Readers, ended: Callable[[Token], bool]) -> set[Token] | None:
+def pending_host(w: Token | None, r: Readers, ended: Callable[[Token], bool]) -> frozenset[Token] | None:
     """The host tokens of a shadow ``(writer, readers)`` that have not
     ended, or ``None`` when there are none (the block need not be held).
     O(k)."""
     if (w is None or w.kind is not _HOST) and (r is None or (type(r) is Token and r.kind is not _HOST)):  # type: ignore[union-attr]
         return None  # no host token at all: the usual case
-    pending = {t for t in _tokens(w, r) if t.kind is _HOST and not ended(t)}
+    pending = frozenset([t for t in _tokens(w, r) if t.kind is _HOST and not ended(t)])
     return pending or None
