@@ -104,6 +104,9 @@ class PoolBase:
     tracker: HazardTracker
     kv_event_queue: list[KVCacheEvent]
     _counters: dict[str, int]
+    _key_map: dict[Hashable, KVCacheBlock | dict[int, KVCacheBlock]]
+    _lookups: int
+    _hits: int
     _inbox: object
     _leases_on: bool
     _gens: Generations | None

@@ -28,10 +28,18 @@ class CacheOps(PoolBase):
         """
         if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()  # a queued failed load must unpublish its keys first
+        # The hottest call (one per block of every prefix looked up): the
+        # key map read in place (read only: PrefixCache changes it) and the
+        # pool's own lookup counters, instead of PrefixCache.lookup's call.
         try:
-            return self.prefix_cache.lookup(block_hash)
+            v = self._key_map.get(block_hash)
         except TypeError:
             raise InvalidArgumentError(f"block hash must be hashable, got {block_hash!r}") from None
+        self._lookups += 1
+        if v is None:
+            return None
+        self._hits += 1
+        return next(iter(v.values())) if type(v) is dict else v  # type: ignore[union-attr,return-value]
 
     def cache_full_blocks(
         self,

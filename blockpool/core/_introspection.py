@@ -167,8 +167,8 @@ class IntrospectionOps(PoolBase):
         pc = self.prefix_cache
         return {
             **self._counters,
-            "lookups": pc.lookups,
-            "hits": pc.hits,
+            "lookups": self._lookups,
+            "hits": self._hits,
             "evictions": pc.evictions,
             "leases_expired": self.holdback.leases_expired,
         }

@@ -140,16 +140,25 @@ class HoldBack:
         order they were held. O(blocks held on ``token``)."""
         held = self._held
         out: list[KVCacheBlock] = []
+        last: object = None  # blocks held together share their pending set:
+        mine = False  # decide once per distinct set (a token hash is a Python call)
+        rest: frozenset[Token] | None = None
         for b in self._held_by.pop(token, ()):
             bid = b.block_id
             pending = held.get(bid)
-            if pending is None or token not in pending:
-                continue  # released already (a touch took it), or held anew since
-            if len(pending) == 1:
+            if pending is None:
+                continue  # released already (a touch took it)
+            if pending is not last:
+                last = pending
+                mine = token in pending
+                rest = pending - {token} if mine and len(pending) > 1 else None
+            if not mine:
+                continue  # held anew since, on other tokens
+            if rest is None:
                 self._drop(bid)
                 out.append(b)
             else:
-                held[bid] = pending - {token}
+                held[bid] = rest
         return out
 
     def unhold_n(self, blocks: list[KVCacheBlock]) -> None:

@@ -206,6 +206,9 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             self.free_block_queue = free_queue_class(self.blocks[1:])
 
         self.prefix_cache = PrefixCache(removal_each=removal_events == "each")
+        self._key_map = self.prefix_cache.key_map  # read in place by get_cached_block (never replaced)
+        self._lookups = 0  # get_cached_block's counters (stats())
+        self._hits = 0
         self.holdback = HoldBack(lease_timeout, clock)
         self.writes = PendingWrites()
         self.kv_event_queue: list[KVCacheEvent] = []

@@ -54,7 +54,7 @@ class PrefixCache:
     Every method is O(1) per key or block touched unless it says otherwise.
     """
 
-    __slots__ = ("_each", "_extra", "_map", "_partial", "_retired", "evictions", "hits", "lookups")
+    __slots__ = ("_each", "_extra", "_map", "_partial", "_retired", "evictions")
 
     def __init__(self, removal_each: bool = False) -> None:
         self._map: dict[Hashable, KVCacheBlock | dict[int, KVCacheBlock]] = {}
@@ -62,8 +62,6 @@ class PrefixCache:
         self._partial: set[int] = set()
         self._retired: dict[int, set[Hashable]] = {}
         self._each = removal_each
-        self.lookups = 0
-        self.hits = 0
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -86,17 +84,16 @@ class PrefixCache:
         return self._extra
 
     def lookup(self, key: Hashable) -> KVCacheBlock | None:
-        """The first block under ``key`` or ``None``; counts a lookup, and a
-        hit when found. O(1).
+        """The first block under ``key`` or ``None``. O(1). (The pool's
+        ``get_cached_block`` reads :attr:`key_map` in place and counts its
+        own lookups and hits.)
 
         Raises:
             TypeError: ``key`` is not hashable.
         """
         v = self._map.get(key)
-        self.lookups += 1
         if v is None:
             return None
-        self.hits += 1
         return next(iter(v.values())) if type(v) is dict else v  # type: ignore[union-attr,return-value]
 
     def blocks_of(self, key: Hashable) -> list[KVCacheBlock]:
