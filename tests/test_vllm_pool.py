@@ -116,7 +116,6 @@ def test_blocks_of_another_pool_are_forwarded_and_of_no_pool_refused() -> None:
     for call in (
         lambda: a._maybe_evict_cached_block(xb),
         lambda: a._insert_block_hash(b"k", xb, None),
-        lambda: a._remove_cached_block_hashes(KVCacheBlock(block_id=1)),
     ):
         with pytest.raises(ForeignBlockError):
             call()

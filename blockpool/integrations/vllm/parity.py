@@ -137,6 +137,10 @@ class ParityBlockPool(VllmBlockPool):
         return VLLM_BLOCK_POOL._insert_block_hash(self, block_hash_with_group_id, block, num_tokens)  # type: ignore[no-any-return]
 
     def _remove_cached_block_hashes(self, block: Any) -> list[Any]:
+        """vLLM's private removal (no events; its own code on blocks of no
+        pool calls it): the keys that were mapped to the block. O(keys)."""
         if block.pool is self:
-            return super()._remove_cached_block_hashes(block)
+            return self.core.prefix_cache.remove(block)
         return VLLM_BLOCK_POOL._remove_cached_block_hashes(self, block)  # type: ignore[no-any-return]
+
+    _emit_block_removed_events = VLLM_BLOCK_POOL._emit_block_removed_events

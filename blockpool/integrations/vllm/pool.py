@@ -38,7 +38,6 @@ from vllm.v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
     resolve_block_hashes,
-    to_event_extra_keys,
 )
 
 from blockpool.core.block import FreeBlockQueue, block_class_for_pool
@@ -598,28 +597,22 @@ class VllmBlockPool:
         self, request: Any, block_hash: bytes, num_tokens: int, group_id: int
     ) -> VllmBlockStored:
         """vLLM's ``BlockStored`` for a new partial entry (its code)."""
-        parent_hash, block_start = self._get_partial_block_parent_hash_and_start(request, num_tokens)
-        block_end = num_tokens
-        curr_mm_idx = 0
-        mm_features = request.mm_features
-        if block_start > 0 and mm_features:
-            last = mm_features[-1].mm_position
-            if last.offset + last.length > block_start:
-                curr_mm_idx, _ = get_mm_features_in_window(mm_features, block_start, block_end)
-        extra_keys, _ = self._generate_event_extra_keys(request, block_start, block_end, curr_mm_idx)
-        lora = request.lora_request
-        return VllmBlockStored(
+        parent, start = self._get_partial_block_parent_hash_and_start(request, num_tokens)
+        mm_idx = 0
+        mm = request.mm_features
+        if start > 0 and mm and mm[-1].mm_position.offset + mm[-1].mm_position.length > start:
+            mm_idx, _ = get_mm_features_in_window(mm, start, num_tokens)
+        extra_keys, _ = self._generate_event_extra_keys(request, start, num_tokens, mm_idx)
+        return self._build_block_stored_event(
+            request,
             block_hashes=[maybe_convert_block_hash(block_hash)],  # type: ignore[arg-type]
-            parent_block_hash=maybe_convert_block_hash(parent_hash) if parent_hash is not None else None,
-            token_ids=request.all_token_ids[block_start:block_end],
-            block_size=block_end - block_start,
-            lora_id=lora.adapter_id if lora else None,
-            medium=self.medium,
-            lora_name=lora.name if lora else None,
-            extra_keys=to_event_extra_keys([extra_keys]),
-            group_idx=group_id,
-            session_id=request.session_id,
-            lookahead_token_ids=[self._lookahead_token_ids(request, block_end)]
+            parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),  # type: ignore[arg-type]
+            start_token_idx=start,
+            end_token_idx=num_tokens,
+            block_size=num_tokens - start,
+            kv_cache_group_id=group_id,
+            extra_keys_list=[extra_keys],
+            lookahead_token_ids=[self._lookahead_token_ids(request, num_tokens)]
             if self.num_hash_lookahead_tokens
             else None,
         )
@@ -657,16 +650,6 @@ class VllmBlockPool:
         """
         self._check_own(block)
         self.core.prefix_cache.publish(block_hash_with_group_id, block, num_tokens)
-
-    def _remove_cached_block_hashes(self, block: Any) -> list[Any]:
-        """vLLM's private removal (no events): the keys that were mapped to
-        the block. O(keys).
-
-        Raises:
-            ForeignBlockError: not this pool's block; nothing changes.
-        """
-        self._check_own(block)
-        return self.core.prefix_cache.remove(block)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the prefix-cache keys of the given blocks (in use or free;
@@ -737,4 +720,3 @@ class VllmBlockPool:
     _lookahead_token_ids = VLLM_BLOCK_POOL._lookahead_token_ids
     _get_partial_block_hash = VLLM_BLOCK_POOL._get_partial_block_hash
     _get_partial_block_parent_hash_and_start = VLLM_BLOCK_POOL._get_partial_block_parent_hash_and_start
-    _emit_block_removed_events = VLLM_BLOCK_POOL._emit_block_removed_events
