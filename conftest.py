@@ -22,6 +22,7 @@ if _missing("vllm"):
         "blockpool/integrations/vllm/__init__.py",
         "blockpool/integrations/vllm/pool.py",
         "blockpool/integrations/vllm/parity.py",
+        "blockpool/integrations/vllm/blocks.py",
     ]
 if _missing("torch"):
     collect_ignore_glob += [
