@@ -142,5 +142,3 @@ class ParityBlockPool(VllmBlockPool):
         if block.pool is self:
             return self.core.prefix_cache.remove(block)
         return VLLM_BLOCK_POOL._remove_cached_block_hashes(self, block)  # type: ignore[no-any-return]
-
-    _emit_block_removed_events = VLLM_BLOCK_POOL._emit_block_removed_events

@@ -25,15 +25,12 @@ from typing import Any
 import attrs
 from vllm.distributed.kv_events import MEDIUM_GPU
 from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
-from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
 from vllm.distributed.kv_events import BlockStored as VllmBlockStored
 from vllm.distributed.kv_events import KVCacheEvent as VllmKVCacheEvent
 from vllm.multimodal.utils import get_mm_features_in_window
 from vllm.v1.core import block_pool as _vllm_block_pool_module
 from vllm.v1.core.block_pool import BlockHashToBlockMap
 from vllm.v1.core.kv_cache_utils import (
-    get_block_hash,
-    get_group_id,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
     resolve_block_hashes,
@@ -216,26 +213,15 @@ class VllmBlockPool:
                 raise ForeignBlockError(f"block {b.block_id} belongs to {b.pool!r}, not to {self!r}")
 
     def _pull_events(self) -> list[BlockStored]:
-        """Move the core's events to ``kv_event_queue`` as vLLM events;
-        returns the core's stored events (the caller builds vLLM's, which
-        carry token ids). O(events)."""
-        events = self.core.take_events()
-        if not events:
-            return []
-        q = self.kv_event_queue
+        """Move the core's events to ``kv_event_queue`` as vLLM events (a
+        removal per key, by vLLM's own helper); returns the core's stored
+        events (the caller builds vLLM's, which carry token ids). O(events)."""
         stored: list[BlockStored] = []
-        for ev in events:
+        for ev in self.core.take_events():
             if type(ev) is BlockRemoved:
-                for key in ev.block_hashes:
-                    q.append(
-                        VllmBlockRemoved(
-                            block_hashes=[maybe_convert_block_hash(get_block_hash(key))],  # type: ignore[arg-type]
-                            medium=self.medium,
-                            group_idx=get_group_id(key),  # type: ignore[arg-type]
-                        )
-                    )
+                self._emit_block_removed_events(ev.block_hashes)
             elif type(ev) is AllBlocksCleared:
-                q.append(VllmAllBlocksCleared())
+                self.kv_event_queue.append(VllmAllBlocksCleared())
             elif type(ev) is BlockStored:
                 stored.append(ev)
         return stored
@@ -616,3 +602,4 @@ class VllmBlockPool:
     _lookahead_token_ids = VLLM_BLOCK_POOL._lookahead_token_ids
     _get_partial_block_hash = VLLM_BLOCK_POOL._get_partial_block_hash
     _get_partial_block_parent_hash_and_start = VLLM_BLOCK_POOL._get_partial_block_parent_hash_and_start
+    _emit_block_removed_events = VLLM_BLOCK_POOL._emit_block_removed_events
