@@ -18,7 +18,12 @@ def _missing(mod: str) -> bool:
 
 
 if _missing("vllm"):
-    collect_ignore_glob += ["blockpool/integrations/vllm/__init__.py", "blockpool/integrations/vllm/pool.py"]
+    collect_ignore_glob += [
+        "blockpool/integrations/vllm/__init__.py",
+        "blockpool/integrations/vllm/pool.py",
+        "blockpool/integrations/vllm/parity.py",
+        "blockpool/integrations/vllm/blocks.py",
+    ]
 if _missing("torch"):
     collect_ignore_glob += [
         "blockpool/worker/torch_events.py",

@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("trace", "alloc", "prefix", "fence", "scale", "memory", "policy")
+SECTIONS = ("trace", "alloc", "prefix", "fence", "scale", "memory", "policy", "adapter")
 TITLES = {
     "trace": "Trace op log (headline)",
     "alloc": "Allocation and free",
@@ -33,6 +33,7 @@ TITLES = {
     "scale": "Scale (ns per block)",
     "memory": "Memory and construction (10^6 blocks)",
     "policy": "Eviction policy and placement (blockpool, hazards on; ns per block, ratio to the baseline of the same run)",
+    "adapter": "vLLM adapter: own-block check in free_blocks (ns per block, ratio to the core of the same run)",
 }
 TARGETS = {
     "trace_vs_vllm": 0.6,  # trace op log, hazards on / vLLM
@@ -138,7 +139,7 @@ def build(data: dict[str, Any], rows: dict[tuple[str, str], dict[str, Any]], ord
                 chart.append(("bytes per block", _r(b["on"], b["vllm"]), _r(b["off"], b["vllm"]), _r(b["on"], b["off"])))
             out.append("")
             continue
-        if sec == "policy":
+        if sec in ("policy", "adapter"):
             out += _policy_rows(rows, scens)
             continue
         per_block = sec == "scale"

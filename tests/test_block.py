@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from blockpool import AccessKind, ForeignBlockError, HazardAwareBlockPool
-from blockpool.core.block import KVCacheBlock, NullBlock
+from blockpool import AccessKind, ForeignBlockError, HazardAwareBlockPool, InvalidArgumentError
+from blockpool.core.block import KVCacheBlock, NullBlock, block_class_for_pool
 
 FIELDS = ("block_id", "ref_cnt", "block_hash", "block_hash_num_tokens", "writer", "readers")
 
@@ -40,3 +40,50 @@ def test_an_unpickled_block_belongs_to_no_pool(pool: HazardAwareBlockPool) -> No
     with pytest.raises(ForeignBlockError):
         pool.free_blocks([pickle.loads(pickle.dumps(b))])
     assert (b.ref_cnt, pool.get_num_free_blocks()) == (1, 8)
+
+
+class Adapted(KVCacheBlock):
+    """An adapter's block type (the host framework's record, say)."""
+
+    __slots__ = ()
+
+
+def factory(cls: type[KVCacheBlock]) -> object:
+    return lambda i: NullBlock(0) if i == 0 else cls(i)
+
+
+def test_a_factorys_blocks_of_the_pools_own_class_are_checked_by_type() -> None:
+    cls = block_class_for_pool(Adapted)
+    assert (cls.__name__, cls.__module__, cls.__qualname__) == ("Adapted", __name__, "Adapted")
+    pool = HazardAwareBlockPool(4, block_factory=factory(cls), block_class=cls)
+    assert [type(b) for b in pool.blocks] == [NullBlock, cls, cls, cls] and pool._block_cls is cls
+    got = pool.get_new_blocks(2)
+    pool.free_blocks(got)
+    assert pool.get_num_free_blocks() == 3
+    other = HazardAwareBlockPool(4, block_factory=factory(block_class_for_pool(Adapted)))
+    with pytest.raises(ForeignBlockError):
+        pool.free_blocks([other.blocks[1]])
+    assert type(pickle.loads(pickle.dumps(pool.blocks[1]))) is Adapted
+
+
+@pytest.mark.parametrize(
+    ("make_cls", "with_factory", "message"),
+    [
+        (lambda: block_class_for_pool(Adapted), False, "needs block_factory"),
+        (lambda: Adapted, True, "importable by its name"),
+        (lambda: "Adapted", True, "must be a class"),
+    ],
+)
+def test_a_bad_block_class_is_refused(make_cls: object, with_factory: bool, message: str) -> None:
+    cls = make_cls()  # type: ignore[operator]
+    with pytest.raises(InvalidArgumentError, match=message):
+        HazardAwareBlockPool(4, block_factory=factory(Adapted) if with_factory else None, block_class=cls)
+
+
+def test_a_block_class_serves_one_pool_only_and_a_failed_build_does_not_claim_it() -> None:
+    cls = block_class_for_pool(Adapted)
+    with pytest.raises(InvalidArgumentError, match="null block"):
+        HazardAwareBlockPool(4, block_factory=cls, block_class=cls)  # block 0 not null
+    HazardAwareBlockPool(4, block_factory=factory(cls), block_class=cls)
+    with pytest.raises(InvalidArgumentError, match="already another pool's"):
+        HazardAwareBlockPool(4, block_factory=factory(cls), block_class=cls)

@@ -26,8 +26,9 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.request import Request
 
-from blockpool import RefCountError, StreamKind
-from blockpool.integrations.vllm.pool import SERVED, VLLM_BLOCK_POOL, VllmBlockPool
+from blockpool import ForeignBlockError, RefCountError, StreamKind
+from blockpool.integrations.vllm.parity import LOOSE_BLOCKS, ParityBlockPool
+from blockpool.integrations.vllm.pool import SERVED, VLLM_BLOCK_POOL, VllmBlockPool, VllmKVCacheBlock
 from tests.conftest import ids, toks
 
 BS = 4
@@ -75,6 +76,50 @@ def test_blocks_are_vllm_blocks_owned_by_the_adapter() -> None:
     _, ours = pools()
     assert all(isinstance(b, KVCacheBlock) and b.pool is ours for b in ours.blocks)
     assert ours.null_block is ours.blocks[0] and ours.null_block.is_null
+
+
+def test_each_pool_has_its_own_block_class_so_the_own_check_is_a_type_test() -> None:
+    a, b = VllmBlockPool(4, True, BS), VllmBlockPool(4, True, BS)
+    cls = type(a.blocks[1])
+    assert cls is not type(b.blocks[1]) and cls is not VllmKVCacheBlock
+    assert cls.__name__ == "VllmKVCacheBlock" and issubclass(cls, VllmKVCacheBlock)
+    assert {type(x) for x in a.blocks} == {cls}  # the null block too
+    assert a.core._block_cls is cls
+
+
+def test_blocks_pickle_as_vllm_kv_cache_blocks_of_no_pool() -> None:
+    import copy
+    import pickle
+
+    ours = VllmBlockPool(4, True, BS)
+    blk = ours.get_new_blocks(1)[0]
+    key = make_block_hash_with_group_id(b"h", 0)
+    ours.core.cache_full_blocks([blk], [key], 0, 1, BS)
+    for c in (pickle.loads(pickle.dumps(blk)), copy.copy(blk), copy.deepcopy(blk)):
+        assert type(c) is VllmKVCacheBlock and c.pool is None
+        assert (c.block_id, c.ref_cnt, c.block_hash, c.block_hash_num_tokens, c.is_null) == (1, 1, key, BS, False)
+        assert c.prev_free_block is None and c.next_free_block is None
+        with pytest.raises(ForeignBlockError):
+            ours.free_blocks([c])
+    assert blk.ref_cnt == 1
+
+
+def test_blocks_of_another_pool_are_forwarded_and_of_no_pool_refused() -> None:
+    a, b = VllmBlockPool(4, True, BS), VllmBlockPool(4, True, BS)
+    xa, xb = a.get_new_blocks(1)[0], b.get_new_blocks(1)[0]
+    a.free_blocks([xa, b.null_block, xb])
+    assert (xa.ref_cnt, xb.ref_cnt, a.get_num_free_blocks(), b.get_num_free_blocks()) == (0, 0, 3, 3)
+    ya = a.get_new_blocks(1)[0]
+    with pytest.raises(ForeignBlockError):
+        a.free_blocks([ya, KVCacheBlock(block_id=2)])
+    assert (ya.ref_cnt, a.get_num_free_blocks()) == (1, 2)
+    for call in (
+        lambda: a._maybe_evict_cached_block(xb),
+        lambda: a._insert_block_hash(b"k", xb, None),
+    ):
+        with pytest.raises(ForeignBlockError):
+            call()
+    assert a.cached_block_hash_to_block._cache == {}
 
 
 def test_state_objects_are_the_cores() -> None:
@@ -208,12 +253,24 @@ def test_shared_key_keeps_vllms_dict_form_until_empty() -> None:
     assert ours.cached_block_hash_to_block._cache == {}
 
 
-def test_blocks_of_no_pool_are_cached_as_vllm_does() -> None:
-    _, ours = pools()
+def test_parity_pool_caches_blocks_of_no_pool_as_vllm_does() -> None:
+    ours = ParityBlockPool(10, True, BS, enable_kv_cache_events=True)
     r = request("a", list(range(8)))
     loose = [KVCacheBlock(block_id=i) for i in range(2)]
     ours.cache_full_blocks(r, loose, 0, 2, BS, 0)
     assert ours.get_cached_block(r.block_hashes[1], [0]) == [loose[1]]
+    assert ours._maybe_evict_cached_block(loose[1]) is True
+    assert ours.get_cached_block(r.block_hashes[1], [0]) is None
+    with pytest.raises(ForeignBlockError):
+        VllmBlockPool(10, True, BS).cache_full_blocks(r, loose, 0, 2, BS, 0)
+
+
+def test_parity_pool_leaves_blocks_of_no_pool_alone_in_free_blocks() -> None:
+    ours = ParityBlockPool(4, True, BS)
+    got = ours.get_new_blocks(2)
+    before = LOOSE_BLOCKS["ignored"]
+    ours.free_blocks([got[0], KVCacheBlock(block_id=3), got[1]])
+    assert (LOOSE_BLOCKS["ignored"] - before, ours.get_num_free_blocks()) == (1, 3)
 
 
 def test_unpinned_block_goes_to_tail_and_watcher_fires_on_reuse() -> None:

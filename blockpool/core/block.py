@@ -10,15 +10,18 @@ that a reader of vLLM recognises every field.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from blockpool.core.errors import InvariantError
+from blockpool.core.errors import InvalidArgumentError, InvariantError
 
 if TYPE_CHECKING:
     from blockpool.core.hazards import Token
 
-__all__ = ["FreeBlockQueue", "KVCacheBlock", "block_class_for_pool"]
+__all__ = ["FreeBlockQueue", "KVCacheBlock", "block_class_for_pool", "check_block_class"]
+
+_B = TypeVar("_B")
 
 
 class KVCacheBlock:
@@ -117,9 +120,11 @@ class NullBlock(KVCacheBlock):
     is_null = True
 
 
-def block_class_for_pool() -> type[KVCacheBlock]:
-    """A fresh subclass of :class:`KVCacheBlock` (no slot added, so no memory
-    added per block) for the blocks of one pool.
+def block_class_for_pool(base: type[_B] = KVCacheBlock) -> type[_B]:  # type: ignore[assignment]
+    """A fresh subclass of ``base`` (default :class:`KVCacheBlock`; no slot
+    added, so no memory added per block) for the blocks of one pool, with
+    ``base``'s name and module (``repr``, ``isinstance`` and pickling see
+    ``base``).
 
     Why: a pool must reject another pool's blocks. ``pool.blocks[b.block_id]
     is b`` answers that but reads the id's int object and the pool's block
@@ -127,11 +132,54 @@ def block_class_for_pool() -> type[KVCacheBlock]:
     pool is large (about 200 ns per block at 200,000 blocks on the benchmark
     machine, against 40 ns for touching the block at all). A block whose
     type is its pool's own class belongs to that pool, and the type sits in
-    the block's header, which any use of the block reads anyway. Blocks of
-    any other class (the null block, or records an adapter installs) are
-    checked by identity. O(1); the class costs about 1 KB per pool.
+    the block's header, which any use of the block reads anyway. The class
+    is not importable by its name (that name is ``base``'s), so no copy
+    made by pickling is of it; blocks of any other class are checked by
+    identity. An adapter passes ``base`` = its subclass of the host
+    framework's block type and hands the class to
+    :class:`~blockpool.HazardAwareBlockPool` as ``block_class``. O(1); the
+    class costs about 1 KB per pool.
+
+    Raises:
+        InvalidArgumentError: ``base`` is not a class.
+
+    >>> cls = block_class_for_pool()
+    >>> cls.__name__, issubclass(cls, KVCacheBlock), cls is KVCacheBlock
+    ('KVCacheBlock', True, False)
     """
-    return type("KVCacheBlock", (KVCacheBlock,), {"__slots__": (), "__module__": __name__})
+    if not isinstance(base, type):
+        raise InvalidArgumentError(f"base must be a class, got {base!r}")
+    namespace = {"__slots__": (), "__module__": base.__module__, "__qualname__": base.__qualname__}
+    return type(base.__name__, (base,), namespace)
+
+
+_CLAIMED: weakref.WeakSet[type] = weakref.WeakSet()
+"""Every ``block_class`` a pool was built with: one pool per class."""
+
+
+def check_block_class(cls: object, factory: object, claim: bool = False) -> None:
+    """Check that ``cls`` can be a pool's own block class (``block_class``
+    of :class:`~blockpool.HazardAwareBlockPool`); with ``claim``, record it
+    as taken (the pool is built). O(1).
+
+    Raises:
+        InvalidArgumentError: ``factory`` is ``None`` (the pool would not
+            make blocks of ``cls``), ``cls`` is not a class, is importable
+            by its name (a copy made by pickling would be of it), or is
+            already another pool's.
+    """
+    if factory is None:
+        raise InvalidArgumentError("block_class needs block_factory")
+    if not isinstance(cls, type):
+        raise InvalidArgumentError(f"block_class must be a class, got {cls!r}")
+    if _importable(cls):
+        raise InvalidArgumentError(
+            f"block_class {cls.__qualname__} is importable by its name; make one with block_class_for_pool(base)"
+        )
+    if cls in _CLAIMED:
+        raise InvalidArgumentError(f"block_class {cls.__qualname__} is already another pool's")
+    if claim:
+        _CLAIMED.add(cls)
 
 
 class FreeBlockQueue:

@@ -35,7 +35,13 @@ from blockpool.core._caching import CacheOps
 from blockpool.core._fences import FenceOps
 from blockpool.core._introspection import IntrospectionOps
 from blockpool.core._tokens import TokenOps
-from blockpool.core.block import FreeBlockQueue, KVCacheBlock, NullBlock, block_class_for_pool
+from blockpool.core.block import (
+    FreeBlockQueue,
+    KVCacheBlock,
+    NullBlock,
+    block_class_for_pool,
+    check_block_class,
+)
 from blockpool.core.errors import InvalidArgumentError, NoFreeBlocksError, RefCountError
 from blockpool.core.events import MEDIUM_GPU, KVCacheEvent
 from blockpool.core.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError, make_free_queue
@@ -50,8 +56,8 @@ __all__ = ["PLACEMENTS", "HazardAwareBlockPool"]
 
 
 class _NoBlock:
-    """A class no block has: with a block factory, every block is checked
-    by identity (``blocks[b.block_id] is b``)."""
+    """A class no block has: with a block factory and no ``block_class``,
+    every block is checked by identity (``blocks[b.block_id] is b``)."""
 
 
 class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
@@ -103,9 +109,15 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             :meth:`allocate_for` places.
         block_factory: ``block_factory(block_id)`` makes each block record
             (an adapter's subclass of the host framework's block type, say);
-            block 0 must be a null block (``is_null`` true). Blocks it makes
-            are checked as this pool's by identity. Default: the core's
-            :class:`~blockpool.core.block.KVCacheBlock`.
+            block 0 must be a null block (``is_null`` true). Default: the
+            core's :class:`~blockpool.core.block.KVCacheBlock`.
+        block_class: With ``block_factory``: the class of the blocks it
+            makes, made for this pool alone
+            (:func:`~blockpool.core.block.block_class_for_pool`): a block of
+            exactly this class is this pool's, a type test per block (the
+            fast own-block check the default blocks get). Without it, or for
+            blocks of another class, the check is by identity
+            (``blocks[b.block_id] is b``).
         free_queue_class: The :class:`~blockpool.core.block.FreeBlockQueue`
             subclass to build (with ``eviction="lru"``; an adapter's subclass
             adding names, say).
@@ -118,7 +130,10 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             known name (an :class:`InvalidArgumentError`).
         InvalidArgumentError: ``block_factory`` made a null block (block 0)
             whose ``is_null`` is false, or ``free_queue_class`` with an
-            ``eviction`` other than ``"lru"``.
+            ``eviction`` other than ``"lru"``; ``block_class`` without
+            ``block_factory``, not a class, importable by its name (a copy
+            made by pickling would pass as this pool's), or already another
+            pool's.
 
     Runtime complexity: construction is O(num_gpu_blocks).
     """
@@ -154,6 +169,7 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
         placement: str = "lru",
         block_factory: Callable[[int], KVCacheBlock] | None = None,
         free_queue_class: type[FreeBlockQueue] | None = None,
+        block_class: type[KVCacheBlock] | None = None,
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool) or num_gpu_blocks < 1:
             raise InvalidArgumentError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
@@ -169,6 +185,8 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
             make_free_queue(eviction, [], 0)  # raises the typed error
         if free_queue_class is not None and eviction != "lru":
             raise InvalidArgumentError("free_queue_class needs eviction='lru'")
+        if block_class is not None:
+            check_block_class(block_class, block_factory)
         self.eviction = eviction
         self._policy = eviction != "lru"  # the queue counts hits
         self.placement = placement
@@ -188,18 +206,22 @@ class HazardAwareBlockPool(TokenOps, FenceOps, CacheOps, IntrospectionOps):
 
         if block_factory is None:
             # This pool's own block class: "is b mine" becomes a type test
-            # (block_class_for_pool says why); other blocks are checked by identity.
-            self._block_cls = block_cls = block_class_for_pool()
+            # (block_class_for_pool says why); other blocks are checked by identity,
+            # as a factory's blocks are unless it names their class (block_class).
+            block_cls: type[KVCacheBlock] = block_class_for_pool(KVCacheBlock)
+            self._block_cls = block_cls
             self.null_block: KVCacheBlock = NullBlock(0)
             # Sized exactly (a list grown by appends keeps up to 1/8 spare slots).
             self.blocks: list[KVCacheBlock] = [self.null_block] * num_gpu_blocks
             self.blocks[1:] = map(block_cls, range(1, num_gpu_blocks))
         else:
-            self._block_cls = _NoBlock
+            self._block_cls = _NoBlock if block_class is None else block_class
             self.blocks = [block_factory(i) for i in range(num_gpu_blocks)]
             self.null_block = self.blocks[0]
             if not self.null_block.is_null:
                 raise InvalidArgumentError("block_factory(0) must make a null block (is_null true)")
+            if block_class is not None:
+                check_block_class(block_class, block_factory, claim=True)
         if free_queue_class is None:
             self.free_block_queue = make_free_queue(eviction, self.blocks[1:], num_gpu_blocks)
         else:

@@ -108,14 +108,19 @@ def install_state() -> InstallState:
 
 def is_installed() -> bool:
     """True when vLLM's coordinator and ``vllm.v1.core.block_pool`` both
-    bind our pool. O(1)."""
+    bind our pool (:class:`VllmBlockPool` or a subclass: the parity
+    harness's). O(1)."""
     bp = sys.modules.get(_BLOCK_POOL_MODULE)
     co = sys.modules.get(_COORDINATOR_MODULE)
     if bp is None or co is None or not _STATE.installed:
         return False
+    return _ours(bp.BlockPool) and _ours(co.BlockPool)
+
+
+def _ours(cls: Any) -> bool:
     from blockpool.integrations.vllm.pool import VllmBlockPool
 
-    return bp.BlockPool is VllmBlockPool and co.BlockPool is VllmBlockPool
+    return isinstance(cls, type) and issubclass(cls, VllmBlockPool)
 
 
 def register() -> None:
@@ -210,9 +215,7 @@ def unregister() -> None:
         original = _STATE.original
         if original is not None:
             for name, mod in list(sys.modules.items()):
-                if (name == "vllm" or name.startswith("vllm.")) and getattr(
-                    mod, "BlockPool", None
-                ) is VllmBlockPool:
+                if (name == "vllm" or name.startswith("vllm.")) and _ours(getattr(mod, "BlockPool", None)):
                     mod.BlockPool = original  # type: ignore[attr-defined]
         for owner, attr, fn in reversed(_STATE.patched):
             if fn is None:
@@ -234,7 +237,7 @@ def unregister() -> None:
 def _hazards_of_pool(pool: Any) -> Any:
     from blockpool.integrations.vllm.pool import VllmBlockPool
 
-    return pool.hazards if type(pool) is VllmBlockPool else None
+    return pool.hazards if isinstance(pool, VllmBlockPool) else None
 
 
 def _hazards_of_scheduler(scheduler: Any) -> Any:

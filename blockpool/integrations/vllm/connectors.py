@@ -205,7 +205,7 @@ def attach(obj: object, pool: object, name: str, block_sizes: tuple[int, ...]) -
     O(streams)."""
     from blockpool.integrations.vllm.pool import VllmBlockPool
 
-    hz = pool.hazards if type(pool) is VllmBlockPool else None
+    hz = pool.hazards if isinstance(pool, VllmBlockPool) else None
     if hz is None or name not in _WIRED:
         if getattr(obj, _ATTR, None) is not None:
             setattr(obj, _ATTR, None)

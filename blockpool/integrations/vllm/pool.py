@@ -1,60 +1,47 @@
 """vLLM 0.33's ``BlockPool`` surface, backed by :class:`~blockpool.HazardAwareBlockPool`.
 
 :class:`VllmBlockPool` is what vLLM's ``KVCacheCoordinator`` builds once
-:func:`blockpool.integrations.vllm.register` has run. Every allocation, free,
-touch, prefix-cache lookup, publication and eviction of its own blocks is
-done by the core (:attr:`VllmBlockPool.core`): its free queue, ref counts,
-key map and events. The adapter adds what the core leaves to callers:
-vLLM's keys (``BlockHashWithGroupId``, bytes: the core's opaque keys as they
-are), vLLM's event types with token ids, the metrics collector hooks,
+:func:`blockpool.integrations.vllm.register` has run. The core
+(:attr:`VllmBlockPool.core`) does every allocation, free, touch, lookup,
+publication and eviction, and owns the free queue, ref counts, key map and
+events. The adapter adds only what is vLLM's: its block and free-queue
+types, its keys (``BlockHashWithGroupId`` bytes: the core's opaque keys as
+they are), its event types (with token ids), the metrics collector hooks,
 ``unpin_blocks`` watchers, and the forwarding of other pools' blocks in
-``free_blocks``.
+``free_blocks``. Why composition and vLLM's own block type:
+``docs/vllm-plugin.md``, "Design".
 
-Composition, not subclassing (``docs/vllm-plugin.md``, "Design"): nothing in
-vLLM 0.33 or its tests checks ``isinstance(pool, BlockPool)``, and an
-inherited vLLM method would silently run vLLM's logic on the core's state;
-here a method vLLM adds later is an ``AttributeError``. The *blocks*, on the
-other hand, must be vLLM's: code and tests check ``isinstance(x,
-KVCacheBlock)``, read ``block.pool`` and ``_block_hash``, call
-``set_block_hash``. So the core is handed :class:`VllmKVCacheBlock`, a
-subclass of vLLM's ``KVCacheBlock`` that also carries the core's two shadow
-slots.
-
-Blocks that are not this pool's and belong to no pool (``pool is None``:
-vLLM's unit tests make such blocks by hand) are handled exactly as vLLM
-does, by vLLM's own code on the shared key map; they never reach the core.
+Blocks of no pool (``block.pool is None``), which only vLLM's unit tests
+make, are refused here like any other pool's (``ForeignBlockError``); the
+parity harness gives them vLLM's treatment
+(:mod:`blockpool.integrations.vllm.parity`).
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
 from vllm.distributed.kv_events import MEDIUM_GPU
 from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
-from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
 from vllm.distributed.kv_events import BlockStored as VllmBlockStored
 from vllm.distributed.kv_events import KVCacheEvent as VllmKVCacheEvent
 from vllm.multimodal.utils import get_mm_features_in_window
 from vllm.v1.core import block_pool as _vllm_block_pool_module
 from vllm.v1.core.block_pool import BlockHashToBlockMap
 from vllm.v1.core.kv_cache_utils import (
-    KVCacheBlock,
-    get_block_hash,
-    get_group_id,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
     resolve_block_hashes,
-    to_event_extra_keys,
 )
 
-from blockpool.core.block import FreeBlockQueue
+from blockpool.core.block import block_class_for_pool
+from blockpool.core.errors import ForeignBlockError
 from blockpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from blockpool.core.hazards import AccessKind, StreamKind, Token
 from blockpool.core.pool import HazardAwareBlockPool
-from blockpool.core.prefix_cache import PrefixCache
+from blockpool.integrations.vllm.blocks import HashMapView, VllmFreeBlockQueue, VllmKVCacheBlock
 from blockpool.integrations.vllm.hazards import COMPUTE, StepHazards
 
 __all__ = [
@@ -63,103 +50,15 @@ __all__ = [
     "VllmBlockPool",
     "VllmFreeBlockQueue",
     "VllmKVCacheBlock",
-    "track_new_pools",
 ]
 
 # vLLM's own class, whatever the module binds after register(): vLLM's pure
-# helpers are borrowed from it (events, partial-hash arithmetic) and its
-# behaviour is reproduced for blocks that belong to no pool.
+# helpers are borrowed from it (events, partial-hash arithmetic).
 VLLM_BLOCK_POOL: type = getattr(
     _vllm_block_pool_module, "_blockpool_vllm_BlockPool", _vllm_block_pool_module.BlockPool
 )
 
 _READ = AccessKind.READ
-
-logger = logging.getLogger("vllm.plugins.blockpool")
-
-
-class VllmKVCacheBlock(KVCacheBlock):
-    """vLLM's ``KVCacheBlock`` plus the core's shadow slots (``writer``,
-    ``readers``), with ``block_hash`` / ``block_hash_num_tokens`` writable
-    (the core's key map assigns them; vLLM's ``set_block_hash`` and
-    ``reset_hash`` keep working). 10 slots; ``pool`` is the owning
-    :class:`VllmBlockPool`."""
-
-    __slots__ = ("readers", "writer")
-
-    def __init__(self, block_id: int, pool: Any = None) -> None:
-        KVCacheBlock.__init__(self, block_id, pool=pool)
-        self.writer: Token | None = None
-        self.readers: Any = None
-
-    @property
-    def block_hash(self) -> Any:
-        return self._block_hash
-
-    @block_hash.setter
-    def block_hash(self, value: Any) -> None:
-        self._block_hash = value
-
-    @property
-    def block_hash_num_tokens(self) -> int | None:
-        return self._block_hash_num_tokens
-
-    @block_hash_num_tokens.setter
-    def block_hash_num_tokens(self, value: int | None) -> None:
-        self._block_hash_num_tokens = value
-
-
-class VllmFreeBlockQueue(FreeBlockQueue):
-    """The core's free queue with vLLM's ``FreeKVCacheBlockQueue`` names
-    added (no state of its own). Mutators bypass the pool, as in vLLM."""
-
-    __slots__ = ()
-
-    @property
-    def fake_free_list_head(self) -> Any:
-        """The head sentinel (vLLM's name). O(1)."""
-        return self.head
-
-    @property
-    def fake_free_list_tail(self) -> Any:
-        """The tail sentinel (vLLM's name). O(1)."""
-        return self.tail
-
-    def popleft(self) -> Any:
-        """Remove and return the first free block. O(1).
-
-        Raises:
-            ValueError: the queue is empty (as vLLM).
-        """
-        if self.num_free_blocks <= 0:
-            raise ValueError("No free blocks available")
-        return self.popleft_n(1)[0]
-
-    def append(self, block: Any) -> None:
-        """Insert ``block`` at the back. O(1)."""
-        self.append_n([block])
-
-    def get_all_free_blocks(self) -> list[Any]:
-        """Every free block, front to back. O(n)."""
-        return list(self)
-
-    def iter_blocks_after(self, cursor: Any) -> Iterator[Any]:
-        """Free blocks in eviction order after ``cursor`` (from the front
-        when ``None``). O(1) per block."""
-        b = self.head.next_free_block if cursor is None else cursor.next_free_block
-        tail = self.tail
-        while b is not None and b is not tail:
-            yield b
-            b = b.next_free_block
-
-
-class _HashMapView(BlockHashToBlockMap):
-    """vLLM's ``BlockHashToBlockMap`` whose ``_cache`` *is* the core's key
-    dict: vLLM's methods (and tests reaching into ``_cache``) read and write
-    the core's map."""
-
-    def __init__(self, prefix_cache: PrefixCache) -> None:
-        self._cache = prefix_cache.key_map  # type: ignore[assignment]
 
 
 class _GroupKeys(Sequence):  # type: ignore[type-arg]
@@ -194,7 +93,6 @@ class Served:
     blocks_freed: int = 0
     cache_hits: int = 0
     blocks_cached: int = 0
-    loose_blocks_ignored: int = 0
     steps_issued: int = 0
     steps_ended: int = 0
     copy_batches: int = 0
@@ -208,17 +106,6 @@ class Served:
 SERVED = Served()
 """Process-wide counters, updated by every :class:`VllmBlockPool` on the
 scheduler's thread (no lock: they are a report, not state)."""
-_TRACKED: list[VllmBlockPool] | None = None
-
-
-def track_new_pools(on: bool = True) -> list[VllmBlockPool]:
-    """Start (or stop) keeping every :class:`VllmBlockPool` built from now
-    on; returns those kept since the last call (the pytest plugin checks
-    their invariants after each test). O(1)."""
-    global _TRACKED
-    kept = _TRACKED or []
-    _TRACKED = [] if on else None
-    return kept
 
 
 class VllmBlockPool:
@@ -251,7 +138,8 @@ class VllmBlockPool:
         InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``.
 
     Runtime complexity: construction O(num_gpu_blocks); every method as the
-    core's, plus O(1) per block for metrics and events when they are on.
+    core's (the own-block check a type test per block), plus O(1) per block
+    for metrics and events when they are on.
     """
 
     default_track_hazards = True
@@ -272,6 +160,7 @@ class VllmBlockPool:
         streams: dict[str, StreamKind] | None = None,
     ) -> None:
         track = self.default_track_hazards if track_hazards is None else track_hazards
+        block_cls = block_class_for_pool(VllmKVCacheBlock)  # this pool's alone
         core = HazardAwareBlockPool(
             num_gpu_blocks,
             enable_caching,
@@ -281,7 +170,8 @@ class VllmBlockPool:
             streams={COMPUTE: StreamKind.DEVICE, **(streams or {})},
             medium=medium,
             removal_events="each",  # vLLM 0.33's events: a removal per block that loses a key
-            block_factory=self._make_block,
+            block_factory=lambda block_id: block_cls(block_id, self, block_id == 0),
+            block_class=block_cls,
             free_queue_class=VllmFreeBlockQueue,
         )
         blocks = core.blocks
@@ -298,22 +188,11 @@ class VllmBlockPool:
         self.blocks: list[Any] = blocks
         self.null_block: Any = blocks[0]
         self.free_block_queue: VllmFreeBlockQueue = core.free_block_queue  # type: ignore[assignment]
-        self.cached_block_hash_to_block: BlockHashToBlockMap = _HashMapView(core.prefix_cache)
+        self.cached_block_hash_to_block: BlockHashToBlockMap = HashMapView(core.prefix_cache)
         self.cached_block_hashes_by_block: dict[int, set[Any]] = core.prefix_cache.extra_keys()
         self.kv_event_queue: list[VllmKVCacheEvent] = []
         self._reuse_watchers: dict[int, Callable[[Any], None]] = {}
-        self._warned_loose = False
         SERVED.pools += 1
-        if _TRACKED is not None:
-            _TRACKED.append(self)
-
-    def _make_block(self, block_id: int) -> Any:
-        """The core's block factory: vLLM-typed records owned by this
-        adapter; block 0 is the null block. O(1)."""
-        b = VllmKVCacheBlock(block_id, self)
-        if block_id == 0:
-            b.is_null = True
-        return b
 
     def __repr__(self) -> str:
         return (
@@ -325,27 +204,24 @@ class VllmBlockPool:
     # helpers
     # ------------------------------------------------------------------
 
+    def _check_own(self, *blocks: Any) -> None:
+        """Raise :class:`~blockpool.ForeignBlockError` unless every block's
+        ``pool`` is this one (for the private key-map calls, which reach
+        the core's parts directly). O(len(blocks))."""
+        for b in blocks:
+            if b.pool is not self:
+                raise ForeignBlockError(f"block {b.block_id} belongs to {b.pool!r}, not to {self!r}")
+
     def _pull_events(self) -> list[BlockStored]:
-        """Move the core's events to ``kv_event_queue`` as vLLM events;
-        returns the core's stored events (the caller builds vLLM's, which
-        carry token ids). O(events)."""
-        events = self.core.take_events()
-        if not events:
-            return []
-        q = self.kv_event_queue
+        """Move the core's events to ``kv_event_queue`` as vLLM events (a
+        removal per key, by vLLM's own helper); returns the core's stored
+        events (the caller builds vLLM's, which carry token ids). O(events)."""
         stored: list[BlockStored] = []
-        for ev in events:
+        for ev in self.core.take_events():
             if type(ev) is BlockRemoved:
-                for key in ev.block_hashes:
-                    q.append(
-                        VllmBlockRemoved(
-                            block_hashes=[maybe_convert_block_hash(get_block_hash(key))],  # type: ignore[arg-type]
-                            medium=self.medium,
-                            group_idx=get_group_id(key),  # type: ignore[arg-type]
-                        )
-                    )
+                self._emit_block_removed_events(ev.block_hashes)
             elif type(ev) is AllBlocksCleared:
-                q.append(VllmAllBlocksCleared())
+                self.kv_event_queue.append(VllmAllBlocksCleared())
             elif type(ev) is BlockStored:
                 stored.append(ev)
         return stored
@@ -396,53 +272,51 @@ class VllmBlockPool:
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         """Drop one reference per block, first = evicted first; blocks of
         another pool (``block.pool``) are forwarded to it, after this pool's,
-        as vLLM does. Frees are tagged with the last enqueued step token when
-        hazards are on. O(len(ordered_blocks)).
-
-        Blocks that belong to no pool (``block.pool is None``, made by hand)
-        are left alone and reported once (vLLM would take their ref count
-        below zero and link them into its free queue).
+        as vLLM does (deferred frees span pools). Frees are tagged with the
+        last enqueued step token when hazards are on. O(len(ordered_blocks)):
+        the core checks ownership by type, and only a call naming another
+        pool's block is split by ``block.pool``.
 
         Raises:
             RefCountError: a ref count would go below zero (vLLM corrupts it;
                 the core rejects the whole call before any change).
+            ForeignBlockError: a block of no pool (``block.pool is None``;
+                vLLM frees it as its own) or one its pool does not hold;
+                nothing changes.
         """
+        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
+        hz = self.hazards
+        token = hz.free_token() if hz is not None else None
+        try:
+            self.core.free_blocks(blocks, token, _READ)
+        except ForeignBlockError:
+            self._free_across_pools(blocks, token)
+            return
+        if blocks:
+            SERVED.frees += 1
+            SERVED.blocks_freed += len(blocks)
+
+    def _free_across_pools(self, blocks: list[Any], token: Token | None) -> None:
+        """:meth:`free_blocks` of a list naming other pools' blocks: this
+        pool's first, then each other pool's, null blocks skipped (vLLM's
+        order). O(len(blocks))."""
         own: list[Any] = []
-        others: dict[Any, list[Any]] | None = None
-        loose = 0
-        for b in ordered_blocks:
+        others: dict[Any, list[Any]] = {}
+        for b in blocks:
             if b.is_null:
                 continue
-            p = b.pool
-            if p is self:
+            if b.pool is self:
                 own.append(b)
-            elif p is None:
-                loose += 1
+            elif b.pool is None:
+                raise ForeignBlockError(f"block {b.block_id} belongs to no pool (block.pool is None)")
             else:
-                if others is None:
-                    others = {}
-                others.setdefault(p, []).append(b)
-        if loose:
-            self._ignore_loose(loose)
+                others.setdefault(b.pool, []).append(b)
         if own:
-            hz = self.hazards
-            self.core.free_blocks(own, hz.free_token() if hz is not None else None, _READ)
+            self.core.free_blocks(own, token, _READ)
             SERVED.frees += 1
             SERVED.blocks_freed += len(own)
-        if others:
-            for pool, blocks in others.items():
-                pool.free_blocks(blocks)
-
-    def _ignore_loose(self, n: int) -> None:
-        # A block of no pool (made by hand, as vLLM's unit tests do) is not
-        # this pool's to free: vLLM would take its ref count below zero and
-        # link it into its own free queue. Left alone, reported once.
-        SERVED.loose_blocks_ignored += n
-        if not self._warned_loose:
-            self._warned_loose = True
-            logger.warning(
-                "blockpool: free_blocks ignored %d block(s) that belong to no pool (block.pool is None)", n
-            )
+        for pool, theirs in others.items():
+            pool.free_blocks(theirs)
 
     def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:
         """Release references to blocks that stay readable until reused: a
@@ -512,11 +386,6 @@ class VllmBlockPool:
         if lo >= hi:
             return
         assert block_mask is None or len(block_mask) == hi - lo
-        for i in range(lo, hi):
-            if blocks[i].pool is not self and not blocks[i].is_null:
-                return VLLM_BLOCK_POOL.cache_full_blocks(
-                    self, request, blocks, lo, hi, block_size, kv_cache_group_id, block_mask
-                )
         block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
         keys = _GroupKeys(block_hashes, kv_cache_group_id)
         self.core.cache_full_blocks(blocks, keys, lo, hi, block_size, block_mask)
@@ -595,10 +464,6 @@ class VllmBlockPool:
         """
         if block.is_null:
             return None
-        if block.pool is not self:
-            return VLLM_BLOCK_POOL.cache_partial_block(  # type: ignore[no-any-return]
-                self, request, block, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes
-            )
         assert block_size % self.hash_block_size == 0
         block_hash = self._get_partial_block_hash(request, num_tokens)
         num_hash_tokens = num_tokens // self.hash_block_size * self.hash_block_size
@@ -614,28 +479,22 @@ class VllmBlockPool:
         self, request: Any, block_hash: bytes, num_tokens: int, group_id: int
     ) -> VllmBlockStored:
         """vLLM's ``BlockStored`` for a new partial entry (its code)."""
-        parent_hash, block_start = self._get_partial_block_parent_hash_and_start(request, num_tokens)
-        block_end = num_tokens
-        curr_mm_idx = 0
-        mm_features = request.mm_features
-        if block_start > 0 and mm_features:
-            last = mm_features[-1].mm_position
-            if last.offset + last.length > block_start:
-                curr_mm_idx, _ = get_mm_features_in_window(mm_features, block_start, block_end)
-        extra_keys, _ = self._generate_event_extra_keys(request, block_start, block_end, curr_mm_idx)
-        lora = request.lora_request
-        return VllmBlockStored(
+        parent, start = self._get_partial_block_parent_hash_and_start(request, num_tokens)
+        mm_idx = 0
+        mm = request.mm_features
+        if start > 0 and mm and mm[-1].mm_position.offset + mm[-1].mm_position.length > start:
+            mm_idx, _ = get_mm_features_in_window(mm, start, num_tokens)
+        extra_keys, _ = self._generate_event_extra_keys(request, start, num_tokens, mm_idx)
+        return self._build_block_stored_event(
+            request,
             block_hashes=[maybe_convert_block_hash(block_hash)],  # type: ignore[arg-type]
-            parent_block_hash=maybe_convert_block_hash(parent_hash) if parent_hash is not None else None,
-            token_ids=request.all_token_ids[block_start:block_end],
-            block_size=block_end - block_start,
-            lora_id=lora.adapter_id if lora else None,
-            medium=self.medium,
-            lora_name=lora.name if lora else None,
-            extra_keys=to_event_extra_keys([extra_keys]),
-            group_idx=group_id,
-            session_id=request.session_id,
-            lookahead_token_ids=[self._lookahead_token_ids(request, block_end)]
+            parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),  # type: ignore[arg-type]
+            start_token_idx=start,
+            end_token_idx=num_tokens,
+            block_size=num_tokens - start,
+            kv_cache_group_id=group_id,
+            extra_keys_list=[extra_keys],
+            lookahead_token_ids=[self._lookahead_token_ids(request, num_tokens)]
             if self.num_hash_lookahead_tokens
             else None,
         )
@@ -646,41 +505,33 @@ class VllmBlockPool:
         Raises:
             HashConflictError: ``dst_block`` holds a key (vLLM: AssertionError).
         """
-        if src_block.pool is not self or dst_block.pool is not self:
-            return VLLM_BLOCK_POOL.move_block_hashes(self, src_block, dst_block)  # type: ignore[no-any-return]
         self.core.move_block_hashes(src_block, dst_block)
 
     def _maybe_evict_cached_block(self, block: Any) -> bool:
         """Drop the block's keys (removed events); True if any was mapped to
-        it. Runs the metrics eviction hook first, as vLLM. O(keys)."""
+        it. Runs the metrics eviction hook first, as vLLM. O(keys).
+
+        Raises:
+            ForeignBlockError: not this pool's block; nothing changes.
+        """
+        self._check_own(block)
         if self.metrics_collector is not None:
             self.metrics_collector.on_block_evicted(block)
-        if block.pool is not self:
-            return bool(self._remove_unowned(block))
         evicted = bool(self.core.prefix_cache.mapped_keys(block))
         self.core.evict_blocks([block.block_id])
         if self.enable_kv_cache_events:
             self._pull_events()
         return evicted
 
-    def _remove_unowned(self, block: Any) -> list[Any]:
-        removed = VLLM_BLOCK_POOL._remove_cached_block_hashes(self, block)
-        VLLM_BLOCK_POOL._emit_block_removed_events(self, removed)
-        return removed  # type: ignore[no-any-return]
-
     def _insert_block_hash(self, block_hash_with_group_id: bytes, block: Any, num_tokens: int | None) -> None:
         """vLLM's private insert (no events), used by its CPU offload
-        manager: the core's key map for own blocks. O(1)."""
-        if block.pool is self:
-            self.core.prefix_cache.publish(block_hash_with_group_id, block, num_tokens)
-        else:
-            VLLM_BLOCK_POOL._insert_block_hash(self, block_hash_with_group_id, block, num_tokens)
+        manager: publish in the core's key map. O(1).
 
-    def _remove_cached_block_hashes(self, block: Any) -> list[Any]:
-        """vLLM's private removal (no events): the keys mapped to the block. O(keys)."""
-        if block.pool is self:
-            return self.core.prefix_cache.remove(block)
-        return VLLM_BLOCK_POOL._remove_cached_block_hashes(self, block)  # type: ignore[no-any-return]
+        Raises:
+            ForeignBlockError: not this pool's block; nothing changes.
+        """
+        self._check_own(block)
+        self.core.prefix_cache.publish(block_hash_with_group_id, block, num_tokens)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the prefix-cache keys of the given blocks (in use or free;

@@ -11,6 +11,11 @@ plugins are imported before any test module) and checks in
 ``pytest_configure`` that both ``vllm.v1.core.block_pool.BlockPool`` and the
 coordinator's binding are ours.
 
+It then makes vLLM build
+:class:`~blockpool.integrations.vllm.parity.ParityBlockPool` instead
+(:func:`blockpool.integrations.vllm.parity.install`): our pool plus the
+handling of blocks of no pool that vLLM's unit tests make by hand.
+
 After each test it runs the core's invariant check
 (:meth:`~blockpool.HazardAwareBlockPool.check`) on every pool the test
 built; a broken invariant does not fail the test (the pass sets of the two
@@ -50,7 +55,10 @@ ENV_SERVED = "BLOCKPOOL_VLLM_SERVED"
 os.environ[_plugin.ENV_PLUGIN] = "1"
 _plugin.register()
 
+from blockpool.integrations.vllm import parity as _parity
 from blockpool.integrations.vllm import pool as _pool
+
+_parity.install()
 
 _CHECKS: dict[str, Any] = {"pools_checked": 0, "tests_checked": 0, "broken": {}}
 _FENCED: dict[str, dict[str, int]] = {}
@@ -68,6 +76,7 @@ def _report() -> dict[str, Any]:
         "hazards": state.hazards,
         "modules": state.modules,
         **_pool.SERVED.as_dict(),
+        "loose_blocks_ignored": _parity.LOOSE_BLOCKS["ignored"],
         "invariants": {
             "pools_checked": _CHECKS["pools_checked"],
             "tests_checked": _CHECKS["tests_checked"],
@@ -85,7 +94,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, None]:
     fenced0, nonempty0 = _fence_counts()
-    _pool.track_new_pools(True)
+    _parity.track_new_pools(True)
     try:
         yield
     finally:
@@ -93,7 +102,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         per_file = _FENCED.setdefault(item.nodeid.split("::", 1)[0], {"transfers": 0, "nonempty": 0})
         per_file["transfers"] += fenced1 - fenced0
         per_file["nonempty"] += nonempty1 - nonempty0
-        pools = _pool.track_new_pools(False)
+        pools = _parity.track_new_pools(False)
         if pools:
             _CHECKS["tests_checked"] += 1
         for p in pools:
