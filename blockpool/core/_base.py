@@ -96,6 +96,7 @@ class PoolBase:
     lease_timeout: float | None
     null_block: KVCacheBlock
     _block_cls: type
+    _policy: bool  # a non-LRU eviction policy: its queue counts hits
     blocks: list[KVCacheBlock]
     free_block_queue: FreeBlockQueue
     prefix_cache: PrefixCache

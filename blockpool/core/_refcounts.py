@@ -1,0 +1,152 @@
+"""Ref counts of the pool: taking free blocks, prefix hits and pins
+(``touch``), and frees. The only module that writes ``ref_cnt``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from blockpool.core._base import _HOST, _READ, _WRITE, PoolBase, _as_list
+from blockpool.core.block import KVCacheBlock
+from blockpool.core.errors import RefCountError
+from blockpool.core.hazards import LAST_STEP, AccessKind, FreeTag, Token
+
+__all__ = ["RefCountOps"]
+
+
+class RefCountOps(PoolBase):
+    """Taking blocks off the free queue (ref count 1), touching them (+1)
+    and freeing them (-1; at 0 they go back to the free queue or are held
+    back)."""
+
+    def _take(self, n: int) -> list[KVCacheBlock]:
+        """Pop ``n`` free blocks from the queue's front and :meth:`_claim`
+        them. O(n)."""
+        return self._claim(self.free_block_queue.popleft_n(n))
+
+    def _claim(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Blocks just taken off the free queue: evict their keys (removed
+        events), give each ref count 1, forget the old content's marks.
+        Returns ``blocks``. O(len(blocks))."""
+        dropped = self.prefix_cache.evict_for_reuse(blocks, self.enable_kv_cache_events)
+        for b, keys in dropped:
+            self._removed(keys, "load_failed" if self.writes.is_invalid(b.block_id) else "evicted")
+        for b in blocks:
+            b.ref_cnt = 1
+        self.writes.rewritten(blocks)
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add a reference to each block (prefix hit or pin); a block with ref
+        count 0 leaves the free queue (or the held set). The null block is
+        skipped. O(len(blocks)).
+
+        Raises:
+            ForeignBlockError: a block is not of this pool (nothing changes).
+        """
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
+        self._touch(self._own_all(blocks))
+
+    def _touch(self, blocks: list[KVCacheBlock]) -> None:
+        q = self.free_block_queue
+        if self._policy:
+            q.on_hit(blocks)
+        null = self.null_block
+        zero: list[KVCacheBlock] = []
+        for b in blocks:
+            if b is null:
+                continue
+            if b.ref_cnt == 0:
+                zero.append(b)
+            b.ref_cnt += 1
+        if zero:
+            held = q.remove_n(zero)
+            if held:
+                self.holdback.unhold_n(held)
+
+    def free_blocks(
+        self,
+        ordered_blocks: Iterable[KVCacheBlock],
+        token: Token | FreeTag | None = LAST_STEP,
+        access: AccessKind = AccessKind.READ,
+        *,
+        to_tail: bool = False,
+    ) -> None:
+        """Drop one reference per listed block, in eviction order (first =
+        evicted first). A block reaching ref count 0 goes to the front of the
+        free queue if it has no key (reused first) or caching is off, to the
+        back if cached (LRU), or into the held set while a host-engine access
+        on it has not ended. Null blocks are skipped. A block may repeat as
+        often as it is referenced. O(len(ordered_blocks)).
+
+        ``token``: the last enqueued access to the blocks, recorded as an
+        ``access`` in their shadows, so the next user of the blocks waits for
+        it. Safe by default: the default, :data:`~blockpool.core.hazards.LAST_STEP`,
+        is the newest token issued on the pool's ``compute`` stream (the last
+        enqueued step, as the hazard model asks), or nothing when no token
+        was issued there, no ``compute`` stream is registered, or hazards are
+        off. Pass the token explicitly to tag another access, or
+        ``token=None`` to record none (opt-out: the caller knows nothing in
+        flight touches the blocks). A ``WRITE`` is undone if ``token`` fails,
+        as for :meth:`tag`. ``to_tail``: blocks that become free go to the
+        back of the free queue whatever their keys (reused last; vLLM's
+        ``unpin_blocks``); blocks held back go as usual once released.
+
+        Raises:
+            ForeignBlockError: a block of another pool.
+            RefCountError: a ref count would go below zero (whole call rejected).
+            UnknownStreamError, UnknownTokenError: a token the pool never issued.
+            ForeignTokenError: a token issued by another pool.
+            InvalidArgumentError: ``access`` is not an :class:`AccessKind`,
+                or ``blocks`` is not iterable.
+        """
+        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
+        blocks = (
+            ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else _as_list(ordered_blocks, "blocks")
+        )
+        record = False
+        if token is LAST_STEP:
+            st = self.tracker.streams.get("compute") if self.track_hazards else None
+            token = Token(st.name, st.last_seq, st.kind) if st is not None and st.last_seq else None
+        if token is not None:
+            st = self.tracker.validate(token)
+            if access is not _READ and access is not _WRITE:
+                self._check_access(access)
+            # Record the access unless the token has ended (tracker.is_ended, inline).
+            record = self.track_hazards and not (
+                token.seq <= st.mark or (st.kind is _HOST and token.seq in st.done)
+            )
+        own = self.blocks
+        null = self.null_block
+        cls = self._block_cls
+        zero: list[KVCacheBlock] = []
+        i = 0
+        try:
+            for i, b in enumerate(blocks):
+                if b.__class__ is not cls and own[b.block_id] is not b:
+                    self._own(b)
+                if b is null:
+                    continue
+                rc = b.ref_cnt - 1
+                if rc < 0:
+                    raise RefCountError(
+                        f"free_blocks would take block {b.block_id}'s ref count below zero "
+                        f"(listed {sum(1 for x in blocks if x is b)} times)"
+                    )
+                b.ref_cnt = rc
+                if rc == 0:
+                    zero.append(b)
+        except Exception as exc:
+            for b in blocks[:i]:
+                if b is not null:
+                    b.ref_cnt += 1
+            if isinstance(exc, (IndexError, AttributeError, TypeError)):
+                self._own(blocks[i])  # raises the typed error
+            raise
+        if record:
+            self._record(blocks, token, access)  # type: ignore[arg-type]
+        elif access is _WRITE and token is not None and self.tracker.has_failed(token):
+            self._unwritten(blocks)  # a write by a token that failed never happened
+        if zero:
+            self._enqueue_free(zero, to_tail)
