@@ -93,7 +93,7 @@ class HBModel:
 
     # -- accesses ------------------------------------------------------------
 
-    def access(self, block_ids: Iterable[int], token: Token, kind: AccessKind) -> None:
+    def tag(self, block_ids: Iterable[int], token: Token, kind: AccessKind) -> None:
         for b in block_ids:
             self.history.setdefault(b, []).append((token, kind))
 

@@ -36,7 +36,7 @@ def run(
     """Record ``name`` after ``after`` and let it access ``blocks``."""
     t = tok(name)
     o.record(t, [tok(a) for a in after])
-    return o.access(t, blocks, kind, what or WHAT[kind])
+    return o.tag(t, blocks, kind, what or WHAT[kind])
 
 
 # -- every hazard, every pair of stream kinds -------------------------------
@@ -122,9 +122,9 @@ def test_completing_a_host_token_does_not_order_other_tokens_of_its_engine(oracl
 def test_completion_does_not_order_work_recorded_before_it(oracle: RaceOracle) -> None:
     oracle.record(tok("h2d:1"))
     oracle.record(tok("compute:1"))
-    oracle.access(tok("h2d:1"), [1], W, "load")
+    oracle.tag(tok("h2d:1"), [1], W, "load")
     oracle.complete(tok("h2d:1"))
-    assert [v.hazard for v in oracle.access(tok("compute:1"), [1], R, "forward")] == ["RAW"]
+    assert [v.hazard for v in oracle.tag(tok("compute:1"), [1], R, "forward")] == ["RAW"]
 
 
 def test_completion_orders_what_the_token_waited_on(oracle: RaceOracle) -> None:
@@ -169,13 +169,13 @@ def test_newer_read_on_a_device_stream_stands_for_older_ones(oracle: RaceOracle)
 def test_late_read_ordered_before_a_write_is_not_a_race(oracle: RaceOracle) -> None:
     oracle.record(tok("compute:1"))  # step 1; its block-table read is reported at free time
     run(oracle, "h2d:1", [1], W, after=("compute:1",))
-    assert oracle.access(tok("compute:1"), [1], R, "forward") == []
+    assert oracle.tag(tok("compute:1"), [1], R, "forward") == []
 
 
 def test_late_read_unordered_with_a_write_is_a_race(oracle: RaceOracle) -> None:
     oracle.record(tok("compute:1"))
     run(oracle, "h2d:1", [1], W)
-    found = oracle.access(tok("compute:1"), [1], R, "forward")
+    found = oracle.tag(tok("compute:1"), [1], R, "forward")
     assert found == [RaceViolation(1, "RAW", tok("h2d:1"), W, "load", tok("compute:1"), R, "forward")]
 
 
@@ -183,7 +183,7 @@ def test_late_read_of_a_completed_token_is_judged_by_its_clock(oracle: RaceOracl
     oracle.record(tok("compute:1"))
     oracle.complete(tok("compute:1"))
     run(oracle, "h2d:1", [1], W)  # recorded after the host saw compute:1 end
-    assert oracle.access(tok("compute:1"), [1], R, "forward") == []
+    assert oracle.tag(tok("compute:1"), [1], R, "forward") == []
 
 
 # -- reports ------------------------------------------------------------------
@@ -259,7 +259,7 @@ def test_record_on_unknown_stream_raises_unknown_stream_error(oracle: RaceOracle
 
 def test_access_by_unrecorded_token_raises(oracle: RaceOracle) -> None:
     with pytest.raises(UnrecordedTokenError) as info:
-        oracle.access(tok("compute:1"), [1], R, "forward")
+        oracle.tag(tok("compute:1"), [1], R, "forward")
     assert isinstance(info.value, UnknownTokenError) and isinstance(info.value, LookupError)
 
 
@@ -267,7 +267,7 @@ def test_record_after_unrecorded_token_raises_and_records_nothing(oracle: RaceOr
     with pytest.raises(UnrecordedTokenError):
         oracle.record(tok("compute:1"), [tok("h2d:1")])
     oracle.record(tok("compute:1"))  # not recorded by the failed call
-    assert oracle.access(tok("compute:1"), [1], R, "forward") == []
+    assert oracle.tag(tok("compute:1"), [1], R, "forward") == []
 
 
 def test_recording_a_token_twice_raises_record_order_error(oracle: RaceOracle) -> None:
@@ -310,19 +310,19 @@ def test_access_with_a_bad_block_id_raises_and_changes_nothing(oracle: RaceOracl
     run(oracle, "h2d:1", [1], W)
     oracle.record(tok("compute:1"))
     with pytest.raises(InvalidArgumentError):
-        oracle.access(tok("compute:1"), [1, -1], R, "forward")
+        oracle.tag(tok("compute:1"), [1, -1], R, "forward")
     assert oracle.violations == [] and oracle.num_accesses == 1
 
 
 def test_access_with_a_bad_kind_raises_invalid_argument(oracle: RaceOracle) -> None:
     oracle.record(tok("compute:1"))
     with pytest.raises(InvalidArgumentError):
-        oracle.access(tok("compute:1"), [1], "read", "forward")  # type: ignore[arg-type]
+        oracle.tag(tok("compute:1"), [1], "read", "forward")  # type: ignore[arg-type]
 
 
 def test_access_by_a_non_token_raises_invalid_argument(oracle: RaceOracle) -> None:
     with pytest.raises(InvalidArgumentError):
-        oracle.access(("compute", 1), [1], R, "forward")  # type: ignore[arg-type]
+        oracle.tag(("compute", 1), [1], R, "forward")  # type: ignore[arg-type]
 
 
 def test_add_stream_with_the_other_kind_raises_invalid_argument(oracle: RaceOracle) -> None:
@@ -342,7 +342,7 @@ def test_access_by_a_token_whose_clock_was_dropped_raises() -> None:
     o.complete(tok("compute:1"))
     o.record(tok("compute:2"))  # compute:1 ended and is beyond retain
     with pytest.raises(UnrecordedTokenError):
-        o.access(tok("compute:1"), [1], R, "forward")
+        o.tag(tok("compute:1"), [1], R, "forward")
 
 
 def test_waiting_on_an_ended_token_whose_clock_was_dropped_is_allowed() -> None:
@@ -360,11 +360,11 @@ def test_failed_token_does_not_order_later_work_after_its_waits() -> None:
     oracle = RaceOracle({"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "rdma": StreamKind.HOST})
     e1, load, dma = Token("compute", 1), Token("rdma", 1, StreamKind.HOST), Token("h2d", 1)
     oracle.record(e1)
-    oracle.access(e1, [3], AccessKind.READ, "forward")
+    oracle.tag(e1, [3], AccessKind.READ, "forward")
     oracle.record(load, after=[e1])
     oracle.complete(load, failed=True)  # may have failed before waiting on e1
     oracle.record(dma)
-    (v,) = oracle.access(dma, [3], AccessKind.WRITE, "load")
+    (v,) = oracle.tag(dma, [3], AccessKind.WRITE, "load")
     assert (v.hazard, v.prior_token, v.token) == ("WAR", e1, dma)
 
 
@@ -389,3 +389,14 @@ def test_ordered_write_clears_what_the_racy_write_raced_with(oracle: RaceOracle)
     assert run(oracle, "d2h:1", [1], W, after=("h2d:1", "compute:1")) == []
     assert run(oracle, "d2h:2", [1], W) == []
 
+
+
+def test_access_is_the_deprecated_name_of_tag() -> None:
+    o = RaceOracle({"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE})
+    t = tok("compute:1")
+    o.record(t)
+    with pytest.warns(DeprecationWarning, match="RaceOracle.tag"):
+        assert o.access(t, [1], R, "forward") == []
+    load = tok("h2d:1")
+    o.record(load)
+    assert [v.hazard for v in o.tag(load, [1], W, "load")] == ["WAR"]

@@ -232,7 +232,7 @@ def test_every_step_read_of_the_exact_replay_is_race_free(events) -> None:  # ty
             oracle.record(tok[e["token"]], [tok[t] for t in on])
         elif e["ev"] in ("access", "table"):
             kind = AccessKind(e.get("access", "read"))
-            oracle.access(tok[e["token"]], e["blocks"], kind, e.get("what", "forward"))
+            oracle.tag(tok[e["token"]], e["blocks"], kind, e.get("what", "forward"))
         elif e["ev"] == "end":
             oracle.complete(tok[e["token"]], failed=e["failed"])
     assert oracle.violations == []
@@ -269,7 +269,7 @@ def test_event_log_lets_an_independent_oracle_reach_the_same_verdict(
             on = nxt.get("on", []) if nxt.get("ev") == "wait" and nxt.get("token") == e["token"] else []
             oracle.record(tok[e["token"]], [tok[t] for t in on])
         elif e["ev"] == "access":
-            oracle.access(tok[e["token"]], e["blocks"], AccessKind(e["access"]), e["what"])
+            oracle.tag(tok[e["token"]], e["blocks"], AccessKind(e["access"]), e["what"])
         elif e["ev"] == "end":
             oracle.complete(tok[e["token"]], failed=e["failed"])
     assert len(oracle.violations) == rep.result(policy).races

@@ -100,7 +100,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.judge_and_wait(fence, groups, stream)
         self.hb.issue(token, fence if STREAMS[stream] is StreamKind.HOST else ())
         for ids_, access in groups:
-            self.hb.access(ids_, token, access)
+            self.hb.tag(ids_, token, access)
             if access is WRITE:
                 self.invalid -= set(ids_)
                 if kind == "load":  # a load's new content withdraws the old keys
@@ -185,7 +185,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.kinds[token] = "free-write"
         self.pool.free_blocks(self.blocks(listed), token=token, access=access)
         if token is not None:
-            self.hb.access(listed, token, access)
+            self.hb.tag(listed, token, access)
             if access is WRITE:
                 self.invalid -= set(listed)
                 self.loads.setdefault(token, []).extend(listed)
@@ -214,7 +214,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.tokens.append(token)
         if write and self.requests:
             self.pool.tag(self.blocks(target), token, WRITE)
-            self.hb.access(target, token, WRITE)
+            self.hb.tag(target, token, WRITE)
             self.invalid -= set(target)
             self.loads.setdefault(token, []).extend(target)
             self.kinds[token] = "tag-write"

@@ -261,7 +261,7 @@ def replay_get_on_worker(out2: Any, meta: Any, table: list[int], fenced: bool) -
 
     compute.enqueue(lambda: kv.__setitem__(copy.dst_block_id, "copied prefix"), "cow copy")
     oracle.record(copy_token)
-    races += map(str, oracle.access(copy_token, [copy.dst_block_id], AccessKind.WRITE, "cow copy"))
+    races += map(str, oracle.tag(copy_token, [copy.dst_block_id], AccessKind.WRITE, "cow copy"))
     mw.KVCacheStoreSendingThread  # noqa: B018  (imported: the wrapper targets it)
     if step is not None:
         wh.on_bind(out2.kv_connector_metadata)
@@ -272,7 +272,7 @@ def replay_get_on_worker(out2: Any, meta: Any, table: list[int], fenced: bool) -
         wh.ledger.poll()
         waited.extend(t for t in (copy_token,) if wh.ledger.is_complete(t))
         oracle.record(get_token, after=waited)
-        races.extend(map(str, oracle.access(get_token, list(load.block_ids) if load else table[2:4],
+        races.extend(map(str, oracle.tag(get_token, list(load.block_ids) if load else table[2:4],
                                             AccessKind.WRITE, "mooncake GET")))
         for b in (load.block_ids if load else table[2:4]):
             kv[b] = "remote KV"

@@ -156,8 +156,8 @@ class RaceHarness:
         self.oracle.record(token, waits)
         self.pool.tag(reads, token, _READ)
         self.pool.tag(writes, token, _WRITE)
-        self.oracle.access(token, rids, _READ, what)
-        self.oracle.access(token, wids, _WRITE, what)
+        self.oracle.tag(token, rids, _READ, what)
+        self.oracle.tag(token, wids, _WRITE, what)
         return token
 
     def load(
@@ -185,7 +185,7 @@ class RaceHarness:
         self.oracle.check_access(stream, (), _WRITE, what, after=waits)  # validates, records nothing
         token, fence = self.pool.begin_load(blocks, stream)
         self._begun(token, fence, honour_fence, waits)
-        self.oracle.access(token, ids, _WRITE, what)
+        self.oracle.tag(token, ids, _WRITE, what)
         return token
 
     def store(
@@ -208,7 +208,7 @@ class RaceHarness:
         self.oracle.check_access(stream, (), _READ, what, after=waits)  # validates, records nothing
         token, fence = self.pool.begin_store(blocks, stream)
         self._begun(token, fence, honour_fence, waits)
-        self.oracle.access(token, ids, _READ, what)
+        self.oracle.tag(token, ids, _READ, what)
         return token
 
     def copy(
@@ -230,8 +230,8 @@ class RaceHarness:
         self.oracle.check_access(stream, (), _WRITE, what, after=waits)  # validates, records nothing
         token, fence = self.pool.begin_copy(pairs, stream)
         self._begun(token, fence, honour_fence, waits)
-        self.oracle.access(token, self._ids(s for s, _ in pairs), _READ, what)
-        self.oracle.access(token, self._ids(d for _, d in pairs), _WRITE, what)
+        self.oracle.tag(token, self._ids(s for s, _ in pairs), _READ, what)
+        self.oracle.tag(token, self._ids(d for _, d in pairs), _WRITE, what)
         return token
 
     def free(
@@ -252,7 +252,7 @@ class RaceHarness:
             self.oracle.check_access(token.stream, (), _READ, what, after=(token,))
         self.pool.free_blocks(blocks, token=token)
         if token is not None:
-            self.oracle.access(token, ids, _READ, what)
+            self.oracle.tag(token, ids, _READ, what)
 
     def complete(self, token: Token) -> None:
         """``token`` ended: tell the pool and the oracle. O(#streams).

@@ -22,16 +22,17 @@ order of the work, not of the calls.
 >>> from blockpool.core.hazards import AccessKind, StreamKind, Token
 >>> oracle = RaceOracle({"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE})
 >>> e1, load = Token("compute", 1), Token("h2d", 1)
->>> oracle.record(e1); oracle.access(e1, [7], AccessKind.READ, "forward")
+>>> oracle.record(e1); oracle.tag(e1, [7], AccessKind.READ, "forward")
 []
 >>> oracle.record(load)             # the load forgot to wait on compute:1
->>> [str(v) for v in oracle.access(load, [7], AccessKind.WRITE, "load")]
+>>> [str(v) for v in oracle.tag(load, [7], AccessKind.WRITE, "load")]
 ['WAR race on block 7: load (write) by h2d:1 is not ordered after forward (read) by compute:1']
 """
 
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -385,7 +386,7 @@ class RaceOracle:
 
     # -- accesses ----------------------------------------------------------------
 
-    def access(
+    def tag(
         self, token: Token, block_ids: Iterable[int], kind: AccessKind, what: str
     ) -> list[RaceViolation]:
         """Check, then record, that the recorded work of ``token`` reads or
@@ -413,6 +414,15 @@ class RaceOracle:
         self.num_accesses += len(ids)
         self.violations.extend(out)
         return out
+
+    def access(
+        self, token: Token, block_ids: Iterable[int], kind: AccessKind, what: str
+    ) -> list[RaceViolation]:
+        """Deprecated name of :meth:`tag` (one verb for recording an access,
+        as the pool's ``tag``); emits a :class:`DeprecationWarning`. Same
+        complexity and errors as :meth:`tag`."""
+        warnings.warn("RaceOracle.access is deprecated; call RaceOracle.tag", DeprecationWarning, stacklevel=2)
+        return self.tag(token, block_ids, kind, what)
 
     def check_access(
         self,

@@ -40,7 +40,7 @@ from blockpool.core.hazards import AccessKind, Fence, StreamKind, Token
 from blockpool.core.holdback import HoldBack
 from blockpool.core.pending_writes import PendingWrites
 from blockpool.core.prefix_cache import PrefixCache
-from blockpool.core.shadows import clear, fence_of, record
+from blockpool.core.shadows import clear, fence_of, tag
 from blockpool.core.tracker import HazardTracker, StreamState
 
 __all__ = ["PoolBase"]
@@ -263,14 +263,14 @@ class PoolBase:
             c["host_wait_fences"] += 1
         return fence
 
-    def _record(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
+    def _tag(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
         """Record ``token``'s ``access`` in the shadows of ``blocks`` (nulls
         skipped). A write first saves what it replaces (pending writes: a
         failed write puts it back). O(len(blocks))."""
         null = self.null_block
         if access is _WRITE:
             self.writes.begin_write(token, blocks, null)
-        record(blocks, token, access, self.tracker.is_ended)
+        tag(blocks, token, access, self.tracker.is_ended)
         clear(null)  # the null block never has a shadow
 
     def _unwritten(self, blocks: Iterable[KVCacheBlock]) -> None:

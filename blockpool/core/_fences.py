@@ -69,7 +69,7 @@ class FenceOps(PoolBase):
         access = self._check_access(access)
         block_list = self._own_all(blocks)
         if self.track_hazards and not self.tracker.is_ended(token):
-            self._record(block_list, token, access)
+            self._tag(block_list, token, access)
         elif access is _WRITE:
             if self.tracker.has_failed(token):
                 self._unwritten(block_list)  # the write never happened
@@ -95,7 +95,7 @@ class FenceOps(PoolBase):
                             self._drop_keys(b, "replaced")
         if self.track_hazards:
             for blocks, access in groups:
-                self._record(blocks, token, access)
+                self._tag(blocks, token, access)
         return token, fence
 
     def begin_copy(

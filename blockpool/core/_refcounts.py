@@ -145,7 +145,7 @@ class RefCountOps(PoolBase):
                 self._own(blocks[i])  # raises the typed error
             raise
         if record:
-            self._record(blocks, token, access)  # type: ignore[arg-type]
+            self._tag(blocks, token, access)  # type: ignore[arg-type]
         elif access is _WRITE and token is not None and self.tracker.has_failed(token):
             self._unwritten(blocks)  # a write by a token that failed never happened
         if zero:

@@ -7,13 +7,14 @@ of tokens, the newest read per device stream and each host token apart).
 Readers values are immutable and shared: blocks read or freed together hold
 the same object, so the work below is done once per distinct shadow, not
 once per block. This module is the only one that writes ``writer`` and
-``readers`` (:func:`record` and :func:`restore`).
+``readers`` (:func:`tag` and :func:`restore`; "tag" is the one verb for
+recording an access: the pool's ``tag``, the race oracle's ``tag``).
 
 >>> from blockpool.core.block import KVCacheBlock
 >>> from blockpool.core.hazards import AccessKind, Token
 >>> b = KVCacheBlock(1)
->>> record([b], Token("compute", 1), AccessKind.WRITE, lambda t: False)
->>> record([b], Token("h2d", 2), AccessKind.READ, lambda t: False)
+>>> tag([b], Token("compute", 1), AccessKind.WRITE, lambda t: False)
+>>> tag([b], Token("h2d", 2), AccessKind.READ, lambda t: False)
 >>> [str(t) for t in shadow_tokens(b)]
 ['compute:1', 'h2d:2']
 """
@@ -26,7 +27,7 @@ from blockpool.core.block import KVCacheBlock
 from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, StreamKind, Token
 from blockpool.core.tracker import HazardTracker, StreamState
 
-__all__ = ["fence_of", "pending_host", "record", "restore", "shadow_ready", "shadow_tokens", "with_read"]
+__all__ = ["fence_of", "pending_host", "restore", "shadow_ready", "shadow_tokens", "tag", "with_read"]
 
 Readers = Token | tuple[Token, ...] | None
 
@@ -147,7 +148,7 @@ def fence_of(
     return Fence(tokens, host_wait, reasons)
 
 
-def record(blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind, ended: Callable[[Token], bool]) -> None:
+def tag(blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind, ended: Callable[[Token], bool]) -> None:
     """Write ``token`` into the shadows of ``blocks`` (the caller left out
     null blocks, or resets theirs). A write replaces the shadow; a read
     joins the readers (:func:`with_read`), computed once per distinct old

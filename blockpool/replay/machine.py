@@ -250,14 +250,14 @@ class Machine:
                 ev.wait(name, str(token), [str(t) for t in waits], host)
         return w, waits
 
-    def access(self, token: Token, blocks: Sequence[KVCacheBlock], kind: AccessKind, what: str) -> None:
+    def tag(self, token: Token, blocks: Sequence[KVCacheBlock], kind: AccessKind, what: str) -> None:
         """Report that ``token``'s work reads or writes ``blocks`` (null
         blocks skipped). O(len(blocks))."""
         ids = [b.block_id for b in blocks if not b.is_null]
         if not ids:
             return
         t0 = time.perf_counter_ns()
-        self.oracle.access(token, ids, kind, what)
+        self.oracle.tag(token, ids, kind, what)
         self.oracle_ns += time.perf_counter_ns() - t0
         if self.events is not None:
             self.events.access(self.policy_name, str(token), token.stream, ids, kind.value, what)
@@ -272,7 +272,7 @@ class Machine:
         needed (no placement could have given it an empty fence)."""
         token, fence = self.pool.begin_load(blocks, stream)
         w, waits = self.enqueue(token, "load", fence=fence, transfer=True, num_bytes=len(blocks) * block_bytes)
-        self.access(token, blocks, _WRITE, "load")
+        self.tag(token, blocks, _WRITE, "load")
         self.loads += 1
         if self.loads == 1:
             self.sim.mark_timeline(self.now)
@@ -291,7 +291,7 @@ class Machine:
         """Begin a store from ``blocks`` on ``stream``; returns its work."""
         token, fence = self.pool.begin_store(blocks, stream)
         w, _ = self.enqueue(token, "store", fence=fence, transfer=True, num_bytes=len(blocks) * block_bytes)
-        self.access(token, blocks, _READ, "store")
+        self.tag(token, blocks, _READ, "store")
         self.store_runs.append(runs(blocks))
         return w
 
@@ -299,8 +299,8 @@ class Machine:
         """Begin a copy-on-write ``src -> dst`` on ``stream``; returns its work."""
         token, fence = self.pool.begin_copy([(src, dst)], stream)
         w, _ = self.enqueue(token, "cow-copy", fence=fence, duration=seconds)
-        self.access(token, [src], _READ, "cow-copy")
-        self.access(token, [dst], _WRITE, "cow-copy")
+        self.tag(token, [src], _READ, "cow-copy")
+        self.tag(token, [dst], _WRITE, "cow-copy")
         return w
 
     def free(self, blocks: list[KVCacheBlock], last_step: Token | None) -> None:
@@ -309,7 +309,7 @@ class Machine:
         if not blocks:
             return
         if last_step is not None:
-            self.access(last_step, blocks, _READ, "forward")
+            self.tag(last_step, blocks, _READ, "forward")
         self.pool.free_blocks(blocks[::-1], token=last_step)
 
     # -- time ------------------------------------------------------------------

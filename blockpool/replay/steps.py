@@ -110,7 +110,7 @@ class StepBuilder:
                 m.events.table(m.policy_name, str(token), token.stream, list(read))
         if self.written:
             self.pool.tag(self.written, token, _WRITE)
-            m.access(token, self.written, _WRITE, "forward")
+            m.tag(token, self.written, _WRITE, "forward")
         for r, _, _, _ in self.entries:
             r.last_step = token
             self._publish(r)
