@@ -23,6 +23,13 @@ class CacheOps(PoolBase):
         """The first cached block under ``block_hash`` (any opaque hashable),
         or ``None``. O(1): one dict lookup.
 
+        >>> from blockpool import HazardAwareBlockPool
+        >>> pool = HazardAwareBlockPool(4)
+        >>> blocks = pool.get_new_blocks(2)
+        >>> pool.cache_full_blocks(blocks, ["h0", "h1"], 0, 2, 16)
+        >>> pool.get_cached_block("h1").block_id, pool.get_cached_block("h2")
+        (2, None)
+
         Raises:
             InvalidArgumentError: ``block_hash`` is not hashable.
         """
@@ -60,6 +67,14 @@ class CacheOps(PoolBase):
         when the table was built): refuse the table if a block to publish
         was freed and allocated again since (its keys would name another
         request's data). O(num_full_blocks - num_cached_blocks).
+
+        >>> from blockpool import HazardAwareBlockPool
+        >>> pool = HazardAwareBlockPool(4)
+        >>> blocks = pool.get_new_blocks(2)
+        >>> pool.cache_full_blocks(blocks, ["h0", "h1"], 0, 2, 16)
+        >>> pool.free_blocks(blocks[::-1])
+        >>> pool.get_cached_block("h0").block_id, pool.get_num_free_blocks()   # free, still a hit
+        (1, 3)
 
         Raises:
             InvalidArgumentError: counts out of range (``num_cached_blocks >

@@ -35,6 +35,14 @@ class FenceOps(PoolBase):
         by another token of the fence. Null blocks are skipped.
         O(len(blocks) + k^2), k = distinct streams/host tokens found.
 
+        >>> from blockpool import HazardAwareBlockPool, StreamKind, AccessKind
+        >>> pool = HazardAwareBlockPool(4, streams={"compute": StreamKind.DEVICE, "d2h": StreamKind.DEVICE})
+        >>> blocks = pool.get_new_blocks(1)
+        >>> step = pool.issue("compute")
+        >>> pool.tag(blocks, step, AccessKind.WRITE)         # the step writes the block
+        >>> [str(t) for t in pool.fence_for(blocks, "d2h", AccessKind.READ)]   # a store reads it: RAW
+        ['compute:1']
+
         Raises:
             UnknownStreamError: ``stream`` is not registered.
             ForeignBlockError: a block of another pool.
@@ -194,6 +202,14 @@ class FenceOps(PoolBase):
         :meth:`generations` when the table was built): refuse the table if
         one of its blocks was freed and allocated again since (it would
         overwrite another request's data). O(len(blocks) + keys withdrawn).
+
+        >>> from blockpool import HazardAwareBlockPool, StreamKind
+        >>> pool = HazardAwareBlockPool(4, streams={"compute": StreamKind.DEVICE, "rdma": StreamKind.HOST})
+        >>> blocks = pool.get_new_blocks(2)
+        >>> token, fence = pool.begin_load(blocks, "rdma")
+        >>> str(token), fence.tokens
+        ('rdma:1', ())
+        >>> pool.complete(token)
 
         Raises:
             UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.

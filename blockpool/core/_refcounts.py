@@ -92,6 +92,13 @@ class RefCountOps(PoolBase):
         back of the free queue whatever their keys (reused last; vLLM's
         ``unpin_blocks``); blocks held back go as usual once released.
 
+        >>> from blockpool import HazardAwareBlockPool
+        >>> pool = HazardAwareBlockPool(4)
+        >>> blocks = pool.get_new_blocks(3)
+        >>> pool.free_blocks(blocks[::-1])        # last block first: evicted first
+        >>> [b.block_id for b in pool.free_block_queue]
+        [3, 2, 1]
+
         Raises:
             ForeignBlockError: a block of another pool.
             RefCountError: a ref count would go below zero (whole call rejected).

@@ -37,6 +37,11 @@ class TokenOps(PoolBase):
         on ``compute``). The token is ordered after everything the stream has
         waited on so far. O(#streams).
 
+        >>> from blockpool import HazardAwareBlockPool
+        >>> pool = HazardAwareBlockPool(4)
+        >>> [str(pool.issue("compute")) for _ in range(2)]
+        ['compute:1', 'compute:2']
+
         Raises:
             UnknownStreamError: ``stream`` was never registered.
         """
@@ -64,6 +69,12 @@ class TokenOps(PoolBase):
         engine only ``token``. Idempotent. O(1) here; applying it releases
         the blocks held on it.
 
+        >>> from blockpool import HazardAwareBlockPool
+        >>> pool = HazardAwareBlockPool(4)
+        >>> t = pool.issue("compute")
+        >>> pool.complete(t); pool.is_ended(t)
+        True
+
         Raises:
             UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
             ForeignTokenError: ``token`` was issued by another pool.
@@ -86,6 +97,15 @@ class TokenOps(PoolBase):
         (through another token's completion) still withdraws the keys of
         the blocks it was the last write of. O(1) here; applying it is
         O(blocks it wrote), or O(num_gpu_blocks) for a late report.
+
+        >>> from blockpool import HazardAwareBlockPool, StreamKind
+        >>> pool = HazardAwareBlockPool(4, streams={"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE})
+        >>> blocks = pool.get_new_blocks(1)
+        >>> token, _ = pool.begin_load(blocks, "h2d")
+        >>> pool.cache_full_blocks(blocks, ["h0"], 0, 1, 16)   # published on begin (a DMA load)
+        >>> pool.fail(token)                       # the load's write is undone, its key withdrawn
+        >>> pool.get_cached_block("h0"), pool.stats().failed_tokens
+        (None, 1)
 
         Raises:
             UnknownStreamError, UnknownTokenError: the pool never issued ``token``.

@@ -265,6 +265,11 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
         access that will use them comes from :meth:`fence_for` when it begins
         (or use :meth:`allocate_for`). O(num_blocks).
 
+        >>> from blockpool import HazardAwareBlockPool
+        >>> pool = HazardAwareBlockPool(4)
+        >>> [b.block_id for b in pool.get_new_blocks(2)], pool.get_num_free_blocks()
+        ([1, 2], 1)
+
         Raises:
             InvalidArgumentError: ``num_blocks`` is not an int ``>= 0``.
             NoFreeBlocksError: fewer than ``num_blocks`` blocks are free.
@@ -299,6 +304,20 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
         most ``PLACEMENT_SCAN`` (+ ``CACHED_SCAN`` for
         ``"ready_first_cached"``) blocks looked at; with a run-aware one,
         O(W log W), W = ``num_blocks + 2 * RUN_SCAN``.
+
+        Example: a load allocated while the step that read the freed blocks
+        still runs waits on that step (WAR), then on nothing once it ended::
+
+            >>> from blockpool import HazardAwareBlockPool, StreamKind
+            >>> pool = HazardAwareBlockPool(4, streams={"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE})
+            >>> step = pool.issue("compute")
+            >>> pool.free_blocks(pool.get_new_blocks(3), token=step)
+            >>> blocks, fence = pool.allocate_for(2, "h2d")
+            >>> [b.block_id for b in blocks], [str(t) for t in fence]
+            ([1, 2], ['compute:1'])
+            >>> pool.complete(step)
+            >>> pool.allocate_for(1, "h2d")[1].tokens
+            ()
 
         Raises:
             InvalidArgumentError: bad count or access kind.
