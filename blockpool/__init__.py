@@ -56,6 +56,13 @@ __version__ = "0.1.0"
 
 _moved.install()
 
+
+def __getattr__(name: str) -> object:
+    """``blockpool.pool`` and the other old submodule paths, as attributes
+    (with the alias's DeprecationWarning)."""
+    return _moved.old_submodule(__name__, name)
+
+
 __all__ = [
     "EMPTY_FENCE",
     "LAST_STEP",

@@ -19,7 +19,7 @@ import sys
 import warnings
 from types import ModuleType
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "install", "old_submodule"]
 
 MOVED: dict[str, str] = {
     "blockpool.block": "blockpool.core.block",
@@ -51,7 +51,12 @@ MOVED: dict[str, str] = {
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the old paths of :data:`MOVED`; loading one imports the new
-    module and hands that object back."""
+    module and hands that object back, its own ``__spec__`` kept (importlib
+    sets the alias's spec on whatever ``create_module`` returns; put back,
+    ``importlib.reload`` and ``find_spec`` of the new path keep working)."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
 
     def find_spec(
         self, fullname: str, path: object = None, target: ModuleType | None = None
@@ -67,10 +72,32 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             DeprecationWarning,
             stacklevel=2,
         )
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        self._specs[spec.name] = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: the module is the moved one, already executed."""
+        """Nothing to run (the module is the moved one, already executed):
+        put its own spec back."""
+        for old, new in MOVED.items():
+            if new == module.__name__ and old in self._specs:
+                module.__spec__ = self._specs[old]
+                return
+
+
+def old_submodule(package: str, name: str) -> ModuleType:
+    """``package.name`` when it is an old path of :data:`MOVED` (imported
+    through the alias, so it warns), for a package's ``__getattr__``: after
+    ``import blockpool``, ``blockpool.pool`` works as it did when the
+    package imported its submodules itself.
+
+    Raises:
+        AttributeError: ``package.name`` is not an old path.
+    """
+    old = f"{package}.{name}"
+    if old not in MOVED:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return importlib.import_module(old)
 
 
 def install() -> None:

@@ -58,3 +58,37 @@ def test_subpackage_reexports_its_public_names_lazily(package: str) -> None:
     assert out.stdout.strip() == "[] True"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         importlib.import_module(package).nope  # noqa: B018
+
+
+def test_an_old_path_import_keeps_the_new_module_spec_and_reload_working() -> None:
+    code = (
+        "import warnings, importlib; warnings.simplefilter('ignore')\n"
+        "import blockpool.core.pool as new\n"
+        "import blockpool.pool\n"
+        "print(new.__spec__.name, importlib.util.find_spec('blockpool.core.pool').origin.endswith('pool.py'))\n"
+        "importlib.reload(new)\n"
+        "print(new.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["blockpool.core.pool", "True", "blockpool.core.pool"]
+
+
+def test_old_submodules_are_attributes_of_their_package() -> None:
+    code = (
+        "import warnings; warnings.simplefilter('error')\n"
+        "import blockpool\n"
+        "assert blockpool.HazardAwareBlockPool\n"
+        "try:\n"
+        "    blockpool.pool\n"
+        "except DeprecationWarning as w:\n"
+        "    print('warned:', w)\n"
+        "warnings.simplefilter('ignore')\n"
+        "print(blockpool.pool.HazardAwareBlockPool is blockpool.HazardAwareBlockPool)\n"
+        "print(hasattr(blockpool, 'no_such_thing'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [
+        "warned: blockpool.pool moved to blockpool.core.pool; import it from there (the old path will be removed)",
+        "True",
+        "False",
+    ]

@@ -243,3 +243,25 @@ def test_num_ready_free_blocks_without_hazards_is_every_free_block():
     p = HazardAwareBlockPool(5, track_hazards=False)
     p.get_new_blocks(1)
     assert p.num_ready_free_blocks("compute") == 3
+
+
+def test_ready_first_runs_places_a_single_block_as_ready_first_does():
+    got = {}
+    for placement in ("ready_first", "ready_first_runs"):
+        p = HazardAwareBlockPool(6, streams=STREAMS, placement=placement)
+        bl = p.get_new_blocks(5)
+        step = p.issue("compute")
+        p.free_blocks(bl[2:], token=None)  # 3, 4, 5 ready
+        p.free_blocks(bl[:2], token=step)  # 1, 2 at the front, read by a running step
+        blocks, fence = p.allocate_for(1, "h2d")
+        got[placement] = ([b.block_id for b in blocks], fence.tokens, p.placed_ready)
+    assert got["ready_first_runs"] == got["ready_first"] == ([3], (), 1)
+
+
+def test_ready_first_runs_counts_the_ready_blocks_it_placed():
+    p = HazardAwareBlockPool(13, streams=STREAMS, placement="ready_first_runs")
+    bl = p.get_new_blocks(12)
+    p.free_blocks(bl[:6], token=p.issue("compute"))
+    p.free_blocks(bl[6:], token=None)
+    p.allocate_for(4, "h2d")
+    assert p.placed_ready == 4 and p.placed_cached == 0

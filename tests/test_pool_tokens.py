@@ -110,3 +110,25 @@ def test_failed_load_never_publishes_block_hashes(pool: HazardAwareBlockPool) ->
     assert pool.get_cached_block("k1") is None
     assert pool.get_cached_block("k3") is blocks[2]
     assert pool.stats().unpublished_failed_loads == 2
+
+
+def test_a_touched_held_block_leaves_no_list_behind_when_its_token_ends() -> None:
+    """A held block a prefix hit takes back stays listed under its pending
+    host token until the token ends; the end must drop the list even when
+    nothing is held any more (it used to stay for ever: one entry per
+    offloaded block hit again)."""
+    from blockpool import HazardAwareBlockPool, StreamKind
+
+    p = HazardAwareBlockPool(8, streams={"compute": StreamKind.DEVICE, "rdma": StreamKind.HOST})
+    for _ in range(50):
+        b = p.get_new_blocks(1)
+        t = p.issue("rdma")
+        p.free_blocks(b, token=t)  # a host read pending: held
+        assert len(p.holdback) == 1
+        p.touch(b)  # a prefix hit takes it back
+        assert len(p.holdback) == 0
+        p.complete(t)
+        p.poll()
+        p.free_blocks(b, token=None)
+        p.check()  # a block listed under an ended token is an InvariantError
+    assert not p.holdback.tracking

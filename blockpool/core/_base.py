@@ -9,7 +9,8 @@ Who owns what (each changes its state only through its own methods):
 - :class:`~blockpool.core.block.FreeBlockQueue` (``free_block_queue``): free
   blocks in eviction order and their links.
 - :class:`~blockpool.core.prefix_cache.PrefixCache` (``prefix_cache``): keys,
-  partial and retired marks, lookup/hit/eviction counters.
+  partial and retired marks, the eviction counter (lookups and hits are
+  counted by the pool's ``get_cached_block``, :mod:`blockpool.core._caching`).
 - :class:`~blockpool.core.holdback.HoldBack` (``holdback``): held blocks, their
   pending host tokens, leases.
 - :class:`~blockpool.core.pending_writes.PendingWrites` (``writes``): writes in
@@ -17,8 +18,10 @@ Who owns what (each changes its state only through its own methods):
 - :class:`~blockpool.core.tracker.HazardTracker` (``tracker``): streams, tokens,
   clocks, completions.
 - :mod:`blockpool.core.shadows`: the blocks' ``writer``/``readers``.
-- this module: the event queue and the fence counters;
-  :mod:`blockpool.core.pool`: ref counts and generations.
+- :class:`~blockpool.core.generations.Generations` (``_gens``): block
+  generations.
+- :mod:`blockpool.core._refcounts`: ref counts.
+- this module: the event queue and the fence counters.
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ class PoolBase:
                     # Free again, but the restored accesses may need a hold.
                     self.free_block_queue.remove_n([b])
                     self._enqueue_free([b])
-            if st.kind is _HOST and len(self.holdback):
+            if st.kind is _HOST and self.holdback.tracking:
                 for seq in seqs:
                     released = self.holdback.release(Token(st.name, seq, _HOST))
                     if released:

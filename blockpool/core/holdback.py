@@ -67,6 +67,13 @@ class HoldBack:
         """Blocks held. O(1)."""
         return len(self._held)
 
+    @property
+    def tracking(self) -> bool:
+        """Whether some token still lists blocks (held ones, or ones a touch
+        took back, dropped from the list when the token ends): the pool
+        calls :meth:`release` for an ended host token only then. O(1)."""
+        return bool(self._held_by)
+
     def __contains__(self, block_id: object) -> bool:
         """Whether the block (by id) is held. O(1)."""
         return block_id in self._held
@@ -213,6 +220,9 @@ class HoldBack:
                     raise InvariantError(f"held block {bid} still waits on {t}, which has ended")
                 if not any(b.block_id == bid for b in self._held_by.get(t, ())):
                     raise InvariantError(f"held block {bid} is not listed under its pending token {t}")
+        for t in self._held_by:
+            if tracker.is_ended(t):
+                raise InvariantError(f"blocks still listed under {t}, which has ended")
         if self._held_by and not tracker.host_pending():
             live = [t for t, bs in self._held_by.items() if any(b.block_id in self._held for b in bs)]
             if live:

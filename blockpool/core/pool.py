@@ -191,11 +191,12 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
         self.eviction = eviction
         self._policy = eviction != "lru"  # the queue counts hits
         self.placement = placement
-        self._ready_first = placement in ("ready_first", "ready_first_cached")
+        # ready_first_runs places one block as ready_first does (one block is one run)
+        self._ready_first = placement in ("ready_first", "ready_first_cached", "ready_first_runs")
         self._ready_cached = placement == "ready_first_cached"
         self._runs = placement in ("runs", "runs_cached", "ready_first_runs")
-        self.placed_ready = 0  # blocks ready-first placement handed out ahead of the queue's front
-        self.placed_cached = 0  # of those, cached blocks (ready_first_cached) whose keys were evicted
+        self.placed_ready = 0  # blocks a ready-first placement handed out ahead of the queue's front
+        self.placed_cached = 0  # cached blocks placement took out of eviction order (their keys evicted)
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -383,6 +384,8 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
         ready = st if self.placement == "ready_first_runs" and self.track_hazards else None
         got = _placement.find_runs(q, n, ready, self.tracker, self.RUN_SCAN, self.placement == "runs_cached")
         q.take_n(got)
+        if ready is not None:
+            self.placed_ready += len(got)
         self.placed_cached += sum(1 for b in got if b.block_hash is not None)
         self._claim(got)
         if len(got) < n:

@@ -44,7 +44,8 @@ class PrefixCache:
     blocks whose primary key is a partial-block key, the keys *retired*
     from a block by a promotion (never published for it again until its
     content changes), the ``block_hash`` / ``block_hash_num_tokens`` fields
-    of the block records, and the lookup, hit and eviction counters.
+    of the block records, and the eviction counter (the pool counts its
+    own lookups and hits: it reads :attr:`key_map` in place).
 
     Args:
         removal_each: Which removals :meth:`reportable` reports: every key a

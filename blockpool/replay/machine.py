@@ -262,14 +262,31 @@ class Machine:
         if self.events is not None:
             self.events.access(self.policy_name, str(token), token.stream, ids, kind.value, what)
 
-    def load(self, blocks: list[KVCacheBlock], stream: str, block_bytes: int, *, ready_free: int | None = None) -> Work:
+    def runs_floor(self, blocks: Sequence[KVCacheBlock]) -> int:
+        """The fewest runs ``blocks`` (just placed) could have had: from
+        them and the blocks still free (:func:`min_runs`). Call it right
+        after the allocation, before anything else is freed. O(free log free)."""
+        ids = [b.block_id for b in blocks if not b.is_null]
+        return min_runs([*ids, *(f.block_id for f in self.raw_pool.free_block_queue if f.block_id > 0)], len(ids))
+
+    def load(
+        self,
+        blocks: list[KVCacheBlock],
+        stream: str,
+        block_bytes: int,
+        *,
+        ready_free: int | None = None,
+        floor: int | None = None,
+    ) -> Work:
         """Begin a load into ``blocks`` on ``stream``; returns its work and
         records the load-start delay, whether it waited on nothing, its
         runs, and, given ``ready_free`` (the pool's
         :meth:`~blockpool.core.pool.HazardAwareBlockPool.num_ready_free_blocks`
         for ``stream`` just before the blocks were placed), whether it
         waited because the free queue held fewer ready blocks than it
-        needed (no placement could have given it an empty fence)."""
+        needed (no placement could have given it an empty fence).
+        ``floor``: :meth:`runs_floor` taken when the blocks were placed
+        (else taken now)."""
         token, fence = self.pool.begin_load(blocks, stream)
         w, waits = self.enqueue(token, "load", fence=fence, transfer=True, num_bytes=len(blocks) * block_bytes)
         self.tag(token, blocks, _WRITE, "load")
@@ -281,10 +298,7 @@ class Machine:
             self.loads_short_of_ready += 1
         self.load_delays.append((w.start - self.now) * 1e3)
         self.load_runs.append(runs(blocks))
-        ids = [b.block_id for b in blocks if not b.is_null]
-        self.load_min_runs.append(
-            min_runs([*ids, *(f.block_id for f in self.raw_pool.free_block_queue if f.block_id > 0)], len(ids))
-        )
+        self.load_min_runs.append(self.runs_floor(blocks) if floor is None else floor)
         return w
 
     def store(self, blocks: list[KVCacheBlock], stream: str, block_bytes: int) -> Work:

@@ -241,6 +241,7 @@ class StepBuilder:
             self.m.alloc_fence(lfence, stream)
         else:
             loaded = pool.get_new_blocks(j - h) if j > h else []
+        floor = self.m.runs_floor(loaded) if loaded else 0  # before the CoW source below is freed
         r.blocks = [*hits, *loaded, *new]
         r.num_cached = h
         self.waiting.popleft()
@@ -251,7 +252,7 @@ class StepBuilder:
         self.c["prefix_hit_blocks"] += h
         self.c["admissions"] += 1
         if loaded:
-            self._load(r, loaded, stream, h, j, ready_free)
+            self._load(r, loaded, stream, h, j, ready_free, floor)
             if host_load:
                 r.phase = Phase.LOADING
                 r.num_computed = j * bs
@@ -263,9 +264,11 @@ class StepBuilder:
         self._schedule(r, n_tok)
         return n_tok
 
-    def _load(self, r: Request, loaded: list[KVCacheBlock], stream: str, lo: int, hi: int, ready_free: int) -> None:
+    def _load(
+        self, r: Request, loaded: list[KVCacheBlock], stream: str, lo: int, hi: int, ready_free: int, floor: int
+    ) -> None:
         assert r.keys is not None
-        w = self.m.load(loaded, stream, self.block_bytes, ready_free=ready_free)
+        w = self.m.load(loaded, stream, self.block_bytes, ready_free=ready_free, floor=floor)
         for k in r.keys.full[lo:hi]:
             self.store.hit(k)
         r.load_token, r.load_lo, r.load_hi = w.token, lo, hi
