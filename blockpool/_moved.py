@@ -17,9 +17,10 @@ import importlib.machinery
 import importlib.util
 import sys
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
-__all__ = ["MOVED", "install", "old_submodule"]
+__all__ = ["MOVED", "install", "lazy_exports", "old_submodule"]
 
 MOVED: dict[str, str] = {
     "blockpool.block": "blockpool.core.block",
@@ -98,6 +99,24 @@ def old_submodule(package: str, name: str) -> ModuleType:
     if old not in MOVED:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     return importlib.import_module(old)
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], object]:
+    """A module ``__getattr__`` (PEP 562) for a sub-package that re-exports
+    the public names of its modules lazily: ``exports`` maps each name to
+    the module of ``package`` that defines it, imported on first use.
+    O(1) per lookup after the first.
+
+    The returned function raises AttributeError for a name not exported.
+    """
+
+    def __getattr__(name: str) -> object:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{module}"), name)
+
+    return __getattr__
 
 
 def install() -> None:

@@ -12,8 +12,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from blockpool._moved import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "RaceOracle": "race_oracle",
@@ -36,8 +35,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

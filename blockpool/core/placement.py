@@ -69,6 +69,70 @@ _UNSET = object()
 _block_id = operator.attrgetter("block_id")
 
 
+def _window(
+    q: FreeBlockQueue,
+    n: int,
+    st: StreamState | None,
+    tracker: HazardTracker,
+    scan: int,
+    cached_scan: int | None,
+    first_n: bool,
+) -> tuple[list[KVCacheBlock], list[KVCacheBlock]]:
+    """The candidates of a placement, without taking them: of the first
+    ``n + scan`` blocks of the unkeyed front, those with an empty shadow
+    for a consumer on ``st`` (every one with ``st=None``); then, when they
+    are fewer than ``n``, the unkeyed front was scanned whole and
+    ``cached_scan`` is given, the same of the ``n + cached_scan`` coldest
+    cached blocks. With ``first_n``, the scan stops once ``n`` are found.
+    Readiness is decided once per distinct shadow (blocks freed together
+    share it). Returns ``(unkeyed, cached)``. O(n + scan + cached_scan)."""
+    b = q.head.next_free_block
+    tail = q.tail
+    lw: object = _UNSET
+    lr: object = _UNSET
+    ok = True
+    found: list[KVCacheBlock] = []
+    scanned = 0
+    limit = n + scan
+    while b is not tail and scanned < limit:
+        assert b is not None
+        if b.block_hash is not None or b.block_id < 0:
+            break  # the cached part (or the policy queue's divider)
+        if st is not None:
+            w, r = b.writer, b.readers
+            if w is not lw or r is not lr:
+                lw, lr = w, r
+                ok = shadow_ready(w, r, st, tracker)
+        if ok:
+            found.append(b)
+            if first_n and len(found) == n:
+                break
+        scanned += 1
+        b = b.next_free_block
+    cached: list[KVCacheBlock] = []
+    if cached_scan is not None and len(found) < n and (b is tail or b.block_hash is not None or b.block_id < 0):  # type: ignore[union-attr]
+        # The unkeyed front was scanned whole: the cached part, from the
+        # eviction end (its coldest block), within the window.
+        need = n - len(found)
+        limit = n + cached_scan
+        scanned = 0
+        while b is not tail and scanned < limit:
+            assert b is not None
+            if b.block_id >= 0:  # not the policy queue's divider
+                if st is not None:
+                    w, r = b.writer, b.readers
+                    if w is not lw or r is not lr:
+                        lw, lr = w, r
+                        ok = shadow_ready(w, r, st, tracker)
+                if ok:
+                    cached.append(b)
+                    if first_n and len(cached) == need:
+                        break
+                scanned += 1
+            b = b.next_free_block
+    return found, cached
+
+
 def find_ready(
     q: FreeBlockQueue,
     n: int,
@@ -82,51 +146,8 @@ def find_ready(
     first (at most ``n + scan`` looked at, in queue order); with
     ``cached_scan`` (``ready_first_cached``), then cached blocks among the
     ``n + cached_scan`` coldest, when the unkeyed front was scanned whole.
-    Returns ``(unkeyed, cached)``. Readiness is decided once per distinct
-    shadow (blocks freed together share it). O(n + scan + cached_scan)."""
-    b = q.head.next_free_block
-    tail = q.tail
-    limit = n + scan
-    ready: list[KVCacheBlock] = []
-    lw: object = _UNSET
-    lr: object = _UNSET
-    ok = False
-    scanned = 0
-    while b is not tail and scanned < limit:
-        assert b is not None
-        if b.block_hash is not None or b.block_id < 0:
-            break  # the cached part (or the policy queue's divider)
-        w, r = b.writer, b.readers
-        if w is not lw or r is not lr:
-            lw, lr = w, r
-            ok = shadow_ready(w, r, st, tracker)
-        if ok:
-            ready.append(b)
-            if len(ready) == n:
-                break
-        scanned += 1
-        b = b.next_free_block
-    cached: list[KVCacheBlock] = []
-    if cached_scan is not None and len(ready) < n and (b is tail or b.block_hash is not None or b.block_id < 0):  # type: ignore[union-attr]
-        # The unkeyed front was scanned whole: the cached part, from
-        # the eviction end (its coldest block), within the window.
-        need = n - len(ready)
-        limit = n + cached_scan
-        scanned = 0
-        while b is not tail and scanned < limit:
-            assert b is not None
-            if b.block_id >= 0:  # not the policy queue's divider
-                w, r = b.writer, b.readers
-                if w is not lw or r is not lr:
-                    lw, lr = w, r
-                    ok = shadow_ready(w, r, st, tracker)
-                if ok:
-                    cached.append(b)
-                    if len(cached) == need:
-                        break
-                scanned += 1
-            b = b.next_free_block
-    return ready, cached
+    Returns ``(unkeyed, cached)``. O(n + scan + cached_scan)."""
+    return _window(q, n, st, tracker, scan, cached_scan, first_n=True)
 
 
 def find_runs(
@@ -146,42 +167,8 @@ def find_runs(
     cached blocks. With more than ``n`` candidates, :func:`fewest_runs` of
     them; otherwise all of them (the caller takes the rest from the
     queue's front). O(W log W), W = ``n + 2 * scan``."""
-    b = q.head.next_free_block
-    tail = q.tail
-    limit = n + scan
-    cand: list[KVCacheBlock] = []
-    lw: object = _UNSET
-    lr: object = _UNSET
-    ok = True
-    scanned = 0
-    while b is not tail and scanned < limit:
-        assert b is not None
-        if b.block_hash is not None or b.block_id < 0:
-            break  # the cached part (or the policy queue's divider)
-        if st is not None:
-            w, r = b.writer, b.readers
-            if w is not lw or r is not lr:
-                lw, lr = w, r
-                ok = shadow_ready(w, r, st, tracker)
-        if ok:
-            cand.append(b)
-        scanned += 1
-        b = b.next_free_block
-    if cached and len(cand) < n and (b is tail or b.block_hash is not None or b.block_id < 0):  # type: ignore[union-attr]
-        # The unkeyed front was scanned whole: the coldest cached blocks too.
-        scanned = 0
-        while b is not tail and scanned < limit:
-            assert b is not None
-            if b.block_id >= 0:  # not the policy queue's divider
-                if st is not None:
-                    w, r = b.writer, b.readers
-                    if w is not lw or r is not lr:
-                        lw, lr = w, r
-                        ok = shadow_ready(w, r, st, tracker)
-                if ok:
-                    cand.append(b)
-                scanned += 1
-            b = b.next_free_block
+    unkeyed, cold = _window(q, n, st, tracker, scan, scan if cached else None, first_n=False)
+    cand = unkeyed + cold
     return fewest_runs(cand, n) if len(cand) > n else cand
 
 

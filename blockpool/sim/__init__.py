@@ -9,8 +9,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from blockpool._moved import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "DEFAULT_STREAM_SPECS": "costmodel",
@@ -33,8 +32,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
