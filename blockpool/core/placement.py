@@ -37,12 +37,13 @@ places; ``get_new_blocks`` has no consumer to place for.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
 from blockpool.core.block import FreeBlockQueue, KVCacheBlock
 from blockpool.core.shadows import shadow_ready
 from blockpool.core.tracker import HazardTracker, StreamState
 
-__all__ = ["CACHED_SCAN", "PLACEMENTS", "PLACEMENT_SCAN", "RUN_SCAN", "fewest_runs", "find_ready", "find_runs"]
+__all__ = ["CACHED_SCAN", "PLACEMENTS", "PLACEMENT_SCAN", "RUN_SCAN", "fewest_runs", "find_ready", "find_runs", "run_spans"]
 
 PLACEMENTS: tuple[str, ...] = ("lru", "ready_first", "ready_first_cached", "runs", "runs_cached", "ready_first_runs")
 """Placement modes of :meth:`HazardAwareBlockPool.allocate_for`."""
@@ -172,6 +173,22 @@ def find_runs(
     return fewest_runs(cand, n) if len(cand) > n else cand
 
 
+def run_spans(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """The maximal runs of consecutive ids in the ascending ``ids``, as
+    ``(length, start index)`` pairs, in order. O(len(ids)).
+
+    >>> run_spans([1, 2, 3, 7, 8, 20])
+    [(3, 0), (2, 3), (1, 5)]
+    """
+    spans: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            spans.append((i - start, start))
+            start = i
+    return spans
+
+
 def fewest_runs(cand: list[KVCacheBlock], n: int) -> list[KVCacheBlock]:
     """``n`` of the distinct blocks ``cand`` (``len(cand) > n``) in the
     fewest runs of consecutive block ids: the smallest maximal run of them
@@ -186,12 +203,7 @@ def fewest_runs(cand: list[KVCacheBlock], n: int) -> list[KVCacheBlock]:
     [5, 6]
     """
     cand = sorted(cand, key=_block_id)
-    runs: list[tuple[int, int]] = []  # (length, start index in cand)
-    start = 0
-    for i in range(1, len(cand) + 1):
-        if i == len(cand) or cand[i].block_id != cand[i - 1].block_id + 1:
-            runs.append((i - start, start))
-            start = i
+    runs = run_spans([b.block_id for b in cand])
     fits = [rs for rs in runs if rs[0] >= n]
     if fits:
         _, s0 = min(fits)

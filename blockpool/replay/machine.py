@@ -21,6 +21,7 @@ from typing import Any
 from blockpool.checking.race_oracle import RaceOracle
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.hazards import AccessKind, Fence, StreamKind, Token
+from blockpool.core.placement import run_spans
 from blockpool.core.pool import HazardAwareBlockPool
 from blockpool.replay.eventlog import EventLog
 from blockpool.replay.policies import WaitPolicy
@@ -76,13 +77,7 @@ def min_runs(ids: Iterable[int], n: int) -> int:
     s = sorted(ids)
     if len(s) < n:
         raise ValueError(f"{n} blocks wanted from {len(s)} ids")
-    lengths = []
-    start = 0
-    for i in range(1, len(s) + 1):
-        if i == len(s) or s[i] != s[i - 1] + 1:
-            lengths.append(i - start)
-            start = i
-    lengths.sort(reverse=True)
+    lengths = sorted((length for length, _ in run_spans(s)), reverse=True)
     got = k = 0
     while got < n:
         got += lengths[k]
