@@ -10,6 +10,7 @@ from blockpool import HazardAwareBlockPool, StreamKind
 from blockpool.core.block import FreeBlockQueue
 from blockpool.core.errors import BlockPoolError, InvalidArgumentError
 from blockpool.core.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError
+from tests.placement_driver import drive
 
 STREAMS = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "rdma": StreamKind.HOST}
 
@@ -353,27 +354,6 @@ def test_ready_first_cached_keeps_invariants_and_counts(eviction, ops):
     ref count 1)."""
     pools = [HazardAwareBlockPool(13, streams=STREAMS, eviction=eviction, placement=pl)
              for pl in ("lru", "ready_first_cached")]
-    held: list[list] = [[], []]
-    toks: list[list] = [[], []]
-    for op, n, key in ops:
-        for i, p in enumerate(pools):
-            mine = held[i]
-            if op == 0 and p.get_num_free_blocks() >= n:
-                new, _fence = p.allocate_for(n, "h2d" if key % 2 else "compute")
-                assert len(new) == n and len({b.block_id for b in new}) == n
-                assert all(b.block_hash is None and b.ref_cnt == 1 for b in new)
-                if not any(p.get_cached_block(key + j) for j in range(n)):
-                    p.cache_full_blocks(new, [key + j for j in range(n)], 0, n, 16)
-                mine.append(new)
-            elif op == 1 and mine:
-                t = p.issue("compute") if key % 3 else None
-                if t is not None:
-                    toks[i].append(t)
-                p.free_blocks(mine.pop(n % len(mine)), token=t)
-            elif op == 2 and toks[i]:
-                p.complete(toks[i].pop(0))
-            elif op == 3 and mine:
-                p.free_blocks(mine.pop(), token=None)
-            p.check()
+    drive(pools, ops)
     assert pools[0].get_num_free_blocks() == pools[1].get_num_free_blocks()
     assert pools[0].placed_cached == 0

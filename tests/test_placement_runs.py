@@ -14,6 +14,7 @@ from blockpool.core.block import KVCacheBlock
 from blockpool.core.placement import PLACEMENTS
 from blockpool.core.placement import fewest_runs as _fewest_runs
 from blockpool.replay.machine import min_runs, runs
+from tests.placement_driver import drive
 
 STREAMS = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "rdma": StreamKind.HOST}
 
@@ -169,33 +170,17 @@ def test_runs_placements_keep_every_invariant(placement, ops):
     in ascending id order, and with ``runs`` never evicts a key LRU would
     not have evicted (the same keys stay cached)."""
     pools = [HazardAwareBlockPool(13, streams=STREAMS, placement=pl) for pl in ("lru", placement)]
-    held: list[list] = [[], []]
-    toks: list[list] = [[], []]
-    for op, n, key in ops:
-        for i, p in enumerate(pools):
-            mine = held[i]
-            if op == 0 and p.get_num_free_blocks() >= n:
-                new, _fence = p.allocate_for(n, "h2d" if key % 2 else "compute")
-                assert len(new) == n and len({b.block_id for b in new}) == n
-                assert all(b.block_hash is None and b.ref_cnt == 1 for b in new)
-                if i == 1 and n > 1:
-                    assert ids(new) == sorted(ids(new))
-                if not any(p.get_cached_block(key + j) for j in range(n)):
-                    p.cache_full_blocks(new, [key + j for j in range(n)], 0, n, 16)
-                mine.append(new)
-            elif op == 1 and mine:
-                t = p.issue("compute") if key % 3 else None
-                if t is not None:
-                    toks[i].append(t)
-                p.free_blocks(mine.pop(n % len(mine)), token=t)
-            elif op == 2 and toks[i]:
-                p.complete(toks[i].pop(0))
-            elif op == 3 and mine:
-                p.free_blocks(mine.pop(), token=None)
-            p.check()
+
+    def ascending(i: int, new: list) -> None:
+        if i == 1 and len(new) > 1:
+            assert ids(new) == sorted(ids(new))
+
+    def same_keys() -> None:
         if placement == "runs":
             cached = [sorted(k for k in range(40) if p.get_cached_block(k) is not None) for p in pools]
             assert cached[0] == cached[1]
+
+    drive(pools, ops, on_alloc=ascending, after_op=same_keys)
     assert pools[0].get_num_free_blocks() == pools[1].get_num_free_blocks()
 
 
