@@ -43,7 +43,7 @@ from blockpool.core.hazards import AccessKind, Fence, StreamKind, Token
 from blockpool.core.holdback import HoldBack
 from blockpool.core.pending_writes import PendingWrites
 from blockpool.core.prefix_cache import PrefixCache
-from blockpool.core.shadows import clear, fence_of, tag
+from blockpool.core.shadows import clear, fence_of, tag, write
 from blockpool.core.tracker import HazardTracker, StreamState
 
 __all__ = ["PoolBase"]
@@ -151,20 +151,19 @@ class PoolBase:
         """Tokens ended (``token`` and what it ended, per stream): undo a
         failed write (keys withdrawn, a free block re-queued or held), and
         release the blocks the ended host tokens held."""
-        is_ended = self.tracker.is_ended
-        for entry in ended:
-            st, seqs = entry
-            for b in self.writes.ended(token, failed, [entry], is_ended):
-                self._drop_keys(b)
-                if b.ref_cnt == 0 and b.prev_free_block is not None:
-                    # Free again, but the restored accesses may need a hold.
-                    self.free_block_queue.remove_n([b])
-                    self._enqueue_free([b])
-            if st.kind is _HOST and self.holdback.tracking:
-                for seq in seqs:
-                    released = self.holdback.release(Token(st.name, seq, _HOST))
-                    if released:
-                        self._enqueue_free(released)
+        for b in self.writes.ended(token, failed, ended, self.tracker.is_ended):
+            self._drop_keys(b)
+            if b.ref_cnt == 0 and b.prev_free_block is not None:
+                # Free again, but the restored accesses may need a hold.
+                self.free_block_queue.remove_n([b])
+                self._enqueue_free([b])
+        if self.holdback.tracking:
+            for st, seqs in ended:
+                if st.kind is _HOST:
+                    for seq in seqs:
+                        released = self.holdback.release(Token(st.name, seq, _HOST))
+                        if released:
+                            self._enqueue_free(released)
 
     def _late_failure(self, token: Token) -> None:
         """``token`` failed after it had already ended: every block whose
@@ -270,11 +269,11 @@ class PoolBase:
         """Record ``token``'s ``access`` in the shadows of ``blocks`` (nulls
         skipped). A write first saves what it replaces (pending writes: a
         failed write puts it back). O(len(blocks))."""
-        null = self.null_block
         if access is _WRITE:
-            self.writes.begin_write(token, blocks, null)
-        tag(blocks, token, access, self.tracker.is_ended)
-        clear(null)  # the null block never has a shadow
+            self.writes.began(token, write(blocks, token, self.null_block), blocks)
+        else:
+            tag(blocks, token, access, self.tracker.is_ended)
+            clear(self.null_block)  # the null block never has a shadow
 
     def _unwritten(self, blocks: Iterable[KVCacheBlock]) -> None:
         """A write recorded after its token had failed: it never happened,

@@ -97,35 +97,46 @@ class HoldBack:
     def hold_back(self, blocks: list[KVCacheBlock], ended: Callable[[Token], bool]) -> list[KVCacheBlock]:
         """Blocks that just reached ref count 0: hold those whose shadow has
         a host token that has not ended (``ended`` tells), starting their
-        leases; return the others, in order. The pending set (immutable) and
-        the tokens' block lists are looked up once per distinct ``(host
-        writer, readers)`` pair (blocks freed together share their readers
-        value; a device writer never holds a block). O(len(blocks))."""
+        leases; return the others, in order. The decision and the pending set
+        (immutable) are made once per run of blocks with the same ``(writer,
+        readers)`` objects (blocks freed together share them), and each run
+        is held in one batch. O(len(blocks))."""
         free: list[KVCacheBlock] = []
+        runs: list[tuple[frozenset[Token], list[KVCacheBlock]]] = []
+        run: list[KVCacheBlock] = free
         lw: object = _UNSET
         lr: object = _UNSET
-        pend: frozenset[Token] | None = None
-        lists: list[list[KVCacheBlock]] = []
-        held, held_by = self._held, self._held_by
-        leases = self.timeout is not None
         for b in blocks:
             w = b.writer
             r = b.readers
+            if w is lw and r is lr:
+                run.append(b)  # the previous block's shadow objects: its decision
+                continue
+            lw, lr = w, r
             if w is not None and w.kind is not StreamKind.HOST:
-                w = None
+                w = None  # a device writer never holds a block
+            pend = None
             if w is not None or (r is not None and (type(r) is not Token or r.kind is StreamKind.HOST)):  # type: ignore[union-attr]
-                if w is not lw or r is not lr:
-                    lw, lr = w, r
-                    pend = pending_host(w, r, ended)
-                    lists = [held_by.setdefault(t, []) for t in pend] if pend is not None else []
-                if pend is not None:
-                    held[b.block_id] = pend
-                    for lst in lists:
-                        lst.append(b)
-                    if leases:
+                pend = pending_host(w, r, ended)
+            if pend is None:
+                run = free
+            else:
+                run = []
+                runs.append((pend, run))
+            run.append(b)
+        if runs:
+            held, held_by = self._held, self._held_by
+            for pend, run in runs:
+                held.update({b.block_id: pend for b in run})
+                for t in pend:
+                    lst = held_by.get(t)
+                    if lst is None:
+                        held_by[t] = run[:]
+                    else:
+                        lst.extend(run)
+                if self.timeout is not None:
+                    for b in run:
                         self._lease(b.block_id)
-                    continue
-            free.append(b)
         return free
 
     def _lease(self, block_id: int) -> None:
@@ -146,13 +157,14 @@ class HoldBack:
         no pending token holds any more (they leave the held set), in the
         order they were held. O(blocks held on ``token``)."""
         held = self._held
+        get = held.get
         out: list[KVCacheBlock] = []
         last: object = None  # blocks held together share their pending set:
         mine = False  # decide once per distinct set (a token hash is a Python call)
         rest: frozenset[Token] | None = None
         for b in self._held_by.pop(token, ()):
             bid = b.block_id
-            pending = held.get(bid)
+            pending = get(bid)
             if pending is None:
                 continue  # released already (a touch took it)
             if pending is not last:
@@ -162,10 +174,14 @@ class HoldBack:
             if not mine:
                 continue  # held anew since, on other tokens
             if rest is None:
-                self._drop(bid)
+                del held[bid]  # _drop, inline: its leases are dropped below
                 out.append(b)
             else:
                 held[bid] = rest
+        if out and (self._deadline or self._expired):
+            for b in out:
+                self._deadline.pop(b.block_id, None)
+                self._expired.discard(b.block_id)
         return out
 
     def unhold_n(self, blocks: list[KVCacheBlock]) -> None:

@@ -10,10 +10,11 @@ rewritten.
 
 >>> from blockpool.core.block import KVCacheBlock
 >>> from blockpool.core.hazards import StreamKind
+>>> from blockpool.core.shadows import write
 >>> from blockpool.core.tracker import HazardTracker
 >>> tr = HazardTracker(); tr.add_stream("h2d", StreamKind.DEVICE)
 >>> pw, b = PendingWrites(), KVCacheBlock(1)
->>> t = tr.issue("h2d"); pw.begin_write(t, [b], None); b.writer = t
+>>> t = tr.issue("h2d"); pw.began(t, write([b], t, None), [b])
 >>> undone = pw.ended(t, True, tr.end(t, True), tr.is_ended)
 >>> [x.block_id for x in undone], b.writer, pw.is_invalid(1)
 ([1], None, True)
@@ -26,18 +27,18 @@ from collections.abc import Callable, Iterable
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import InvariantError
 from blockpool.core.hazards import Token
-from blockpool.core.shadows import Readers, merge_readers, restore
+from blockpool.core.shadows import Readers, Replaced, merge_readers, restore
 from blockpool.core.tracker import HazardTracker, StreamState
 
 __all__ = ["PendingWrites"]
 
-Saved = list[tuple[KVCacheBlock, Token | None, Readers]]
+Saved = Replaced
+"""What one write replaced (:data:`blockpool.core.shadows.Replaced`)."""
 
 
 class PendingWrites:
-    """Owns the writes in flight (stream -> seq -> ``[(block, writer
-    before, readers before)]``: what each write replaced, kept until its
-    token ends) and the invalid marks (block ids whose content a failed
+    """Owns the writes in flight (stream -> seq -> :data:`Saved`: what
+    each write replaced, kept until its token ends) and the invalid marks (block ids whose content a failed
     write left invalid, until rewritten), with the undo of failed writes.
     Every method is O(blocks touched) unless it says otherwise."""
 
@@ -81,23 +82,20 @@ class PendingWrites:
 
     # -- writes in flight ------------------------------------------------------
 
-    def begin_write(self, token: Token, blocks: Iterable[KVCacheBlock], null: KVCacheBlock | None) -> None:
-        """``token`` begins writing ``blocks`` (before their shadows change;
-        ``null``, the pool's null block, is skipped): keep what it replaces,
-        unless the block's writer is ``token`` already, and clear their
-        invalid marks. O(len(blocks))."""
-        per_stream = self._writes.get(token.stream)
-        if per_stream is None:
-            per_stream = self._writes[token.stream] = {}
-        saved = per_stream.get(token.seq)
-        if saved is None:
-            saved = per_stream[token.seq] = []
-        seq = token.seq
-        stream = token.stream
-        for b in blocks:
-            w = b.writer
-            if b is not null and (w is None or w.seq != seq or w.stream != stream):
-                saved.append((b, w, b.readers))
+    def began(self, token: Token, replaced: Replaced, blocks: Iterable[KVCacheBlock]) -> None:
+        """``token`` began writing ``blocks``: keep what it ``replaced``
+        (from :func:`blockpool.core.shadows.write`) until ``token`` ends,
+        and clear the blocks' invalid marks. O(len(replaced)), plus
+        O(len(blocks)) when some block is marked invalid."""
+        if replaced:
+            per_stream = self._writes.get(token.stream)
+            if per_stream is None:
+                per_stream = self._writes[token.stream] = {}
+            saved = per_stream.get(token.seq)
+            if saved is None:
+                per_stream[token.seq] = replaced
+            else:
+                saved.extend(replaced)
         if self._invalid:
             self.rewritten(blocks)
 
@@ -129,16 +127,17 @@ class PendingWrites:
 
     def _undo(self, token: Token, before: Saved, is_ended: Callable[[Token], bool]) -> list[KVCacheBlock]:
         out: list[KVCacheBlock] = []
-        for b, writer, readers in before:
-            w = b.writer
-            if w is None or w.stream != token.stream or w.seq != token.seq:
-                # Rewritten since: the newer write saved this failed one as
-                # what it replaced; hand it what the failed write replaced.
-                self._resave(b, token, writer, readers, is_ended)
-                continue
-            restore(b, writer, readers, is_ended)
-            self._invalid.add(b.block_id)
-            out.append(b)
+        for writer, readers, group in before:
+            for b in group:
+                w = b.writer
+                if w is None or w.stream != token.stream or w.seq != token.seq:
+                    # Rewritten since: the newer write saved this failed one as
+                    # what it replaced; hand it what the failed write replaced.
+                    self._resave(b, token, writer, readers, is_ended)
+                    continue
+                restore(b, writer, readers, is_ended)
+                self._invalid.add(b.block_id)
+                out.append(b)
         return out
 
     def _resave(
@@ -146,12 +145,18 @@ class PendingWrites:
     ) -> None:
         """In the saved shadow of every later pending write of ``b`` that
         replaced the failed write ``failed``, put back what ``failed`` had
-        replaced. O(pending writes); failures are rare."""
+        replaced (``b`` leaves its group for a group of its own).
+        O(pending writes); failures are rare."""
         for per_stream in self._writes.values():
             for entries in per_stream.values():
-                for i, (blk, w, r) in enumerate(entries):
-                    if blk is b and w is not None and w.stream == failed.stream and w.seq == failed.seq:
-                        entries[i] = (blk, writer, merge_readers(readers, r, is_ended))
+                for w, r, group in list(entries):
+                    if w is None or w.stream != failed.stream or w.seq != failed.seq:
+                        continue
+                    for k, blk in enumerate(group):
+                        if blk is b:
+                            del group[k]
+                            entries.append((writer, merge_readers(readers, r, is_ended), [b]))
+                            break
 
     def late_failure(self, token: Token, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
         """``token`` failed after it had already ended: of ``blocks`` (every
@@ -182,9 +187,10 @@ class PendingWrites:
             for seq, entries in per_seq.items():
                 if st.is_ended(seq):
                     raise InvariantError(f"saved shadows of {stream}:{seq}, which has ended")
-                for b, _w, _r in entries:
-                    if not 0 <= b.block_id < len(blocks) or blocks[b.block_id] is not b or b.is_null:
-                        raise InvariantError(f"{stream}:{seq} saved the shadow of a foreign or null block")
+                for _w, _r, group in entries:
+                    for b in group:
+                        if not 0 <= b.block_id < len(blocks) or blocks[b.block_id] is not b or b.is_null:
+                            raise InvariantError(f"{stream}:{seq} saved the shadow of a foreign or null block")
         for bid in self._invalid:
             if not (isinstance(bid, int) and 0 < bid < len(blocks)):
                 raise InvariantError(f"invalid mark on {bid!r}, not a data block")

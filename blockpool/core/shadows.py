@@ -8,7 +8,8 @@ Readers values are immutable and shared: blocks read or freed together hold
 the same object, so the work below is done once per distinct shadow, not
 once per block. This module is the only one that writes ``writer`` and
 ``readers`` (:func:`tag` and :func:`restore`; "tag" is the one verb for
-recording an access: the pool's ``tag``, the race oracle's ``tag``).
+recording an access: the pool's ``tag``, the race oracle's ``tag``;
+:func:`write` is ``tag`` of a write that also returns what it replaced).
 
 >>> from blockpool.core.block import KVCacheBlock
 >>> from blockpool.core.hazards import AccessKind, Token
@@ -27,9 +28,25 @@ from blockpool.core.block import KVCacheBlock
 from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, StreamKind, Token
 from blockpool.core.tracker import HazardTracker, StreamState
 
-__all__ = ["fence_of", "pending_host", "restore", "shadow_ready", "shadow_tokens", "tag", "with_read"]
+__all__ = [
+    "Replaced",
+    "fence_of",
+    "pending_host",
+    "restore",
+    "shadow_ready",
+    "shadow_tokens",
+    "tag",
+    "with_read",
+    "write",
+]
 
 Readers = Token | tuple[Token, ...] | None
+
+Replaced = list[tuple[Token | None, Readers, list[KVCacheBlock]]]
+"""What a write replaced (:func:`write`): groups ``(writer before, readers
+before, blocks)``, one per distinct ``(writer, readers)`` pair of objects
+met in a row (blocks written together were mostly written or read together
+before, so they share their shadow objects)."""
 
 _DEVICE = StreamKind.DEVICE
 _HOST = StreamKind.HOST
@@ -167,6 +184,48 @@ def tag(blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind, ended:
             last_in = r
             last_out = with_read(r, token, ended)
         b.readers = last_out
+
+
+def write(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock | None) -> Replaced:
+    """:func:`tag` of a write by ``token`` (``null``, the pool's null block,
+    is skipped) that also returns what it replaced, for the undo of a failed
+    write (:class:`~blockpool.core.pending_writes.PendingWrites`): a group
+    per run of blocks with the same ``(writer, readers)`` objects; blocks
+    whose writer is ``token`` already replaced nothing and are left out.
+    One pass: per block, two reads, two identity tests, two stores and
+    (unless left out) one append. O(len(blocks)).
+
+    >>> from blockpool.core.block import KVCacheBlock
+    >>> a, b, c = KVCacheBlock(1), KVCacheBlock(2), KVCacheBlock(3)
+    >>> t1, t2 = Token("compute", 1), Token("compute", 2)
+    >>> write([a, b], t1, None)
+    [(None, None, [KVCacheBlock(block_id=1, ref_cnt=0, block_hash=None), KVCacheBlock(block_id=2, ref_cnt=0, block_hash=None)])]
+    >>> [(str(w), [x.block_id for x in g]) for w, _, g in write([a, b, c], t2, None)]
+    [('compute:1', [1, 2]), ('None', [3])]
+    """
+    replaced: Replaced = []
+    seq, stream = token.seq, token.stream
+    lw: object = _UNSET
+    lr: object = _UNSET
+    group: list[KVCacheBlock] | None = None  # None: the run's writer is ``token``
+    for b in blocks:
+        if b is null:
+            continue
+        w = b.writer
+        r = b.readers
+        b.writer = token
+        b.readers = None
+        if w is lw and r is lr:
+            if group is not None:
+                group.append(b)
+            continue
+        lw, lr = w, r
+        if w is not None and w.seq == seq and w.stream == stream:
+            group = None
+        else:
+            group = [b]
+            replaced.append((w, r, group))
+    return replaced
 
 
 def clear(b: KVCacheBlock) -> None:
