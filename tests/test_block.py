@@ -27,7 +27,7 @@ def test_a_pools_block_pickles_with_its_fields_but_not_its_queue_links(pool: Haz
         assert type(back) is KVCacheBlock and type(b) is not KVCacheBlock  # the pool's own class
         assert fields(back) == fields(b)
         assert (back.prev_free_block, back.next_free_block) == (None, None)
-    assert fields(pickle.loads(pickle.dumps(a[1]))) == (2, 0, "k2", 32, e1, pool.last_token("compute"))
+    assert fields(pickle.loads(pickle.dumps(a[1]))) == (2, 0, "k2", 32, e1, (pool.last_token("compute"),))
 
 
 def test_the_null_block_pickles_as_a_null_block(pool: HazardAwareBlockPool) -> None:

@@ -67,7 +67,7 @@ class KVCacheBlock:
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.writer: Token | None = None
-        self.readers: Token | tuple[Token, ...] | None = None
+        self.readers: tuple[Token, ...] | None = None
 
     def reset_hash(self) -> None:
         """Forget the primary key (the pool removes the map entries). O(1)."""

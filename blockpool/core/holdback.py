@@ -116,7 +116,7 @@ class HoldBack:
             if w is not None and w.kind is not StreamKind.HOST:
                 w = None  # a device writer never holds a block
             pend = None
-            if w is not None or (r is not None and (type(r) is not Token or r.kind is StreamKind.HOST)):  # type: ignore[union-attr]
+            if w is not None or (r is not None and (len(r) > 1 or r[0].kind is StreamKind.HOST)):
                 pend = pending_host(w, r, ended)
             if pend is None:
                 run = free

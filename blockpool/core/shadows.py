@@ -2,8 +2,10 @@
 the blocks' shadows and the :class:`~blockpool.core.tracker.HazardTracker`.
 
 A block's *shadow* is its ``writer`` (the last write not known to have
-ended) and its ``readers`` (the reads since: ``None``, one token, or a tuple
-of tokens, the newest read per device stream and each host token apart).
+ended) and its ``readers`` (the reads since: ``None`` or a tuple of
+tokens, the newest read per device stream and each host token apart; one
+representation: a single reader is a 1-tuple, not a bare token, which
+measured the same on the trace op log).
 Readers values are immutable and shared: blocks read or freed together hold
 the same object, so the work below is done once per distinct shadow, not
 once per block. This module is the only one that writes ``writer`` and
@@ -40,7 +42,7 @@ __all__ = [
     "write",
 ]
 
-Readers = Token | tuple[Token, ...] | None
+Readers = tuple[Token, ...] | None
 
 Replaced = list[tuple[Token | None, Readers, list[KVCacheBlock]]]
 """What a write replaced (:func:`write`): groups ``(writer before, readers
@@ -65,7 +67,7 @@ def _same_key(a: Token, b: Token) -> bool:
 def _tokens(w: Token | None, r: Readers) -> list[Token]:
     out: list[Token] = [] if w is None else [w]
     if r is not None:
-        out.extend((r,) if type(r) is Token else r)  # type: ignore[arg-type]
+        out.extend(r)
     return out
 
 
@@ -74,27 +76,28 @@ def shadow_tokens(b: KVCacheBlock) -> list[Token]:
     return _tokens(b.writer, b.readers)
 
 
-def with_read(r: Readers, t: Token, ended: Callable[[Token], bool]) -> Token | tuple[Token, ...]:
+def with_read(r: Readers, t: Token, ended: Callable[[Token], bool]) -> tuple[Token, ...]:
     """The readers of a block after a read by ``t``, from its readers ``r``:
     newest token per device stream, each host token apart. A single earlier
     reader that has ended is dropped. The result is a new value (readers are
     shared between blocks and never mutated). O(len(r))."""
     if r is None:
-        return t
-    if type(r) is Token:
-        if _same_key(r, t):  # type: ignore[arg-type]
-            return t if r.seq < t.seq else r  # type: ignore[union-attr]
-        if ended(r):  # type: ignore[arg-type]
-            return t
-        return (r, t)  # type: ignore[return-value]
-    for i, x in enumerate(r):  # type: ignore[arg-type]
+        return (t,)
+    if len(r) == 1:
+        x = r[0]
         if _same_key(x, t):
-            return r[:i] + (t,) + r[i + 1 :] if x.seq < t.seq else r  # type: ignore[index,operator,return-value]
-    return r + (t,)  # type: ignore[operator,return-value]
+            return (t,) if x.seq < t.seq else r
+        if ended(x):
+            return (t,)
+        return (x, t)
+    for i, x in enumerate(r):
+        if _same_key(x, t):
+            return r[:i] + (t,) + r[i + 1 :] if x.seq < t.seq else r
+    return r + (t,)
 
 
 def _merge(base: Readers, extra: Readers, ended: Callable[[Token], bool]) -> Readers:
-    for t in () if extra is None else ((extra,) if type(extra) is Token else extra):  # type: ignore[union-attr]
+    for t in () if extra is None else extra:
         base = with_read(base, t, ended)
     return base
 
@@ -142,7 +145,7 @@ def fence_of(
                 r = b.readers
                 if r is not None and r is not lr:
                     lr = r
-                    for t in (r,) if type(r) is Token else r:  # type: ignore[union-attr]
+                    for t in r:
                         if t.stream == own:
                             continue
                         k = t.stream if t.kind is not _HOST else (t.stream, t.seq)
@@ -259,16 +262,14 @@ def has_host(w: Token | None, r: Readers) -> bool:
         return True
     if r is None:
         return False
-    if type(r) is Token:
-        return r.kind is _HOST  # type: ignore[union-attr]
-    return any(t.kind is _HOST for t in r)  # type: ignore[union-attr]
+    return any(t.kind is _HOST for t in r)
 
 
 def pending_host(w: Token | None, r: Readers, ended: Callable[[Token], bool]) -> frozenset[Token] | None:
     """The host tokens of a shadow ``(writer, readers)`` that have not
     ended, or ``None`` when there are none (the block need not be held).
     O(k)."""
-    if (w is None or w.kind is not _HOST) and (r is None or (type(r) is Token and r.kind is not _HOST)):  # type: ignore[union-attr]
+    if (w is None or w.kind is not _HOST) and (r is None or (len(r) == 1 and r[0].kind is not _HOST)):
         return None  # no host token at all: the usual case
     pending = frozenset([t for t in _tokens(w, r) if t.kind is _HOST and not ended(t)])
     return pending or None
