@@ -23,6 +23,7 @@ if _missing("vllm"):
         "blockpool/integrations/vllm/pool.py",
         "blockpool/integrations/vllm/parity.py",
         "blockpool/integrations/vllm/blocks.py",
+        "blockpool/integrations/vllm/events.py",
     ]
 if _missing("torch"):
     collect_ignore_glob += [

@@ -183,7 +183,7 @@ def test_random_call_sequences_match_vllm() -> None:
                     p.evict_blocks({k, 2 * k})
             assert state(ours) == state(theirs), seed
         assert ours.take_events() == theirs.take_events(), seed
-        ours.check()
+        ours.core.check()
 
 
 def test_cached_block_event_carries_token_ids_and_group() -> None:
@@ -194,6 +194,37 @@ def test_cached_block_event_carries_token_ids_and_group() -> None:
     (ev,) = ours.take_events()
     assert isinstance(ev, BlockStored)
     assert ev.token_ids == list(range(8)) and ev.group_idx == 3 and ev.block_size == BS
+
+
+def test_stored_events_match_vllm_for_partials_nulls_masks_and_lookahead() -> None:
+    theirs, ours = pools(12, num_hash_lookahead_tokens=2)
+    for p in (theirs, ours):
+        r = request("a", list(range(34)))
+        a = p.get_new_blocks(3)
+        table = [a[0], p.null_block, a[1], a[2]]
+        p.cache_partial_block(r, a[0], 4, 0, 2 * BS)  # 4 tokens into a block of 8
+        p.cache_full_blocks(r, table, 0, 2, 2 * BS, 0)  # promotes a[0], skips the null block
+        p.cache_full_blocks(r, table, 2, 3, 2 * BS, 0, block_mask=[False])  # nothing stored
+        p.cache_partial_block(r, a[2], 28, 0, 2 * BS)
+        p.cache_full_blocks(r, table, 2, 4, 2 * BS, 1, block_mask=[True, False])
+    assert state(ours) == state(theirs)
+    assert ours.take_events() == theirs.take_events()
+
+
+def test_stored_event_lists_only_the_blocks_the_core_published() -> None:
+    ours = VllmBlockPool(10, True, BS, enable_kv_cache_events=True)
+    ours.hazards.add_stream("nixl", StreamKind.DEVICE)
+    r = request("a", list(range(12)))
+    a = ours.get_new_blocks(3)
+    ours.hazards.begin_load("a", a[:1], "nixl", key="job")
+    ours.hazards.finish("job", failed=True)
+    ours.cache_full_blocks(r, a, 0, 2, BS, 0)  # the failed load's block is refused
+    ours.cache_full_blocks(r, a, 1, 3, BS, 0)  # a[1] already holds its key (vLLM: AssertionError)
+    first, second = ours.take_events()
+    assert first.block_hashes == [maybe_convert_block_hash(r.block_hashes[1])]
+    assert first.token_ids == list(range(8)) and len(first.extra_keys or [None]) == 1
+    assert second.block_hashes == [maybe_convert_block_hash(r.block_hashes[2])]
+    assert second.parent_block_hash == maybe_convert_block_hash(r.block_hashes[0])
 
 
 def test_eviction_event_is_vllms_block_removed_per_key() -> None:

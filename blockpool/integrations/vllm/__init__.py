@@ -246,7 +246,7 @@ def _hazards_of_scheduler(scheduler: Any) -> Any:
 
 
 def _served() -> Any:
-    from blockpool.integrations.vllm.pool import SERVED
+    from blockpool.integrations.vllm.served import SERVED
 
     return SERVED
 
@@ -354,8 +354,12 @@ def _wire_connectors() -> None:
 def __getattr__(name: str) -> Any:
     # ``from blockpool.integrations.vllm import VllmBlockPool`` without
     # importing vLLM when only register() is wanted.
-    if name in ("VllmBlockPool", "SERVED"):
-        from blockpool.integrations.vllm import pool as vllm_pool
+    if name == "VllmBlockPool":
+        from blockpool.integrations.vllm.pool import VllmBlockPool
 
-        return getattr(vllm_pool, name)
+        return VllmBlockPool
+    if name == "SERVED":  # no vLLM import
+        from blockpool.integrations.vllm.served import SERVED
+
+        return SERVED
     raise AttributeError(name)

@@ -1,6 +1,6 @@
 """vLLM's record types over the core's: the block, the free queue and the
 key-map view that :class:`~blockpool.integrations.vllm.pool.VllmBlockPool`
-hands to vLLM.
+hands to vLLM, and the view of a request's hashes as the core's keys.
 
 vLLM's code and tests check ``isinstance(x, KVCacheBlock)``, read
 ``block.pool`` and ``_block_hash``, call ``set_block_hash``, walk the free
@@ -8,22 +8,24 @@ queue by vLLM's names and read ``cached_block_hash_to_block``; the core
 keeps the state. So the core builds its blocks from
 :class:`VllmKVCacheBlock` (one subclass per pool, for the fast own-block
 check), its free queue as :class:`VllmFreeBlockQueue`, and vLLM's map view
-wraps the core's key dict (``docs/vllm-plugin.md``, "Design").
+wraps the core's key dict (``docs/vllm-plugin.md``, "Design"). The core's
+keys are vLLM's ``BlockHashWithGroupId`` bytes as they are
+(:class:`GroupKeys`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockHashToBlockMap
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 
 from blockpool.core.block import FreeBlockQueue
 from blockpool.core.hazards import Token
 from blockpool.core.prefix_cache import PrefixCache
 
-__all__ = ["HashMapView", "VllmFreeBlockQueue", "VllmKVCacheBlock"]
+__all__ = ["GroupKeys", "HashMapView", "VllmFreeBlockQueue", "VllmKVCacheBlock"]
 
 
 class VllmKVCacheBlock(KVCacheBlock):
@@ -130,3 +132,22 @@ class HashMapView(BlockHashToBlockMap):
 
     def __init__(self, prefix_cache: PrefixCache) -> None:
         self._cache = prefix_cache.key_map  # type: ignore[assignment]
+
+
+class GroupKeys(Sequence):  # type: ignore[type-arg]
+    """A request's block hashes as the core's keys for one KV cache group:
+    item ``i`` is vLLM's ``BlockHashWithGroupId`` of ``hashes[i]``, made on
+    demand (no list of the request's whole chain per call). O(1) to build
+    and per item."""
+
+    __slots__ = ("_hashes", "_suffix")
+
+    def __init__(self, hashes: Sequence[bytes], group_id: int) -> None:
+        self._hashes = hashes
+        self._suffix = group_id
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def __getitem__(self, i: Any) -> Any:
+        return make_block_hash_with_group_id(self._hashes[i], self._suffix)  # type: ignore[arg-type]

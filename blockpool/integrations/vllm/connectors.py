@@ -176,7 +176,7 @@ class ConnectorWiring:
         t = begin(request_id, blocks, stream, key=key)
         if key is not None:
             self.pending.add(key)
-        from blockpool.integrations.vllm.pool import SERVED
+        from blockpool.integrations.vllm.served import SERVED
 
         SERVED.transfers_fenced += 1
         SERVED.fences_nonempty += bool(t.fence.tokens)

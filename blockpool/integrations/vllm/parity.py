@@ -26,7 +26,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from blockpool.integrations.vllm.pool import VLLM_BLOCK_POOL, VllmBlockPool
+from blockpool.integrations.vllm.events import VLLM_BLOCK_POOL
+from blockpool.integrations.vllm.pool import VllmBlockPool
 
 __all__ = ["LOOSE_BLOCKS", "ParityBlockPool", "install", "track_new_pools"]
 

@@ -4,12 +4,15 @@
 :func:`blockpool.integrations.vllm.register` has run. The core
 (:attr:`VllmBlockPool.core`) does every allocation, free, touch, lookup,
 publication and eviction, and owns the free queue, ref counts, key map and
-events. The adapter adds only what is vLLM's: its block and free-queue
-types, its keys (``BlockHashWithGroupId`` bytes: the core's opaque keys as
-they are), its event types (with token ids), the metrics collector hooks,
-``unpin_blocks`` watchers, and the forwarding of other pools' blocks in
-``free_blocks``. Why composition and vLLM's own block type:
-``docs/vllm-plugin.md``, "Design".
+events. The adapter adds only what is vLLM's: its keys
+(``BlockHashWithGroupId`` bytes: the core's opaque keys as they are), the
+metrics collector hooks, ``unpin_blocks`` watchers, and the forwarding of
+other pools' blocks in ``free_blocks``. Its other parts: vLLM's block,
+free-queue and key-map types (:mod:`~blockpool.integrations.vllm.blocks`),
+vLLM's events, with token ids, from the core's
+(:mod:`~blockpool.integrations.vllm.events`), and the process-wide
+:data:`SERVED` counters (:mod:`~blockpool.integrations.vllm.served`). Why
+composition and vLLM's own block type: ``docs/vllm-plugin.md``, "Design".
 
 Blocks of no pool (``block.pool is None``), which only vLLM's unit tests
 make, are refused here like any other pool's (``ForeignBlockError``); the
@@ -22,93 +25,32 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import attrs
 from vllm.distributed.kv_events import MEDIUM_GPU
-from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
-from vllm.distributed.kv_events import BlockStored as VllmBlockStored
-from vllm.distributed.kv_events import KVCacheEvent as VllmKVCacheEvent
-from vllm.multimodal.utils import get_mm_features_in_window
-from vllm.v1.core import block_pool as _vllm_block_pool_module
 from vllm.v1.core.block_pool import BlockHashToBlockMap
-from vllm.v1.core.kv_cache_utils import (
-    make_block_hash_with_group_id,
-    maybe_convert_block_hash,
-    resolve_block_hashes,
-)
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
 
 from blockpool.core.block import block_class_for_pool
 from blockpool.core.errors import ForeignBlockError
-from blockpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored
-from blockpool.core.hazards import AccessKind, StreamKind, Token
+from blockpool.core.hazards import AccessKind, StreamKind
 from blockpool.core.pool import HazardAwareBlockPool
-from blockpool.integrations.vllm.blocks import HashMapView, VllmFreeBlockQueue, VllmKVCacheBlock
+from blockpool.integrations.vllm.blocks import GroupKeys, HashMapView, VllmFreeBlockQueue, VllmKVCacheBlock
+from blockpool.integrations.vllm.events import VLLM_BLOCK_POOL, VllmEvents
 from blockpool.integrations.vllm.hazards import COMPUTE, StepHazards
+from blockpool.integrations.vllm.served import SERVED, Served
 
 __all__ = [
     "SERVED",
+    "VLLM_BLOCK_POOL",
     "Served",
     "VllmBlockPool",
     "VllmFreeBlockQueue",
     "VllmKVCacheBlock",
 ]
 
-# vLLM's own class, whatever the module binds after register(): vLLM's pure
-# helpers are borrowed from it (events, partial-hash arithmetic).
-VLLM_BLOCK_POOL: type = getattr(
-    _vllm_block_pool_module, "_blockpool_vllm_BlockPool", _vllm_block_pool_module.BlockPool
-)
-
 _READ = AccessKind.READ
 
 
-class _GroupKeys(Sequence):  # type: ignore[type-arg]
-    """Block ``i``'s key ``BlockHashWithGroupId`` made on demand (no list of
-    a request's whole chain per call)."""
-
-    __slots__ = ("_hashes", "_suffix")
-
-    def __init__(self, hashes: Sequence[bytes], group_id: int) -> None:
-        self._hashes = hashes
-        self._suffix = group_id
-
-    def __len__(self) -> int:
-        return len(self._hashes)
-
-    def __getitem__(self, i: Any) -> Any:
-        return make_block_hash_with_group_id(self._hashes[i], self._suffix)  # type: ignore[arg-type]
-
-
-@attrs.define
-class Served:
-    """Work done by every :class:`VllmBlockPool` core in this process (the
-    proof that the core, not vLLM's pool, served vLLM's calls), and by the
-    scheduler wiring (steps issued and ended, copy batches begun) and by the
-    connector wiring (transfers begun with a fence, and how many of those
-    fences were non-empty)."""
-
-    pools: int = 0
-    allocations: int = 0
-    blocks_allocated: int = 0
-    frees: int = 0
-    blocks_freed: int = 0
-    cache_hits: int = 0
-    blocks_cached: int = 0
-    steps_issued: int = 0
-    steps_ended: int = 0
-    copy_batches: int = 0
-    transfers_fenced: int = 0
-    fences_nonempty: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return attrs.asdict(self)
-
-
-SERVED = Served()
-"""Process-wide counters, updated by every :class:`VllmBlockPool` on the
-scheduler's thread (no lock: they are a report, not state)."""
-
-
-class VllmBlockPool:
+class VllmBlockPool(VllmEvents):
     """vLLM's ``BlockPool`` (0.33) over a :class:`~blockpool.HazardAwareBlockPool`.
 
     Args: as vLLM's ``BlockPool``:
@@ -190,7 +132,7 @@ class VllmBlockPool:
         self.free_block_queue: VllmFreeBlockQueue = core.free_block_queue  # type: ignore[assignment]
         self.cached_block_hash_to_block: BlockHashToBlockMap = HashMapView(core.prefix_cache)
         self.cached_block_hashes_by_block: dict[int, set[Any]] = core.prefix_cache.extra_keys()
-        self.kv_event_queue: list[VllmKVCacheEvent] = []
+        self.kv_event_queue = []
         self._reuse_watchers: dict[int, Callable[[Any], None]] = {}
         SERVED.pools += 1
 
@@ -212,19 +154,16 @@ class VllmBlockPool:
             if b.pool is not self:
                 raise ForeignBlockError(f"block {b.block_id} belongs to {b.pool!r}, not to {self!r}")
 
-    def _pull_events(self) -> list[BlockStored]:
-        """Move the core's events to ``kv_event_queue`` as vLLM events (a
-        removal per key, by vLLM's own helper); returns the core's stored
-        events (the caller builds vLLM's, which carry token ids). O(events)."""
-        stored: list[BlockStored] = []
-        for ev in self.core.take_events():
-            if type(ev) is BlockRemoved:
-                self._emit_block_removed_events(ev.block_hashes)
-            elif type(ev) is AllBlocksCleared:
-                self.kv_event_queue.append(VllmAllBlocksCleared())
-            elif type(ev) is BlockStored:
-                stored.append(ev)
-        return stored
+    def _metrics(self, blocks: Iterable[Any], *hooks: str) -> None:
+        """Call the metrics collector's ``hooks`` on each block, every hook
+        on a block before the next block (vLLM's order); nothing without a
+        collector. O(len(blocks) * len(hooks))."""
+        mc = self.metrics_collector
+        if mc is not None:
+            calls = [getattr(mc, hook) for hook in hooks]
+            for b in blocks:
+                for call in calls:
+                    call(b)
 
     # ------------------------------------------------------------------
     # allocation
@@ -241,15 +180,11 @@ class VllmBlockPool:
         blocks = self.core.get_new_blocks(num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(blocks)
-        mc = self.metrics_collector
-        if mc is not None:
-            caching = self.enable_caching
-            for b in blocks:
-                if caching:
-                    mc.on_block_evicted(b)
-                mc.on_block_allocated(b)
-        if self.enable_kv_cache_events:
-            self._pull_events()
+        if self.enable_caching:  # vLLM evicts each block's keys first
+            self._metrics(blocks, "on_block_evicted", "on_block_allocated")
+        else:
+            self._metrics(blocks, "on_block_allocated")
+        self._pull_events()
         if blocks:
             SERVED.allocations += 1
             SERVED.blocks_allocated += len(blocks)
@@ -263,11 +198,7 @@ class VllmBlockPool:
             ForeignBlockError: a block of another pool (nothing changes).
         """
         self.core.touch(blocks)
-        mc = self.metrics_collector
-        if mc is not None:
-            for b in blocks:
-                if not b.is_null:
-                    mc.on_block_accessed(b)
+        self._metrics((b for b in blocks if not b.is_null), "on_block_accessed")
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         """Drop one reference per block, first = evicted first; blocks of
@@ -287,19 +218,27 @@ class VllmBlockPool:
         blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         hz = self.hazards
         token = hz.free_token() if hz is not None else None
+        others: dict[Any, list[Any]] = {}
         try:
             self.core.free_blocks(blocks, token, _READ)
         except ForeignBlockError:
-            self._free_across_pools(blocks, token)
-            return
+            blocks, others = self._split_by_pool(blocks)
+            if blocks:
+                self.core.free_blocks(blocks, token, _READ)
         if blocks:
             SERVED.frees += 1
             SERVED.blocks_freed += len(blocks)
+        for pool, theirs in others.items():  # after this pool's, as vLLM
+            pool.free_blocks(theirs)
 
-    def _free_across_pools(self, blocks: list[Any], token: Token | None) -> None:
-        """:meth:`free_blocks` of a list naming other pools' blocks: this
-        pool's first, then each other pool's, null blocks skipped (vLLM's
-        order). O(len(blocks))."""
+    def _split_by_pool(self, blocks: list[Any]) -> tuple[list[Any], dict[Any, list[Any]]]:
+        """This pool's blocks of ``blocks``, and every other pool's by pool,
+        null blocks left out, order kept (for :meth:`free_blocks`).
+        O(len(blocks)).
+
+        Raises:
+            ForeignBlockError: a block of no pool (``block.pool is None``).
+        """
         own: list[Any] = []
         others: dict[Any, list[Any]] = {}
         for b in blocks:
@@ -311,12 +250,7 @@ class VllmBlockPool:
                 raise ForeignBlockError(f"block {b.block_id} belongs to no pool (block.pool is None)")
             else:
                 others.setdefault(b.pool, []).append(b)
-        if own:
-            self.core.free_blocks(own, token, _READ)
-            SERVED.frees += 1
-            SERVED.blocks_freed += len(own)
-        for pool, theirs in others.items():
-            pool.free_blocks(theirs)
+        return own, others
 
     def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:
         """Release references to blocks that stay readable until reused: a
@@ -387,62 +321,10 @@ class VllmBlockPool:
             return
         assert block_mask is None or len(block_mask) == hi - lo
         block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
-        keys = _GroupKeys(block_hashes, kv_cache_group_id)
+        keys = GroupKeys(block_hashes, kv_cache_group_id)
         self.core.cache_full_blocks(blocks, keys, lo, hi, block_size, block_mask)
         SERVED.blocks_cached += hi - lo
-        if self.enable_kv_cache_events:
-            self._pull_events()
-            self.kv_event_queue.append(
-                self._full_blocks_stored_event(
-                    request, blocks, block_hashes, lo, hi, block_size, kv_cache_group_id, block_mask
-                )
-            )
-
-    def _full_blocks_stored_event(
-        self,
-        request: Any,
-        blocks: list[Any],
-        block_hashes: Sequence[bytes],
-        lo: int,
-        hi: int,
-        block_size: int,
-        group_id: int,
-        block_mask: list[bool] | None,
-    ) -> VllmBlockStored:
-        """vLLM's ``BlockStored`` for ``cache_full_blocks`` (its code, with
-        the blocks the core refused, failed loads, left out)."""
-        new_hashes = []
-        extra_keys_list = []
-        lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
-        curr_mm_idx = 0
-        pc = self.core.prefix_cache
-        for i in range(lo, hi):
-            b = blocks[i]
-            if b.is_null or (block_mask is not None and not block_mask[i - lo]):
-                continue
-            key = make_block_hash_with_group_id(block_hashes[i], group_id)  # type: ignore[arg-type]
-            if b.block_hash != key and not pc.contains(key, b):
-                continue  # refused by the core: its load failed
-            new_hashes.append(maybe_convert_block_hash(block_hashes[i]))  # type: ignore[arg-type]
-            start = i * block_size
-            extra_keys, curr_mm_idx = self._generate_event_extra_keys(
-                request, start, start + block_size, curr_mm_idx
-            )
-            extra_keys_list.append(extra_keys)
-            if lookahead is not None:
-                lookahead.append(self._lookahead_token_ids(request, start + block_size))
-        parent = maybe_convert_block_hash(block_hashes[lo - 1]) if lo > 0 else None  # type: ignore[arg-type]
-        return self._build_block_stored_event(
-            request,
-            block_hashes=new_hashes,
-            parent_block_hash=parent,
-            start_token_idx=lo * block_size,
-            end_token_idx=hi * block_size,
-            block_size=block_size,
-            kv_cache_group_id=group_id,
-            extra_keys_list=extra_keys_list,
-            lookahead_token_ids=lookahead,
-        )
+        self._queue_full_blocks_stored(request, blocks, block_hashes, lo, hi, block_size, kv_cache_group_id)
 
     def cache_partial_block(
         self,
@@ -469,35 +351,8 @@ class VllmBlockPool:
         num_hash_tokens = num_tokens // self.hash_block_size * self.hash_block_size
         key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
         got = self.core.cache_partial_block(block, key, num_hash_tokens, replace_existing_hashes)
-        if self.enable_kv_cache_events and self._pull_events():
-            self.kv_event_queue.append(
-                self._partial_block_stored_event(request, block_hash, num_tokens, kv_cache_group_id)
-            )
+        self._queue_partial_block_stored(request, block_hash, num_tokens, kv_cache_group_id)
         return key if got is not None else None
-
-    def _partial_block_stored_event(
-        self, request: Any, block_hash: bytes, num_tokens: int, group_id: int
-    ) -> VllmBlockStored:
-        """vLLM's ``BlockStored`` for a new partial entry (its code)."""
-        parent, start = self._get_partial_block_parent_hash_and_start(request, num_tokens)
-        mm_idx = 0
-        mm = request.mm_features
-        if start > 0 and mm and mm[-1].mm_position.offset + mm[-1].mm_position.length > start:
-            mm_idx, _ = get_mm_features_in_window(mm, start, num_tokens)
-        extra_keys, _ = self._generate_event_extra_keys(request, start, num_tokens, mm_idx)
-        return self._build_block_stored_event(
-            request,
-            block_hashes=[maybe_convert_block_hash(block_hash)],  # type: ignore[arg-type]
-            parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),  # type: ignore[arg-type]
-            start_token_idx=start,
-            end_token_idx=num_tokens,
-            block_size=num_tokens - start,
-            kv_cache_group_id=group_id,
-            extra_keys_list=[extra_keys],
-            lookahead_token_ids=[self._lookahead_token_ids(request, num_tokens)]
-            if self.num_hash_lookahead_tokens
-            else None,
-        )
 
     def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
         """Re-point every key of ``src_block`` to ``dst_block``; no events. O(keys).
@@ -515,12 +370,10 @@ class VllmBlockPool:
             ForeignBlockError: not this pool's block; nothing changes.
         """
         self._check_own(block)
-        if self.metrics_collector is not None:
-            self.metrics_collector.on_block_evicted(block)
+        self._metrics((block,), "on_block_evicted")
         evicted = bool(self.core.prefix_cache.mapped_keys(block))
         self.core.evict_blocks([block.block_id])
-        if self.enable_kv_cache_events:
-            self._pull_events()
+        self._pull_events()
         return evicted
 
     def _insert_block_hash(self, block_hash_with_group_id: bytes, block: Any, num_tokens: int | None) -> None:
@@ -543,12 +396,8 @@ class VllmBlockPool:
         """
         ids = list(block_ids)
         self.core.evict_blocks(ids)
-        mc = self.metrics_collector
-        if mc is not None:
-            for bid in ids:
-                mc.on_block_evicted(self.blocks[bid])
-        if self.enable_kv_cache_events:
-            self._pull_events()
+        self._metrics((self.blocks[bid] for bid in ids), "on_block_evicted")
+        self._pull_events()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every key if no block is in use (or held back); fire the
@@ -560,12 +409,11 @@ class VllmBlockPool:
             self._notify_reuse([self.blocks[bid] for bid in list(self._reuse_watchers)])
         if self.metrics_collector is not None:
             self.metrics_collector.reset()
-        if self.enable_kv_cache_events:
-            self._pull_events()
+        self._pull_events()
         return True
 
     # ------------------------------------------------------------------
-    # queries and events
+    # queries (events: VllmEvents)
     # ------------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
@@ -579,27 +427,3 @@ class VllmBlockPool:
     def is_block_writable(self, block: Any) -> bool:
         """Not null, ref count 1, no key. O(1)."""
         return self.core.is_block_writable(block)
-
-    def take_events(self) -> list[VllmKVCacheEvent]:
-        """Take and clear the queued vLLM events (``[]`` when disabled). O(1)."""
-        if not self.enable_kv_cache_events:
-            return []
-        self._pull_events()
-        events, self.kv_event_queue = self.kv_event_queue, []
-        return events
-
-    def check(self) -> None:
-        """The core's invariant check (:meth:`HazardAwareBlockPool.check`)."""
-        self.core.check()
-
-    # vLLM's pure helpers (event shapes, partial-hash arithmetic), borrowed
-    # so the events are byte-for-byte vLLM's. They read only attributes this
-    # class has (medium, hash_block_size, num_hash_lookahead_tokens,
-    # kv_event_queue, enable_kv_cache_events).
-    emit_cached_block_events = VLLM_BLOCK_POOL.emit_cached_block_events
-    _build_block_stored_event = VLLM_BLOCK_POOL._build_block_stored_event
-    _generate_event_extra_keys = VLLM_BLOCK_POOL._generate_event_extra_keys
-    _lookahead_token_ids = VLLM_BLOCK_POOL._lookahead_token_ids
-    _get_partial_block_hash = VLLM_BLOCK_POOL._get_partial_block_hash
-    _get_partial_block_parent_hash_and_start = VLLM_BLOCK_POOL._get_partial_block_parent_hash_and_start
-    _emit_block_removed_events = VLLM_BLOCK_POOL._emit_block_removed_events

@@ -20,7 +20,7 @@ After each test it runs the core's invariant check
 (:meth:`~blockpool.HazardAwareBlockPool.check`) on every pool the test
 built; a broken invariant does not fail the test (the pass sets of the two
 runs must stay comparable) but is reported. At the end of the session it
-reports what the core served (:data:`blockpool.integrations.vllm.pool.SERVED`)
+reports what the core served (:data:`blockpool.integrations.vllm.served.SERVED`)
 and the invariant results: in the terminal summary and, when
 ``BLOCKPOOL_VLLM_SERVED`` names a file, as JSON there (the parity script
 asserts the allocation count is non-zero).
@@ -56,7 +56,7 @@ os.environ[_plugin.ENV_PLUGIN] = "1"
 _plugin.register()
 
 from blockpool.integrations.vllm import parity as _parity
-from blockpool.integrations.vllm import pool as _pool
+from blockpool.integrations.vllm.served import SERVED
 
 _parity.install()
 
@@ -66,7 +66,7 @@ _FENCED: dict[str, dict[str, int]] = {}
 
 
 def _fence_counts() -> tuple[int, int]:
-    return _pool.SERVED.transfers_fenced, _pool.SERVED.fences_nonempty
+    return SERVED.transfers_fenced, SERVED.fences_nonempty
 
 
 def _report() -> dict[str, Any]:
@@ -75,7 +75,7 @@ def _report() -> dict[str, Any]:
         "installed": _plugin.is_installed(),
         "hazards": state.hazards,
         "modules": state.modules,
-        **_pool.SERVED.as_dict(),
+        **SERVED.as_dict(),
         "loose_blocks_ignored": _parity.LOOSE_BLOCKS["ignored"],
         "invariants": {
             "pools_checked": _CHECKS["pools_checked"],
@@ -108,7 +108,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         for p in pools:
             _CHECKS["pools_checked"] += 1
             try:
-                p.check()
+                p.core.check()
             except AssertionError as exc:  # InvariantError is an AssertionError
                 _CHECKS["broken"].setdefault(item.nodeid, str(exc))
 
