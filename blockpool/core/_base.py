@@ -113,6 +113,7 @@ class PoolBase:
     _hits: int
     _inbox: object
     _leases_on: bool
+    _due: object  # truthy when _apply_completions may have work (the inbox, or True with leases)
     _gens: Generations | None
 
     # ------------------------------------------------------------------
@@ -124,10 +125,10 @@ class PoolBase:
         (any thread) and check expired leases: ended tokens release their
         held blocks, failed writes are undone. Every public call calls this
         first (``docs/api.md``); the hot ones (allocation, frees, lookups,
-        fences, tokens issued, transfers begun) test ``self._inbox or
-        self._leases_on`` before the call: the condition under which it does
-        anything, hoisted to save a Python call per lookup (2 million on
-        the trace op log). Never blocks (not a "sync": that word is kept
+        fences, tokens issued, transfers begun) test ``self._due`` before
+        the call: the condition under which it does anything (the inbox is
+        not empty, or leases are on), hoisted to save a Python call per
+        lookup (2 million on the trace op log). Never blocks (not a "sync": that word is kept
         for blocking waits). O(1) when nothing is queued; else O(queued +
         newly ended + blocks released)."""
         if self._inbox:

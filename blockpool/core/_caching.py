@@ -33,7 +33,7 @@ class CacheOps(PoolBase):
         Raises:
             InvalidArgumentError: ``block_hash`` is not hashable.
         """
-        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+        if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()  # a queued failed load must unpublish its keys first
         # The hottest call (one per block of every prefix looked up): the
         # key map read in place (read only: PrefixCache changes it) and the
@@ -88,7 +88,7 @@ class CacheOps(PoolBase):
             HashConflictError: a block already cached under a different key
                 for the same or a longer prefix.
         """
-        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+        if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         lo, hi = num_cached_blocks, num_full_blocks
         if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= len(blocks)):

@@ -48,7 +48,7 @@ class FenceOps(PoolBase):
             ForeignBlockError: a block of another pool.
             InvalidArgumentError: ``access`` is not an AccessKind.
         """
-        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+        if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         st = self.tracker.state(stream)
         access = self._check_access(access)
@@ -71,7 +71,7 @@ class FenceOps(PoolBase):
             ForeignBlockError, UnknownStreamError, UnknownTokenError, ForeignTokenError,
             InvalidArgumentError: as the names say; nothing changes.
         """
-        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+        if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         self.tracker.validate(token)
         access = self._check_access(access)
@@ -135,7 +135,7 @@ class FenceOps(PoolBase):
             InvalidArgumentError: a pair is not a 2-tuple, or
                 ``generations`` is not one pair of ints per pair.
         """
-        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+        if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         st = self.tracker.state(stream)
         srcs: list[KVCacheBlock] = []
@@ -170,7 +170,7 @@ class FenceOps(PoolBase):
     def _begin_transfer(
         self, blocks: Iterable[KVCacheBlock], stream: str, access: AccessKind, what: str
     ) -> tuple[Token, Fence]:
-        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+        if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         st = self.tracker.state(stream)
         return self._begin(((self._data_blocks(blocks, what), access),), stream, st, access is _WRITE)
@@ -180,7 +180,7 @@ class FenceOps(PoolBase):
     ) -> tuple[Token, Fence]:
         """:meth:`_begin_transfer` of a table checked against its
         ``generations`` first (the fast path stays as it was)."""
-        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+        if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         st = self.tracker.state(stream)
         block_list = self._own_all(blocks)

@@ -43,7 +43,7 @@ class RefCountOps(PoolBase):
         Raises:
             ForeignBlockError: a block is not of this pool (nothing changes).
         """
-        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+        if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         self._touch(self._own_all(blocks))
 
@@ -107,7 +107,7 @@ class RefCountOps(PoolBase):
             InvalidArgumentError: ``access`` is not an :class:`AccessKind`,
                 or ``blocks`` is not iterable.
         """
-        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+        if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         blocks = (
             ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else _as_list(ordered_blocks, "blocks")

@@ -45,7 +45,7 @@ class TokenOps(PoolBase):
         Raises:
             UnknownStreamError: ``stream`` was never registered.
         """
-        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+        if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         return self.tracker.issue(stream)
 

@@ -247,9 +247,12 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
 
         self._counters = dict.fromkeys(_COUNTERS, 0)
         # _apply_completions tests these two: the completion inbox (a
-        # deque, appended from any thread) and whether leases are on.
+        # deque, appended from any thread) and whether leases are on; the
+        # hot calls test _due, truthy exactly when one of them is (one
+        # attribute test per lookup, not two).
         self._inbox = self.tracker._inbox
         self._leases_on = lease_timeout is not None
+        self._due = True if self._leases_on else self._inbox
         # Block generations (stale block tables): off (None) until the first
         # generations() call, then one unsigned 64-bit word per block, set to
         # the serial of the allocation that handed the block out.
@@ -275,7 +278,7 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
             InvalidArgumentError: ``num_blocks`` is not an int ``>= 0``.
             NoFreeBlocksError: fewer than ``num_blocks`` blocks are free.
         """
-        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+        if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         n = num_blocks if type(num_blocks) is int and num_blocks >= 0 else self._check_count(num_blocks)
         if n > self.free_block_queue.num_free_blocks:
@@ -326,7 +329,7 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
             ForeignBlockError: a hit is not a block of this pool.
             NoFreeBlocksError: not enough free blocks once the hits are taken.
         """
-        if self._inbox or self._leases_on:  # hot call: _apply_completions' own test, hoisted
+        if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         n = num_blocks if type(num_blocks) is int and num_blocks >= 0 else self._check_count(num_blocks)
         if access is not _WRITE and access is not _READ:
