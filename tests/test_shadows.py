@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from blockpool import AccessKind, HazardAwareBlockPool
 from blockpool.core.block import KVCacheBlock
+from blockpool.core.events import BlockRemoved
 from blockpool.core.hazards import StreamKind, Token
 from blockpool.core.pending_writes import PendingWrites
 from blockpool.core.shadows import tag, with_read, write
@@ -99,3 +100,68 @@ def test_the_fence_after_a_failed_grouped_write_names_each_blocks_restored_reade
     pool.fail(load)
     assert toks(pool.fence_for([x], "rdma")) == set()
     assert toks(pool.fence_for([y], "rdma")) == {str(store)}
+
+
+# -- a token that wrote a block twice, another write in between (review) ----
+
+HB_STREAMS = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "nic": StreamKind.HOST}
+
+
+def test_a_failed_token_that_wrote_a_block_twice_restores_what_its_last_write_replaced() -> None:
+    from tests.hb_model import HBModel
+
+    pool, hb = HazardAwareBlockPool(4, streams=HB_STREAMS), HBModel(HB_STREAMS)
+    (b,) = pool.get_new_blocks(1)
+    load, f = pool.begin_load([b], "nic")
+    hb.issue(load, f)
+    hb.tag([1], load, W)
+    f = pool.fence_for([b], "compute")
+    hb.judge(f, [([1], W)], "compute")
+    hb.stream_waits("compute", f)
+    step = pool.issue("compute")
+    hb.issue(step)
+    pool.tag([b], step, W)
+    hb.tag([1], step, W)
+    pool.tag([b], load, W)  # nic:1 writes b again, after the step
+    hb.tag([1], load, W)
+    pool.fail(load)
+    hb.report(load, True)
+    fence = pool.fence_for([b], "h2d")
+    hb.judge(fence, [([1], W)], "h2d")  # the model: the step's write is still in flight
+    assert toks(fence) == {str(step)}
+    pool.check()
+
+
+def test_alternating_writes_of_two_tokens_undo_to_the_right_write_each_time() -> None:
+    tr = HazardTracker()
+    for name in ("compute", "h2d", "a", "b"):
+        tr.add_stream(name, StreamKind.HOST if name in ("a", "b") else StreamKind.DEVICE)
+    pw = PendingWrites()
+    blk = KVCacheBlock(1)
+    t, u = tr.issue("a"), tr.issue("b")
+    for tok in (t, u, t, u):  # t, u, t, u write the block in turn
+        pw.began(tok, write([blk], tok, None), [blk])
+    assert pw.ended(t, True, tr.end(t, True), tr.is_ended) == []  # u wrote last: nothing restored now
+    assert blk.writer is u
+    assert [x.block_id for x in pw.ended(u, True, tr.end(u, True), tr.is_ended)] == [1]
+    assert (blk.writer, blk.readers) == (None, None)  # neither write happened
+
+
+def test_a_failed_write_handed_on_from_a_group_of_several_blocks_keeps_the_later_writes_order() -> None:
+    pool = HazardAwareBlockPool(
+        8,
+        enable_kv_cache_events=True,
+        streams={"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "rdma": StreamKind.HOST},
+    )
+    x, y, z = pool.get_new_blocks(3)
+    load, _ = pool.begin_load([x, y, z], "h2d")
+    pool.cache_full_blocks([x, y, z], ["kx", "ky", "kz"], 0, 3, 16)
+    w2 = pool.issue("rdma")
+    pool.tag([z, y, x], w2, W)  # one group of three: (load, None, [z, y, x])
+    pool.fail(load)  # hands what the load replaced to w2, block by block
+    assert [e.block_hashes for e in pool.take_events() if isinstance(e, BlockRemoved)] == []
+    pool.fail(w2)
+    removed = [e.block_hashes for e in pool.take_events() if isinstance(e, BlockRemoved)]
+    assert removed == [("kz",), ("ky",), ("kx",)]  # w2's block order
+    assert all((blk.writer, blk.readers) == (None, None) for blk in (x, y, z))
+    pool.check()

@@ -32,21 +32,27 @@ from blockpool.core.tracker import HazardTracker, StreamState
 
 __all__ = ["PendingWrites"]
 
-Saved = Replaced
-"""What one write replaced (:data:`blockpool.core.shadows.Replaced`)."""
+Saved = list[tuple[int, Replaced]]
+"""What a token's writes replaced: per write, in the order they were made,
+its serial (a counter of the pool's writes) and its groups
+(:data:`blockpool.core.shadows.Replaced`). The serial orders writes across
+tokens, so the undo of a failed write hands its replaced shadow to the
+write that directly followed it on a block (:meth:`PendingWrites._resave`)."""
 
 
 class PendingWrites:
     """Owns the writes in flight (stream -> seq -> :data:`Saved`: what
-    each write replaced, kept until its token ends) and the invalid marks (block ids whose content a failed
-    write left invalid, until rewritten), with the undo of failed writes.
-    Every method is O(blocks touched) unless it says otherwise."""
+    each write replaced, kept until its token ends) and the invalid marks
+    (block ids whose content a failed write left invalid, until
+    rewritten), with the undo of failed writes. Every method is O(blocks
+    touched) unless it says otherwise."""
 
-    __slots__ = ("_invalid", "_writes")
+    __slots__ = ("_invalid", "_serial", "_writes")
 
     def __init__(self) -> None:
         self._writes: dict[str, dict[int, Saved]] = {}
         self._invalid: set[int] = set()
+        self._serial = 0  # writes saved so far: orders them across tokens
 
     # -- invalid marks -------------------------------------------------------
 
@@ -91,11 +97,12 @@ class PendingWrites:
             per_stream = self._writes.get(token.stream)
             if per_stream is None:
                 per_stream = self._writes[token.stream] = {}
+            self._serial += 1
             saved = per_stream.get(token.seq)
             if saved is None:
-                per_stream[token.seq] = replaced
+                per_stream[token.seq] = [(self._serial, replaced)]
             else:
-                saved.extend(replaced)
+                saved.append((self._serial, replaced))
         if self._invalid:
             self.rewritten(blocks)
 
@@ -126,37 +133,69 @@ class PendingWrites:
         return undone
 
     def _undo(self, token: Token, before: Saved, is_ended: Callable[[Token], bool]) -> list[KVCacheBlock]:
+        """Undo the failed ``token``'s writes, ``before`` being what they
+        replaced. Newest write first: a block the token wrote twice, with
+        another write in between, gets back what the token's *last* write
+        replaced, and each earlier write's replaced shadow goes to the write
+        that followed it on the block (:meth:`_resave`). Returns the blocks
+        restored, in the order of the writes. O(blocks in ``before``)."""
         out: list[KVCacheBlock] = []
-        for writer, readers, group in before:
-            for b in group:
-                w = b.writer
-                if w is None or w.stream != token.stream or w.seq != token.seq:
-                    # Rewritten since: the newer write saved this failed one as
-                    # what it replaced; hand it what the failed write replaced.
-                    self._resave(b, token, writer, readers, is_ended)
-                    continue
-                restore(b, writer, readers, is_ended)
-                self._invalid.add(b.block_id)
-                out.append(b)
+        done: set[int] = set()
+        for serial, groups in reversed(before):
+            for writer, readers, group in reversed(groups):
+                for b in reversed(group):
+                    w = b.writer
+                    if w is None or w.stream != token.stream or w.seq != token.seq:
+                        # Rewritten since: the write that followed saved this
+                        # failed one as what it replaced; hand it what the
+                        # failed write replaced.
+                        self._resave(b, token, serial, writer, readers, is_ended)
+                        continue
+                    restore(b, writer, readers, is_ended)
+                    self._invalid.add(b.block_id)
+                    if b.block_id not in done:  # returned once, if restored twice
+                        done.add(b.block_id)
+                        out.append(b)
+        out.reverse()
         return out
 
     def _resave(
-        self, b: KVCacheBlock, failed: Token, writer: Token | None, readers: Readers, is_ended: Callable[[Token], bool]
+        self,
+        b: KVCacheBlock,
+        failed: Token,
+        serial: int,
+        writer: Token | None,
+        readers: Readers,
+        is_ended: Callable[[Token], bool],
     ) -> None:
-        """In the saved shadow of every later pending write of ``b`` that
-        replaced the failed write ``failed``, put back what ``failed`` had
-        replaced (``b`` leaves its group for a group of its own).
-        O(pending writes); failures are rare."""
+        """The failed write ``serial`` of ``failed`` to ``b`` was followed by
+        another pending write of ``b``, which saved it as what it replaced:
+        the first such write after it (the smallest later serial) gets what
+        the failed write replaced instead (``writer``, ``readers``, plus the
+        reads since). ``b`` leaves its group for a group of its own in its
+        place, so the later write's blocks keep their order. Nothing when
+        that write has ended already. O(pending writes); failures are rare."""
+        found: tuple[Replaced, int, int, int] | None = None  # groups, index, position of b, serial
         for per_stream in self._writes.values():
             for entries in per_stream.values():
-                for w, r, group in list(entries):
-                    if w is None or w.stream != failed.stream or w.seq != failed.seq:
+                for s, groups in entries:
+                    if s <= serial or (found is not None and s >= found[3]):
                         continue
-                    for k, blk in enumerate(group):
-                        if blk is b:
-                            del group[k]
-                            entries.append((writer, merge_readers(readers, r, is_ended), [b]))
-                            break
+                    for gi, (w, _r, group) in enumerate(groups):
+                        if w is not None and w.stream == failed.stream and w.seq == failed.seq:
+                            for k, blk in enumerate(group):
+                                if blk is b:
+                                    found = (groups, gi, k, s)
+                                    break
+        if found is None:
+            return
+        groups, gi, k, _ = found
+        w, r, group = groups[gi]
+        groups[gi : gi + 1] = [
+            g
+            for g in ((w, r, group[:k]), (writer, merge_readers(readers, r, is_ended), [b]), (w, r, group[k + 1 :]))
+            if g[2]
+        ]
 
     def late_failure(self, token: Token, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
         """``token`` failed after it had already ended: of ``blocks`` (every
@@ -187,10 +226,13 @@ class PendingWrites:
             for seq, entries in per_seq.items():
                 if st.is_ended(seq):
                     raise InvariantError(f"saved shadows of {stream}:{seq}, which has ended")
-                for _w, _r, group in entries:
-                    for b in group:
-                        if not 0 <= b.block_id < len(blocks) or blocks[b.block_id] is not b or b.is_null:
-                            raise InvariantError(f"{stream}:{seq} saved the shadow of a foreign or null block")
+                for serial, groups in entries:
+                    if not 0 < serial <= self._serial:
+                        raise InvariantError(f"{stream}:{seq} saved a write with serial {serial}")
+                    for _w, _r, group in groups:
+                        for b in group:
+                            if not 0 <= b.block_id < len(blocks) or blocks[b.block_id] is not b or b.is_null:
+                                raise InvariantError(f"{stream}:{seq} saved the shadow of a foreign or null block")
         for bid in self._invalid:
             if not (isinstance(bid, int) and 0 < bid < len(blocks)):
                 raise InvariantError(f"invalid mark on {bid!r}, not a data block")
