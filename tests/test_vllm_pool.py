@@ -394,3 +394,14 @@ def test_register_binds_ours_where_vllm_builds_its_pool_and_unregister_restores(
     assert co.BlockPool is VLLM_BLOCK_POOL and bp.BlockPool is VLLM_BLOCK_POOL
     if was_installed:
         plugin.register()
+
+
+def test_a_stored_event_queued_by_the_core_earlier_is_not_taken_for_this_calls() -> None:
+    ours = VllmBlockPool(10, True, BS, enable_kv_cache_events=True)
+    r = request("a", list(range(12)))
+    a = ours.get_new_blocks(3)
+    key = make_block_hash_with_group_id(r.block_hashes[2], 0)
+    ours.core.cache_full_blocks(a, [None, None, key], 2, 3, BS)  # queued in the core, not pulled yet
+    ours.cache_full_blocks(r, a, 2, 3, BS, 0, block_mask=[False])  # this call publishes nothing
+    stored = [e for e in ours.take_events() if isinstance(e, BlockStored)]
+    assert [e.block_hashes for e in stored] == [[]]  # this call's (vLLM queues one, empty); not the core's

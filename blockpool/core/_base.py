@@ -128,9 +128,9 @@ class PoolBase:
         fences, tokens issued, transfers begun) test ``self._due`` before
         the call: the condition under which it does anything (the inbox is
         not empty, or leases are on), hoisted to save a Python call per
-        lookup (2 million on the trace op log). Never blocks (not a "sync": that word is kept
-        for blocking waits). O(1) when nothing is queued; else O(queued +
-        newly ended + blocks released)."""
+        lookup (2 million on the trace op log). Never blocks (not a "sync":
+        that word is kept for blocking waits). O(1) when nothing is queued;
+        else O(queued + newly ended + blocks released)."""
         if self._inbox:
             for token, failed, ended in self.tracker.drain():
                 if failed and not ended:
@@ -268,8 +268,8 @@ class PoolBase:
 
     def _tag(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
         """Record ``token``'s ``access`` in the shadows of ``blocks`` (nulls
-        skipped). A write first saves what it replaces (pending writes: a
-        failed write puts it back). O(len(blocks))."""
+        skipped). A write also hands what it replaced, in the same pass, to
+        the pending writes (a failed write puts it back). O(len(blocks))."""
         if access is _WRITE:
             self.writes.began(token, write(blocks, token, self.null_block), blocks)
         else:

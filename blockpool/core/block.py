@@ -35,8 +35,8 @@ class KVCacheBlock:
         prev_free_block, next_free_block: Links of the free queue; only
             :class:`FreeBlockQueue` (and its policy subclasses) touches them.
         writer: Shadow: the last write not known to have ended (a token), or ``None``.
-        readers: Shadow: reads since that write: ``None``, one token, or a
-            tuple of tokens (the newest read per device stream, each host
+        readers: Shadow: reads since that write: ``None`` or a tuple of
+            tokens (the newest read per device stream, each host
             token apart). Immutable and shared: blocks freed or read together
             hold the same object, so the pool does its hazard work once per
             distinct shadow, not once per block; it replaces the value,

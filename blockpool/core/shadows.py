@@ -9,9 +9,10 @@ measured the same on the trace op log).
 Readers values are immutable and shared: blocks read or freed together hold
 the same object, so the work below is done once per distinct shadow, not
 once per block. This module is the only one that writes ``writer`` and
-``readers`` (:func:`tag` and :func:`restore`; "tag" is the one verb for
-recording an access: the pool's ``tag``, the race oracle's ``tag``;
-:func:`write` is ``tag`` of a write that also returns what it replaced).
+``readers`` (:func:`tag`, :func:`write`, :func:`restore`, :func:`clear`;
+"tag" is the one verb for recording an access: the pool's ``tag``, the
+race oracle's ``tag``; :func:`write` is ``tag`` of a write that also
+returns what it replaced).
 
 >>> from blockpool.core.block import KVCacheBlock
 >>> from blockpool.core.hazards import AccessKind, Token

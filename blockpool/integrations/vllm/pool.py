@@ -322,6 +322,7 @@ class VllmBlockPool(VllmEvents):
         assert block_mask is None or len(block_mask) == hi - lo
         block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
         keys = GroupKeys(block_hashes, kv_cache_group_id)
+        self._pull_events()  # first: the core's BlockStored pulled next is this call's
         self.core.cache_full_blocks(blocks, keys, lo, hi, block_size, block_mask)
         SERVED.blocks_cached += hi - lo
         self._queue_full_blocks_stored(request, blocks, block_hashes, lo, hi, block_size, kv_cache_group_id)
@@ -350,6 +351,7 @@ class VllmBlockPool(VllmEvents):
         block_hash = self._get_partial_block_hash(request, num_tokens)
         num_hash_tokens = num_tokens // self.hash_block_size * self.hash_block_size
         key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+        self._pull_events()  # first: the core's BlockStored pulled next is this call's
         got = self.core.cache_partial_block(block, key, num_hash_tokens, replace_existing_hashes)
         self._queue_partial_block_stored(request, block_hash, num_tokens, kv_cache_group_id)
         return key if got is not None else None
