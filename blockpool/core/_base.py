@@ -266,7 +266,7 @@ class PoolBase:
             c["host_wait_fences"] += 1
         return fence
 
-    def _tag(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
+    def _tag(self, blocks: Sequence[KVCacheBlock], token: Token, access: AccessKind) -> None:
         """Record ``token``'s ``access`` in the shadows of ``blocks`` (nulls
         skipped). A write also hands what it replaced, in the same pass, to
         the pending writes (a failed write puts it back). O(len(blocks))."""
