@@ -145,12 +145,14 @@ class HoldBack:
         self._deadline[block_id] = deadline
         self._leases.add((deadline, block_id))
 
-    def _drop(self, block_id: int) -> None:
-        del self._held[block_id]
-        if self._deadline:
-            self._deadline.pop(block_id, None)
-        if self._expired:
-            self._expired.discard(block_id)
+    def _drop_leases(self, blocks: list[KVCacheBlock]) -> None:
+        """The leases of ``blocks``, which just left the held set, go
+        (their entries in the sorted lease list are skipped lazily by
+        :meth:`expire`). O(len(blocks)); nothing when no lease exists."""
+        if self._deadline or self._expired:
+            for b in blocks:
+                self._deadline.pop(b.block_id, None)
+                self._expired.discard(b.block_id)
 
     def release(self, token: Token) -> list[KVCacheBlock]:
         """``token`` ended: it stops holding its blocks; returns those that
@@ -174,22 +176,19 @@ class HoldBack:
             if not mine:
                 continue  # held anew since, on other tokens
             if rest is None:
-                del held[bid]  # _drop, inline: its leases are dropped below
+                del held[bid]  # its lease goes below, for all at once
                 out.append(b)
             else:
                 held[bid] = rest
-        if out and (self._deadline or self._expired):
-            for b in out:
-                self._deadline.pop(b.block_id, None)
-                self._expired.discard(b.block_id)
+        self._drop_leases(out)
         return out
 
     def unhold_n(self, blocks: list[KVCacheBlock]) -> None:
         """``blocks`` (held) were taken back by a touch: they leave the held
         set (their tokens' lists drop them lazily). O(len(blocks))."""
-        for b in blocks:
-            if b.block_id in self._held:
-                self._drop(b.block_id)
+        held = self._held
+        dropped = [b for b in blocks if held.pop(b.block_id, None) is not None]
+        self._drop_leases(dropped)
 
     def expire(self) -> list[tuple[int, frozenset[Token]]]:
         """Check the leases: each held block whose deadline passed (and not

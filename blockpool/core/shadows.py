@@ -171,14 +171,13 @@ def fence_of(
 
 def tag(blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind, ended: Callable[[Token], bool]) -> None:
     """Write ``token`` into the shadows of ``blocks`` (the caller left out
-    null blocks, or resets theirs). A write replaces the shadow; a read
-    joins the readers (:func:`with_read`), computed once per distinct old
-    readers value and assigned to every block that had it: one identity
-    test and one store per block. O(len(blocks))."""
+    null blocks, or resets theirs). A write replaces the shadow
+    (:func:`write`, what it replaced left unkept); a read joins the readers
+    (:func:`with_read`), computed once per distinct old readers value and
+    assigned to every block that had it: one identity test and one store
+    per block. O(len(blocks))."""
     if access is _WRITE:
-        for b in blocks:
-            b.writer = token
-            b.readers = None
+        write(blocks, token, None)
         return
     last_in: object = _UNSET
     last_out: Readers = None
