@@ -9,9 +9,12 @@ streams, ``rdma`` a host-driven engine.
 
 from __future__ import annotations
 
+import pytest
+
 from blockpool import (
     AccessKind,
     HazardAwareBlockPool,
+    InvariantError,
     Token,
 )
 from tests.conftest import ids, toks
@@ -105,3 +108,60 @@ def test_host_engine_never_gets_a_block_with_pending_step_and_empty_fence(pool: 
     blocks, fence = pool.allocate_for(3, "rdma")
     assert set(ids(blocks)) == set(ids(a))
     assert list(fence) == [e1] and fence.needs_host_wait
+
+
+# 5. The fast path: streams with nothing in flight are not scanned -----------
+# (fence_of skips a group when no other stream has a token that may still run
+# and is not ordered before the consumer; reads only need live *writes*.)
+
+
+def test_read_fence_waits_on_a_live_load_though_its_stream_since_only_read(pool: HazardAwareBlockPool) -> None:
+    loaded, other = pool.get_new_blocks(1), pool.get_new_blocks(1)
+    load, _ = pool.begin_load(loaded, "h2d")  # h2d:1 writes
+    pool.tag(other, pool.issue("h2d"), AccessKind.READ)  # h2d:2 only reads
+    assert toks(pool.fence_for(loaded, "compute", AccessKind.READ)) == {str(load)}
+    assert not pool.fence_for(other, "compute", AccessKind.READ)  # RAW: no writer
+    assert toks(pool.fence_for(other, "compute")) == {"h2d:2"}  # WAR on the reader
+    pool.check()
+
+
+def test_read_fence_is_empty_when_other_streams_only_read_and_write_fence_is_not(pool: HazardAwareBlockPool) -> None:
+    blocks = pool.get_new_blocks(2)
+    load, _ = pool.begin_load(blocks, "h2d")
+    pool.complete(load)  # the only write of h2d ended
+    store, _ = pool.begin_store(blocks, "d2h")  # a read still running on d2h
+    read = pool.issue("h2d")
+    pool.tag(blocks, read, AccessKind.READ)  # and one on h2d
+    assert pool.tracker.busy == {"d2h", "h2d"}
+    assert not pool.fence_for(blocks, "compute", AccessKind.READ)
+    assert toks(pool.fence_for(blocks, "compute", AccessKind.WRITE)) == {str(store), str(read)}
+    pool.complete(store)
+    pool.complete(read)
+    assert not pool.fence_for(blocks, "compute", AccessKind.WRITE)
+    assert pool.tracker.busy == set()
+    pool.check()
+
+
+def test_fence_skips_writes_the_consumer_is_already_ordered_after(pool: HazardAwareBlockPool) -> None:
+    blocks = pool.get_new_blocks(1)
+    load, _ = pool.begin_load(blocks, "h2d")
+    assert toks(pool.fence_for(blocks, "compute", AccessKind.READ)) == {str(load)}  # compute now waits on it
+    later = pool.issue("h2d")  # still running, but wrote nothing
+    pool.tag(blocks, later, AccessKind.READ)
+    assert not pool.fence_for(blocks, "compute", AccessKind.READ)
+    assert toks(pool.fence_for(blocks, "compute", AccessKind.WRITE)) == {str(later)}
+
+
+def test_check_reports_a_busy_set_out_of_step_with_the_tokens(pool: HazardAwareBlockPool) -> None:
+    pool.issue("h2d")
+    pool.tracker.busy.discard("h2d")  # a fence would skip h2d's tokens
+    with pytest.raises(InvariantError, match="busy streams"):
+        pool.check()
+
+
+def test_check_reports_a_writer_above_its_streams_last_write(pool: HazardAwareBlockPool) -> None:
+    blocks = pool.get_new_blocks(1)
+    pool.begin_load(blocks, "h2d")
+    pool.tracker.streams["h2d"].last_write = 0  # reads would skip the load
+    with pytest.raises(InvariantError, match="not a recorded write"):
+        pool.check()

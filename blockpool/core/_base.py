@@ -271,6 +271,7 @@ class PoolBase:
         skipped). A write also hands what it replaced, in the same pass, to
         the pending writes (a failed write puts it back). O(len(blocks))."""
         if access is _WRITE:
+            self.tracker.wrote(token)
             self.writes.began(token, write(blocks, token, self.null_block), blocks)
         else:
             tag(blocks, token, access, self.tracker.is_ended)

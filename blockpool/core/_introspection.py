@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from blockpool.core._base import _HOST, PoolBase
 from blockpool.core.block import KVCacheBlock
@@ -12,6 +12,7 @@ from blockpool.core.errors import (
     RefCountError,
 )
 from blockpool.core.generations import Generations
+from blockpool.core.hazards import Token
 from blockpool.core.shadows import _UNSET, shadow_ready, shadow_tokens
 from blockpool.core.stats import PoolSnapshot, PoolStats
 
@@ -209,7 +210,8 @@ class IntrospectionOps(PoolBase):
         blocks; saved shadows of pending writes belong to tokens that have
         not ended and to this pool's data blocks; invalid marks name data
         blocks; block generations (once on) have one entry per block, 0 for
-        the null block, none past the allocation serial.
+        the null block, none past the allocation serial; the tracker's busy
+        streams and write marks agree with its tokens and every writer.
         O(num_gpu_blocks + cached keys + held + pending writes).
 
         Raises:
@@ -245,8 +247,14 @@ class IntrospectionOps(PoolBase):
         self.prefix_cache._check(self.blocks)
         held._check(self.tracker, self.blocks, free_set)
         self.writes._check(self.tracker, self.blocks)
+        self.tracker._check(self._writers())
         if self._gens is not None:
             self._gens._check(self.num_gpu_blocks)
+
+    def _writers(self) -> Iterator[Token | None]:
+        """Every writer a shadow holds or a pending write saved. O(blocks + saved groups)."""
+        yield from (b.writer for b in self.blocks)
+        yield from self.writes.saved_writers()
 
     def snapshot(self) -> PoolSnapshot:
         """A comparable picture of all observable state (tests: take one
@@ -269,7 +277,7 @@ class IntrospectionOps(PoolBase):
             ),
             events=tuple(self.kv_event_queue),
             marks=tuple(
-                (n, s.last_seq, s.mark, tuple(s.done)) for n, s in sorted(tr.streams.items())
+                (n, s.last_seq, s.mark, s.last_write, tuple(s.done)) for n, s in sorted(tr.streams.items())
             ),
             clocks=tuple(
                 (n, tuple(sorted(s.clock.dev.items())), tuple(sorted(map(str, s.clock.host))))

@@ -22,7 +22,7 @@ rewritten.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import InvariantError
@@ -210,6 +210,15 @@ class PendingWrites:
                 self._invalid.add(b.block_id)
                 out.append(b)
         return out
+
+    def saved_writers(self) -> Iterator[Token | None]:
+        """The writers the pending writes saved (what they replaced), for
+        the tracker's check. O(saved groups)."""
+        for per_seq in self._writes.values():
+            for entries in per_seq.values():
+                for _serial, groups in entries:
+                    for w, _r, _group in groups:
+                        yield w
 
     def _check(self, tracker: HazardTracker, blocks: list[KVCacheBlock]) -> None:
         """Assert: saved shadows belong to tokens of known streams that have

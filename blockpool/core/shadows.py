@@ -113,7 +113,11 @@ def fence_of(
     write waits for writer and readers, a read for the writer), reduced by
     the tracker (ended, covered, already ordered), and record that ``st``
     waits on it (``tracker.wait``). ``debug``: the fence carries reasons.
-    O(blocks + k^2), k = distinct candidate tokens."""
+    Fast path: the blocks are not scanned at all when no other stream has
+    a token that may still run and that ``st`` is not ordered after, and
+    the groups ``st`` reads are not when no such token wrote (:func:`_live`):
+    the fence is the same, empty or not.
+    O(blocks + k^2), k = distinct candidate tokens; O(#streams) on the fast path."""
     # Candidates: newest token per device stream, each host token apart
     # (keyed by (stream, seq): Token's own hash is a Python function).
     # Blocks allocated together were mostly freed together and share
@@ -123,14 +127,22 @@ def fence_of(
     # consumer itself, when it is an in-order device stream, are never
     # waited on (HazardTracker.reduce drops them first); the scan skips
     # them before they become candidates.
+    own = st.name if st.kind is _DEVICE else None
+    busy = tracker.busy
+    if not busy or (own is not None and len(busy) == 1 and own in busy):
+        return EMPTY_FENCE  # no other stream has a token that may still run
+    scan_reads, scan_writes = _live(busy, st, own, tracker)
+    if not scan_writes:
+        return EMPTY_FENCE  # nothing in flight the consumer is not ordered after
     cand: dict[object, Token] = {}
     why: dict[Token, FenceReason] | None = {} if debug else None
     get = cand.get
-    own = st.name if st.kind is _DEVICE else None
     lw: object = _UNSET
     lr: object = _UNSET
     for blocks, access in groups:
         write = access is _WRITE
+        if not write and not scan_reads:
+            continue  # no write of another stream may still run: RAW waits on nothing
         for b in blocks:
             w = b.writer
             if w is not None and w is not lw:
@@ -167,6 +179,33 @@ def fence_of(
         tokens.sort(key=lambda t: (t.stream, t.seq))
         reasons = tuple(why[t] for t in tokens)
     return Fence(tokens, host_wait, reasons)
+
+
+def _live(busy: set[str], st: StreamState, own: str | None, tracker: HazardTracker) -> tuple[bool, bool]:
+    """Which groups a fence for consumer ``st`` must scan, ``(reads,
+    writes)``: a group the consumer reads waits only on writers (RAW), so
+    it is scanned when another stream has a *write* that may still run and
+    that ``st`` is not ordered after (above the stream's mark and, for a
+    device stream, above what ``st``'s clock covers; ``last_write`` tells,
+    :meth:`HazardTracker.wrote`); a group it writes (WAR/WAW), when another
+    stream has *any* such token. Otherwise every token a shadow could name
+    is one the tracker's reduction drops, and the fence is the same without
+    the scan. Host engines count as live while a token is above the mark
+    (conservative: the scan then decides). ``busy`` is the tracker's set of
+    streams with a token above the mark. O(len(busy))."""
+    dev = st.clock.dev
+    streams = tracker.streams
+    writes = False
+    for name in busy:
+        if name == own:
+            continue
+        s = streams[name]
+        floor = max(s.mark, dev.get(name, 0)) if s.kind is _DEVICE else s.mark
+        if s.last_seq > floor:
+            if s.last_write > floor:
+                return True, True
+            writes = True
+    return False, writes
 
 
 def tag(blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind, ended: Callable[[Token], bool]) -> None:

@@ -22,6 +22,7 @@ from sortedcontainers import SortedSet
 from blockpool.core.errors import (
     ForeignTokenError,
     InvalidArgumentError,
+    InvariantError,
     UnknownStreamError,
     UnknownTokenError,
 )
@@ -78,12 +79,31 @@ class VectorClock:
 class StreamState:
     """Per-stream bookkeeping: counter, completion mark, clocks."""
 
-    __slots__ = ("clock", "done", "failed", "failed_seqs", "kind", "last_seq", "mark", "name", "token_clocks")
+    __slots__ = (
+        "_busy",
+        "clock",
+        "done",
+        "failed",
+        "failed_seqs",
+        "kind",
+        "last_seq",
+        "last_write",
+        "mark",
+        "name",
+        "token_clocks",
+    )
 
-    def __init__(self, name: str, kind: StreamKind):
+    def __init__(self, name: str, kind: StreamKind, busy: set[str] | None = None):
         self.name = name
         self.kind = kind
         self.last_seq = 0
+        # The newest seq recorded as a write (HazardTracker.wrote): no token
+        # above it wrote, so a read waits on nothing of this stream once
+        # every token up to it has ended or is ordered before the reader.
+        self.last_write = 0
+        # The tracker's set of streams with a token issued above the mark
+        # (HazardTracker.busy): left here when the mark catches up.
+        self._busy = busy if busy is not None else set()
         # Every token with seq <= mark has ended.
         self.mark = 0
         # HOST only: ended seqs above the mark (out-of-order completions).
@@ -118,11 +138,19 @@ class StreamState:
         pop = self.token_clocks.pop
         for s in newly:
             pop(s, None)
+        if self.mark >= self.last_seq:
+            self._busy.discard(self.name)
         return newly
 
 
 class HazardTracker:
     """Token issue, completion and fence reduction for one pool.
+
+    ``busy`` is the set of stream names with a token issued above the
+    stream's mark (one that may still run), kept by :meth:`issue` and
+    :meth:`StreamState.end`; with each stream's ``last_write``
+    (:meth:`wrote`) it lets a fence skip its scan when nothing in flight
+    could be in it (:func:`blockpool.core.shadows.fence_of`).
 
     Thread safety: :meth:`submit` may be called from any thread (it appends
     to a ``collections.deque``, atomic in CPython); everything else runs on
@@ -130,7 +158,7 @@ class HazardTracker:
     :meth:`drain`.
     """
 
-    __slots__ = ("_hosts", "_inbox", "pool_id", "streams")
+    __slots__ = ("_hosts", "_inbox", "busy", "pool_id", "streams")
 
     def __init__(self, pool_id: int = 0) -> None:
         # Identity stamped on every token issued here (Token.pool); 0: unbound.
@@ -138,6 +166,10 @@ class HazardTracker:
         self.streams: dict[str, StreamState] = {}
         self._inbox: collections.deque[tuple[Token, bool]] = collections.deque()
         self._hosts: list[StreamState] = []  # the HOST engines, for host_pending()
+        # Names of the streams with a token that may not have ended (issued
+        # above the stream's mark): a fence has nothing to wait on from any
+        # other stream (fence_of's fast path). Kept by issue and StreamState.end.
+        self.busy: set[str] = set()
 
     # -- streams and tokens ------------------------------------------------
 
@@ -153,7 +185,7 @@ class HazardTracker:
                     f"stream {name!r} is already registered as {cur.kind.value}"
                 )
             return
-        self.streams[name] = st = StreamState(name, kind)
+        self.streams[name] = st = StreamState(name, kind, self.busy)
         if kind is _HOST:
             self._hosts.append(st)
 
@@ -174,6 +206,7 @@ class HazardTracker:
         O(#streams + len(after))."""
         st = self.state(stream)
         st.last_seq += 1
+        self.busy.add(st.name)
         tok = Token(st.name, st.last_seq, st.kind, self.pool_id)
         clock = st.clock.copy()
         for t in after:
@@ -186,6 +219,12 @@ class HazardTracker:
             st.clock.dev[st.name] = tok.seq
         st.token_clocks[tok.seq] = clock
         return tok
+
+    def wrote(self, token: Token) -> None:
+        """Note that ``token`` (issued here) was recorded as a write: its
+        stream's ``last_write`` (a fence's fast path for reads). O(1)."""
+        st = self.streams[token.stream]
+        st.last_write = max(st.last_write, token.seq)
 
     def validate(self, token: object) -> StreamState:
         """The state of ``token``'s stream; raises if the pool never issued it
@@ -225,6 +264,29 @@ class HazardTracker:
             if st.last_seq > st.mark:
                 return True
         return False
+
+    def _check(self, writers: Iterable[Token | None]) -> None:
+        """Assert: ``busy`` names exactly the streams with a token issued
+        above the mark; marks and ``last_write`` never pass ``last_seq``;
+        every writer in ``writers`` (the blocks' shadows and the pending
+        writes' saved ones) is a token at or below its stream's
+        ``last_write`` (``fence_of``'s fast path relies on it). O(#streams
+        + len(writers)).
+
+        Raises:
+            InvariantError: the first broken invariant.
+        """
+        busy = {n for n, s in self.streams.items() if s.last_seq > s.mark}
+        if busy != self.busy:
+            raise InvariantError(f"busy streams {sorted(self.busy)}, expected {sorted(busy)}")
+        for n, s in self.streams.items():
+            if not s.mark <= s.last_seq or not s.last_write <= s.last_seq:
+                raise InvariantError(f"stream {n!r}: mark {s.mark} or last write {s.last_write} past {s.last_seq}")
+        for w in writers:
+            if w is not None:
+                st = self.streams.get(w.stream)
+                if st is None or w.seq > st.last_write:
+                    raise InvariantError(f"writer {w} is not a recorded write of its stream")
 
     # -- completions -------------------------------------------------------
 
