@@ -319,3 +319,60 @@ def test_check_catches_saved_shadows_of_an_ended_write(pool: HazardAwareBlockPoo
     pool.tracker.end(load)
     with pytest.raises(InvariantError, match="ended"):
         pool.check()
+
+
+# -- writes recorded after their token ended (field report, session 5) --------
+
+
+@pytest.mark.parametrize("how", ["tag", "free"])
+def test_late_failure_withdraws_keys_of_a_write_recorded_after_its_token_ended(how: str) -> None:
+    pool = make_pool(4, streams={"compute": StreamKind.DEVICE})
+    _, b = pool.get_new_blocks(2)
+    e1 = pool.issue("compute")
+    pool.complete(e1)
+    pool.poll()
+    if how == "tag":
+        pool.tag([b], e1, W)  # its write to b recorded late
+    else:
+        pool.touch([b])
+        pool.free_blocks([b], token=e1, access=W)
+    pool.cache_full_blocks([b], ["k"], 0, 1, 16)
+    pool.take_events()
+    pool.fail(e1)  # a late failure report: b's content is not what "k" names
+    assert pool.get_cached_block("k") is None
+    assert pool.take_events() == [BlockRemoved(("k",), "GPU", "load_failed")]
+    pool.check()
+
+
+def test_write_recorded_after_its_token_ended_keeps_a_pending_write_and_a_running_read() -> None:
+    pool = make_pool(4)
+    (b,) = pool.get_new_blocks(1)
+    e1 = pool.issue("compute")
+    pool.complete(e1)
+    load, _ = pool.begin_load([b], "h2d")  # a write still running
+    store, _ = pool.begin_store([b], "d2h")  # and a read
+    pool.tag([b], e1, W)  # e1's write recorded late: the load's lands after it
+    assert b.writer == load
+    assert toks(pool.fence_for([b], "rdma", R)) == {str(load)}
+    assert toks(pool.fence_for([b], "rdma", W)) == {str(store)}  # the store's clock covers the load
+    pool.check()
+
+
+@pytest.mark.parametrize("how", ["tag", "free"])
+def test_write_by_an_ended_token_clears_a_failed_loads_invalid_mark_either_way(how: str) -> None:
+    pool = make_pool(4)
+    (b,) = pool.get_new_blocks(1)
+    load, _ = pool.begin_load([b], "h2d")
+    pool.fail(load)
+    pool.poll()
+    assert pool.writes.is_invalid(b.block_id)
+    e1 = pool.issue("compute")
+    pool.complete(e1)
+    if how == "tag":
+        pool.tag([b], e1, W)
+    else:
+        pool.touch([b])
+        pool.free_blocks([b], token=e1, access=W)
+    assert not pool.writes.is_invalid(b.block_id)
+    pool.cache_full_blocks([b], ["k"], 0, 1, 16)
+    assert pool.get_cached_block("k") is b

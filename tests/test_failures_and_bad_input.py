@@ -7,8 +7,10 @@ import pytest
 
 from blockpool import (
     AccessKind,
+    BlockPoolError,
     HazardAwareBlockPool,
     InvalidArgumentError,
+    InvalidTokenError,
     NullBlockError,
     StreamKind,
     Token,
@@ -178,3 +180,36 @@ def test_two_failed_writes_in_a_row_restore_the_access_before_both(pool: HazardA
     pool.complete(l0)
     assert pool.held_block_ids() == [] and pool.get_num_free_blocks() == 9
     pool.check()
+
+
+@pytest.mark.parametrize("kw", [{"token": None, "access": "WRITE"}, {"access": 42}, {"token": None, "access": None}])
+def test_free_blocks_checks_access_even_when_no_token_is_recorded(kw: dict) -> None:  # type: ignore[type-arg]
+    pool = make_pool(4)
+    blocks = pool.get_new_blocks(2)
+    before = pool.snapshot()
+    with pytest.raises(InvalidArgumentError, match="access"):
+        pool.free_blocks(blocks, **kw)
+    assert pool.snapshot() == before
+
+
+def test_evict_blocks_refuses_a_bool_block_id() -> None:
+    pool = make_pool(4)
+    (b,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([b], ["k"], 0, 1, 16)
+    before = pool.snapshot()
+    with pytest.raises(InvalidArgumentError):
+        pool.evict_blocks([True])
+    assert pool.snapshot() == before and pool.get_cached_block("k") is b
+
+
+@pytest.mark.parametrize("fields", [("compute", 0), ("compute", True), ("", 1), (None, 1)])
+def test_bad_token_fields_raise_the_packages_error(fields: tuple) -> None:  # type: ignore[type-arg]
+    with pytest.raises(InvalidTokenError) as info:
+        Token(*fields)
+    assert isinstance(info.value, BlockPoolError) and isinstance(info.value, (ValueError, TypeError))
+
+
+def test_malformed_wire_token_raises_invalid_token_error() -> None:
+    for bad in [("c", 1, "nope"), ("c",), ("c", 1, "device", -1), 5]:
+        with pytest.raises(InvalidTokenError):
+            Token.from_wire(bad)  # type: ignore[arg-type]

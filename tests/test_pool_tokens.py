@@ -12,6 +12,7 @@ import pytest
 
 from blockpool import (
     BlockRemoved,
+    ForeignTokenError,
     HazardAwareBlockPool,
     LeaseExpiredWarning,
     Token,
@@ -132,3 +133,16 @@ def test_a_touched_held_block_leaves_no_list_behind_when_its_token_ends() -> Non
         p.free_blocks(b, token=None)
         p.check()  # a block listed under an ended token is an InvariantError
     assert not p.holdback.tracking
+
+
+def test_default_free_tag_carries_the_pools_identity() -> None:
+    pool, other = make_pool(), make_pool()
+    blocks = pool.get_new_blocks(1)
+    e1 = pool.issue("compute")
+    other.issue("compute")
+    pool.free_blocks(blocks)  # tagged with the newest compute token: e1
+    _, fence = pool.allocate_for(1, "h2d")
+    (t,) = fence
+    assert t == e1 and t.pool == pool.pool_id
+    with pytest.raises(ForeignTokenError):
+        other.complete(t)  # the other pool's compute:1 is not this one

@@ -43,7 +43,7 @@ from blockpool.core.hazards import AccessKind, Fence, StreamKind, Token
 from blockpool.core.holdback import HoldBack
 from blockpool.core.pending_writes import PendingWrites
 from blockpool.core.prefix_cache import PrefixCache
-from blockpool.core.shadows import clear, fence_of, tag, write
+from blockpool.core.shadows import clear, fence_of, settle, tag, write
 from blockpool.core.tracker import HazardTracker, StreamState
 
 __all__ = ["PoolBase"]
@@ -276,6 +276,23 @@ class PoolBase:
         else:
             tag(blocks, token, access, self.tracker.is_ended)
             clear(self.null_block)  # the null block never has a shadow
+
+    def _ended_write(self, blocks: Sequence[KVCacheBlock], token: Token) -> None:
+        """A write by ``token`` recorded after ``token`` ended (or with
+        hazards off). Failed: it never happened (:meth:`_unwritten`).
+        Otherwise the blocks hold new content: their invalid marks go, and
+        with hazards on ``token`` becomes the writer of each block whose
+        writer slot holds no write that may still run
+        (:func:`~blockpool.core.shadows.settle`), so that a late failure
+        report of ``token`` still withdraws their keys; fences do not change
+        (an ended token is never waited on). O(len(blocks))."""
+        if self.tracker.has_failed(token):
+            self._unwritten(blocks)
+            return
+        self.writes.rewritten(blocks)
+        if self.track_hazards:
+            self.tracker.wrote(token)
+            settle(blocks, token, self.null_block, self.tracker.is_ended)
 
     def _unwritten(self, blocks: Iterable[KVCacheBlock]) -> None:
         """A write recorded after its token had failed: it never happened,

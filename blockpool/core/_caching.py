@@ -296,7 +296,7 @@ class CacheOps(PoolBase):
         self._apply_completions()
         ids = _as_list(block_ids, "block_ids")
         for bid in ids:
-            if not isinstance(bid, int) or not 0 <= bid < self.num_gpu_blocks:
+            if type(bid) is bool or not isinstance(bid, int) or not 0 <= bid < self.num_gpu_blocks:
                 raise InvalidArgumentError(
                     f"invalid block_id {bid!r}: the pool has {self.num_gpu_blocks} blocks"
                 )

@@ -79,10 +79,7 @@ class FenceOps(PoolBase):
         if self.track_hazards and not self.tracker.is_ended(token):
             self._tag(block_list, token, access)
         elif access is _WRITE:
-            if self.tracker.has_failed(token):
-                self._unwritten(block_list)  # the write never happened
-            else:
-                self.writes.rewritten(block_list)
+            self._ended_write(block_list, token)
 
     def _begin(
         self,

@@ -113,13 +113,13 @@ class RefCountOps(PoolBase):
             ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else _as_list(ordered_blocks, "blocks")
         )
         record = False
+        if access is not _READ and access is not _WRITE:
+            self._check_access(access)
         if token is LAST_STEP:
             st = self.tracker.streams.get("compute") if self.track_hazards else None
-            token = Token(st.name, st.last_seq, st.kind) if st is not None and st.last_seq else None
+            token = Token(st.name, st.last_seq, st.kind, self.pool_id) if st is not None and st.last_seq else None
         if token is not None:
             st = self.tracker.validate(token)
-            if access is not _READ and access is not _WRITE:
-                self._check_access(access)
             # Record the access unless the token has ended (tracker.is_ended, inline).
             record = self.track_hazards and not (
                 token.seq <= st.mark or (st.kind is _HOST and token.seq in st.done)
@@ -153,7 +153,7 @@ class RefCountOps(PoolBase):
             raise
         if record:
             self._tag(blocks, token, access)  # type: ignore[arg-type]
-        elif access is _WRITE and token is not None and self.tracker.has_failed(token):
-            self._unwritten(blocks)  # a write by a token that failed never happened
+        elif access is _WRITE and token is not None:
+            self._ended_write(blocks, token)  # type: ignore[arg-type]
         if zero:
             self._enqueue_free(zero, to_tail)

@@ -49,9 +49,11 @@ class CompletionSink(Protocol):
     """What :meth:`CompletionReport.apply` needs of a pool: ``complete`` and
     ``fail`` (:class:`~blockpool.core.pool.HazardAwareBlockPool` has both)."""
 
-    def complete(self, token: Token) -> None: ...
+    def complete(self, token: Token) -> None:
+        """The work of ``token`` finished (see ``HazardAwareBlockPool.complete``)."""
 
-    def fail(self, token: Token) -> None: ...
+    def fail(self, token: Token) -> None:
+        """The work of ``token`` ended without doing its job (see ``HazardAwareBlockPool.fail``)."""
 
 
 def _wire_tuple(items: Iterable[object]) -> tuple[WireToken, ...]:

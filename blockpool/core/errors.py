@@ -19,6 +19,7 @@ __all__ = [
     "ForeignTokenError",
     "HashConflictError",
     "InvalidArgumentError",
+    "InvalidTokenError",
     "InvariantError",
     "LeaseExpiredWarning",
     "MissingDependencyError",
@@ -100,6 +101,13 @@ class ForeignTokenError(BlockPoolError, ValueError):
     """A token issued by another pool (its ``Token.pool`` names another
     pool): completing, failing or tagging with it would act on this pool's
     unrelated token of the same ``(stream, seq)``."""
+
+
+class InvalidTokenError(InvalidArgumentError, TypeError):
+    """A :class:`~blockpool.core.hazards.Token` built from bad fields (an
+    empty or non-str stream, a ``seq`` that is not an int ``>= 1``, a bad
+    ``pool``) or decoded from malformed wire data. Both a ``ValueError``
+    and a ``TypeError``, the builtins these checks raised before it."""
 
 
 class HashConflictError(BlockPoolError, ValueError):

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator
 
 import attrs
 
+from blockpool.core.errors import InvalidTokenError
+
 __all__ = ["EMPTY_FENCE", "LAST_STEP", "AccessKind", "Fence", "FreeTag", "StreamKind", "Token"]
 
 
@@ -47,7 +49,7 @@ class AccessKind(enum.Enum):
 
 def _check_stream(_: object, __: attrs.Attribute, value: object) -> None:  # type: ignore[type-arg]
     if not isinstance(value, str) or not value:
-        raise TypeError(f"stream must be a non-empty str, got {value!r}")
+        raise InvalidTokenError(f"stream must be a non-empty str, got {value!r}")
 
 
 @attrs.frozen(slots=True, order=False)
@@ -71,6 +73,10 @@ class Token:
         kind: :class:`StreamKind` of the stream (not part of equality).
         pool: Identity of the issuing pool (``0``: unbound; not part of
             equality).
+
+    Raises:
+        InvalidTokenError: ``stream`` is not a non-empty str, or ``seq``
+            is not an int ``>= 1`` (a bool is not an int here).
     """
 
     stream: str = attrs.field(validator=_check_stream)
@@ -81,7 +87,7 @@ class Token:
     @seq.validator
     def _check_seq(self, _: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"seq must be an int >= 1, got {value!r}")
+            raise InvalidTokenError(f"seq must be an int >= 1, got {value!r}")
 
     def __str__(self) -> str:
         return f"{self.stream}:{self.seq}"
@@ -97,17 +103,25 @@ class Token:
     @classmethod
     def from_wire(cls, data: Iterable[object]) -> Token:
         """Inverse of :meth:`to_wire`; also decodes the old three-field form
-        (an unbound token). O(1). Raises ``ValueError``/``TypeError`` on
-        malformed data."""
-        fields = tuple(data)
-        if len(fields) == 3:
-            stream, seq, kind = fields
-            pool: object = 0
-        else:
-            stream, seq, kind, pool = fields  # ValueError on any other length
+        (an unbound token). O(1).
+
+        Raises:
+            InvalidTokenError: malformed data (not 3 or 4 fields, an
+                unknown kind, a bad stream, seq or pool).
+        """
+        try:
+            fields = tuple(data)
+            if len(fields) == 3:
+                stream, seq, kind = fields
+                pool: object = 0
+            else:
+                stream, seq, kind, pool = fields  # ValueError on any other length
+            stream_kind = StreamKind(kind)
+        except (TypeError, ValueError) as exc:
+            raise InvalidTokenError(f"malformed wire token {data!r}: {exc}") from None
         if not isinstance(pool, int) or isinstance(pool, bool) or pool < 0:
-            raise ValueError(f"pool must be an int >= 0, got {pool!r}")
-        return cls(stream, seq, StreamKind(kind), pool)  # type: ignore[arg-type]
+            raise InvalidTokenError(f"pool must be an int >= 0, got {pool!r}")
+        return cls(stream, seq, stream_kind, pool)  # type: ignore[arg-type]
 
 
 @attrs.frozen(slots=True)
@@ -204,8 +218,11 @@ class Fence:
 
     @classmethod
     def from_wire(cls, data: tuple[list[tuple[str, int, str]], bool]) -> Fence:
-        """Inverse of :meth:`to_wire`. O(len(tokens)). Raises
-        ``ValueError``/``TypeError`` on malformed data."""
+        """Inverse of :meth:`to_wire`. O(len(tokens)).
+
+        Raises:
+            InvalidTokenError: a malformed token.
+        """
         tokens, host = data
         return cls([Token.from_wire(t) for t in tokens], bool(host))
 

@@ -9,7 +9,7 @@ measured the same on the trace op log).
 Readers values are immutable and shared: blocks read or freed together hold
 the same object, so the work below is done once per distinct shadow, not
 once per block. This module is the only one that writes ``writer`` and
-``readers`` (:func:`tag`, :func:`write`, :func:`restore`, :func:`clear`;
+``readers`` (:func:`tag`, :func:`write`, :func:`settle`, :func:`restore`, :func:`clear`;
 "tag" is the one verb for recording an access: the pool's ``tag``, the
 race oracle's ``tag``; :func:`write` is ``tag`` of a write that also
 returns what it replaced).
@@ -36,6 +36,7 @@ __all__ = [
     "fence_of",
     "pending_host",
     "restore",
+    "settle",
     "shadow_ready",
     "shadow_tokens",
     "tag",
@@ -268,6 +269,28 @@ def write(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock | Non
             group = [b]
             replaced.append((w, r, group))
     return replaced
+
+
+def settle(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock, ended: Callable[[Token], bool]) -> None:
+    """A write by ``token``, which has ended, recorded late: ``token``
+    becomes the writer of each block (``null`` skipped) whose writer is
+    ``None`` or has ended, readers kept (a read still running stays
+    waited on); a block whose writer may still run keeps it (that write
+    is the block's content once it lands). No fence changes: ``token``
+    has ended. O(len(blocks)).
+
+    >>> from blockpool.core.block import KVCacheBlock
+    >>> b = KVCacheBlock(1)
+    >>> settle([b], Token("compute", 1), None, lambda t: True)
+    >>> str(b.writer)
+    'compute:1'
+    """
+    for b in blocks:
+        if b is null:
+            continue
+        w = b.writer
+        if w is None or ended(w):
+            b.writer = token
 
 
 def clear(b: KVCacheBlock) -> None:

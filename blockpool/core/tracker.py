@@ -70,6 +70,7 @@ class VectorClock:
             self.host |= other.host
 
     def copy(self) -> VectorClock:
+        """An independent copy (its own dict and set). O(len(self))."""
         return VectorClock(dict(self.dev), set(self.host))
 
     def __repr__(self) -> str:
@@ -120,6 +121,7 @@ class StreamState:
         self.failed_seqs: set[int] = set()
 
     def is_ended(self, seq: int) -> bool:
+        """Whether this stream's token ``seq`` has ended (completed or failed). O(log n)."""
         return seq <= self.mark or (self.kind is _HOST and seq in self.done)
 
     def end(self, seq: int) -> list[int]:
@@ -174,6 +176,13 @@ class HazardTracker:
     # -- streams and tokens ------------------------------------------------
 
     def add_stream(self, name: str, kind: StreamKind) -> None:
+        """Register stream ``name`` of ``kind`` (again with the same kind: nothing). O(1).
+
+        Raises:
+            InvalidArgumentError: ``name`` is not a non-empty str, ``kind``
+                is not a :class:`StreamKind`, or ``name`` is registered with
+                another kind.
+        """
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError(f"stream name must be a non-empty str, got {name!r}")
         if not isinstance(kind, StreamKind):
@@ -190,6 +199,12 @@ class HazardTracker:
             self._hosts.append(st)
 
     def state(self, stream: str) -> StreamState:
+        """The state of the stream named ``stream``. O(1).
+
+        Raises:
+            InvalidArgumentError: ``stream`` is not hashable.
+            UnknownStreamError: no stream of that name is registered.
+        """
         try:
             st = self.streams.get(stream)  # type: ignore[call-overload]
         except TypeError:
@@ -249,6 +264,7 @@ class HazardTracker:
         return st
 
     def is_ended(self, token: Token) -> bool:
+        """Whether ``token`` (of a registered stream) has ended. O(log n)."""
         st = self.streams[token.stream]
         return token.seq <= st.mark or (st.kind is _HOST and token.seq in st.done)
 

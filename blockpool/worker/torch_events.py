@@ -94,17 +94,21 @@ _HOST = StreamKind.HOST
 class EventLike(Protocol):
     """The part of ``torch.cuda.Event`` / ``torch.Event`` the ledger uses."""
 
-    def record(self, stream: Any = ...) -> None: ...
+    def record(self, stream: Any = ...) -> None:
+        """Record the event on ``stream`` (the current stream by default)."""
 
-    def query(self) -> bool: ...
+    def query(self) -> bool:
+        """Whether the work recorded before the event has finished (non-blocking)."""
 
-    def synchronize(self) -> None: ...
+    def synchronize(self) -> None:
+        """Block the calling host thread until the event has happened."""
 
 
 class StreamLike(Protocol):
     """The part of ``torch.cuda.Stream`` / ``torch.Stream`` the ledger uses."""
 
-    def wait_event(self, event: Any) -> None: ...
+    def wait_event(self, event: Any) -> None:
+        """Make work enqueued on this stream from now on wait for ``event`` (no host block)."""
 
 
 EventFactory = Callable[[], EventLike]

@@ -338,8 +338,11 @@ class VllmBlockPool(VllmEvents):
     ) -> bytes | None:
         """Make ``block`` reachable from the prefix boundary ``num_tokens``
         (a multiple of ``hash_block_size``) inside it; see vLLM's docstring.
-        Returns the key, or ``None`` for the null block (or, with hazards, a
-        block whose load failed). O(keys of the block).
+        Returns the key, or ``None`` for the null block, a block whose load
+        failed (with hazards), or a key the core retired (a partial key
+        whose block lost it to a full block: ``docs/vllm-differences.md``);
+        vLLM's ``single_type_kv_cache_manager`` reads ``None`` as "not
+        cached" for its partial-tail bookkeeping. O(keys of the block).
 
         Raises:
             AssertionError: ``num_tokens`` or ``block_size`` not a multiple
