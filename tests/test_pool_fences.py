@@ -14,6 +14,7 @@ import pytest
 from blockpool import (
     AccessKind,
     HazardAwareBlockPool,
+    InvalidArgumentError,
     InvariantError,
     Token,
 )
@@ -165,3 +166,30 @@ def test_check_reports_a_writer_above_its_streams_last_write(pool: HazardAwareBl
     pool.tracker.streams["h2d"].last_write = 0  # reads would skip the load
     with pytest.raises(InvariantError, match="not a recorded write"):
         pool.check()
+
+
+# 6. A fence for the work of a token issued before the wait -------------------
+
+
+def test_step_token_issued_before_its_fence_ends_the_fence_when_it_completes(pool: HazardAwareBlockPool) -> None:
+    b, c = pool.get_new_blocks(2)
+    store, _ = pool.begin_store([b, c], "rdma")  # a host store reads b and c
+    step = pool.issue("compute")  # step N scheduled: eN issued before its forward's fence
+    fence = pool.fence_for([b], "compute", AccessKind.WRITE, token=step)
+    assert list(fence) == [store]  # the forward waits on the store, then writes b
+    pool.tag([b], step, AccessKind.WRITE)
+    pool.complete(step)  # eN's event is recorded after that wait: the store ended too
+    assert pool.is_ended(store)
+    pool.free_blocks([c])
+    assert pool.holdback.held_ids() == [] and not pool.fence_for([c], "h2d")
+    pool.check()
+
+
+def test_fence_for_refuses_a_token_of_another_stream_and_changes_nothing(pool: HazardAwareBlockPool) -> None:
+    (b,) = pool.get_new_blocks(1)
+    pool.begin_store([b], "rdma")
+    load = pool.issue("h2d")
+    before = pool.snapshot()
+    with pytest.raises(InvalidArgumentError, match="not a token of stream"):
+        pool.fence_for([b], "compute", AccessKind.WRITE, token=load)
+    assert pool.snapshot() == before

@@ -5,6 +5,8 @@ back each block's own shadow, however the groups were formed."""
 
 from __future__ import annotations
 
+import pytest
+
 from blockpool import AccessKind, HazardAwareBlockPool
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.events import BlockRemoved
@@ -164,4 +166,68 @@ def test_a_failed_write_handed_on_from_a_group_of_several_blocks_keeps_the_later
     removed = [e.block_hashes for e in pool.take_events() if isinstance(e, BlockRemoved)]
     assert removed == [("kz",), ("ky",), ("kx",)]  # w2's block order
     assert all((blk.writer, blk.readers) == (None, None) for blk in (x, y, z))
+    pool.check()
+
+
+# -- a write recorded after accesses ordered after it (review, session 5) ----
+
+
+def test_a_write_recorded_again_keeps_the_read_of_a_stream_that_waited_on_it() -> None:
+    from tests.hb_model import HBModel
+
+    streams = {"compute": StreamKind.DEVICE, "d2h": StreamKind.DEVICE, "h2d": StreamKind.DEVICE}
+    pool, hb = HazardAwareBlockPool(4, streams=streams), HBModel(streams)
+    (b,) = pool.get_new_blocks(1)
+    e1 = pool.issue("compute")
+    hb.issue(e1)
+    pool.tag([b], e1, W)
+    hb.tag([1], e1, W)
+    store, f = pool.begin_store([b], "d2h")  # waits on e1, then reads b
+    hb.stream_waits("d2h", f)
+    hb.issue(store)
+    hb.tag([1], store, R)
+    pool.tag([b], e1, W)  # the same write recorded again
+    hb.tag([1], e1, W)
+    fence = pool.fence_for([b], "h2d")
+    hb.judge(fence, [([1], W)], "h2d")
+    assert toks(fence) == {str(store)}  # the store, which ends after e1
+    pool.check()
+
+
+@pytest.mark.parametrize("access", [R, W])
+def test_a_write_by_an_older_token_of_a_stream_keeps_the_newer_tokens_access(access: AccessKind) -> None:
+    from tests.hb_model import HBModel
+
+    streams = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE}
+    pool, hb = HazardAwareBlockPool(4, streams=streams), HBModel(streams)
+    (b,) = pool.get_new_blocks(1)
+    e1, e2 = pool.issue("compute"), pool.issue("compute")
+    hb.issue(e1)
+    hb.issue(e2)
+    pool.tag([b], e2, access)  # step 2 (enqueued after step 1) is recorded first
+    hb.tag([1], e2, access)
+    pool.tag([b], e1, W)  # step 1's write recorded after
+    hb.tag([1], e1, W)
+    # A read waits on the block's last write: e1's, or e2's that lands after it.
+    expected = {R: {"compute:1"}, W: {"compute:2"}} if access is R else {R: {"compute:2"}, W: set()}
+    for kind in (R, W):  # the write then waits on e2 (the reader), or on nothing more
+        fence = pool.fence_for([b], "h2d", kind)
+        hb.judge(fence, [([1], kind)], "h2d")
+        hb.stream_waits("h2d", fence)
+        assert toks(fence) == expected[kind]
+    assert b.writer == (e2 if access is W else e1)
+    pool.check()
+
+
+def test_a_late_recorded_write_leaves_a_later_writer_and_the_undo_alone() -> None:
+    pool = HazardAwareBlockPool(4, streams={"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE})
+    blocks = pool.get_new_blocks(2)
+    e1, e2 = pool.issue("compute"), pool.issue("compute")
+    pool.tag(blocks[:1], e2, W)
+    pool.tag(blocks, e1, W)  # block 1: e2's write lands last; block 2: e1's
+    assert [b.writer for b in blocks] == [e2, e1]
+    pool.fail(e1)  # undoes e1's write of block 2 only
+    pool.poll()
+    assert [b.writer for b in blocks] == [e2, None]
+    assert toks(pool.fence_for(blocks, "h2d", R)) == {"compute:2"}
     pool.check()

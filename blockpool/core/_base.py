@@ -269,10 +269,12 @@ class PoolBase:
     def _tag(self, blocks: Sequence[KVCacheBlock], token: Token, access: AccessKind) -> None:
         """Record ``token``'s ``access`` in the shadows of ``blocks`` (nulls
         skipped). A write also hands what it replaced, in the same pass, to
-        the pending writes (a failed write puts it back). O(len(blocks))."""
+        the pending writes (a failed write puts it back); accesses ordered
+        after ``token`` stay (:meth:`HazardTracker.later_than`). O(len(blocks))."""
         if access is _WRITE:
-            self.tracker.wrote(token)
-            self.writes.began(token, write(blocks, token, self.null_block), blocks)
+            tracker = self.tracker
+            tracker.wrote(token)
+            self.writes.began(token, write(blocks, token, self.null_block, tracker.later_than(token)), blocks)
         else:
             tag(blocks, token, access, self.tracker.is_ended)
             clear(self.null_block)  # the null block never has a shadow

@@ -26,6 +26,8 @@ class FenceOps(PoolBase):
         blocks: Iterable[KVCacheBlock],
         stream: str,
         access: AccessKind = AccessKind.WRITE,
+        *,
+        token: Token | None = None,
     ) -> Fence:
         """The fence for an ``access`` by ``stream`` to ``blocks`` beginning
         now, and record that ``stream`` waits on it. A write waits for each
@@ -34,6 +36,14 @@ class FenceOps(PoolBase):
         stream, tokens ``stream`` is already ordered after, and tokens covered
         by another token of the fence. Null blocks are skipped.
         O(len(blocks) + k^2), k = distinct streams/host tokens found.
+
+        ``token``: the access is the work of ``token``, already issued on
+        ``stream`` but whose event is recorded after the wait (step N's
+        token, issued when the step was scheduled, for the forward that
+        waits on this fence first). ``token`` is then ordered after the
+        fence too: its completion ends the fence's tokens, as for a token
+        issued after the wait (:meth:`issue`). Nothing more when it has
+        ended.
 
         >>> from blockpool import HazardAwareBlockPool, StreamKind, AccessKind
         >>> pool = HazardAwareBlockPool(4, streams={"compute": StreamKind.DEVICE, "d2h": StreamKind.DEVICE})
@@ -46,16 +56,24 @@ class FenceOps(PoolBase):
         Raises:
             UnknownStreamError: ``stream`` is not registered.
             ForeignBlockError: a block of another pool.
-            InvalidArgumentError: ``access`` is not an AccessKind.
+            InvalidArgumentError: ``access`` is not an AccessKind, or
+                ``token`` is not a token of ``stream``.
+            UnknownTokenError, ForeignTokenError: ``token`` was not issued
+                by this pool.
         """
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         st = self.tracker.state(stream)
         access = self._check_access(access)
+        if token is not None and self.tracker.validate(token) is not st:
+            raise InvalidArgumentError(f"token {token} is not a token of stream {stream!r}")
         block_list = self._own_all(blocks)
         if not self.track_hazards:
             return EMPTY_FENCE
-        return self._fence(((block_list, access),), st)
+        fence = self._fence(((block_list, access),), st)
+        if token is not None and fence.tokens:
+            self.tracker.order_after(token, fence.tokens)
+        return fence
 
     def tag(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
         """Record that ``token``'s work accesses ``blocks`` (e.g. step N's

@@ -229,7 +229,12 @@ def tag(blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind, ended:
         b.readers = last_out
 
 
-def write(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock | None) -> Replaced:
+def write(
+    blocks: Iterable[KVCacheBlock],
+    token: Token,
+    null: KVCacheBlock | None,
+    later: Callable[[Token], bool] | None = None,
+) -> Replaced:
     """:func:`tag` of a write by ``token`` (``null``, the pool's null block,
     is skipped) that also returns what it replaced, for the undo of a failed
     write (:class:`~blockpool.core.pending_writes.PendingWrites`): a group
@@ -237,6 +242,14 @@ def write(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock | Non
     whose writer is ``token`` already replaced nothing and are left out.
     One pass: per block, two reads, two identity tests, two stores and
     (unless left out) one append. O(len(blocks)).
+
+    ``later`` (:meth:`HazardTracker.later_than`; ``None`` when no token was
+    issued after ``token``) tells the accesses ordered after ``token``: a
+    write recorded late (by an older token of a stream, or again by the
+    same token after another stream read the block) replaces only what
+    came before it. Readers ordered after ``token`` stay; a block whose
+    writer is ordered after ``token`` keeps its whole shadow (that write
+    lands last) and is left out (:func:`_write_ordered`).
 
     >>> from blockpool.core.block import KVCacheBlock
     >>> a, b, c = KVCacheBlock(1), KVCacheBlock(2), KVCacheBlock(3)
@@ -246,6 +259,8 @@ def write(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock | Non
     >>> [(str(w), [x.block_id for x in g]) for w, _, g in write([a, b, c], t2, None)]
     [('compute:1', [1, 2]), ('None', [3])]
     """
+    if later is not None:
+        return _write_ordered(blocks, token, null, later)
     replaced: Replaced = []
     seq, stream = token.seq, token.stream
     lw: object = _UNSET
@@ -268,6 +283,44 @@ def write(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock | Non
         else:
             group = [b]
             replaced.append((w, r, group))
+    return replaced
+
+
+def _write_ordered(
+    blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock | None, later: Callable[[Token], bool]
+) -> Replaced:
+    """:func:`write` when tokens were issued after ``token``: per run of
+    blocks with the same ``(writer, readers)`` objects, decide once what
+    stays (the accesses ``later`` says are ordered after ``token``), then
+    store it in every block of the run. O(len(blocks) + runs * k)."""
+    replaced: Replaced = []
+    seq, stream = token.seq, token.stream
+    lw: object = _UNSET
+    lr: object = _UNSET
+    group: list[KVCacheBlock] | None = None
+    nw: Token | None = token
+    nr: Readers = None
+    for b in blocks:
+        if b is null:
+            continue
+        w = b.writer
+        r = b.readers
+        if w is not lw or r is not lr:
+            lw, lr = w, r
+            if w is not None and later(w):
+                nw, nr, group = w, r, None  # a write ordered after this one lands last
+            else:
+                kept = tuple([t for t in r if later(t)]) if r is not None else ()
+                nw, nr = token, kept or None
+                if w is not None and w.seq == seq and w.stream == stream:
+                    group = None
+                else:
+                    group = []
+                    replaced.append((w, r, group))
+        b.writer = nw
+        b.readers = nr
+        if group is not None:
+            group.append(b)
     return replaced
 
 

@@ -15,7 +15,7 @@ change for host engines: a ``DEVICE`` stream component is a high-water mark
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from sortedcontainers import SortedSet
 
@@ -41,11 +41,14 @@ class VectorClock:
     to ``n``; ``host`` holds individual host-engine tokens.
     """
 
-    __slots__ = ("dev", "host")
+    __slots__ = ("dev", "host", "serial")
 
     def __init__(self, dev: dict[str, int] | None = None, host: set[Token] | None = None):
         self.dev: dict[str, int] = dev if dev is not None else {}
         self.host: set[Token] = host if host is not None else set()
+        # A token's clock: its place in the tracker's issue order
+        # (HazardTracker.issued); 0 for a stream's standing clock.
+        self.serial = 0
 
     def covers(self, t: Token) -> bool:
         """True when this clock is ordered after ``t``. O(1)."""
@@ -160,7 +163,7 @@ class HazardTracker:
     :meth:`drain`.
     """
 
-    __slots__ = ("_hosts", "_inbox", "busy", "pool_id", "streams")
+    __slots__ = ("_hosts", "_inbox", "busy", "issued", "pool_id", "streams")
 
     def __init__(self, pool_id: int = 0) -> None:
         # Identity stamped on every token issued here (Token.pool); 0: unbound.
@@ -172,6 +175,7 @@ class HazardTracker:
         # above the stream's mark): a fence has nothing to wait on from any
         # other stream (fence_of's fast path). Kept by issue and StreamState.end.
         self.busy: set[str] = set()
+        self.issued = 0  # tokens issued so far, all streams: the issue order
 
     # -- streams and tokens ------------------------------------------------
 
@@ -230,10 +234,51 @@ class HazardTracker:
                 clock.join(tc)
             clock.add(t)
         clock.add(tok)
+        self.issued += 1
+        clock.serial = self.issued
         if st.kind is _DEVICE:
             st.clock.dev[st.name] = tok.seq
         st.token_clocks[tok.seq] = clock
         return tok
+
+    def order_after(self, token: Token, tokens: Iterable[Token]) -> None:
+        """``token`` (issued, its event not recorded yet) is ordered after
+        ``tokens`` too: its issue-time clock joins theirs, as if it had been
+        issued after a wait on them. Nothing when ``token`` has ended.
+        O(#streams * len(tokens))."""
+        tc = self.streams[token.stream].token_clocks.get(token.seq)
+        if tc is None:
+            return
+        streams = self.streams
+        for t in tokens:
+            c = streams[t.stream].token_clocks.get(t.seq)
+            if c is not None:
+                tc.join(c)
+            tc.add(t)
+
+    def later_than(self, token: Token) -> Callable[[Token], bool] | None:
+        """A test ``later(t)``: whether token ``t`` is known to be ordered
+        after ``token``: a later token of ``token``'s own device stream, or
+        one whose issue-time clock covers ``token`` (it waited on it; a
+        token of another stream that has ended is not known to be, its clock
+        is gone). ``None`` when no token was issued after ``token``
+        (nothing can be ordered after it: the usual case, O(1)). A write
+        by ``token`` keeps these accesses in a block's shadow
+        (:func:`blockpool.core.shadows.write`). O(1) per test."""
+        tc = self.streams[token.stream].token_clocks.get(token.seq)
+        if tc is None or tc.serial == self.issued:
+            return None
+        streams = self.streams
+        own = token.stream if token.kind is _DEVICE else None
+        seq = token.seq
+
+        def later(t: Token) -> bool:
+            if t.stream == own:
+                return t.seq > seq
+            c = streams[t.stream].token_clocks.get(t.seq)
+            return c is not None and c.covers(token)
+
+        return later
 
     def wrote(self, token: Token) -> None:
         """Note that ``token`` (issued here) was recorded as a write: its

@@ -324,7 +324,10 @@ class StepHazards:
         blocks = self.blocks_of(ids)
         if not blocks:
             return EMPTY_FENCE
-        fence = self.pool.fence_for(blocks, self.stream, AccessKind.WRITE)
+        # eN was issued when the step was scheduled; its event is recorded
+        # after the forward, which waits on this fence first: eN is ordered
+        # after the fence (its completion ends the fence's tokens).
+        fence = self.pool.fence_for(blocks, self.stream, AccessKind.WRITE, token=record.forward)
         self.pool.tag(blocks, record.forward, AccessKind.WRITE)
         self._step_writes = (record.index, fence)
         return fence
