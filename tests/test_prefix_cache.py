@@ -8,6 +8,7 @@ from __future__ import annotations
 from blockpool import (
     AllBlocksCleared,
     BlockRemoved,
+    BlockStored,
     HazardAwareBlockPool,
 )
 from tests.conftest import make_pool
@@ -91,3 +92,18 @@ def test_eviction_takes_chain_tail_first_and_keeps_prefix_hits() -> None:
     assert pool.take_events() == [BlockRemoved(("h3",))]
     assert pool.get_cached_block("h1") is chain[0]
     assert pool.get_cached_block("h2") is chain[1]
+
+
+def test_a_block_listed_twice_in_one_cache_full_blocks_call_keeps_the_longer_prefix_as_vllm_does() -> None:
+    # Field report (review, session 5): the two-pass publish gave the block
+    # both full keys; vLLM's one-by-one loop promotes it at the second entry.
+    pool = make_pool(4)
+    (b,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([b, b], ["n0", "n1"], 0, 2, 16)
+    assert pool.get_cached_block("n0") is None and pool.get_cached_block("n1") is b
+    assert (b.block_hash, b.block_hash_num_tokens, pool.prefix_cache.keys_of(b)) == ("n1", 32, ["n1"])
+    assert pool.take_events() == [
+        BlockRemoved(("n0",), "GPU", "promoted"),
+        BlockStored(("n0", "n1"), None, 16, (1, 1), "GPU"),
+    ]
+    pool.check()

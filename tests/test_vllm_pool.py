@@ -405,3 +405,14 @@ def test_a_stored_event_queued_by_the_core_earlier_is_not_taken_for_this_calls()
     ours.cache_full_blocks(r, a, 2, 3, BS, 0, block_mask=[False])  # this call publishes nothing
     stored = [e for e in ours.take_events() if isinstance(e, BlockStored)]
     assert [e.block_hashes for e in stored] == [[]]  # this call's (vLLM queues one, empty); not the core's
+
+
+def test_a_block_listed_twice_in_one_cache_full_blocks_call_matches_vllm() -> None:
+    theirs, ours = pools(6)
+    for p in (theirs, ours):
+        r = request("a", list(range(9)))
+        (b,) = p.get_new_blocks(1)
+        p.cache_full_blocks(r, [b, b], 0, 2, BS, 0)  # vLLM promotes at the second entry
+    assert state(ours) == state(theirs)
+    assert ours.take_events() == theirs.take_events()
+    ours.core.check()
