@@ -1,5 +1,6 @@
 """Model-based test: random allocate / free / touch / cache / CoW / load /
-store / complete / fail sequences against a deliberately simple reference
+store / rewrite (a write recorded again by its token) / complete / fail
+sequences against a deliberately simple reference
 model; ``check()`` after every step; every fence judged by the independent
 brute-force happens-before model in ``tests/hb_model.py`` (0 missed hazards,
 0 redundant waits). A negative control proves the judge can fail.
@@ -218,6 +219,28 @@ class PoolMachine(RuleBasedStateMachine):
             self.invalid -= set(target)
             self.loads.setdefault(token, []).extend(target)
             self.kinds[token] = "tag-write"
+
+    @rule(data=st.data())
+    def rewrite(self, data: st.DataObject) -> None:
+        """A write recorded again by the token that is still the block's
+        writer (a second KV cache group, a repeated tag), after accesses
+        that waited on it may have read the block: those stay waited on."""
+        pool = self.pool
+        pairs = [
+            (b.block_id, b.writer)
+            for b in pool.blocks[1:]
+            if b.writer is not None
+            and self.ref[b.block_id] > 0
+            and b.block_id not in self.invalid
+            and not pool.tracker.is_ended(b.writer)
+        ]
+        if not pairs:
+            return
+        bid, token = data.draw(st.sampled_from(pairs))
+        event("rewrite")
+        pool.tag([pool.blocks[bid]], token, WRITE)
+        self.hb.tag([bid], token, WRITE)
+        self.loads.setdefault(token, []).append(bid)
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data(), stream=st.sampled_from(["h2d", "rdma"]))
