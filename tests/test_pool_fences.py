@@ -18,7 +18,7 @@ from blockpool import (
     InvariantError,
     Token,
 )
-from tests.conftest import ids, toks
+from tests.conftest import ids, make_pool, toks
 
 
 def steps(pool: HazardAwareBlockPool, n: int) -> list[Token]:
@@ -193,3 +193,60 @@ def test_fence_for_refuses_a_token_of_another_stream_and_changes_nothing(pool: H
     with pytest.raises(InvalidArgumentError, match="not a token of stream"):
         pool.fence_for([b], "compute", AccessKind.WRITE, token=load)
     assert pool.snapshot() == before
+
+
+@pytest.mark.parametrize("case", ["not newest", "host", "cycle", "waited on"])
+def test_fence_for_refuses_a_token_it_cannot_order_exactly_and_changes_nothing(case: str) -> None:
+    pool = make_pool(8)
+    a, b = pool.get_new_blocks(2)
+    if case == "not newest":
+        token = pool.issue("compute")
+        pool.issue("compute")  # step 2 is ordered after step 1 already
+        stream = "compute"
+    elif case == "host":
+        token, _ = pool.begin_load([a], "rdma")  # a host engine's token would wait on itself
+        stream = "rdma"
+    else:
+        token = pool.issue("compute")
+        stream = "compute"
+        pool.tag([a], token, AccessKind.WRITE)
+        if case == "cycle":
+            pool.begin_store([a, b], "d2h")  # the store waited on the step
+        else:
+            pool.fence_for([a], "h2d")  # h2d waited on the step
+    before = pool.snapshot()
+    with pytest.raises(InvalidArgumentError, match="cannot order"):
+        pool.fence_for([a, b], stream, AccessKind.WRITE, token=token)
+    assert pool.snapshot() == before
+
+
+def test_a_load_write_recorded_again_after_the_forward_ordered_after_it_is_refused() -> None:
+    # fence_for(token=e1) orders e1 after the load; a later check of the
+    # write order must see it (HazardTracker.later_than, not just the issue order).
+    pool = make_pool(8)
+    (b,) = pool.get_new_blocks(1)
+    e1 = pool.issue("compute")
+    load, _ = pool.begin_load([b], "h2d")
+    assert list(pool.fence_for([b], "compute", AccessKind.WRITE, token=e1)) == [load]
+    pool.tag([b], e1, AccessKind.WRITE)
+    before = pool.snapshot()
+    with pytest.raises(InvalidArgumentError, match="order they run"):
+        pool.tag([b], load, AccessKind.WRITE)
+    assert pool.snapshot() == before
+    pool.complete(load)
+    assert toks(pool.fence_for([b], "d2h", AccessKind.READ)) == {"compute:1"}
+
+
+def test_a_token_ordered_after_its_fence_is_also_after_the_streams_earlier_waits() -> None:
+    # Found by the review's fuzzer: the stream had waited on the store after
+    # e1 was issued, so e1's own fence is empty; e1 still runs after that wait.
+    pool = make_pool(8)
+    (a,) = pool.get_new_blocks(1)
+    store, _ = pool.begin_store([a], "d2h")
+    e1 = pool.issue("compute")
+    assert list(pool.fence_for([a], "compute", AccessKind.WRITE)) == [store]  # another access of the step
+    assert not pool.fence_for([a], "compute", AccessKind.WRITE, token=e1)  # covered by that wait
+    pool.tag([a], e1, AccessKind.WRITE)
+    pool.complete(e1)
+    assert pool.is_ended(store)  # e1 ran after the stream's wait on the store
+    pool.check()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from blockpool import AccessKind, HazardAwareBlockPool
+from blockpool import AccessKind, HazardAwareBlockPool, InvalidArgumentError
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.events import BlockRemoved
 from blockpool.core.hazards import StreamKind, Token
@@ -53,11 +53,11 @@ def test_a_failed_grouped_write_restores_each_blocks_own_shadow() -> None:
     pw = PendingWrites()
     a, b, c = KVCacheBlock(1), KVCacheBlock(2), KVCacheBlock(3)
     t1 = tr.issue("compute")
-    pw.began(t1, write([a, b, c], t1, None), [a, b, c])
+    pw.began(t1, write([a, b, c], t1, None))
     s = tr.issue("d2h")
     tag([b, c], s, R, tr.is_ended)
     load = tr.issue("h2d")
-    pw.began(load, write([a, b, c], load, None), [a, b, c])
+    pw.began(load, write([a, b, c], load, None))
     undone = pw.ended(load, True, tr.end(load, True), tr.is_ended)
     assert [x.block_id for x in undone] == [1, 2, 3]
     assert (a.writer, a.readers) == (t1, None)
@@ -76,9 +76,9 @@ def test_a_failed_write_rewritten_since_hands_its_replaced_shadow_to_the_later_w
     step = tr.issue("compute")
     tag([a, b], step, R, tr.is_ended)
     first = tr.issue("h2d")
-    pw.began(first, write([a, b], first, None), [a, b])  # one group: (None, (step,), [a, b])
+    pw.began(first, write([a, b], first, None))  # one group: (None, (step,), [a, b])
     second = tr.issue("rdma")
-    pw.began(second, write([a], second, None), [a])  # a rewritten since
+    pw.began(second, write([a], second, None))  # a rewritten since
     assert [x.block_id for x in pw.ended(first, True, tr.end(first, True), tr.is_ended)] == [2]
     assert (b.writer, b.readers) == (None, (step,))  # b: back to before the failed write
     assert a.writer is second  # a: still the later write's
@@ -109,7 +109,7 @@ def test_the_fence_after_a_failed_grouped_write_names_each_blocks_restored_reade
 HB_STREAMS = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "nic": StreamKind.HOST}
 
 
-def test_a_failed_token_that_wrote_a_block_twice_restores_what_its_last_write_replaced() -> None:
+def test_a_write_recorded_after_a_later_write_that_waited_on_it_is_refused_and_changes_nothing() -> None:
     from tests.hb_model import HBModel
 
     pool, hb = HazardAwareBlockPool(4, streams=HB_STREAMS), HBModel(HB_STREAMS)
@@ -124,8 +124,10 @@ def test_a_failed_token_that_wrote_a_block_twice_restores_what_its_last_write_re
     hb.issue(step)
     pool.tag([b], step, W)
     hb.tag([1], step, W)
-    pool.tag([b], load, W)  # nic:1 writes b again, after the step
-    hb.tag([1], load, W)
+    before = pool.snapshot()
+    with pytest.raises(InvalidArgumentError, match="recorded after compute:1"):
+        pool.tag([b], load, W)  # nic:1 "writes b again": the step waited on it, so it ran before
+    assert pool.snapshot() == before
     pool.fail(load)
     hb.report(load, True)
     fence = pool.fence_for([b], "h2d")
@@ -142,7 +144,7 @@ def test_alternating_writes_of_two_tokens_undo_to_the_right_write_each_time() ->
     blk = KVCacheBlock(1)
     t, u = tr.issue("a"), tr.issue("b")
     for tok in (t, u, t, u):  # t, u, t, u write the block in turn
-        pw.began(tok, write([blk], tok, None), [blk])
+        pw.began(tok, write([blk], tok, None))
     assert pw.ended(t, True, tr.end(t, True), tr.is_ended) == []  # u wrote last: nothing restored now
     assert blk.writer is u
     assert [x.block_id for x in pw.ended(u, True, tr.end(u, True), tr.is_ended)] == [1]
@@ -195,39 +197,49 @@ def test_a_write_recorded_again_keeps_the_read_of_a_stream_that_waited_on_it() -
 
 
 @pytest.mark.parametrize("access", [R, W])
-def test_a_write_by_an_older_token_of_a_stream_keeps_the_newer_tokens_access(access: AccessKind) -> None:
-    from tests.hb_model import HBModel
-
-    streams = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE}
-    pool, hb = HazardAwareBlockPool(4, streams=streams), HBModel(streams)
-    (b,) = pool.get_new_blocks(1)
-    e1, e2 = pool.issue("compute"), pool.issue("compute")
-    hb.issue(e1)
-    hb.issue(e2)
-    pool.tag([b], e2, access)  # step 2 (enqueued after step 1) is recorded first
-    hb.tag([1], e2, access)
-    pool.tag([b], e1, W)  # step 1's write recorded after
-    hb.tag([1], e1, W)
-    # A read waits on the block's last write: e1's, or e2's that lands after it.
-    expected = {R: {"compute:1"}, W: {"compute:2"}} if access is R else {R: {"compute:2"}, W: set()}
-    for kind in (R, W):  # the write then waits on e2 (the reader), or on nothing more
-        fence = pool.fence_for([b], "h2d", kind)
-        hb.judge(fence, [([1], kind)], "h2d")
-        hb.stream_waits("h2d", fence)
-        assert toks(fence) == expected[kind]
-    assert b.writer == (e2 if access is W else e1)
-    pool.check()
-
-
-def test_a_late_recorded_write_leaves_a_later_writer_and_the_undo_alone() -> None:
+def test_a_write_by_an_older_token_of_a_stream_after_a_newer_tokens_access_is_refused(access: AccessKind) -> None:
     pool = HazardAwareBlockPool(4, streams={"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE})
     blocks = pool.get_new_blocks(2)
     e1, e2 = pool.issue("compute"), pool.issue("compute")
-    pool.tag(blocks[:1], e2, W)
-    pool.tag(blocks, e1, W)  # block 1: e2's write lands last; block 2: e1's
-    assert [b.writer for b in blocks] == [e2, e1]
-    pool.fail(e1)  # undoes e1's write of block 2 only
-    pool.poll()
-    assert [b.writer for b in blocks] == [e2, None]
-    assert toks(pool.fence_for(blocks, "h2d", R)) == {"compute:2"}
+    pool.tag(blocks[1:], e2, access)  # step 2 (enqueued after step 1) is recorded first
+    for call in (
+        lambda: pool.tag(blocks, e1, W),  # step 1's write recorded after: refused, block 1 untouched too
+        lambda: pool.free_blocks(blocks, token=e1, access=W),
+    ):
+        before = pool.snapshot()
+        with pytest.raises(InvalidArgumentError, match="record accesses in the order they run"):
+            call()
+        assert pool.snapshot() == before
+    pool.tag(blocks[:1], e1, W)  # a block step 2 never touched: fine
+    assert toks(pool.fence_for(blocks, "h2d", W)) == {"compute:2"}
+    pool.check()
+
+
+def test_a_write_recorded_again_keeps_a_read_recorded_since_for_its_undo() -> None:
+    from tests.hb_model import HBModel
+
+    streams = {"compute": StreamKind.DEVICE, "d2h": StreamKind.DEVICE, "h2d": StreamKind.DEVICE}
+    pool, hb = HazardAwareBlockPool(8, streams=streams), HBModel(streams)
+    b, c = pool.get_new_blocks(2)
+    x = pool.issue("d2h")  # an offload reads c
+    hb.issue(x)
+    pool.tag([c], x, R)
+    hb.tag([c.block_id], x, R)
+    f = pool.fence_for([b, c], "compute", W)  # step 1 waits on it
+    hb.judge(f, [([b.block_id, c.block_id], W)], "compute")
+    hb.stream_waits("compute", f)
+    e1 = pool.issue("compute")
+    hb.issue(e1)
+    pool.tag([b], e1, W)
+    hb.tag([b.block_id], e1, W)
+    pool.tag([b], x, R)  # the offload read b too (recorded late: it ran before e1)
+    hb.tag([b.block_id], x, R)
+    pool.tag([b], e1, W)  # step 1's write recorded again: changes nothing
+    hb.tag([b.block_id], e1, W)
+    assert (b.writer, b.readers) == (e1, (x,))
+    pool.fail(e1)  # the write never happened; the offload may still run
+    hb.report(e1, True)
+    fence = pool.fence_for([b], "h2d", W)
+    hb.judge(fence, [([b.block_id], W)], "h2d")
+    assert toks(fence) == {str(x)}
     pool.check()

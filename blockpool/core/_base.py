@@ -43,7 +43,7 @@ from blockpool.core.hazards import AccessKind, Fence, StreamKind, Token
 from blockpool.core.holdback import HoldBack
 from blockpool.core.pending_writes import PendingWrites
 from blockpool.core.prefix_cache import PrefixCache
-from blockpool.core.shadows import clear, fence_of, settle, tag, write
+from blockpool.core.shadows import _UNSET, clear, fence_of, settle, shadow_tokens, tag, write
 from blockpool.core.tracker import HazardTracker, StreamState
 
 __all__ = ["PoolBase"]
@@ -269,30 +269,63 @@ class PoolBase:
     def _tag(self, blocks: Sequence[KVCacheBlock], token: Token, access: AccessKind) -> None:
         """Record ``token``'s ``access`` in the shadows of ``blocks`` (nulls
         skipped). A write also hands what it replaced, in the same pass, to
-        the pending writes (a failed write puts it back); accesses ordered
-        after ``token`` stay (:meth:`HazardTracker.later_than`). O(len(blocks))."""
+        the pending writes (a failed write puts it back). The caller checked
+        the order first (:meth:`_check_write_order`). O(len(blocks))."""
         if access is _WRITE:
-            tracker = self.tracker
-            tracker.wrote(token)
-            self.writes.began(token, write(blocks, token, self.null_block, tracker.later_than(token)), blocks)
+            self.tracker.wrote(token)
+            self.writes.began(token, write(blocks, token, self.null_block))
         else:
             tag(blocks, token, access, self.tracker.is_ended)
             clear(self.null_block)  # the null block never has a shadow
 
+    def _check_write_order(self, blocks: Sequence[KVCacheBlock], token: Token) -> None:
+        """Refuse a write by ``token`` (not ended) to a block whose shadow
+        holds an access ordered after ``token`` (:meth:`HazardTracker.later_than`):
+        a write recorded out of the order the work runs in, which no
+        shadow of one writer can hold exactly. A block already written by
+        ``token`` passes (the same write again). O(1) when no token was
+        issued after ``token`` (the usual case); else O(len(blocks)),
+        once per run of shared shadow objects.
+
+        Raises:
+            InvalidArgumentError: the first such block (nothing changed).
+        """
+        later = self.tracker.later_than(token)
+        if later is None:
+            return
+        seq, stream = token.seq, token.stream
+        null = self.null_block
+        lw: object = _UNSET
+        lr: object = _UNSET
+        for b in blocks:
+            w = b.writer
+            r = b.readers
+            if b is null or (w is lw and r is lr):
+                continue
+            lw, lr = w, r
+            if w is not None and w.seq == seq and w.stream == stream:
+                continue  # this write again
+            for t in shadow_tokens(b):
+                if later(t):
+                    raise InvalidArgumentError(
+                        f"a write by {token} to block {b.block_id} is recorded after {t}'s access, "
+                        f"which is ordered after {token}: record accesses in the order they run"
+                    )
+
     def _ended_write(self, blocks: Sequence[KVCacheBlock], token: Token) -> None:
         """A write by ``token`` recorded after ``token`` ended (or with
         hazards off). Failed: it never happened (:meth:`_unwritten`).
-        Otherwise the blocks hold new content: their invalid marks go, and
-        with hazards on ``token`` becomes the writer of each block whose
-        writer slot holds no write that may still run
-        (:func:`~blockpool.core.shadows.settle`), so that a late failure
-        report of ``token`` still withdraws their keys; fences do not change
-        (an ended token is never waited on). O(len(blocks))."""
+        Otherwise, with hazards on, ``token`` becomes the writer of each
+        block whose writer slot holds no write that may still run or ran
+        after it (:func:`~blockpool.core.shadows.settle`), so that a late
+        failure report of ``token`` still withdraws their keys; fences do
+        not change (an ended token is never waited on). Invalid marks stay:
+        whether this write ran before or after the failed write that left
+        a mark is not known, and a mark only withholds publication (the
+        safe side). O(len(blocks))."""
         if self.tracker.has_failed(token):
             self._unwritten(blocks)
-            return
-        self.writes.rewritten(blocks)
-        if self.track_hazards:
+        elif self.track_hazards:
             self.tracker.wrote(token)
             settle(blocks, token, self.null_block, self.tracker.is_ended)
 

@@ -41,9 +41,10 @@ class FenceOps(PoolBase):
         ``stream`` but whose event is recorded after the wait (step N's
         token, issued when the step was scheduled, for the forward that
         waits on this fence first). ``token`` is then ordered after the
-        fence too: its completion ends the fence's tokens, as for a token
-        issued after the wait (:meth:`issue`). Nothing more when it has
-        ended.
+        fence and every earlier wait of ``stream``, as a token issued after
+        the wait (:meth:`issue`): its completion ends the fence's tokens. It must be the newest token
+        of ``stream``, a ``DEVICE`` stream, not ended, with nothing ordered
+        after it yet (:meth:`HazardTracker.unorderable` says why not).
 
         >>> from blockpool import HazardAwareBlockPool, StreamKind, AccessKind
         >>> pool = HazardAwareBlockPool(4, streams={"compute": StreamKind.DEVICE, "d2h": StreamKind.DEVICE})
@@ -57,7 +58,8 @@ class FenceOps(PoolBase):
             UnknownStreamError: ``stream`` is not registered.
             ForeignBlockError: a block of another pool.
             InvalidArgumentError: ``access`` is not an AccessKind, or
-                ``token`` is not a token of ``stream``.
+                ``token`` is not a token of ``stream`` or cannot be ordered
+                after the fence (see above); nothing changes.
             UnknownTokenError, ForeignTokenError: ``token`` was not issued
                 by this pool.
         """
@@ -65,13 +67,17 @@ class FenceOps(PoolBase):
             self._apply_completions()
         st = self.tracker.state(stream)
         access = self._check_access(access)
-        if token is not None and self.tracker.validate(token) is not st:
-            raise InvalidArgumentError(f"token {token} is not a token of stream {stream!r}")
+        if token is not None:
+            if self.tracker.validate(token) is not st:
+                raise InvalidArgumentError(f"token {token} is not a token of stream {stream!r}")
+            why = self.tracker.unorderable(token) if self.track_hazards else None
+            if why is not None:
+                raise InvalidArgumentError(f"cannot order {token} after a fence: {why}")
         block_list = self._own_all(blocks)
         if not self.track_hazards:
             return EMPTY_FENCE
         fence = self._fence(((block_list, access),), st)
-        if token is not None and fence.tokens:
+        if token is not None:
             self.tracker.order_after(token, fence.tokens)
         return fence
 
@@ -83,11 +89,16 @@ class FenceOps(PoolBase):
         is kept until ``token`` ends: if ``token`` fails, it is restored and
         the blocks lose their keys, see :meth:`fail`); a read joins it.
         Keys are kept (the scheduler publishes a block's key for the content
-        its step writes). Null blocks are skipped. O(len(blocks)).
+        its step writes). Null blocks are skipped. Accesses are recorded in
+        the order they run: a write by ``token`` to a block that an access
+        ordered after ``token`` already touched (a later token of its
+        device stream, or one that waited on it) is refused; the same write
+        recorded again changes nothing. O(len(blocks)).
 
         Raises:
             ForeignBlockError, UnknownStreamError, UnknownTokenError, ForeignTokenError,
-            InvalidArgumentError: as the names say; nothing changes.
+            InvalidArgumentError: as the names say, or a write recorded
+                after an access ordered after it; nothing changes.
         """
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
@@ -95,6 +106,8 @@ class FenceOps(PoolBase):
         access = self._check_access(access)
         block_list = self._own_all(blocks)
         if self.track_hazards and not self.tracker.is_ended(token):
+            if access is _WRITE:
+                self._check_write_order(block_list, token)
             self._tag(block_list, token, access)
         elif access is _WRITE:
             self._ended_write(block_list, token)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from blockpool.core._base import _HOST, _READ, _WRITE, PoolBase, _as_list
 from blockpool.core.block import KVCacheBlock
-from blockpool.core.errors import RefCountError
+from blockpool.core.errors import InvalidArgumentError, RefCountError
 from blockpool.core.hazards import LAST_STEP, AccessKind, FreeTag, Token
 
 __all__ = ["RefCountOps"]
@@ -105,7 +105,8 @@ class RefCountOps(PoolBase):
             UnknownStreamError, UnknownTokenError: a token the pool never issued.
             ForeignTokenError: a token issued by another pool.
             InvalidArgumentError: ``access`` is not an :class:`AccessKind`,
-                or ``blocks`` is not iterable.
+                ``blocks`` is not iterable, or a ``WRITE`` is recorded after
+                an access ordered after ``token`` (as for :meth:`tag`).
         """
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
@@ -151,6 +152,14 @@ class RefCountOps(PoolBase):
             if isinstance(exc, (IndexError, AttributeError, TypeError)):
                 self._own(blocks[i])  # raises the typed error
             raise
+        if record and access is _WRITE and self.tracker.later_than(token) is not None:  # type: ignore[arg-type]
+            try:
+                self._check_write_order(blocks, token)  # type: ignore[arg-type]
+            except InvalidArgumentError:
+                for b in blocks:  # every block was counted down: count them up again
+                    if b is not null:
+                        b.ref_cnt += 1
+                raise
         if record:
             self._tag(blocks, token, access)  # type: ignore[arg-type]
         elif access is _WRITE and token is not None:

@@ -14,7 +14,7 @@ rewritten.
 >>> from blockpool.core.tracker import HazardTracker
 >>> tr = HazardTracker(); tr.add_stream("h2d", StreamKind.DEVICE)
 >>> pw, b = PendingWrites(), KVCacheBlock(1)
->>> t = tr.issue("h2d"); pw.began(t, write([b], t, None), [b])
+>>> t = tr.issue("h2d"); pw.began(t, write([b], t, None))
 >>> undone = pw.ended(t, True, tr.end(t, True), tr.is_ended)
 >>> [x.block_id for x in undone], b.writer, pw.is_invalid(1)
 ([1], None, True)
@@ -88,11 +88,13 @@ class PendingWrites:
 
     # -- writes in flight ------------------------------------------------------
 
-    def began(self, token: Token, replaced: Replaced, blocks: Iterable[KVCacheBlock]) -> None:
-        """``token`` began writing ``blocks``: keep what it ``replaced``
-        (from :func:`blockpool.core.shadows.write`) until ``token`` ends,
-        and clear the blocks' invalid marks. O(len(replaced)), plus
-        O(len(blocks)) when some block is marked invalid."""
+    def began(self, token: Token, replaced: Replaced) -> None:
+        """``token`` began writing: keep what it ``replaced`` (from
+        :func:`blockpool.core.shadows.write`) until ``token`` ends, and
+        clear the invalid marks of the blocks it wrote (those in
+        ``replaced``; a block it had written already keeps its mark).
+        O(len(replaced)), plus O(blocks replaced) when some block is marked
+        invalid."""
         if replaced:
             per_stream = self._writes.get(token.stream)
             if per_stream is None:
@@ -104,7 +106,8 @@ class PendingWrites:
             else:
                 saved.append((self._serial, replaced))
         if self._invalid:
-            self.rewritten(blocks)
+            for _w, _r, group in replaced:
+                self.rewritten(group)
 
     def ended(
         self,

@@ -229,27 +229,18 @@ def tag(blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind, ended:
         b.readers = last_out
 
 
-def write(
-    blocks: Iterable[KVCacheBlock],
-    token: Token,
-    null: KVCacheBlock | None,
-    later: Callable[[Token], bool] | None = None,
-) -> Replaced:
+def write(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock | None) -> Replaced:
     """:func:`tag` of a write by ``token`` (``null``, the pool's null block,
     is skipped) that also returns what it replaced, for the undo of a failed
     write (:class:`~blockpool.core.pending_writes.PendingWrites`): a group
     per run of blocks with the same ``(writer, readers)`` objects; blocks
-    whose writer is ``token`` already replaced nothing and are left out.
-    One pass: per block, two reads, two identity tests, two stores and
-    (unless left out) one append. O(len(blocks)).
-
-    ``later`` (:meth:`HazardTracker.later_than`; ``None`` when no token was
-    issued after ``token``) tells the accesses ordered after ``token``: a
-    write recorded late (by an older token of a stream, or again by the
-    same token after another stream read the block) replaces only what
-    came before it. Readers ordered after ``token`` stay; a block whose
-    writer is ordered after ``token`` keeps its whole shadow (that write
-    lands last) and is left out (:func:`_write_ordered`).
+    whose writer is ``token`` already are left out and keep their shadow
+    (the same write recorded again changes nothing: reads recorded since
+    stay, and a failure of ``token`` still finds them). The caller
+    refused a write recorded after an access ordered after it
+    (``PoolBase._check_write_order``). One pass: per block, two reads, two
+    identity tests and, unless left out, two stores and one append.
+    O(len(blocks)).
 
     >>> from blockpool.core.block import KVCacheBlock
     >>> a, b, c = KVCacheBlock(1), KVCacheBlock(2), KVCacheBlock(3)
@@ -259,8 +250,6 @@ def write(
     >>> [(str(w), [x.block_id for x in g]) for w, _, g in write([a, b, c], t2, None)]
     [('compute:1', [1, 2]), ('None', [3])]
     """
-    if later is not None:
-        return _write_ordered(blocks, token, null, later)
     replaced: Replaced = []
     seq, stream = token.seq, token.stream
     lw: object = _UNSET
@@ -271,55 +260,16 @@ def write(
             continue
         w = b.writer
         r = b.readers
-        b.writer = token
-        b.readers = None
-        if w is lw and r is lr:
-            if group is not None:
-                group.append(b)
-            continue
-        lw, lr = w, r
-        if w is not None and w.seq == seq and w.stream == stream:
-            group = None
-        else:
-            group = [b]
-            replaced.append((w, r, group))
-    return replaced
-
-
-def _write_ordered(
-    blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock | None, later: Callable[[Token], bool]
-) -> Replaced:
-    """:func:`write` when tokens were issued after ``token``: per run of
-    blocks with the same ``(writer, readers)`` objects, decide once what
-    stays (the accesses ``later`` says are ordered after ``token``), then
-    store it in every block of the run. O(len(blocks) + runs * k)."""
-    replaced: Replaced = []
-    seq, stream = token.seq, token.stream
-    lw: object = _UNSET
-    lr: object = _UNSET
-    group: list[KVCacheBlock] | None = None
-    nw: Token | None = token
-    nr: Readers = None
-    for b in blocks:
-        if b is null:
-            continue
-        w = b.writer
-        r = b.readers
         if w is not lw or r is not lr:
             lw, lr = w, r
-            if w is not None and later(w):
-                nw, nr, group = w, r, None  # a write ordered after this one lands last
+            if w is not None and w.seq == seq and w.stream == stream:
+                group = None
             else:
-                kept = tuple([t for t in r if later(t)]) if r is not None else ()
-                nw, nr = token, kept or None
-                if w is not None and w.seq == seq and w.stream == stream:
-                    group = None
-                else:
-                    group = []
-                    replaced.append((w, r, group))
-        b.writer = nw
-        b.readers = nr
+                group = []
+                replaced.append((w, r, group))
         if group is not None:
+            b.writer = token
+            b.readers = None
             group.append(b)
     return replaced
 
@@ -327,10 +277,14 @@ def _write_ordered(
 def settle(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock, ended: Callable[[Token], bool]) -> None:
     """A write by ``token``, which has ended, recorded late: ``token``
     becomes the writer of each block (``null`` skipped) whose writer is
-    ``None`` or has ended, readers kept (a read still running stays
-    waited on); a block whose writer may still run keeps it (that write
-    is the block's content once it lands). No fence changes: ``token``
-    has ended. O(len(blocks)).
+    ``None``, or has ended and is not a later token of ``token``'s own
+    device stream; readers are kept (a read still running stays waited
+    on). A block whose writer may still run, or ran after ``token`` on
+    its stream, keeps it (that write is the block's content). No fence
+    changes: ``token`` has ended. Then a late failure report of
+    ``token`` withdraws the keys of the blocks it is the writer of (a
+    writer of another stream that ended is replaced: withdrawing keys is
+    the safe side when the order is unknown). O(len(blocks)).
 
     >>> from blockpool.core.block import KVCacheBlock
     >>> b = KVCacheBlock(1)
@@ -338,11 +292,13 @@ def settle(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock, end
     >>> str(b.writer)
     'compute:1'
     """
+    own = token.stream if token.kind is _DEVICE else None
+    seq = token.seq
     for b in blocks:
         if b is null:
             continue
         w = b.writer
-        if w is None or ended(w):
+        if w is None or (ended(w) and not (w.stream == own and w.seq > seq)):
             b.writer = token
 
 

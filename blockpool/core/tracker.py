@@ -241,30 +241,60 @@ class HazardTracker:
         st.token_clocks[tok.seq] = clock
         return tok
 
-    def order_after(self, token: Token, tokens: Iterable[Token]) -> None:
-        """``token`` (issued, its event not recorded yet) is ordered after
-        ``tokens`` too: its issue-time clock joins theirs, as if it had been
-        issued after a wait on them. Nothing when ``token`` has ended.
-        O(#streams * len(tokens))."""
-        tc = self.streams[token.stream].token_clocks.get(token.seq)
+    def unorderable(self, token: Token) -> str | None:
+        """Why :meth:`order_after` cannot order ``token`` after more
+        tokens exactly, or ``None`` when it can: ``token`` must be a
+        ``DEVICE`` token that has not ended, the newest of its stream, and
+        nothing may be ordered after it yet (no stream or token clock
+        covers it). Otherwise the tokens already ordered after it would
+        have to learn the new order too (and a token that waited on it
+        would make a cycle). O(#streams + tokens not ended)."""
+        st = self.streams[token.stream]
+        if token.kind is not _DEVICE:
+            return f"{token} is not a token of a DEVICE stream"
+        tc = st.token_clocks.get(token.seq)
         if tc is None:
-            return
+            return f"{token} has ended"
+        if token.seq != st.last_seq:
+            return f"{st.name}:{st.last_seq} was issued after {token}"
+        for other in self.streams.values():
+            if other is not st and other.clock.covers(token):
+                return f"stream {other.name!r} already waited on {token}"
+            for seq, c in other.token_clocks.items():
+                if c is not tc and c.covers(token):
+                    return f"{other.name}:{seq} is already ordered after {token}"
+        return None
+
+    def order_after(self, token: Token, tokens: Iterable[Token]) -> None:
+        """``token`` (issued on a DEVICE stream, its event not recorded
+        yet) is ordered after everything its stream has waited on so far
+        and after ``tokens``: its issue-time clock joins the stream's
+        standing clock and their clocks, as if it were issued now, after a
+        wait on them (its work runs after every wait enqueued on the stream
+        before it, the ones recorded since its issue included). The caller
+        checked :meth:`unorderable` is ``None``. Counts as an issue for
+        :meth:`later_than`. O(#streams * (1 + len(tokens)))."""
+        st = self.streams[token.stream]
+        tc = st.token_clocks[token.seq]
+        tc.join(st.clock)
         streams = self.streams
         for t in tokens:
             c = streams[t.stream].token_clocks.get(t.seq)
             if c is not None:
                 tc.join(c)
             tc.add(t)
+        self.issued += 1
 
     def later_than(self, token: Token) -> Callable[[Token], bool] | None:
         """A test ``later(t)``: whether token ``t`` is known to be ordered
         after ``token``: a later token of ``token``'s own device stream, or
         one whose issue-time clock covers ``token`` (it waited on it; a
         token of another stream that has ended is not known to be, its clock
-        is gone). ``None`` when no token was issued after ``token``
-        (nothing can be ordered after it: the usual case, O(1)). A write
-        by ``token`` keeps these accesses in a block's shadow
-        (:func:`blockpool.core.shadows.write`). O(1) per test."""
+        is gone). ``None`` when no token was issued (nor ordered anew,
+        :meth:`order_after`) since ``token``: nothing can be ordered after
+        it, the usual case, O(1). The pool refuses a write recorded after
+        an access ordered after it (``PoolBase._check_write_order``).
+        O(1) per test."""
         tc = self.streams[token.stream].token_clocks.get(token.seq)
         if tc is None or tc.serial == self.issued:
             return None

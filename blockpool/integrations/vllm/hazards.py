@@ -326,8 +326,11 @@ class StepHazards:
             return EMPTY_FENCE
         # eN was issued when the step was scheduled; its event is recorded
         # after the forward, which waits on this fence first: eN is ordered
-        # after the fence (its completion ends the fence's tokens).
-        fence = self.pool.fence_for(blocks, self.stream, AccessKind.WRITE, token=record.forward)
+        # after the fence (its completion ends the fence's tokens), unless
+        # something is ordered after eN already (then the fence is recorded
+        # for the stream only: later waits may be redundant, never missing).
+        forward = record.forward if self.pool.tracker.unorderable(record.forward) is None else None
+        fence = self.pool.fence_for(blocks, self.stream, AccessKind.WRITE, token=forward)
         self.pool.tag(blocks, record.forward, AccessKind.WRITE)
         self._step_writes = (record.index, fence)
         return fence
