@@ -250,3 +250,19 @@ def test_a_token_ordered_after_its_fence_is_also_after_the_streams_earlier_waits
     pool.complete(e1)
     assert pool.is_ended(store)  # e1 ran after the stream's wait on the store
     pool.check()
+
+
+def test_a_host_engine_token_may_write_a_block_it_read_though_tokens_were_issued_since() -> None:
+    # Review 3: a host token's own clock covers itself; its own read is not
+    # an access ordered after it.
+    pool = make_pool(8)
+    (b,) = pool.get_new_blocks(1)
+    h = pool.issue("rdma")
+    pool.tag([b], h, AccessKind.READ)
+    pool.issue("compute")  # an unrelated token issued since
+    pool.tag([b], h, AccessKind.WRITE)
+    assert (b.writer, b.readers) == (h, None)
+    pool.touch([b])
+    pool.free_blocks([b], token=h, access=AccessKind.WRITE)  # again: nothing changes
+    assert toks(pool.fence_for([b], "h2d", AccessKind.READ)) == {"rdma:1"}
+    pool.check()

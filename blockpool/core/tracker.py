@@ -305,6 +305,8 @@ class HazardTracker:
         def later(t: Token) -> bool:
             if t.stream == own:
                 return t.seq > seq
+            if t.seq == seq and t.stream == token.stream:
+                return False  # the token itself (a host engine's: its clock covers itself)
             c = streams[t.stream].token_clocks.get(t.seq)
             return c is not None and c.covers(token)
 
