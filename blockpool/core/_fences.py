@@ -42,9 +42,10 @@ class FenceOps(PoolBase):
         token, issued when the step was scheduled, for the forward that
         waits on this fence first). ``token`` is then ordered after the
         fence and every earlier wait of ``stream``, as a token issued after
-        the wait (:meth:`issue`): its completion ends the fence's tokens. It must be the newest token
-        of ``stream``, a ``DEVICE`` stream, not ended, with nothing ordered
-        after it yet (:meth:`HazardTracker.unorderable` says why not).
+        the wait (:meth:`issue`): its completion ends the fence's tokens.
+        It must be the newest token of ``stream``, a ``DEVICE`` stream, not
+        ended, with nothing ordered after it yet
+        (:meth:`HazardTracker.unorderable` says why not).
 
         >>> from blockpool import HazardAwareBlockPool, StreamKind, AccessKind
         >>> pool = HazardAwareBlockPool(4, streams={"compute": StreamKind.DEVICE, "d2h": StreamKind.DEVICE})
