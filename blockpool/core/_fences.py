@@ -79,7 +79,7 @@ class FenceOps(PoolBase):
             return EMPTY_FENCE
         fence = self._fence(((block_list, access),), st)
         if token is not None:
-            self.tracker.order_after(token, fence.tokens)
+            self.tracker.order_after(token)  # the stream's clock holds the fence now
         return fence
 
     def tag(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:

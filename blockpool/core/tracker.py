@@ -265,24 +265,17 @@ class HazardTracker:
                     return f"{other.name}:{seq} is already ordered after {token}"
         return None
 
-    def order_after(self, token: Token, tokens: Iterable[Token]) -> None:
+    def order_after(self, token: Token) -> None:
         """``token`` (issued on a DEVICE stream, its event not recorded
         yet) is ordered after everything its stream has waited on so far
-        and after ``tokens``: its issue-time clock joins the stream's
-        standing clock and their clocks, as if it were issued now, after a
-        wait on them (its work runs after every wait enqueued on the stream
-        before it, the ones recorded since its issue included). The caller
-        checked :meth:`unorderable` is ``None``. Counts as an issue for
-        :meth:`later_than`. O(#streams * (1 + len(tokens)))."""
+        (:meth:`wait`, the waits recorded since its issue included): its
+        issue-time clock joins the stream's standing clock, as if it were
+        issued now (its work runs after every wait enqueued on the stream
+        before it). The caller checked :meth:`unorderable` is ``None``.
+        Counts as an issue for :meth:`later_than`. O(#streams + host
+        tokens in the clock)."""
         st = self.streams[token.stream]
-        tc = st.token_clocks[token.seq]
-        tc.join(st.clock)
-        streams = self.streams
-        for t in tokens:
-            c = streams[t.stream].token_clocks.get(t.seq)
-            if c is not None:
-                tc.join(c)
-            tc.add(t)
+        st.token_clocks[token.seq].join(st.clock)
         self.issued += 1
 
     def later_than(self, token: Token) -> Callable[[Token], bool] | None:
