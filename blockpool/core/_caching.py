@@ -118,7 +118,6 @@ class CacheOps(PoolBase):
         writes = self.writes
         invalid = writes.has_invalid()
         refused = 0
-        promote: set[int] = set()
         publish: list[int] = []
         for i in range(lo, hi):
             b = blocks[i]
@@ -132,23 +131,21 @@ class CacheOps(PoolBase):
             except TypeError:
                 _check_key(key)  # raises the typed error
             h = b.block_hash
-            if h is not None:
-                if h != key:
-                    ntok = (i + 1) * block_size if block_size else None
-                    old = b.block_hash_num_tokens
-                    if old is None or ntok is None or old >= ntok:
-                        raise HashConflictError(
-                            f"block {b.block_id} is cached under {h!r} "
-                            f"({old} tokens); it cannot also be full block {key!r} ({ntok} tokens)"
-                        )
-                    promote.add(i)
+            if h is not None and h != key:  # promoted in pass 2: only a longer prefix may
+                ntok = (i + 1) * block_size if block_size else None
+                old = b.block_hash_num_tokens
+                if old is None or ntok is None or old >= ntok:
+                    raise HashConflictError(
+                        f"block {b.block_id} is cached under {h!r} "
+                        f"({old} tokens); it cannot also be full block {key!r} ({ntok} tokens)"
+                    )
             if invalid and writes.is_invalid(b.block_id):
                 refused += 1
                 continue
             publish.append(i)
         if refused:
             self._count("unpublished_failed_loads", refused)
-        published, removed = self.prefix_cache.publish_full(blocks, block_hashes, publish, block_size, promote)
+        published, removed = self.prefix_cache.publish_full(blocks, block_hashes, publish, block_size)
         if self.enable_kv_cache_events:
             self._removed(removed, "promoted")
             if published:

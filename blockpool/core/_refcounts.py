@@ -152,7 +152,7 @@ class RefCountOps(PoolBase):
             if isinstance(exc, (IndexError, AttributeError, TypeError)):
                 self._own(blocks[i])  # raises the typed error
             raise
-        if record and access is _WRITE and self.tracker.later_than(token) is not None:  # type: ignore[arg-type]
+        if record and access is _WRITE:
             try:
                 self._check_write_order(blocks, token)  # type: ignore[arg-type]
             except InvalidArgumentError:

@@ -192,13 +192,13 @@ class PrefixCache:
         keys: Sequence[Hashable],
         indices: Iterable[int],
         block_size: int | None,
-        promote: set[int],
     ) -> tuple[list[int], list[Hashable]]:
         """Publish full block ``blocks[i]`` under ``keys[i]`` for each ``i``
         of ``indices`` (covering ``(i + 1) * block_size`` tokens), promoting
-        those in ``promote`` first (their keys removed and retired), and a
-        block listed again at a later index with another key the same way
-        (the longer prefix wins, as in vLLM). Returns
+        a block that holds another key first (its keys removed and
+        retired: a key from before the call, whose shorter prefix the caller
+        checked, or one this call gave it at an earlier index, the longer
+        prefix winning as in vLLM's one-by-one loop). Returns
         the indices newly published and the reportable keys the promotions
         removed, in order. The caller checked every argument. O(len(indices)).
         """
@@ -222,11 +222,7 @@ class PrefixCache:
                 b.block_hash = key
                 b.block_hash_num_tokens = (i + 1) * block_size if block_size else None
             else:
-                if i in promote or b.block_hash != key:
-                    # A key from before the call (the caller checked the
-                    # lengths), or one this call gave the block at an
-                    # earlier index (listed twice): the later, longer
-                    # prefix wins, as vLLM's one-by-one loop promotes.
+                if b.block_hash != key:  # a shorter prefix's key: promoted
                     removed.extend(self.reportable(self.promote(b)))
                 if not self.publish(key, b, (i + 1) * block_size if block_size else None):
                     continue

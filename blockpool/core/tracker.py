@@ -84,7 +84,6 @@ class StreamState:
     """Per-stream bookkeeping: counter, completion mark, clocks."""
 
     __slots__ = (
-        "_busy",
         "clock",
         "done",
         "failed",
@@ -97,7 +96,7 @@ class StreamState:
         "token_clocks",
     )
 
-    def __init__(self, name: str, kind: StreamKind, busy: set[str] | None = None):
+    def __init__(self, name: str, kind: StreamKind):
         self.name = name
         self.kind = kind
         self.last_seq = 0
@@ -105,9 +104,6 @@ class StreamState:
         # above it wrote, so a read waits on nothing of this stream once
         # every token up to it has ended or is ordered before the reader.
         self.last_write = 0
-        # The tracker's set of streams with a token issued above the mark
-        # (HazardTracker.busy): left here when the mark catches up.
-        self._busy = busy if busy is not None else set()
         # Every token with seq <= mark has ended.
         self.mark = 0
         # HOST only: ended seqs above the mark (out-of-order completions).
@@ -143,8 +139,6 @@ class StreamState:
         pop = self.token_clocks.pop
         for s in newly:
             pop(s, None)
-        if self.mark >= self.last_seq:
-            self._busy.discard(self.name)
         return newly
 
 
@@ -153,7 +147,7 @@ class HazardTracker:
 
     ``busy`` is the set of stream names with a token issued above the
     stream's mark (one that may still run), kept by :meth:`issue` and
-    :meth:`StreamState.end`; with each stream's ``last_write``
+    :meth:`end`; with each stream's ``last_write``
     (:meth:`wrote`) it lets a fence skip its scan when nothing in flight
     could be in it (:func:`blockpool.core.shadows.fence_of`).
 
@@ -173,7 +167,7 @@ class HazardTracker:
         self._hosts: list[StreamState] = []  # the HOST engines, for host_pending()
         # Names of the streams with a token that may not have ended (issued
         # above the stream's mark): a fence has nothing to wait on from any
-        # other stream (fence_of's fast path). Kept by issue and StreamState.end.
+        # other stream (fence_of's fast path). Kept by issue and end.
         self.busy: set[str] = set()
         self.issued = 0  # tokens issued so far, all streams: the issue order
 
@@ -198,7 +192,7 @@ class HazardTracker:
                     f"stream {name!r} is already registered as {cur.kind.value}"
                 )
             return
-        self.streams[name] = st = StreamState(name, kind, self.busy)
+        self.streams[name] = st = StreamState(name, kind)
         if kind is _HOST:
             self._hosts.append(st)
 
@@ -423,6 +417,10 @@ class HazardTracker:
                 other = streams[h.stream]
                 if h != token and not other.is_ended(h.seq):
                     out.append((other, other.end(h.seq)))
+        busy = self.busy
+        for s, _ in out:
+            if s.mark >= s.last_seq:
+                busy.discard(s.name)
         return out
 
     # -- fences --------------------------------------------------------------
