@@ -7,7 +7,11 @@ a PNG and the event log. ``blockpool sweep [TRACE ...]`` replays a grid
 (traces x policies x evictions x placements x pool sizes x seeds) in local
 worker processes, or as Ray tasks with ``--ray ADDRESS`` (the ``ray``
 extra), and prints one row per cell (:mod:`blockpool.replay.sweep`). See
-``docs/replay.md``.
+``docs/replay.md``. ``blockpool check-vllm`` serves a tiny model on the vLLM
+installed here with the vLLM plugin off, on, and on without hazard tracking,
+and compares tokens, prefix-cache hits and KV events
+(:mod:`blockpool.integrations.vllm.engine_check`; its own exit statuses: 0
+identical, 1 a difference, 2 setup error; ``docs/vllm-plugin.md``).
 
 Exit status: 0 done; 1 the ``exact`` policy showed a race; 2 bad usage or
 bad input (unreadable trace, bad line, unknown policy, an output path that
@@ -137,6 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     w.add_argument("--json", metavar="OUT", help="write every row here (schema blockpool.sweep/1)")
     w.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    # Imports neither torch nor vLLM: only the check's runs do, in subprocesses.
+    from blockpool.integrations.vllm.engine_check import add_arguments as add_check_vllm_arguments
+
+    c = sub.add_parser(
+        "check-vllm",
+        help="serve a tiny model on this vLLM with the blockpool plugin off, on and without hazards; compare",
+        description=(
+            "Start a real vLLM engine (this environment's vLLM, a tiny Llama with random weights built "
+            "locally) with the blockpool plugin off, on, and on with hazard tracking off, each in its own "
+            "process; compare the generated tokens, prefix-cache hits and KV cache events, check the "
+            "scheduler's pool class, and report the scheduler's time per step. Exit 0 identical, 1 a "
+            "difference, 2 setup error. See docs/vllm-plugin.md."
+        ),
+    )
+    add_check_vllm_arguments(c)
     return parser
 
 
@@ -443,12 +462,24 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_vllm(args: argparse.Namespace) -> int:
+    """``blockpool check-vllm``: :func:`blockpool.integrations.vllm.engine_check.run`."""
+    from blockpool.integrations.vllm.engine_check import run
+
+    return run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``blockpool`` command with ``argv`` (default ``sys.argv[1:]``)
     and return the exit status (see the module docstring). argparse exits
     with status 2 itself on bad usage."""
     args = build_parser().parse_args(argv)
-    if args.command not in ("replay", "sweep"):  # pragma: no cover (argparse requires a known command)
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "replay": _replay,
+        "sweep": _sweep,
+        "check-vllm": _check_vllm,
+    }
+    if args.command not in commands:  # pragma: no cover (argparse requires a known command)
         return 2
     import signal
     import threading
@@ -462,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        return _replay(args) if args.command == "replay" else _sweep(args)
+        return commands[args.command](args)
     except KeyboardInterrupt:
         _err("interrupted (SIGINT)")
         return EXIT_SIGINT
