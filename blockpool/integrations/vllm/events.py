@@ -8,6 +8,14 @@ resets one for one, and for each of the core's ``BlockStored`` vLLM's own,
 built by vLLM's own helpers (borrowed as functions) for the blocks the
 core's event lists, so the events are byte-for-byte vLLM's. This is the one
 module that depends on vLLM's private event helpers.
+
+vLLM 0.33 added lookahead hashing (``num_hash_lookahead_tokens``: each
+block's hash and event cover tokens after it, the events carry
+``lookahead_token_ids``) with two helpers, ``_generate_event_extra_keys``
+and ``_lookahead_token_ids``. vLLM 0.32 has neither: its events take the
+extra keys from ``generate_block_hash_extra_keys`` and its
+``_build_block_stored_event`` has no ``lookahead_token_ids`` argument
+(:data:`HAS_LOOKAHEAD` tells which).
 """
 
 from __future__ import annotations
@@ -18,18 +26,45 @@ from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
 from vllm.distributed.kv_events import KVCacheEvent as VllmKVCacheEvent
 from vllm.multimodal.utils import get_mm_features_in_window
 from vllm.v1.core import block_pool as _vllm_block_pool_module
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash
 
 from blockpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from blockpool.core.pool import HazardAwareBlockPool
 
-__all__ = ["VLLM_BLOCK_POOL", "VllmEvents"]
+__all__ = ["HAS_LOOKAHEAD", "VLLM_BLOCK_POOL", "VllmEvents"]
 
 # vLLM's own class, whatever the module binds after register(): vLLM's pure
 # helpers are borrowed from it (events, partial-hash arithmetic).
 VLLM_BLOCK_POOL: type = getattr(
     _vllm_block_pool_module, "_blockpool_vllm_BlockPool", _vllm_block_pool_module.BlockPool
 )
+
+HAS_LOOKAHEAD: bool = hasattr(VLLM_BLOCK_POOL, "_lookahead_token_ids")
+"""vLLM's pool has lookahead hashing (vLLM 0.33; not 0.32)."""
+if HAS_LOOKAHEAD != hasattr(VLLM_BLOCK_POOL, "_generate_event_extra_keys"):
+    # One of the pair without the other: neither 0.32's events nor 0.33's.
+    raise AttributeError(
+        "vLLM's BlockPool has only one of _generate_event_extra_keys and _lookahead_token_ids"
+    )
+
+
+def _generate_event_extra_keys_032(
+    self: Any, request: Any, start: int, end: int, start_mm_idx: int
+) -> tuple[tuple[Any, ...] | None, int]:
+    """vLLM 0.32's event extra keys: those of the block's own tokens
+    (what 0.32's ``BlockPool`` computes inline). O(features in the window)."""
+    return generate_block_hash_extra_keys(request, start, end, start_mm_idx)
+
+
+def _no_lookahead_token_ids(self: Any, request: Any, block_end: int) -> list[int]:  # pragma: no cover
+    # Unreachable: on vLLM 0.32 the pool refuses num_hash_lookahead_tokens != 0.
+    raise AssertionError("this vLLM has no lookahead hashing")
+
+
+def _lookahead_arg(token_ids: list[list[int]] | None) -> dict[str, Any]:
+    """``_build_block_stored_event``'s ``lookahead_token_ids`` argument:
+    vLLM 0.33 requires it, vLLM 0.32 has none. O(1)."""
+    return {"lookahead_token_ids": token_ids} if HAS_LOOKAHEAD else {}
 
 
 class VllmEvents:
@@ -109,7 +144,7 @@ class VllmEvents:
                 block_size=block_size,
                 kv_cache_group_id=group_id,
                 extra_keys_list=extra_keys_list,
-                lookahead_token_ids=lookahead,
+                **_lookahead_arg(lookahead),
             )
         )
 
@@ -135,19 +170,21 @@ class VllmEvents:
                 block_size=num_tokens - start,
                 kv_cache_group_id=group_id,
                 extra_keys_list=[extra_keys],
-                lookahead_token_ids=[self._lookahead_token_ids(request, num_tokens)]
-                if self.num_hash_lookahead_tokens
-                else None,
+                **_lookahead_arg(
+                    [self._lookahead_token_ids(request, num_tokens)] if self.num_hash_lookahead_tokens else None
+                ),
             )
         )
 
     # vLLM's pure helpers (event shapes, partial-hash arithmetic), borrowed
     # so the events are byte-for-byte vLLM's. They read only the attributes
-    # declared above.
+    # declared above. On vLLM 0.32, 0.32's own computation of the extra keys.
     emit_cached_block_events = VLLM_BLOCK_POOL.emit_cached_block_events
     _build_block_stored_event = VLLM_BLOCK_POOL._build_block_stored_event
-    _generate_event_extra_keys = VLLM_BLOCK_POOL._generate_event_extra_keys
-    _lookahead_token_ids = VLLM_BLOCK_POOL._lookahead_token_ids
+    _generate_event_extra_keys = (
+        VLLM_BLOCK_POOL._generate_event_extra_keys if HAS_LOOKAHEAD else _generate_event_extra_keys_032
+    )
+    _lookahead_token_ids = VLLM_BLOCK_POOL._lookahead_token_ids if HAS_LOOKAHEAD else _no_lookahead_token_ids
     _get_partial_block_hash = VLLM_BLOCK_POOL._get_partial_block_hash
     _get_partial_block_parent_hash_and_start = VLLM_BLOCK_POOL._get_partial_block_parent_hash_and_start
     _emit_block_removed_events = VLLM_BLOCK_POOL._emit_block_removed_events

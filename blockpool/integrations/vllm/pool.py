@@ -1,4 +1,4 @@
-"""vLLM 0.33's ``BlockPool`` surface, backed by :class:`~blockpool.HazardAwareBlockPool`.
+"""vLLM's ``BlockPool`` surface (0.32 and 0.33), backed by :class:`~blockpool.HazardAwareBlockPool`.
 
 :class:`VllmBlockPool` is what vLLM's ``KVCacheCoordinator`` builds once
 :func:`blockpool.integrations.vllm.register` has run. The core
@@ -30,11 +30,11 @@ from vllm.v1.core.block_pool import BlockHashToBlockMap
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
 
 from blockpool.core.block import block_class_for_pool
-from blockpool.core.errors import ForeignBlockError
+from blockpool.core.errors import ForeignBlockError, InvalidArgumentError
 from blockpool.core.hazards import AccessKind, StreamKind
 from blockpool.core.pool import HazardAwareBlockPool
 from blockpool.integrations.vllm.blocks import GroupKeys, HashMapView, VllmFreeBlockQueue, VllmKVCacheBlock
-from blockpool.integrations.vllm.events import VLLM_BLOCK_POOL, VllmEvents
+from blockpool.integrations.vllm.events import HAS_LOOKAHEAD, VLLM_BLOCK_POOL, VllmEvents
 from blockpool.integrations.vllm.hazards import COMPUTE, StepHazards
 from blockpool.integrations.vllm.served import SERVED, Served
 
@@ -51,7 +51,7 @@ _READ = AccessKind.READ
 
 
 class VllmBlockPool(VllmEvents):
-    """vLLM's ``BlockPool`` (0.33) over a :class:`~blockpool.HazardAwareBlockPool`.
+    """vLLM's ``BlockPool`` (0.32 and 0.33) over a :class:`~blockpool.HazardAwareBlockPool`.
 
     Args: as vLLM's ``BlockPool``:
         num_gpu_blocks: Blocks in the pool, null block included.
@@ -77,7 +77,9 @@ class VllmBlockPool(VllmEvents):
     when hazards are off).
 
     Raises:
-        InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``.
+        InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``, or
+            ``num_hash_lookahead_tokens`` is not 0 on a vLLM without
+            lookahead hashing (0.32, whose ``BlockPool`` has no such argument).
 
     Runtime complexity: construction O(num_gpu_blocks); every method as the
     core's (the own-block check a type test per block), plus O(1) per block
@@ -101,6 +103,10 @@ class VllmBlockPool(VllmEvents):
         track_hazards: bool | None = None,
         streams: dict[str, StreamKind] | None = None,
     ) -> None:
+        if num_hash_lookahead_tokens and not HAS_LOOKAHEAD:
+            raise InvalidArgumentError(
+                f"num_hash_lookahead_tokens={num_hash_lookahead_tokens}: this vLLM has no lookahead hashing"
+            )
         track = self.default_track_hazards if track_hazards is None else track_hazards
         block_cls = block_class_for_pool(VllmKVCacheBlock)  # this pool's alone
         core = HazardAwareBlockPool(
@@ -111,7 +117,7 @@ class VllmBlockPool(VllmEvents):
             track_hazards=track,
             streams={COMPUTE: StreamKind.DEVICE, **(streams or {})},
             medium=medium,
-            removal_events="each",  # vLLM 0.33's events: a removal per block that loses a key
+            removal_events="each",  # vLLM's events (0.32, 0.33): a removal per block that loses a key
             block_factory=lambda block_id: block_cls(block_id, self, block_id == 0),
             block_class=block_cls,
             free_queue_class=VllmFreeBlockQueue,
