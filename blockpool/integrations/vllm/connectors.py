@@ -538,13 +538,19 @@ def _unwired_by_env() -> set[str]:
     return set(CONNECTORS) if "all" in names else names
 
 
-def wire(patch: Patcher) -> list[str]:
+def wire(patch: Patcher, errors: dict[str, str] | None = None) -> list[str]:
     """Install the wrappers of every connector in :data:`CONNECTORS` that
     imports here and is not named in :data:`ENV_UNWIRED`, through
     ``patch(owner, attribute, make_wrapper)`` (the plugin's patcher, which
-    records what to undo). A connector whose module does not import (a
-    missing optional dependency) is skipped with one debug line. Returns the
-    names wired. O(connectors).
+    records what to undo and returns a function undoing that one wrapper).
+
+    Each connector is wired all or nothing: when one of its wrappers fails
+    (a name vLLM renamed or removed), the wrappers it got before are undone
+    and it runs as vLLM built it, with one warning (its transfers are not
+    fenced); the error goes into ``errors`` under its name. A connector
+    whose module does not import for want of an optional third-party
+    dependency cannot run here and is skipped with one debug line. Returns
+    the names wired. O(connectors).
     """
     off = _unwired_by_env()
     done = []
@@ -552,21 +558,56 @@ def wire(patch: Patcher) -> list[str]:
         if name in off:
             logger.info("blockpool: %s left unwired by %s: its transfers are not fenced", name, ENV_UNWIRED)
             continue
+        undo: list[Callable[[], None]] = []
+
+        def recording(
+            owner: Any, attr: str, make: Callable[[Any], Any], _undo: list[Callable[[], None]] = undo
+        ) -> None:
+            u = patch(owner, attr, make)
+            if u is not None:
+                _undo.append(u)
+
         try:
             mod = importlib.import_module(spec.module)
-            spec.patch(mod, patch)
-        except (ImportError, AttributeError) as exc:
-            logger.debug("blockpool: cannot wire %s in this vLLM (%r)", name, exc)
+            spec.patch(mod, recording)
+        except Exception as exc:  # noqa: BLE001  (vLLM's code differs: leave the connector as it is)
+            for u in reversed(undo):
+                u()
+            missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+            if missing is not None and missing.split(".")[0] != "vllm":
+                logger.debug("blockpool: %s not available in this environment (%r)", name, exc)
+                continue
+            if errors is not None:
+                errors[name] = repr(exc)
+            logger.warning(
+                "blockpool: cannot wire KV connector %s in this vLLM (%r): it runs as vLLM built it, "
+                "its transfers are not fenced",
+                name,
+                exc,
+            )
             continue
         _WIRED.add(name)
+        _UNDO[name] = undo
         done.append(name)
     return done
 
 
-def unwire() -> None:
-    """Forget which connectors are wired (the plugin's ``unregister`` undoes
-    the wrappers). O(1)."""
-    _WIRED.clear()
+_UNDO: dict[str, list[Callable[[], None]]] = {}
+
+
+def unwire(names: Iterable[str] | None = None) -> None:
+    """Without ``names``: forget which connectors are wired (the plugin's
+    ``unregister`` undoes the wrappers). With ``names``: undo those
+    connectors' scheduler-side wrappers (newest first) and forget them, so
+    they run as vLLM built them. O(wrappers undone)."""
+    if names is None:
+        _WIRED.clear()
+        _UNDO.clear()
+        return
+    for name in names:
+        for u in reversed(_UNDO.pop(name, ())):
+            u()
+        _WIRED.discard(name)
 
 
 _LOGGED: set[str] = set()

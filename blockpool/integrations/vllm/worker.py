@@ -554,23 +554,66 @@ _WORKER_WIRING: dict[str, Callable[[Patcher], None]] = {
 }
 
 
-def wire(patch: Patcher, connectors: Iterable[str]) -> list[str]:
+def wire(patch: Patcher, connectors: Iterable[str], errors: dict[str, str] | None = None) -> list[str]:
     """Install the worker-side wrappers of the named connectors (those the
-    scheduler half wired) and the step-record hook on
-    ``KVConnectorBase_V1.bind_connector_metadata``. A connector whose worker
-    module does not import is skipped. Returns the names wired. O(connectors).
+    scheduler half wired) and the shared hooks (the step record on
+    ``KVConnectorBase_V1.bind_connector_metadata``, ``eN`` after the
+    forward), through the plugin's ``patch`` (see
+    :func:`blockpool.integrations.vllm.connectors.wire`).
+
+    All or nothing per connector: when one of a connector's wrappers fails,
+    its earlier ones are undone and it is left out, with one warning (one
+    debug line when a third-party module it needs is missing); when the
+    shared hooks fail, they are undone and every connector with a worker
+    half is left out. The errors go into ``errors`` by name. Returns the
+    names of ``connectors`` that keep their wiring: those whose worker half
+    is installed and those that have none (the caller unwires the others'
+    scheduler half). O(connectors).
     """
-    names = [n for n in connectors if n in _WORKER_WIRING]
+    named = list(connectors)
+    names = [n for n in named if n in _WORKER_WIRING]
     if not names:
-        return []
-    _wire_base(patch)
-    _wire_runner(patch)
-    done = []
-    for name in names:
+        return named
+    failed: set[str] = set()
+
+    def attempt(steps: Iterable[Callable[[Patcher], None]]) -> Exception | None:
+        undo: list[Callable[[], None]] = []
+
+        def recording(owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
+            u = patch(owner, attr, make)
+            if u is not None:
+                undo.append(u)
+
         try:
-            _WORKER_WIRING[name](patch)
-        except (ImportError, AttributeError) as exc:
-            logger.debug("blockpool: cannot wire the worker half of %s (%r)", name, exc)
-            continue
-        done.append(name)
-    return done
+            for step in steps:
+                step(recording)
+        except Exception as exc:  # noqa: BLE001  (vLLM's code differs: leave it as it is)
+            for u in reversed(undo):
+                u()
+            return exc
+        return None
+
+    def left_out(affected: list[str], exc: Exception) -> None:
+        failed.update(affected)
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        if missing is not None and missing.split(".")[0] != "vllm":
+            logger.debug("blockpool: worker half of %s not available here (%r)", ", ".join(affected), exc)
+            return
+        if errors is not None:
+            errors.update(dict.fromkeys(affected, repr(exc)))
+        logger.warning(
+            "blockpool: cannot wire the worker half of KV connector %s in this vLLM (%r): it runs as vLLM "
+            "built it, its transfers are not fenced",
+            ", ".join(affected),
+            exc,
+        )
+
+    shared = attempt((_wire_base, _wire_runner))
+    if shared is not None:
+        left_out(names, shared)
+    else:
+        for name in names:
+            exc = attempt((_WORKER_WIRING[name],))
+            if exc is not None:
+                left_out([name], exc)
+    return [n for n in named if n not in failed]
