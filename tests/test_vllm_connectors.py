@@ -56,8 +56,17 @@ def make_scheduler(
     num_blocks: int = 64,
     role: str = "kv_both",
     kv: Any = None,
+    *,
+    block_size: int = BS,
+    dcp: int = 1,
+    pcp: int = 1,
+    max_num_batched_tokens: int = 256,
+    async_scheduling: bool = False,
 ) -> Any:
-    """vLLM's real Scheduler for a tiny model shape, with ``connector``."""
+    """vLLM's real Scheduler for a tiny model shape, with ``connector``:
+    ``block_size`` is the KV cache spec's (the scheduler's is ``block_size
+    * dcp``, as vLLM's engine resolves it); ``async_scheduling`` builds
+    vLLM's ``AsyncScheduler``."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -76,12 +85,12 @@ def make_scheduler(
     model = ModelConfig(model="facebook/opt-125m", trust_remote_code=True, dtype="float16", seed=42)
     sched = SchedulerConfig(
         max_num_seqs=16,
-        max_num_batched_tokens=256,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=4096,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
     )
-    cache = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, enable_prefix_caching=True)
+    cache = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, enable_prefix_caching=True)
     cache.kv_cache_layout = "LBNHC"
     transfer = KVTransferConfig(kv_connector=connector, kv_role=role, kv_connector_extra_config=extra or {})
     config = VllmConfig(
@@ -91,17 +100,26 @@ def make_scheduler(
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
     )
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    # Set after validation, which wants a TP size above the model's KV heads
+    # for DCP; the scheduler reads only these two.
+    config.parallel_config.decode_context_parallel_size = dcp
+    config.parallel_config.prefill_context_parallel_size = pcp
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
     if kv is None:
         kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
     config.cache_config.num_gpu_blocks = num_blocks
+    cls: Any = Scheduler
+    if async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        cls = AsyncScheduler
     with set_current_vllm_config(config), patch(f"{MOONCAKE}.scheduler.LookupKeyClient"):
-        return Scheduler(
+        return cls(
             vllm_config=config,
             kv_cache_config=kv,
             log_stats=False,
             structured_output_manager=MagicMock(),
-            block_size=BS,
+            block_size=block_size * dcp,
         )
 
 

@@ -57,7 +57,7 @@ import functools
 import importlib
 import logging
 import os
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -70,6 +70,7 @@ __all__ = [
     "ENV_UNWIRED",
     "META_LOAD",
     "META_STEP",
+    "META_STOCK",
     "META_STORE",
     "ConnectorSpec",
     "ConnectorWiring",
@@ -77,7 +78,10 @@ __all__ = [
     "group_block_sizes",
     "leaf_connectors",
     "load_block_ids",
+    "on_scheduler_built",
     "report_unwired",
+    "scheduler_block_sizes",
+    "stock_waits_reason",
     "unwire",
     "wire",
     "wired_names",
@@ -99,6 +103,11 @@ META_LOAD = "blockpool_load"
 META_STORE = "blockpool_store"
 """Attribute of a per-request or per-job metadata item: the store's
 :meth:`Transfer.to_wire`."""
+META_STOCK = "blockpool_stock_waits"
+"""Attribute of a wired connector's metadata, ``True`` when the scheduler's
+configuration is one whose fences the wiring cannot show exact
+(:func:`stock_waits_reason`): the worker keeps vLLM's own wait for every
+transfer (MooncakeStore's ``current_event``) and adds the fence on top."""
 
 _ATTR = "_blockpool_wiring"
 
@@ -111,9 +120,17 @@ class ConnectorWiring:
         name: The connector's name in :data:`CONNECTORS`.
         hazards: The scheduler's step and transfer wiring.
         block_sizes: Block size (tokens) of each KV cache group, in the
-            order of the scheduler's block tables.
+            order of the scheduler's block tables: the size the group's
+            manager allocates by (``kv_cache_spec.block_size`` times the
+            decode context parallel size for a DCP-sharded group), set from
+            the scheduler's managers once it is built
+            (:func:`on_scheduler_built`).
         pending: Keys of transfers begun and not ended (job-keyed connectors).
         reports: Completion reports counted so far per job key.
+        stock_waits: The wiring cannot show this scheduler's fences exact
+            (:func:`stock_waits_reason`), so the workers keep vLLM's own
+            waits and add the fences on top (:data:`META_STOCK` on every
+            step's metadata).
     """
 
     name: str
@@ -121,6 +138,7 @@ class ConnectorWiring:
     block_sizes: tuple[int, ...]
     pending: set[Hashable] = attrs.field(factory=set)
     reports: dict[Hashable, int] = attrs.field(factory=dict)
+    stock_waits: bool = False
 
     def begin_step(self, scheduler_output: object) -> tuple[Any, Any] | None:
         """Issue the step's tokens and tag its writes (idempotent per step);
@@ -312,6 +330,8 @@ def _planner(plan: Callable[[Any, ConnectorWiring, Any, Any], None], before: Cal
             plan(self, w, meta, ctx)
             if step is not None:
                 setattr(meta, META_STEP, step)
+            if w.stock_waits:
+                setattr(meta, META_STOCK, True)
             return meta
 
         return build_connector_meta
@@ -622,15 +642,89 @@ def leaf_connectors(connector: object) -> list[object]:
     return [connector]
 
 
+def _wirings_under(connector: object) -> Iterator[tuple[object, ConnectorWiring | None]]:
+    """``(leaf connector, its wiring or None)`` for each connector under
+    ``connector``; the wiring sits on the connector or on its scheduler half."""
+    for c in leaf_connectors(connector):
+        inner = [c, getattr(c, "connector_scheduler", None), getattr(c, "scheduler_manager", None)]
+        found = [w for w in (wiring_of(x) for x in inner if x is not None) if w is not None]
+        yield c, found[0] if found else None
+
+
+def scheduler_block_sizes(scheduler: object) -> tuple[int, ...] | None:
+    """The block size (tokens) each KV cache group of ``scheduler`` allocates
+    by, in block-table order: its ``SingleTypeKVCacheManager.block_size``
+    (vLLM 0.32 and 0.33: ``kv_cache_spec.block_size * dcp_world_size`` for a
+    DCP-sharded group, the spec's size otherwise). This, not the spec's
+    size, maps a token index to a block-table index. ``None`` when the
+    scheduler has no such managers. O(groups)."""
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    managers = getattr(getattr(manager, "coordinator", None), "single_type_managers", None)
+    if not managers:
+        return None
+    sizes = tuple(getattr(m, "block_size", 0) for m in managers)
+    return sizes if all(type(b) is int and b > 0 for b in sizes) else None
+
+
+def stock_waits_reason(vllm_config: object, block_sizes: tuple[int, ...] | None) -> str | None:
+    """Why the wiring cannot show the fences of a scheduler with this
+    configuration exact (so its workers keep vLLM's own waits as well), or
+    ``None`` when it can:
+
+    - ``block_sizes`` unknown (no managers to read them from);
+    - speculative decoding: the draft model writes KV after the target
+      forward; ``eN`` is recorded after the draft (``finalize_kv_connector``),
+      but that path is not run on a real engine here;
+    - prefill context parallelism (PCP > 1): the worker's placement of a
+      block's tokens across PCP ranks is not modelled.
+
+    O(1)."""
+    if block_sizes is None:
+        return "the KV cache groups' block sizes could not be read from the scheduler"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return "speculative decoding is on"
+    pcp = getattr(getattr(vllm_config, "parallel_config", None), "prefill_context_parallel_size", 1)
+    if isinstance(pcp, int) and pcp > 1:
+        return f"prefill context parallelism is on (size {pcp})"
+    return None
+
+
+def on_scheduler_built(scheduler: object) -> list[str]:
+    """Called by the plugin once a ``Scheduler`` whose pool is ours is built
+    (its connectors are bound by then): give every wired connector the
+    block sizes the scheduler's managers allocate by
+    (:func:`scheduler_block_sizes`), turn on :attr:`ConnectorWiring.stock_waits`
+    where :func:`stock_waits_reason` says so (one INFO line per connector),
+    and report the connectors left unwired (:func:`report_unwired`).
+    Returns the unwired class names reported. O(connectors + groups)."""
+    connector = getattr(scheduler, "connector", None)
+    if connector is None:
+        return []
+    sizes = scheduler_block_sizes(scheduler)
+    reason = stock_waits_reason(getattr(scheduler, "vllm_config", None), sizes)
+    for c, w in _wirings_under(connector):
+        if w is None:
+            continue
+        if sizes is not None:
+            w.block_sizes = sizes
+        w.stock_waits = reason is not None
+        if reason is not None:
+            logger.info(
+                "blockpool: %s keeps vLLM's own waits and adds its fences on top: %s",
+                type(c).__name__,
+                reason,
+            )
+    return report_unwired(connector)
+
+
 def report_unwired(connector: object) -> list[str]:
     """Log one line per connector class (once per process) for each
     connector under ``connector`` that no wiring is attached to: its
     transfers are not fenced. Returns the class names reported this call.
     O(connectors)."""
     out = []
-    for c in leaf_connectors(connector):
-        inner = [c, getattr(c, "connector_scheduler", None), getattr(c, "scheduler_manager", None)]
-        if any(wiring_of(x) is not None for x in inner if x is not None):
+    for c, w in _wirings_under(connector):
+        if w is not None:
             continue
         name = type(c).__name__
         if name not in _LOGGED:

@@ -55,6 +55,7 @@ from blockpool.core.hazards import Fence, StreamKind, Token
 from blockpool.integrations.vllm.connectors import (
     META_LOAD,
     META_STEP,
+    META_STOCK,
     META_STORE,
     MOONCAKE,
     NIXL,
@@ -103,6 +104,7 @@ class WorkerHazards:
         self.tokens_waited = 0
         self.deferred = 0
         self.out_of_order = 0
+        self.skipped: dict[str, list[int]] = {}
         self._recorded: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -128,8 +130,37 @@ class WorkerHazards:
                     )
                 return False
             self._recorded[token.stream] = token.seq
+            if token.seq > last + 1:
+                # Tokens the scheduler issued for this rank that nothing
+                # recorded: a wait on one resolves to this later point (a
+                # redundant wait) or, before it, times out. A wiring path
+                # that lost a record; tests assert there are none
+                # (:meth:`unrecorded`).
+                first = token.stream not in self.skipped
+                self.skipped.setdefault(token.stream, []).extend(range(last + 1, token.seq))
+                if first:
+                    logger.warning(
+                        "blockpool: %s:%d..%d were never recorded on this rank; waits on them are not exact",
+                        token.stream, last + 1, token.seq - 1,
+                    )
         self.ledger.record(token, self.current_stream() if stream is None else stream)
         return True
+
+    def unrecorded(self, last_issued: dict[str, int]) -> dict[str, list[int]]:
+        """The ``DEVICE`` tokens the scheduler issued (every seq up to
+        ``last_issued[stream]``, e.g. ``pool.last_token(stream).seq``) that
+        this rank never recorded: skipped below a recorded one
+        (:attr:`skipped`), or above the last recorded. Empty when every
+        token was recorded; tests assert that after each scenario, so a
+        lost record fails a test instead of timing out a transfer thread.
+        O(streams + unrecorded tokens)."""
+        with self._lock:
+            out = {k: list(v) for k, v in self.skipped.items()}
+            for stream, last in last_issued.items():
+                recorded = self._recorded.get(stream, 0)
+                if last > recorded:
+                    out.setdefault(stream, []).extend(range(recorded + 1, last + 1))
+        return {k: v for k, v in out.items() if v}
 
     def on_bind(self, metadata: object) -> StepRecord | None:
         """A connector bound a step's metadata (before the forward): record
@@ -195,18 +226,39 @@ class WorkerHazards:
 class FenceWait:
     """Stands in for MooncakeStore's ``req_meta.current_event``: its
     ``synchronize()`` waits on the store's exact fence instead of on one
-    event recorded after the whole forward."""
+    event recorded after the whole forward, or, where the wiring cannot show
+    the fence exact (``stock``: vLLM's own event, see
+    :data:`~blockpool.integrations.vllm.connectors.META_STOCK`), on the
+    fence and then on vLLM's event too: never less than vLLM waits for.
 
-    __slots__ = ("hazards", "transfer")
+    Args:
+        hazards: The rank's :class:`WorkerHazards`.
+        transfer: The store.
+        stock: vLLM's own event for the store, kept on top of the fence, or
+            ``None``.
+    """
 
-    def __init__(self, hazards: WorkerHazards, transfer: Transfer) -> None:
+    __slots__ = ("hazards", "stock", "transfer")
+
+    def __init__(self, hazards: WorkerHazards, transfer: Transfer, stock: Any = None) -> None:
         self.hazards = hazards
         self.transfer = transfer
+        self.stock = stock
 
     def synchronize(self) -> None:
+        """Block until the fence ended (then vLLM's own event, if kept).
+
+        Raises:
+            FenceTimeoutError, FenceFailedError: as :meth:`WorkerHazards.wait`.
+        """
         self.hazards.wait(self.transfer)
+        if self.stock is not None:
+            self.stock.synchronize()
 
     def query(self) -> bool:
+        """Whether a :meth:`synchronize` now would return at once. Never blocks."""
+        if self.stock is not None and not self.stock.query():
+            return False
         return self.hazards.ledger.is_complete(self.transfer.token) or all(
             self.hazards.ledger.is_complete(t) for t in self.transfer.fence
         )
@@ -291,12 +343,23 @@ def forward_launched(metadata: object) -> None:
         wh.forward_done(carrier)
 
 
+def _defers_finalize(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """The ``defer_finalize`` argument of ``_get_kv_connector_output`` /
+    ``post_forward`` (the first after the one they share)."""
+    return bool(kwargs["defer_finalize"] if "defer_finalize" in kwargs else args[0] if args else False)
+
+
 def _wire_runner(patch: Patcher) -> None:
-    """Record ``eN`` right after the forward was launched, whichever
-    connector is wired: V1 model runners go through
-    ``KVConnectorModelRunnerMixin._get_kv_connector_output`` (its body is the
-    forward; on exit it starts the async loads, then the stores), Model
-    Runner V2 through ``ActiveKVConnector.post_forward``."""
+    """Record ``eN`` after the step's last KV write, whichever connector is
+    wired: right after the forward was launched (V1 model runners:
+    ``KVConnectorModelRunnerMixin._get_kv_connector_output``, whose body is
+    the forward and whose exit starts the async loads, then the stores;
+    Model Runner V2: ``ActiveKVConnector.post_forward``), or, with
+    speculative decoding (``defer_finalize=True``: the draft model writes
+    its KV after the target forward, and vLLM saves it too), when the runner
+    finalizes the connector after the draft (``finalize_kv_connector``;
+    V2: ``finalize_step``), before ``wait_for_save`` runs. Either way before
+    any store that reads the step's blocks starts."""
     mixin = importlib.import_module("vllm.v1.worker.kv_connector_model_runner_mixin")
 
     def wrap_output(orig: Any) -> Any:
@@ -304,12 +367,24 @@ def _wire_runner(patch: Patcher) -> None:
         def _get_kv_connector_output(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             with orig(scheduler_output, *args, **kwargs) as output:
                 yield output
-                forward_launched(getattr(scheduler_output, "kv_connector_metadata", None))
+                if not _defers_finalize(args, kwargs):
+                    forward_launched(getattr(scheduler_output, "kv_connector_metadata", None))
 
         _get_kv_connector_output.__blockpool_wrapped__ = True  # type: ignore[attr-defined]
         return staticmethod(_get_kv_connector_output)
 
+    def wrap_finalize(orig: Any) -> Any:
+        def finalize_kv_connector() -> None:
+            if mixin.has_kv_transfer_group():
+                forward_launched(getattr(mixin.get_kv_transfer_group(), "_connector_metadata", None))
+            return orig()
+
+        finalize_kv_connector.__blockpool_wrapped__ = True  # type: ignore[attr-defined]
+        finalize_kv_connector.__wrapped__ = orig  # type: ignore[attr-defined]
+        return staticmethod(finalize_kv_connector)
+
     patch(mixin.KVConnectorModelRunnerMixin, "_get_kv_connector_output", wrap_output)
+    patch(mixin.KVConnectorModelRunnerMixin, "finalize_kv_connector", wrap_finalize)
     try:
         v2 = importlib.import_module("vllm.v1.worker.gpu.kv_connector")
     except ImportError:  # pragma: no cover - a vLLM without Model Runner V2
@@ -317,14 +392,25 @@ def _wire_runner(patch: Patcher) -> None:
 
     def wrap_post(orig: Any) -> Any:
         @functools.wraps(orig)
-        def post_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def post_forward(self: Any, finished_req_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(self, "_disabled", False) and not _defers_finalize(args, kwargs):
+                forward_launched(getattr(self.kv_connector, "_connector_metadata", None))
+            return orig(self, finished_req_ids, *args, **kwargs)
+
+        return post_forward
+
+    def wrap_finalize_step(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def finalize_step(self: Any, *args: Any, **kwargs: Any) -> Any:
             if not getattr(self, "_disabled", False):
                 forward_launched(getattr(self.kv_connector, "_connector_metadata", None))
             return orig(self, *args, **kwargs)
 
-        return post_forward
+        return finalize_step
 
     patch(v2.ActiveKVConnector, "post_forward", wrap_post)
+    if hasattr(v2.ActiveKVConnector, "finalize_step"):  # vLLM 0.33 (0.32's V2 never defers)
+        patch(v2.ActiveKVConnector, "finalize_step", wrap_finalize_step)
 
 
 def _wire_mooncake(patch: Patcher) -> None:
@@ -333,23 +419,27 @@ def _wire_mooncake(patch: Patcher) -> None:
     def wrap_wait_for_save(orig: Any) -> Any:
         @functools.wraps(orig)
         def wait_for_save(self: Any, metadata: Any) -> None:
-            wh = current() if getattr(metadata, META_STEP, None) is not None else None
+            wh = current() if _carries_hazards(metadata, metadata.requests) else None
             if wh is None:
                 return orig(self, metadata)
             wh.forward_done(metadata)
             if self._capacity_only or not self.can_put:
                 return None
+            stock = bool(getattr(metadata, META_STOCK, False))
             coarse = None
             for request in metadata.requests:
                 if not request.can_save:
                     continue
                 wire_form = getattr(request, META_STORE, None)
-                if wire_form is not None:
-                    request.current_event = FenceWait(wh, Transfer.from_wire(wire_form))
-                else:  # a store the pool did not see: vLLM's coarse event
+                if wire_form is None or stock:
+                    # vLLM's coarse event: for a store the pool did not see,
+                    # and, where the fence is not shown exact, on top of it.
                     if coarse is None:
                         coarse = torch.cuda.Event()
                         coarse.record()
+                if wire_form is not None:
+                    request.current_event = FenceWait(wh, Transfer.from_wire(wire_form), coarse if stock else None)
+                else:
                     request.current_event = coarse
                 self.kv_send_thread.add_request(request)
             return None
@@ -402,6 +492,16 @@ def _wire_mooncake(patch: Patcher) -> None:
     patch(mod.KVCacheStoreSendingThread, "finish_store_job", wrap_finish_store)
 
 
+def _carries_hazards(metadata: object, items: Iterable[object]) -> bool:
+    """Whether a wired connector's metadata carries a step record, or any of
+    its ``items`` a transfer: a step with no scheduled token (vLLM's
+    ``kv_connector_no_forward``) has no record, but the loads it planned
+    still carry their fences and tokens. O(items)."""
+    if getattr(metadata, META_STEP, None) is not None:
+        return True
+    return any(getattr(i, META_LOAD, None) is not None or getattr(i, META_STORE, None) is not None for i in items)
+
+
 def _failed_of(thread: Any) -> Iterable[str]:
     lock = getattr(thread, "done_task_lock", None)
     failed = getattr(thread, "_failed_requests", ())
@@ -451,7 +551,7 @@ def _wire_offloading(patch: Patcher) -> None:
     def wrap_prepare_store(orig: Any) -> Any:
         @functools.wraps(orig)
         def prepare_store_kv(self: Any, metadata: Any) -> None:
-            wh = current() if getattr(metadata, META_STEP, None) is not None else None
+            wh = current() if _carries_hazards(metadata, metadata.store_jobs.values()) else None
             if wh is not None:
                 wh.forward_done(metadata)
                 if getattr(self, "_is_store_writer", True):
@@ -468,7 +568,8 @@ def _wire_offloading(patch: Patcher) -> None:
     def wrap_collect(orig: Any) -> Any:
         @functools.wraps(orig)
         def collect(self: Any, metadata: Any) -> None:
-            wh = current() if getattr(metadata, META_STEP, None) is not None else None
+            jobs = (*metadata.load_jobs.values(), *metadata.store_jobs.values())
+            wh = current() if _carries_hazards(metadata, jobs) else None
             if wh is not None:
                 wh.add_jobs(OFFLOADING, metadata.load_jobs, META_LOAD)
                 if getattr(self, "_is_store_writer", True):

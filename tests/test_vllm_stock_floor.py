@@ -1,0 +1,470 @@
+"""Never weaker than stock vLLM: the configurations in which the wiring once
+replaced vLLM's own wait with a fence that missed a write (decode context
+parallelism, speculative decoding, loads planned in an empty step, a load
+into blocks an in-flight step still reads under async scheduling), each on
+vLLM's real ``Scheduler`` and the plugin's real worker wrappers over CPU
+stand-in streams and events. Needs vLLM (skipped otherwise; the parity
+script runs these in its venv).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+from unittest.mock import patch
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler")
+torch = pytest.importorskip("torch")
+if not os.environ.get("BLOCKPOOL_TEST_HF_FIXTURES"):
+    pytest.skip("no shape-only model configs (../shared/vllm-parity/hf)", allow_module_level=True)
+
+from blockpool.core.hazards import Fence, StreamKind, Token
+from blockpool.integrations.vllm import connectors as vc
+from blockpool.integrations.vllm import worker as vw
+from blockpool.integrations.vllm.hazards import StepRecord, Transfer
+from blockpool.worker.standins import StandInDevice
+from blockpool.worker.torch_events import EventLedger
+from tests.test_vllm_connectors import (
+    OFFLOAD,
+    lookup,
+    make_request,
+    make_scheduler,
+    model_output,
+    offload_step,
+    registered,
+    wrapper,
+)
+
+__all__ = ["registered"]  # the fixture, imported for its tests
+
+STEP = vc.META_STEP
+
+
+def step_of(out: Any) -> StepRecord:
+    return StepRecord.from_wire(getattr(out.kv_connector_metadata, STEP)[0])
+
+
+def table_of(scheduler: Any, req_id: str) -> list[int]:
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    return [b.block_id for b in manager.req_to_blocks[req_id]]
+
+
+class Rank:
+    """One worker rank on stand-ins: a compute stream, a copy stream, the
+    plugin's :class:`WorkerHazards` over them (installed while in use), and
+    the current stream a handler switches to."""
+
+    def __init__(self) -> None:
+        self.dev = StandInDevice()
+        self.compute = self.dev.new_stream("compute")
+        self.copy = self.dev.new_stream("copy")
+        self.current = self.compute
+        ledger = EventLedger(self.dev.new_event, streams={"compute": self.compute})
+        self.wh = vw.WorkerHazards(ledger, lambda: self.current, timeout=5.0)
+
+    def __enter__(self) -> Rank:
+        vw.install(self.wh)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        vw.install(None)
+
+    def run_steps(self, *outs: Any) -> None:
+        """Replay the worker's side of scheduled steps: bind each step's
+        metadata, enqueue its forward on compute, record ``eN``."""
+        for out in outs:
+            meta = out.kv_connector_metadata
+            self.wh.on_bind(meta)
+            self.compute.enqueue(lambda: None, "forward")
+            self.wh.forward_done(meta)
+
+    @staticmethod
+    def issued(scheduler: Any) -> dict[str, int]:
+        """The newest DEVICE token the scheduler's pool issued, per stream."""
+        core = scheduler.kv_cache_manager.block_pool.core
+        last = {}
+        for stream, kind in core.streams.items():
+            t = core.last_token(stream)
+            if kind is StreamKind.DEVICE and t is not None:
+                last[stream] = t.seq
+        return last
+
+    def unrecorded(self, scheduler: Any, since: dict[str, int]) -> dict[str, list[int]]:
+        """DEVICE tokens the scheduler's pool issued after ``since``
+        (:meth:`issued` before this rank ran any step) that this rank never
+        recorded."""
+        out = self.wh.unrecorded(self.issued(scheduler))
+        return {k: v for k, v in ((k, [q for q in v if q > since.get(k, 0)]) for k, v in out.items()) if v}
+
+
+# ----------------------------------------------------------------------
+# decode context parallelism: a block spans spec block size * DCP tokens
+# ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+@pytest.mark.parametrize(("dcp", "spec_block_size"), [(1, 32), (2, 16)])
+def test_mooncake_put_of_blocks_a_step_writes_waits_on_that_step_at_any_dcp_size(
+    registered: bool, dcp: int, spec_block_size: int
+) -> None:
+    """Both configurations have 32-token blocks in the scheduler's block
+    table; with DCP 2 the wiring once mapped tokens to blocks by the spec's
+    16 and the PUT of step 2's blocks had an empty fence."""
+    s = make_scheduler(
+        "MooncakeStoreConnector", block_size=spec_block_size, dcp=dcp, max_num_batched_tokens=128
+    )
+    assert vc.wiring_of(s.connector.connector_scheduler).block_sizes == (32,)
+    s.connector.connector_scheduler.client.lookup.return_value = lookup(0)
+    s.add_request(make_request("A", list(range(1, 201))))
+    out1 = s.schedule()  # tokens 0..128: blocks 0..3
+    s.update_from_output(out1, model_output(out1))
+    out2 = s.schedule()  # tokens 128..200: blocks 4..6 (6 partial), step 1 ended
+    e2 = step_of(out2).forward
+    table = table_of(s, "A")
+    stores = [Transfer.from_wire(getattr(rm, vc.META_STORE)) for rm in out2.kv_connector_metadata.requests
+              if getattr(rm, vc.META_STORE, None) is not None]
+    assert len(stores) == 1
+    (store,) = stores
+    assert set(table[4:6]) <= set(store.block_ids) <= set(table)
+    assert store.fence.tokens == (e2,)
+    assert not getattr(out2.kv_connector_metadata, vc.META_STOCK, False)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_step_writes_are_tagged_by_the_managers_block_size_under_dcp(registered: bool) -> None:
+    """The forward's writes (tag_step_writes) use 32-token blocks at DCP 2:
+    an offload store of step 2's blocks waits on step 2."""
+    s = make_scheduler("OffloadingConnector", {**OFFLOAD, "block_size": 32}, block_size=16, dcp=2,
+                       max_num_batched_tokens=128)
+    s.add_request(make_request("A", list(range(1, 201))))
+    out1 = s.schedule()
+    offload_step(s, out1)
+    out2 = s.schedule()
+    e2 = step_of(out2).forward
+    table = table_of(s, "A")
+    (job,) = out2.kv_connector_metadata.store_jobs.values()
+    store = Transfer.from_wire(getattr(job, vc.META_STORE))
+    assert set(store.block_ids) <= set(table[4:])
+    assert store.fence.tokens == (e2,)
+
+
+def test_stock_waits_are_kept_where_the_fences_are_not_shown_exact() -> None:
+    ns = SimpleNamespace
+    plain = ns(speculative_config=None, parallel_config=ns(prefill_context_parallel_size=1))
+    assert vc.stock_waits_reason(plain, (32,)) is None
+    assert vc.stock_waits_reason(plain, None) == "the KV cache groups' block sizes could not be read from the scheduler"
+    spec = ns(speculative_config=object(), parallel_config=ns(prefill_context_parallel_size=1))
+    assert vc.stock_waits_reason(spec, (32,)) == "speculative decoding is on"
+    pcp = ns(speculative_config=None, parallel_config=ns(prefill_context_parallel_size=2))
+    assert vc.stock_waits_reason(pcp, (32,)) == "prefill context parallelism is on (size 2)"
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_pcp_scheduler_ships_the_stock_waits_flag_with_every_step(registered: bool) -> None:
+    s = make_scheduler("MooncakeStoreConnector", pcp=2)
+    s.connector.connector_scheduler.client.lookup.return_value = lookup(0)
+    assert vc.wiring_of(s.connector.connector_scheduler).stock_waits
+    s.add_request(make_request("A", list(range(1, 41))))
+    out = s.schedule()
+    assert getattr(out.kv_connector_metadata, vc.META_STOCK) is True
+
+
+class StockEvent:
+    """Stands in for ``torch.cuda.Event`` in MooncakeStore's ``wait_for_save``
+    (records on the rank's current stream)."""
+
+    def __init__(self, rank: Rank) -> None:
+        self.rank = rank
+        self.event = rank.dev.new_event()
+
+    def record(self) -> None:
+        self.event.record(self.rank.current)
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return self.event.query()
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_mooncake_store_keeps_vllms_event_on_top_of_its_fence_when_flagged(registered: bool) -> None:
+    s = make_scheduler("MooncakeStoreConnector", pcp=2)
+    s.connector.connector_scheduler.client.lookup.return_value = lookup(0)
+    s.add_request(make_request("A", list(range(1, 41))))
+    meta = s.schedule().kv_connector_metadata
+    with Rank() as rank, patch.object(vw.torch.cuda, "Event", lambda: StockEvent(rank)):
+        rank.wh.on_bind(meta)
+        rank.compute.enqueue(lambda: None, "step 1 forward")
+        sent: list[Any] = []
+        store_worker = SimpleNamespace(
+            _capacity_only=False, can_put=True, kv_send_thread=SimpleNamespace(add_request=sent.append)
+        )
+        wrapper(vw._wire_mooncake, "MooncakeStoreWorker", "wait_for_save", None)(store_worker, meta)
+        (req,) = sent
+        assert isinstance(req.current_event, vw.FenceWait)
+        assert isinstance(req.current_event.stock, StockEvent)
+        rank.compute.enqueue(lambda: None, "later work on compute")
+        assert not req.current_event.query()
+        req.current_event.synchronize()
+        syncs = [op for op in rank.dev.log if op[0] == "synchronize"]
+        assert len(syncs) == 2  # the fence's event, then vLLM's own
+
+
+# ----------------------------------------------------------------------
+# speculative decoding: eN after the draft model's KV writes
+# ----------------------------------------------------------------------
+
+
+def step_meta(seq: int) -> tuple[StepRecord, Any]:
+    record = StepRecord(seq, Token("compute", seq))
+    meta = SimpleNamespace()
+    setattr(meta, STEP, (record.to_wire(), Fence().to_wire()))
+    return record, meta
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_with_spec_decode_the_step_token_is_recorded_after_the_draft_model(registered: bool) -> None:
+    """vLLM's V1 runner with a speculative config defers ``wait_for_save``
+    to ``finalize_kv_connector`` (after the draft model, whose KV is saved
+    too); eN must be recorded there, not when the target forward ends."""
+    from vllm.v1.worker import kv_connector_model_runner_mixin as mixin
+
+    order: list[str] = []
+
+    @contextmanager
+    def vllm_lifecycle(scheduler_output: Any, defer_finalize: bool = False) -> Iterator[None]:
+        order.append("bind")
+        yield None
+        order.append("start_load_kv")
+        if not defer_finalize:
+            order.append("wait_for_save")
+
+    record, meta = step_meta(1)
+    connector = SimpleNamespace(_connector_metadata=meta, wait_for_save=lambda: order.append("wait_for_save"),
+                                clear_connector_metadata=lambda: order.append("clear"))
+    lifecycle = wrapper(vw._wire_runner, "KVConnectorModelRunnerMixin", "_get_kv_connector_output", vllm_lifecycle)
+    finalize = mixin.KVConnectorModelRunnerMixin.finalize_kv_connector  # the plugin's wrapper of vLLM's own
+    assert getattr(finalize, "__blockpool_wrapped__", False)
+    with Rank() as rank, patch.object(mixin, "has_kv_transfer_group", lambda: True), \
+            patch.object(mixin, "get_kv_transfer_group", lambda: connector):
+        with lifecycle.__func__(SimpleNamespace(kv_connector_metadata=meta), defer_finalize=True):
+            rank.compute.enqueue(lambda: order.append("target KV writes"), "target forward")
+        assert rank.wh.ledger.event_of(record.forward) is None
+        rank.compute.enqueue(lambda: order.append("draft KV writes"), "draft forward")
+        finalize()
+        event = rank.wh.ledger.event_of(record.forward)
+        assert event is not None
+        rank.compute.run(max_ops=1)
+        assert order[-1] == "target KV writes" and not event.query()  # eN still waits for the draft
+        rank.compute.run()
+        assert event.query()
+    assert order == ["bind", "start_load_kv", "wait_for_save", "clear", "target KV writes", "draft KV writes"]
+
+
+def test_model_runner_v2_records_the_step_token_at_finalize_step_when_deferred() -> None:
+    v2 = pytest.importorskip("vllm.v1.worker.gpu.kv_connector")
+    if not hasattr(v2.ActiveKVConnector, "finalize_step"):
+        pytest.skip("this vLLM's Model Runner V2 never defers wait_for_save")
+    record, meta = step_meta(1)
+    made: dict[str, Any] = {}
+    vw._wire_runner(lambda owner, attr, make: made.__setitem__(attr, make))
+    post = made["post_forward"](lambda self, finished, defer_finalize=False: None)
+    finalize_step = made["finalize_step"](lambda self: None)
+    runner = SimpleNamespace(_disabled=False, kv_connector=SimpleNamespace(_connector_metadata=meta))
+    with Rank() as rank:
+        post(runner, set(), defer_finalize=True)
+        assert rank.wh.ledger.event_of(record.forward) is None
+        finalize_step(runner)
+        assert rank.wh.ledger.event_of(record.forward) is not None
+    _, meta2 = step_meta(2)
+    runner.kv_connector._connector_metadata = meta2
+    with Rank() as rank:
+        post(runner, set())  # not deferred: recorded after the forward, as before
+        assert rank.wh.ledger.event_of(Token("compute", 2)) is not None
+
+
+# ----------------------------------------------------------------------
+# an Offloading load planned in an empty step, into blocks a step still reads
+# ----------------------------------------------------------------------
+
+
+def offload_prefix_to_cpu(s: Any, tokens: list[int]) -> None:
+    """Store ``tokens``' full blocks to the CPU tier and drop them from the
+    GPU prefix cache (the GPU copy is gone, the CPU one stays)."""
+    s.add_request(make_request("P", tokens, max_tokens=1))
+    out1 = s.schedule()
+    ((job_id, _),) = out1.kv_connector_metadata.store_jobs.items()
+    offload_step(s, out1)
+    out2 = s.schedule()
+    offload_step(s, out2, completed={job_id: 1})
+    assert s.kv_cache_manager.reset_prefix_cache()
+
+
+class CopyHandler:
+    """The part of vLLM's ``SingleDirectionOffloadingHandler`` the plugin's
+    ``transfer_async`` wrapper uses: the copy kernels run with the copy
+    stream current, and the job's transfer is appended with that stream."""
+
+    def __init__(self, rank: Rank) -> None:
+        self.rank = rank
+        self._transfers: list[Any] = []
+
+    def _swap_blocks_batch(self, *args: Any) -> None:
+        self.rank.copy.enqueue(lambda: None, "h2d copy")
+
+    def transfer_async(self, job_id: int, spec: Any = None) -> bool:
+        self.rank.current = self.rank.copy
+        try:
+            self._swap_blocks_batch()
+        finally:
+            self.rank.current = self.rank.compute
+        self._transfers.append(SimpleNamespace(stream=self.rank.copy))
+        return True
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_offload_load_planned_in_an_empty_step_waits_on_its_fence_and_records_its_token(registered: bool) -> None:
+    s = make_scheduler("OffloadingConnector", OFFLOAD, num_blocks=5, role="kv_producer")  # no deferred frees
+    offload_prefix_to_cpu(s, list(range(1, 41)))
+    since = Rank.issued(s)  # the steps before are not replayed on the rank
+    a_ids = add_short_requests(s, 3)
+    out_a = s.schedule()
+    e_a = step_of(out_a).forward
+    from vllm.v1.request import RequestStatus
+
+    s.finish_requests(a_ids, RequestStatus.FINISHED_ABORTED)  # their blocks, freed while their step runs
+    s.add_request(make_request("B", list(range(1, 41)) + [9] * 8))
+    out_b = s.schedule()
+    meta = out_b.kv_connector_metadata
+    assert out_b.total_num_scheduled_tokens == 0 and getattr(meta, STEP, None) is None
+    ((job_id, job),) = meta.load_jobs.items()
+    load = Transfer.from_wire(getattr(job, vc.META_LOAD))
+    assert set(table_of_blocks(out_a)) & set(load.block_ids)  # B reuses their blocks
+    assert load.fence.tokens == (e_a,)
+    with Rank() as rank:
+        rank.run_steps(out_a)  # their forward, still reading
+        # vLLM's kv_connector_no_forward for the empty step: start_load_kv
+        # collects the jobs, then each handler submits its copy.
+        wrapper(vw._wire_offloading, "OffloadingConnectorWorker", "start_kv_transfers", lambda self, m: None)(
+            SimpleNamespace(), meta
+        )
+        handler = CopyHandler(rank)
+        assert vw.offload_transfer_async(CopyHandler.transfer_async)(handler, job_id) is True
+        waits = [op for op in rank.dev.log if op[0] == "wait_event"]
+        assert waits == [("wait_event", "copy", rank.wh.ledger.event_of(e_a).name)]
+        assert rank.wh.ledger.event_of(load.token) is not None
+        assert rank.unrecorded(s, since) == {}
+
+
+# ----------------------------------------------------------------------
+# async scheduling, producer role: a load into blocks step N+1 still reads
+# ----------------------------------------------------------------------
+
+
+def add_short_requests(s: Any, n: int) -> list[str]:
+    """``n`` requests of one partial block each (nothing for a connector to
+    store), filling the pool so that the next request reuses their blocks."""
+    ids = [f"A{i}" for i in range(n)]
+    for i, rid in enumerate(ids):
+        s.add_request(make_request(rid, list(range(300 + 10 * i, 310 + 10 * i))))
+    return ids
+
+
+def abort_during_next_step(s: Any) -> tuple[Any, Any, Token]:
+    """AsyncScheduler: requests A0..A2 run step N, step N+1 is scheduled,
+    they are aborted (their blocks freed while N+1 may still read them),
+    then step N's output comes back. Returns (step N output, step N+1
+    output, eN+1)."""
+    from vllm.v1.request import RequestStatus
+
+    assert not s.defer_block_free  # a producer: vLLM's deferred frees do not apply
+    a_ids = add_short_requests(s, 3)
+    out_n = s.schedule()
+    out_n1 = s.schedule()
+    e_n1 = step_of(out_n1).forward
+    s.finish_requests(a_ids, RequestStatus.FINISHED_ABORTED)
+    s.update_from_output(out_n, model_output(out_n))
+    return out_n, out_n1, e_n1
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_async_offload_load_into_an_aborted_requests_blocks_waits_for_exactly_the_step_in_flight(
+    registered: bool,
+) -> None:
+    s = make_scheduler("OffloadingConnector", OFFLOAD, num_blocks=5, role="kv_producer", async_scheduling=True)
+    offload_prefix_to_cpu(s, list(range(1, 41)))
+    since = Rank.issued(s)  # the steps before are not replayed on the rank
+    out_n, out_n1, e_n1 = abort_during_next_step(s)
+    s.add_request(make_request("C", list(range(1, 41)) + [9] * 8))
+    out_c = s.schedule()
+    ((job_id, job),) = out_c.kv_connector_metadata.load_jobs.items()
+    load = Transfer.from_wire(getattr(job, vc.META_LOAD))
+    a_table = set(table_of_blocks(out_n))
+    assert a_table & set(load.block_ids)  # C reuses A's blocks
+    assert load.fence.tokens == (e_n1,)
+    with Rank() as rank:
+        rank.run_steps(out_n, out_n1)
+        wrapper(vw._wire_offloading, "OffloadingConnectorWorker", "start_kv_transfers", lambda self, m: None)(
+            SimpleNamespace(), out_c.kv_connector_metadata
+        )
+        vw.offload_transfer_async(CopyHandler.transfer_async)(CopyHandler(rank), job_id)
+        waits = [op for op in rank.dev.log if op[0] == "wait_event"]
+        assert waits == [("wait_event", "copy", rank.wh.ledger.event_of(e_n1).name)]
+        rank.wh.forward_done(out_c.kv_connector_metadata)
+        assert rank.unrecorded(s, since) == {}
+
+
+def table_of_blocks(out: Any) -> list[int]:
+    """The block ids step ``out`` gave its new requests."""
+    return [b for r in out.scheduled_new_reqs for group in r.block_ids for b in group]
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_async_mooncake_get_into_an_aborted_requests_blocks_waits_for_exactly_the_step_in_flight(
+    registered: bool,
+) -> None:
+    s = make_scheduler("MooncakeStoreConnector", num_blocks=5, role="kv_producer", async_scheduling=True)
+    cs = s.connector.connector_scheduler
+    cs.client.lookup.return_value = lookup(0)
+    out_n, out_n1, e_n1 = abort_during_next_step(s)
+    cs.client.lookup.return_value = lookup(32)
+    s.add_request(make_request("C", list(range(1, 49))))
+    out_c = s.schedule()
+    metas = [rm for rm in out_c.kv_connector_metadata.requests if getattr(rm, vc.META_LOAD, None) is not None]
+    if not metas:
+        pytest.skip("MooncakeStore plans no load in a producer role in this vLLM")
+    (rm,) = metas
+    load = Transfer.from_wire(getattr(rm, vc.META_LOAD))
+    assert set(table_of_blocks(out_n)) & set(load.block_ids)
+    assert load.fence.tokens == (e_n1,)
+    # The receive thread waits for step N+1 on the host before its GETs.
+    with Rank() as rank:
+        rank.run_steps(out_n, out_n1)
+        got: list[bool] = []
+        event = rank.wh.ledger.event_of(e_n1)
+
+        def get(thread: Any, req_meta: Any) -> None:
+            got.append(event.query())  # step N+1 has ended when the GET runs
+
+        handle = wrapper(vw._wire_mooncake, "KVCacheStoreRecvingThread", "_handle_request", get)
+        t = threading.Thread(target=handle, args=(SimpleNamespace(done_task_lock=threading.Lock(),
+                                                                  _failed_requests=set()), rm))
+        t.start()
+        t.join(10)
+        assert got == [True]
+        assert rank.wh.waits == 1 and rank.wh.tokens_waited == 1
+
+
+def test_a_device_token_the_rank_never_records_is_reported_not_left_to_a_timeout() -> None:
+    with Rank() as rank:
+        rank.wh.record(Token("compute", 1))
+        rank.wh.record(Token("compute", 3))  # compute:2 was lost
+        assert rank.wh.skipped == {"compute": [2]}
+        assert rank.wh.unrecorded({"compute": 5, "offload_h2d": 1}) == {"compute": [2, 4, 5], "offload_h2d": [1]}
