@@ -468,3 +468,28 @@ def test_a_device_token_the_rank_never_records_is_reported_not_left_to_a_timeout
         rank.wh.record(Token("compute", 3))  # compute:2 was lost
         assert rank.wh.skipped == {"compute": [2]}
         assert rank.wh.unrecorded({"compute": 5, "offload_h2d": 1}) == {"compute": [2, 4, 5], "offload_h2d": [1]}
+
+
+def test_a_worker_leaves_scheduler_only_streams_to_vllms_own_waits() -> None:
+    """SimpleCPUOffload is wired on the scheduler only: no worker records
+    its tokens, so a forward fence naming one must not fail the bind (as a
+    wait on an unrecorded event would) -- vLLM's own copy-thread waits order
+    that transfer, as in stock vLLM."""
+    assert vw.SCHEDULER_ONLY_STREAMS == {vc.SIMPLE_H2D, vc.SIMPLE_D2H}
+    record, meta = step_meta(1)
+    store = Token(vc.SIMPLE_D2H, 1)
+    setattr(meta, STEP, (record.to_wire(), Fence([store]).to_wire()))
+    with Rank() as rank:
+        assert rank.wh.on_bind(meta) == record
+        assert not [op for op in rank.dev.log if op[0] == "wait_event"]
+        assert rank.wh.waitable(Fence([store, Token("compute", 3)])) == (Token("compute", 3),)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_connector_bound_outside_a_scheduler_keeps_stock_waits(registered: bool) -> None:
+    s = make_scheduler("MooncakeStoreConnector")
+    w = vc.wiring_of(s.connector.connector_scheduler)
+    assert w.stock_waits is False  # the scheduler's managers gave the block sizes
+    # vLLM's own connector unit tests bind a pool by hand, with no scheduler:
+    fresh = vc.attach(SimpleNamespace(), s.kv_cache_manager.block_pool, "mooncake_store", (16,))
+    assert fresh is not None and fresh.stock_waits is True

@@ -130,7 +130,9 @@ class ConnectorWiring:
         stock_waits: The wiring cannot show this scheduler's fences exact
             (:func:`stock_waits_reason`), so the workers keep vLLM's own
             waits and add the fences on top (:data:`META_STOCK` on every
-            step's metadata).
+            step's metadata). True until :func:`on_scheduler_built` read the
+            block sizes from the scheduler's managers and found nothing else
+            in the way.
     """
 
     name: str
@@ -138,7 +140,7 @@ class ConnectorWiring:
     block_sizes: tuple[int, ...]
     pending: set[Hashable] = attrs.field(factory=set)
     reports: dict[Hashable, int] = attrs.field(factory=dict)
-    stock_waits: bool = False
+    stock_waits: bool = True
 
     def begin_step(self, scheduler_output: object) -> tuple[Any, Any] | None:
         """Issue the step's tokens and tag its writes (idempotent per step);

@@ -53,6 +53,7 @@ import torch
 
 from blockpool.core.hazards import Fence, StreamKind, Token
 from blockpool.integrations.vllm.connectors import (
+    CONNECTORS,
     META_LOAD,
     META_STEP,
     META_STOCK,
@@ -65,6 +66,7 @@ from blockpool.integrations.vllm.hazards import StepRecord, Transfer
 from blockpool.worker.torch_events import EventLedger, event_factory
 
 __all__ = [
+    "SCHEDULER_ONLY_STREAMS",
     "FenceWait",
     "WorkerHazards",
     "current",
@@ -173,10 +175,18 @@ class WorkerHazards:
         record = StepRecord.from_wire(step[0])
         self.ledger.poll()  # recycle the events of ended tokens
         self.record(record.copies)
-        fence = Fence.from_wire(step[1])
-        if fence.tokens:
+        fence = self.waitable(Fence.from_wire(step[1]))
+        if fence:
             self.ledger.wait_device(fence, self.current_stream(), allow_host_wait=True, timeout=self.timeout)
         return record
+
+    @staticmethod
+    def waitable(fence: Iterable[Token]) -> tuple[Token, ...]:
+        """The tokens of ``fence`` a worker can wait on: all but those of
+        :data:`SCHEDULER_ONLY_STREAMS`, which no worker records (vLLM's own
+        synchronisation orders those transfers, as in stock vLLM; a wait on
+        them here would fail or time out). O(fence size)."""
+        return tuple(t for t in fence if t.stream not in SCHEDULER_ONLY_STREAMS)
 
     def forward_done(self, metadata: object) -> StepRecord | None:
         """The step's forward was launched: record ``eN`` on the current
@@ -191,7 +201,7 @@ class WorkerHazards:
     def has_ended(self, fence: Iterable[Token]) -> bool:
         """Whether every token of ``fence`` is known complete here (polls
         the ledger first; never blocks). O(streams + fence)."""
-        tokens = list(fence)
+        tokens = self.waitable(fence)
         if not tokens:
             return True
         self.ledger.poll()
@@ -204,7 +214,7 @@ class WorkerHazards:
         Raises:
             FenceTimeoutError: not within ``timeout``.
         """
-        waited = self.ledger.wait_host(transfer.fence, timeout=self.timeout)
+        waited = self.ledger.wait_host(self.waitable(transfer.fence), timeout=self.timeout)
         self.waits += 1
         self.tokens_waited += len(waited)
         return waited
@@ -260,7 +270,7 @@ class FenceWait:
         if self.stock is not None and not self.stock.query():
             return False
         return self.hazards.ledger.is_complete(self.transfer.token) or all(
-            self.hazards.ledger.is_complete(t) for t in self.transfer.fence
+            self.hazards.ledger.is_complete(t) for t in self.hazards.waitable(self.transfer.fence)
         )
 
 
@@ -528,7 +538,8 @@ def offload_transfer_async(orig: Any) -> Any:
         swap = self._swap_blocks_batch
 
         def fenced_swap(*a: Any, **k: Any) -> Any:
-            wh.ledger.wait_device(transfer.fence, wh.current_stream(), allow_host_wait=True, timeout=wh.timeout)
+            wh.ledger.wait_device(wh.waitable(transfer.fence), wh.current_stream(), allow_host_wait=True,
+                                  timeout=wh.timeout)
             wh.waits += 1
             return swap(*a, **k)
 
@@ -653,6 +664,14 @@ _WORKER_WIRING: dict[str, Callable[[Patcher], None]] = {
     OFFLOADING: _wire_offloading,
     NIXL: _wire_nixl,
 }
+
+SCHEDULER_ONLY_STREAMS: frozenset[str] = frozenset(
+    stream for name, spec in CONNECTORS.items() if name not in _WORKER_WIRING for stream in spec.streams
+)
+"""Streams of connectors wired on the scheduler only (SimpleCPUOffload's
+``simple_cpu_h2d``, ``simple_cpu_d2h``): no worker records their tokens, so
+worker-side waits leave them out (:meth:`WorkerHazards.waitable`) and
+vLLM's own synchronisation orders those transfers, as in stock vLLM."""
 
 
 def wire(patch: Patcher, connectors: Iterable[str], errors: dict[str, str] | None = None) -> list[str]:
