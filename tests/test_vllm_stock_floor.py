@@ -493,3 +493,40 @@ def test_a_connector_bound_outside_a_scheduler_keeps_stock_waits(registered: boo
     # vLLM's own connector unit tests bind a pool by hand, with no scheduler:
     fresh = vc.attach(SimpleNamespace(), s.kv_cache_manager.block_pool, "mooncake_store", (16,))
     assert fresh is not None and fresh.stock_waits is True
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_async_simple_cpu_offload_load_into_an_aborted_requests_blocks_names_exactly_the_step_in_flight(
+    registered: bool,
+) -> None:
+    """SimpleCPUOffload is wired on the scheduler side: the load's fence is
+    exact (its worker keeps vLLM's own copy-thread wait)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+    n = 6
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    page = spec.page_size_bytes
+    kv = KVCacheConfig(
+        num_blocks=n,
+        kv_cache_tensors=[KVCacheTensor(size=page * n, layers=["layer"], layer_stride=page * n, block_stride=page)],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    s = make_scheduler("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": page * 8}, kv=kv, num_blocks=n,
+                       role="kv_producer", async_scheduling=True)
+    s.add_request(make_request("P", list(range(1, 41)), max_tokens=3))
+    out1 = s.schedule()
+    s.update_from_output(out1, model_output(out1))
+    out2 = s.schedule()  # P's two full blocks are stored
+    done = SimpleCPUOffloadWorkerMetadata(completed_store_events={out2.kv_connector_metadata.store_event: 1})
+    s.update_from_output(out2, model_output(out2, kv_connector_worker_meta=done))
+    while "P" in s.requests:
+        out = s.schedule()
+        s.update_from_output(out, model_output(out))
+    assert s.kv_cache_manager.reset_prefix_cache()
+    out_n, _, e_n1 = abort_during_next_step(s)
+    s.add_request(make_request("C", list(range(1, 41)) + [9] * 8))
+    meta = s.schedule().kv_connector_metadata
+    load = Transfer.from_wire(getattr(meta, vc.META_LOAD)["C"])
+    assert set(load.block_ids) <= set(table_of_blocks(out_n))  # C's blocks are the aborted requests'
+    assert load.fence.tokens == (e_n1,)
