@@ -325,9 +325,14 @@ def _progress_bar(total: int, quiet: bool) -> tuple[Callable[[int], None] | None
 
 def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before the replay, an output path that cannot be written: a
-    directory, a missing or unwritable directory, an unwritable file, the
-    trace itself, or one path given for two outputs. Creates and removes a
-    probe file beside each output. O(outputs).
+    directory, a socket, a block device (anything but a regular file, a
+    character device or a FIFO), a missing or unwritable directory, an
+    unwritable file, device or FIFO, the trace itself, or one path given
+    for two outputs. A symlink is judged by its target (which is what is
+    written). For a regular or new file, creates and removes a probe file
+    beside it; a device or a FIFO is only checked for write permission (it
+    is written through, never replaced: :func:`blockpool.replay.run.write_atomic`).
+    O(outputs).
 
     Raises:
         ValueError: naming the option and the path.
@@ -335,19 +340,26 @@ def _check_outputs(args: argparse.Namespace) -> None:
     import os
     import tempfile
 
+    from blockpool.replay.run import OUTPUT_STREAM, output_kind
+
     seen: dict[str, str] = {}
     trace = os.path.realpath(args.trace) if args.trace else None
     for opt, out in (("--json", args.json), ("--plot", args.plot), ("--events", args.events)):
         if not out:
             continue
-        full = os.path.realpath(out)
+        try:
+            full, kind = output_kind(out)
+        except BlockPoolError as e:
+            raise ValueError(f"cannot write {opt} {e}") from None
         if full in seen:
             raise ValueError(f"{opt} {out}: the same file as {seen[full]}")
         seen[full] = opt
         if full == trace:
             raise ValueError(f"{opt} {out}: that is the trace being read")
-        if os.path.isdir(full):
-            raise ValueError(f"cannot write {opt} {out}: it is a directory")
+        if kind == OUTPUT_STREAM:
+            if not os.access(full, os.W_OK):
+                raise ValueError(f"cannot write {opt} {out}: permission denied")
+            continue
         d = os.path.dirname(full)
         if not os.path.isdir(d):
             raise ValueError(f"cannot write {opt} {out}: no such directory")

@@ -384,3 +384,109 @@ def test_plot_shows_blind_races_keeps_the_legend_off_the_curves_and_skips_empty_
         import matplotlib.pyplot as plt
 
         plt.close(fig)
+
+
+# Issue #22 point 5: never clobber what is not a regular file ------------------
+
+
+def _kind(path: Path) -> str:
+    import stat
+
+    mode = path.lstat().st_mode
+    for name in ("S_ISLNK", "S_ISFIFO", "S_ISCHR", "S_ISSOCK", "S_ISREG"):
+        if getattr(stat, name)(mode):
+            return name[4:].lower()
+    return "other"
+
+
+def _char_device(tmp_path: Path, name: str, minor: int) -> Path:
+    """A character device node in ``tmp_path`` (Linux memory devices: 3 null, 7 full); skips without CAP_MKNOD."""
+    import os
+    import stat
+
+    dev = tmp_path / name
+    try:
+        os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, minor))
+    except (PermissionError, AttributeError):
+        pytest.skip("cannot make a device node here")
+    return dev
+
+
+def test_json_into_a_fifo_is_written_through_and_the_fifo_stays_a_fifo(tmp_path: Path) -> None:
+    import os
+    import threading
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    assert main(["replay", *SMALL, "--policy", "exact", "--json", str(fifo)]) == 0
+    reader.join(30)
+    assert _kind(fifo) == "fifo"
+    assert list(json.loads(got[0])["policies"]) == ["exact"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.fifo"]
+
+
+def test_json_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_path: Path) -> None:
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "new.jsonl")
+    assert main(["replay", *SMALL, "--policy", "exact", "--json", str(link), "--events", str(dangling)]) == 0
+    assert _kind(link) == "lnk" and link.readlink() == target
+    assert _kind(dangling) == "lnk" and _kind(tmp_path / "new.jsonl") == "reg"
+    assert list(json.loads(target.read_text())["policies"]) == ["exact"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.jsonl", "link.json", "new.jsonl", "real.json"]
+
+
+def test_outputs_into_a_character_device_are_written_through_and_it_stays_a_device(tmp_path: Path) -> None:
+    null = _char_device(tmp_path, "null", 3)
+    assert main(["replay", *SMALL, "--policy", "exact", "--json", str(null)]) == 0
+    assert main(["replay", *SMALL, "--policy", "exact", "--events", str(null)]) == 0
+    assert _kind(null) == "chr"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["null"]  # no part file beside it
+
+
+def test_a_full_device_fails_the_write_and_stays_a_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    full = _char_device(tmp_path, "full", 7)
+    assert main(["replay", *SMALL, "--policy", "exact", "--json", str(full)]) == 3
+    assert "No space left on device" in capsys.readouterr().err
+    assert _kind(full) == "chr" and sorted(p.name for p in tmp_path.iterdir()) == ["full"]
+
+
+def test_a_symlink_to_a_device_writes_the_device(tmp_path: Path) -> None:
+    null = _char_device(tmp_path, "null", 3)
+    link = tmp_path / "out.json"
+    link.symlink_to(null)
+    assert main(["replay", *SMALL, "--policy", "exact", "--json", str(link)]) == 0
+    assert _kind(link) == "lnk" and _kind(null) == "chr"
+
+
+def test_output_that_is_a_socket_is_refused_before_the_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    import blockpool.replay.run as run_mod
+
+    monkeypatch.setattr(run_mod, "replay", lambda *a, **k: pytest.fail("the replay started"))
+    path = tmp_path / "s.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+        assert main(["replay", *SMALL, "--json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"blockpool replay: error: cannot write --json {path}: it is a socket"]
+    assert _kind(path) == "sock"
+
+
+def test_write_atomic_refuses_what_output_kind_refuses(tmp_path: Path) -> None:
+    from blockpool.core.errors import InvalidArgumentError
+    from blockpool.replay.run import OUTPUT_FILE, output_kind, write_atomic
+
+    with pytest.raises(InvalidArgumentError, match="it is a directory"):
+        write_atomic(tmp_path, lambda tmp: Path(tmp).write_text("x"))
+    assert list(tmp_path.iterdir()) == []
+    assert output_kind(tmp_path / "new") == (str(tmp_path / "new"), OUTPUT_FILE)

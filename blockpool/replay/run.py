@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +35,7 @@ from blockpool.replay.policies import POLICIES, parse_policies
 from blockpool.replay.report import PolicyResult, ReplayReport
 from blockpool.replay.traces import Trace, TraceRequest
 
-__all__ = ["replay", "write_atomic"]
+__all__ = ["OUTPUT_FILE", "OUTPUT_STREAM", "output_kind", "replay", "write_atomic"]
 
 _counts: Any = None  # the workers' shared progress counters (set by _init)
 
@@ -104,7 +106,10 @@ def replay(
         policies: Names, or a comma-separated string.
         config: The :class:`ReplayConfig` (default: defaults).
         jobs: Worker processes (``1``: run in this process).
-        events: Write the event log (schema ``blockpool.core.events/2``) here.
+        events: Write the event log (schema ``blockpool.core.events/2``) here
+            (:func:`write_atomic`: a symlink's target; a device or a FIFO
+            written through, its policies' part files in a temporary
+            directory).
         progress: Called with the number of requests done so far over all
             policies (each policy counts up to ``len(trace.requests)``).
         evictions, placements: Run every policy under each of these pool
@@ -116,7 +121,8 @@ def replay(
 
     Raises:
         UnknownPolicyError: an unknown policy name.
-        InvalidArgumentError: ``jobs < 1``.
+        InvalidArgumentError: ``jobs < 1``; ``events`` is a directory, a
+            socket or a block device.
         UnknownEvictionPolicyError: an unknown eviction policy or placement.
         ReplayError: a policy's replay stalled or leaked blocks.
         OSError: the event log cannot be written.
@@ -135,9 +141,13 @@ def replay(
     runs = units(names, evictions, placements, cfg)
     labels = tuple(u[0] for u in runs)
     requests = trace.requests
-    parts: list[str | None] = [
-        f"{os.fspath(events)}.{u[0].replace('/', '_')}.part" if events is not None else None for u in runs
-    ]
+    part_dir = None  # the policies' event logs: beside a regular output, in a temporary directory for a device
+    base = ""
+    if events is not None:
+        target, kind = output_kind(events)
+        part_dir = None if kind == OUTPUT_FILE else tempfile.mkdtemp(prefix="blockpool-events-")
+        base = target if part_dir is None else os.path.join(part_dir, os.path.basename(target) or "events")
+    parts: list[str | None] = [f"{base}.{u[0].replace('/', '_')}.part" if events is not None else None for u in runs]
     t0 = time.perf_counter()
     jobs = min(jobs, len(runs))
     try:
@@ -156,6 +166,8 @@ def replay(
         for part in parts:
             if part is not None and os.path.exists(part):
                 os.remove(part)
+        if part_dir is not None:
+            shutil.rmtree(part_dir, ignore_errors=True)
     return ReplayReport(
         source=trace.source,
         format=trace.format,
@@ -213,29 +225,83 @@ def _join(path: Path, parts: list[str], trace: Trace, names: tuple[str, ...], cf
     write_atomic(path, write)
 
 
-def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
-    """Call ``write(tmp)`` for a temporary file beside ``path`` (hidden,
-    ``.part`` and ``path``'s extension in its name), then rename it to ``path`` with the mode a plain
-    ``open`` would give. On any exception, interrupts included, the
-    temporary file is removed and ``path`` is left as it was. O(1) besides
-    ``write``.
+OUTPUT_FILE = "file"
+""":func:`output_kind`: a regular file, or no file yet (written atomically)."""
+OUTPUT_STREAM = "stream"
+""":func:`output_kind`: a character device or a FIFO (written through, in place)."""
+
+
+def output_kind(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """How an output path is written: ``(target, kind)``.
+
+    ``target`` is ``path`` with every symlink resolved (a link's target is
+    written, never the link). ``kind`` is :data:`OUTPUT_FILE` when the
+    target is a regular file or does not exist (written to a temporary file
+    beside it and renamed over it), :data:`OUTPUT_STREAM` when it is a
+    character device or a FIFO (opened and written through, never replaced
+    or renamed over: ``/dev/null``, ``/dev/stdout``, a named pipe). One
+    ``stat``; changes nothing.
 
     Raises:
-        OSError: the temporary file cannot be created or renamed; whatever
-            ``write`` raises.
+        InvalidArgumentError: the target exists and is neither (a
+            directory, a socket, a block device), naming what it is.
     """
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    ext = os.path.splitext(path)[1]  # kept last: writers that go by the extension (savefig)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=f".part{ext}", dir=d)
+    target = os.path.realpath(os.fspath(path))
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        return target, OUTPUT_FILE
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        return target, OUTPUT_FILE
+    if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
+        return target, OUTPUT_STREAM
+    what = (
+        "a directory" if stat.S_ISDIR(mode)
+        else "a socket" if stat.S_ISSOCK(mode)
+        else "a block device" if stat.S_ISBLK(mode)
+        else "not a regular file"
+    )  # fmt: skip
+    raise InvalidArgumentError(f"{os.fspath(path)}: it is {what}")
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
+    """Write an output through ``write(tmp)``, which writes a whole file at
+    the path it is given, without ever leaving a part-written output.
+
+    The output is ``path`` with its symlinks resolved (:func:`output_kind`):
+    a regular file or a new one is written as a temporary file beside it
+    (hidden, ``.part`` and ``path``'s extension in its name) renamed over it
+    with the mode a plain ``open`` would give; a character device or a FIFO
+    is written through: the temporary file is made in the temporary
+    directory and copied into it, so the device or FIFO stays what it was
+    (a writer that blocks until a FIFO has a reader blocks here too). On any
+    exception, interrupts included, the temporary file is removed and a
+    regular ``path`` is left as it was. O(1) besides ``write``; O(size) more
+    for a device or a FIFO.
+
+    Raises:
+        InvalidArgumentError: ``path`` is a directory, a socket or a block
+            device (nothing is written).
+        OSError: the temporary file cannot be created or renamed, or the
+            device or FIFO cannot be written (``/dev/full``: ``ENOSPC``);
+            whatever ``write`` raises.
+    """
+    target, kind = output_kind(path)
+    ext = os.path.splitext(target)[1]  # kept last: writers that go by the extension (savefig)
+    d = os.path.dirname(target) if kind == OUTPUT_FILE else None
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=f".part{ext}", dir=d)
     os.close(fd)
     try:
         write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
+        if kind == OUTPUT_STREAM:
+            with open(tmp, "rb") as src, open(target, "wb") as dst:  # no O_TRUNC effect on a device or FIFO
+                shutil.copyfileobj(src, dst, 1 << 20)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, target)
+    finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise
