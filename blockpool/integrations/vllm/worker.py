@@ -40,10 +40,12 @@ vLLM's own synchronisation runs (a CPU-only worker has no streams to race).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -62,11 +64,14 @@ from blockpool.integrations.vllm.connectors import (
     NIXL,
     OFFLOADING,
 )
+from blockpool.integrations.vllm import ENV_HAZARDS
+from blockpool.integrations.vllm.audit import MODE_AUDIT, Audit, device_covered_by
 from blockpool.integrations.vllm.hazards import StepRecord, Transfer
 from blockpool.worker.torch_events import EventLedger, event_factory
 
 __all__ = [
     "SCHEDULER_ONLY_STREAMS",
+    "AuditedEvent",
     "FenceWait",
     "WorkerHazards",
     "current",
@@ -89,6 +94,10 @@ class WorkerHazards:
             (``torch.cuda.current_stream`` on CUDA; a stand-in in tests).
         timeout: Seconds a host wait may take before it fails (the
             transfer is then reported failed, never run unordered).
+        audit: Audit mode (:mod:`~blockpool.integrations.vllm.audit`): when
+            set, no wrapper adds a wait; each transfer is checked and
+            counted instead (:meth:`observe`), and vLLM's own waits run as
+            stock.
 
     Thread safety: :meth:`on_bind`, :meth:`forward_done` and the job table
     are used by the worker's main thread; :meth:`wait` and :meth:`ended` by
@@ -96,11 +105,17 @@ class WorkerHazards:
     """
 
     def __init__(
-        self, ledger: EventLedger, current_stream: Callable[[], Any], *, timeout: float = 60.0
+        self,
+        ledger: EventLedger,
+        current_stream: Callable[[], Any],
+        *,
+        timeout: float = 60.0,
+        audit: Audit | None = None,
     ) -> None:
         self.ledger = ledger
         self.current_stream = current_stream
         self.timeout = timeout
+        self.audit = audit
         self.jobs: dict[Any, Transfer] = {}
         self.waits = 0
         self.tokens_waited = 0
@@ -176,9 +191,58 @@ class WorkerHazards:
         self.ledger.poll()  # recycle the events of ended tokens
         self.record(record.copies)
         fence = self.waitable(Fence.from_wire(step[1]))
-        if fence:
+        if self.audit is not None:
+            # The forward runs on compute, after every compute token recorded so far.
+            self.observe("compute", "forward", record.forward, fence, covered=frozenset({record.forward.stream}))
+        elif fence:
             self.ledger.wait_device(fence, self.current_stream(), allow_host_wait=True, timeout=self.timeout)
         return record
+
+    def observe(
+        self,
+        connector: str,
+        kind: str,
+        token: Token,
+        fence: Iterable[Token],
+        *,
+        request_id: str = "",
+        block_ids: Iterable[int] = (),
+        covered: frozenset[str] = frozenset(),
+    ) -> tuple[Token, ...]:
+        """Audit mode: a transfer (or a step's forward) is about to touch GPU
+        memory under vLLM's own waits alone. Count it in :attr:`audit`, and
+        as a would-be race when a token of its ``fence`` is still running
+        and is not a ``DEVICE`` token of ``covered`` recorded before now
+        (streams vLLM's own wait orders it after). Never blocks (a ledger
+        poll). Returns the tokens still running; ``()`` without an audit.
+        O(streams + fence size)."""
+        if self.audit is None:
+            return ()
+        tokens = self.waitable(fence)
+        if tokens:
+            self.ledger.poll()
+        return self.audit.observe(
+            connector,
+            kind,
+            tokens,
+            self.ledger.is_complete,
+            token=token,
+            request_id=request_id,
+            block_ids=block_ids,
+            covered=device_covered_by(covered, lambda stream: self._recorded.get(stream, 0)),
+        )
+
+    def observe_transfer(self, connector: str, transfer: Transfer, covered: frozenset[str] = frozenset()) -> None:
+        """:meth:`observe` for a connector's :class:`Transfer`."""
+        self.observe(
+            connector,
+            transfer.kind,
+            transfer.token,
+            transfer.fence,
+            request_id=transfer.request_id,
+            block_ids=transfer.block_ids,
+            covered=covered,
+        )
 
     @staticmethod
     def waitable(fence: Iterable[Token]) -> tuple[Token, ...]:
@@ -274,6 +338,37 @@ class FenceWait:
         )
 
 
+class AuditedEvent:
+    """Audit mode's ``req_meta.current_event`` for a MooncakeStore PUT:
+    vLLM's own event, exactly as stock; once the send thread's
+    ``synchronize()`` returns (the PUT starts reading right after), the
+    store's fence is checked (:meth:`WorkerHazards.observe`).
+
+    Args:
+        hazards: The rank's :class:`WorkerHazards` (with an audit).
+        transfer: The store.
+        event: vLLM's event.
+    """
+
+    __slots__ = ("event", "hazards", "transfer")
+
+    def __init__(self, hazards: WorkerHazards, transfer: Transfer, event: Any) -> None:
+        self.hazards = hazards
+        self.transfer = transfer
+        self.event = event
+
+    def synchronize(self) -> None:
+        """vLLM's ``event.synchronize()``, then the audit's check."""
+        self.event.synchronize()
+        self.hazards.observe_transfer(MOONCAKE, self.transfer)
+
+    def query(self) -> bool:
+        """vLLM's ``event.query()``."""
+        return bool(self.event.query())
+
+
+_COMPUTE = frozenset({"compute"})
+
 _CURRENT: WorkerHazards | None = None
 _CURRENT_LOCK = threading.Lock()
 
@@ -295,8 +390,13 @@ def current() -> WorkerHazards | None:
         return None
     with _CURRENT_LOCK:
         if _CURRENT is None:
+            rank = _rank()
+            audit = None
+            if os.environ.get(ENV_HAZARDS, "").strip().lower() == MODE_AUDIT:
+                audit = Audit.from_env(rank)
+                atexit.register(audit.report)
             _CURRENT = WorkerHazards(
-                EventLedger(event_factory("cuda"), rank=_rank()), torch.cuda.current_stream
+                EventLedger(event_factory("cuda"), rank=rank), torch.cuda.current_stream, audit=audit
             )
         return _CURRENT
 
@@ -441,16 +541,19 @@ def _wire_mooncake(patch: Patcher) -> None:
                 if not request.can_save:
                     continue
                 wire_form = getattr(request, META_STORE, None)
-                if wire_form is None or stock:
+                if wire_form is None or stock or wh.audit is not None:
                     # vLLM's coarse event: for a store the pool did not see,
-                    # and, where the fence is not shown exact, on top of it.
+                    # where the fence is not shown exact (on top of it), and
+                    # in audit mode (instead of it).
                     if coarse is None:
                         coarse = torch.cuda.Event()
                         coarse.record()
-                if wire_form is not None:
-                    request.current_event = FenceWait(wh, Transfer.from_wire(wire_form), coarse if stock else None)
-                else:
+                if wire_form is None:
                     request.current_event = coarse
+                elif wh.audit is not None:  # checked once the send thread passed vLLM's event
+                    request.current_event = AuditedEvent(wh, Transfer.from_wire(wire_form), coarse)
+                else:
+                    request.current_event = FenceWait(wh, Transfer.from_wire(wire_form), coarse if stock else None)
                 self.kv_send_thread.add_request(request)
             return None
 
@@ -465,7 +568,10 @@ def _wire_mooncake(patch: Patcher) -> None:
                 return orig(self, req_meta)
             transfer = Transfer.from_wire(wire_form)
             try:
-                wh.wait(transfer)
+                if wh.audit is not None:
+                    wh.observe_transfer(MOONCAKE, transfer)
+                else:
+                    wh.wait(transfer)
             except Exception:
                 # Never GET into blocks whose earlier accesses may still run:
                 # report the load failed, as a failed GET is reported.
@@ -538,9 +644,12 @@ def offload_transfer_async(orig: Any) -> Any:
         swap = self._swap_blocks_batch
 
         def fenced_swap(*a: Any, **k: Any) -> Any:
-            wh.ledger.wait_device(wh.waitable(transfer.fence), wh.current_stream(), allow_host_wait=True,
-                                  timeout=wh.timeout)
-            wh.waits += 1
+            if wh.audit is not None:  # after vLLM's wait_stream(compute): compute tokens recorded are ordered
+                wh.observe_transfer(OFFLOADING, transfer, covered=_COMPUTE)
+            else:
+                wh.ledger.wait_device(wh.waitable(transfer.fence), wh.current_stream(), allow_host_wait=True,
+                                      timeout=wh.timeout)
+                wh.waits += 1
             return swap(*a, **k)
 
         self._swap_blocks_batch = fenced_swap
@@ -624,6 +733,9 @@ def _wire_nixl(patch: Patcher) -> None:
             if wh is None:
                 return orig(self, req_id, meta)
             transfer = Transfer.from_wire(wire_form)
+            if wh.audit is not None:  # posted at once, as stock vLLM does
+                wh.observe_transfer(NIXL, transfer)
+                return orig(self, req_id, meta)
             if not wh.has_ended(transfer.fence):
                 deferred.append((self, req_id, meta, transfer, time.monotonic() + wh.timeout))
                 wh.deferred += 1
