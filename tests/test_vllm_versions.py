@@ -101,6 +101,21 @@ def test_supported_versions_are_the_032_and_033_lines(version: str | None, suppo
     assert plugin.is_supported_vllm_version(version) is supported
 
 
+@pytest.mark.parametrize(
+    ("version", "line"),
+    [
+        ("0.32.0+cpu", (0, 32)),
+        ("0.33.1rc1", (0, 33)),
+        ("v1.2", (1, 2)),
+        ("0.3.2", (0, 3)),
+        ("dev", None),
+        (None, None),
+    ],
+)
+def test_release_line_is_the_leading_major_minor(version: str | None, line: tuple[int, int] | None) -> None:
+    assert plugin.release_line(version) == line
+
+
 def test_supported_range_reads_as_the_release_lines() -> None:
     assert plugin.SUPPORTED_VLLM_LINES == ("0.32", "0.33")
     assert plugin.supported_vllm_range() == "0.32.x, 0.33.x"
@@ -151,15 +166,18 @@ def test_unsupported_version_logs_one_warning_and_patches_nothing(
     monkeypatch.setattr(plugin, "_install", _no_install)
     plugin.register()
     plugin.register()  # once per process
-    assert log.got == [
-        (
-            "WARNING",
-            f"blockpool {_bp_version()}: vLLM {shown} is not a supported version (0.32.x, 0.33.x): nothing "
-            "patched, vLLM keeps its own BlockPool; set BLOCKPOOL_VLLM_ANY_VERSION=1 to try anyway",
-        )
-    ]
+    expected = (
+        f"blockpool {_bp_version()}: vLLM {shown} is not a supported version (0.32.x, 0.33.x): nothing "
+        "patched, vLLM keeps its own BlockPool; set BLOCKPOOL_VLLM_ANY_VERSION=1 to try anyway"
+    )
+    assert log.got == [("WARNING", expected)]
     state = plugin.install_state()
-    assert (state.installed, state.disabled, state.refused, state.vllm_version) == (False, True, "version", version)
+    assert (state.installed, state.disabled, state.refused, state.vllm_version) == (
+        False,
+        True,
+        "version",
+        version,
+    )
     assert state.patched == [] and state.modules == []
 
 
@@ -204,7 +222,9 @@ def test_plugin_disabled_wins_over_the_version_check(
     monkeypatch.setattr(plugin, "_install", _no_install)
     monkeypatch.setenv(plugin.ENV_PLUGIN, "0")
     plugin.register()
-    assert log.got == [("INFO", "blockpool: plugin disabled by BLOCKPOOL_VLLM_PLUGIN=0; vLLM keeps its own BlockPool")]
+    assert log.got == [
+        ("INFO", "blockpool: plugin disabled by BLOCKPOOL_VLLM_PLUGIN=0; vLLM keeps its own BlockPool")
+    ]
     assert plugin.install_state().refused == "disabled"
 
 
@@ -330,7 +350,11 @@ def _assert_same(before: dict[Any, Any], after: dict[Any, Any]) -> None:
     changed = [key for key in before if after.get(key, MISSING) is not before[key]]
     assert changed == []
     # modules imported during the attempt bind vLLM's class, not ours
-    new = [key for key in after if key not in before and getattr(after[key], "__module__", "").startswith("blockpool.")]
+    new = [
+        key
+        for key in after
+        if key not in before and getattr(after[key], "__module__", "").startswith("blockpool.")
+    ]
     assert new == []
 
 
@@ -373,6 +397,47 @@ def test_a_core_name_missing_leaves_vllm_exactly_as_it_was(
     assert errors[0][1].startswith(f"blockpool: cannot install into vLLM {plugin.vllm_version()} (")
     assert errors[0][1].endswith("); everything patched was undone, vLLM keeps its own BlockPool")
     assert attr in errors[0][1]
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_stored_events_are_this_vllms_for_partials_nulls_and_masks(vllm_line: str, lookahead: int) -> None:
+    from blockpool.integrations.vllm.events import HAS_LOOKAHEAD
+    from tests.test_vllm_pool import init_none_hash, pools, request, sha256, state
+
+    assert HAS_LOOKAHEAD is (vllm_line != "0.32")
+    if lookahead and not HAS_LOOKAHEAD:
+        pytest.skip(f"vLLM {vllm_line} has no lookahead hashing")
+    init_none_hash(sha256)
+    bs = 4
+    theirs, ours = pools(12, num_hash_lookahead_tokens=lookahead) if lookahead else pools(12)
+    for p in (theirs, ours):
+        r = request("a", list(range(34)))
+        a = p.get_new_blocks(3)
+        table = [a[0], p.null_block, a[1], a[2]]
+        p.cache_partial_block(r, a[0], 4, 0, 2 * bs)  # 4 tokens into a block of 8
+        p.cache_full_blocks(r, table, 0, 2, 2 * bs, 0)  # promotes a[0], skips the null block
+        p.cache_full_blocks(r, table, 2, 3, 2 * bs, 0, block_mask=[False])  # nothing stored
+        p.cache_partial_block(r, a[2], 28, 0, 2 * bs)
+        p.cache_full_blocks(r, table, 2, 4, 2 * bs, 1, block_mask=[True, False])
+        p.emit_cached_block_events(r, 2, 2 * bs, 0)
+    assert state(ours) == state(theirs)
+    events = ours.take_events()
+    assert events == theirs.take_events()
+    assert len(events) == 7  # not vacuous: both queues hold the same seven events
+
+
+def test_lookahead_tokens_only_where_vllm_has_lookahead_hashing(vllm_line: str) -> None:
+    from blockpool import InvalidArgumentError
+    from blockpool.integrations.vllm.pool import VllmBlockPool
+
+    if vllm_line == "0.32":
+        with pytest.raises(
+            InvalidArgumentError, match="num_hash_lookahead_tokens=2: this vLLM has no lookahead"
+        ):
+            VllmBlockPool(8, True, 4, num_hash_lookahead_tokens=2)
+    else:
+        assert VllmBlockPool(8, True, 4, num_hash_lookahead_tokens=2).num_hash_lookahead_tokens == 2
+    assert VllmBlockPool(8, True, 4).num_hash_lookahead_tokens == 0
 
 
 def test_the_drain_wrapper_is_optional(
@@ -494,11 +559,11 @@ LOAD = textwrap.dedent(
 
 def _load_plugins(**env: str) -> str:
     pytest.importorskip("vllm.plugins")
-    if not any(ep.name == "blockpool" for ep in importlib.metadata.entry_points(group="vllm.general_plugins")):
+    if not any(
+        ep.name == "blockpool" for ep in importlib.metadata.entry_points(group="vllm.general_plugins")
+    ):
         pytest.skip("blockpool is not installed in this environment (pip install -e .)")
-    full_env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "BLOCKPOOL_VLLM_"))
-    }
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "BLOCKPOOL_VLLM_"))}
     full_env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
     out = subprocess.run(
         [sys.executable, "-c", LOAD], env=full_env, capture_output=True, text=True, timeout=300, check=False

@@ -73,6 +73,7 @@ __all__ = [
     "is_installed",
     "is_supported_vllm_version",
     "register",
+    "release_line",
     "supported_vllm_range",
     "unregister",
     "vllm_version",
@@ -135,6 +136,14 @@ def vllm_version() -> str | None:
     return None
 
 
+def release_line(version: str | None) -> tuple[int, int] | None:
+    """The ``(major, minor)`` release line of a vLLM version string
+    (``"0.32.0+cpu"``: ``(0, 32)``), or ``None`` when it has none.
+    O(len(version))."""
+    m = _LINE.match(version.strip()) if version else None
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
 def is_supported_vllm_version(version: str | None) -> bool:
     """Whether ``version`` (a vLLM version string, e.g. ``"0.33.0"``,
     ``"0.32.0+cpu"``, ``"0.33.1rc1"``) belongs to one of
@@ -145,10 +154,8 @@ def is_supported_vllm_version(version: str | None) -> bool:
     >>> is_supported_vllm_version("0.33.0"), is_supported_vllm_version("0.34.0.dev1")
     (True, False)
     """
-    if not version:
-        return False
-    m = _LINE.match(version.strip())
-    return m is not None and f"{int(m.group(1))}.{int(m.group(2))}" in SUPPORTED_VLLM_LINES
+    line = release_line(version)
+    return line is not None and f"{line[0]}.{line[1]}" in SUPPORTED_VLLM_LINES
 
 
 def supported_vllm_range() -> str:
@@ -268,8 +275,10 @@ def register() -> None:
                 exc,
             )
             return
-        untested = "" if supported else (
-            f"; vLLM {version or '(version unknown)'} is not a supported version "
+        untested = (
+            ""
+            if supported
+            else f"; vLLM {version or '(version unknown)'} is not a supported version "
             f"({supported_vllm_range()}), tried because {ENV_ANY_VERSION}=1"
         )
         logger.log(

@@ -33,6 +33,7 @@ from blockpool.core.block import block_class_for_pool
 from blockpool.core.errors import ForeignBlockError, InvalidArgumentError
 from blockpool.core.hazards import AccessKind, StreamKind
 from blockpool.core.pool import HazardAwareBlockPool
+from blockpool.integrations.vllm import release_line, vllm_version
 from blockpool.integrations.vllm.blocks import GroupKeys, HashMapView, VllmFreeBlockQueue, VllmKVCacheBlock
 from blockpool.integrations.vllm.events import HAS_LOOKAHEAD, VLLM_BLOCK_POOL, VllmEvents
 from blockpool.integrations.vllm.hazards import COMPUTE, StepHazards
@@ -48,6 +49,10 @@ __all__ = [
 ]
 
 _READ = AccessKind.READ
+
+# vLLM 0.32's touch calls the metrics collector's on_block_accessed for the
+# null block too (0.33 skips the null block there).
+_ACCESS_HOOK_ON_NULL = (release_line(vllm_version()) or (0, 33)) < (0, 33)
 
 
 class VllmBlockPool(VllmEvents):
@@ -198,13 +203,14 @@ class VllmBlockPool(VllmEvents):
 
     def touch(self, blocks: Sequence[Any]) -> None:
         """Add a reference to each block (prefix hit); ref count 0 leaves
-        the free queue. Null blocks are skipped. O(len(blocks)).
+        the free queue. Null blocks are skipped (the metrics hook sees them
+        on vLLM 0.32, as 0.32's pool calls it). O(len(blocks)).
 
         Raises:
             ForeignBlockError: a block of another pool (nothing changes).
         """
         self.core.touch(blocks)
-        self._metrics((b for b in blocks if not b.is_null), "on_block_accessed")
+        self._metrics(blocks if _ACCESS_HOOK_ON_NULL else (b for b in blocks if not b.is_null), "on_block_accessed")
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         """Drop one reference per block, first = evicted first; blocks of
