@@ -414,9 +414,10 @@ class OffloadHandler:
         return True
 
 
-def offload_store_then_reload(gpu: Gpu, buf: Buffers, use_fence: bool) -> dict[str, Any]:
+def offload_store_then_reload(gpu: Gpu, buf: Buffers, use_fence: bool, audit: bool = False) -> dict[str, Any]:
     from blockpool import HazardAwareBlockPool, StreamKind
     from blockpool.integrations.vllm import worker as vw
+    from blockpool.integrations.vllm.audit import Audit
     from blockpool.integrations.vllm.hazards import Transfer
     from blockpool.worker.torch_events import EventLedger
 
@@ -424,7 +425,7 @@ def offload_store_then_reload(gpu: Gpu, buf: Buffers, use_fence: bool) -> dict[s
     streams = {"compute": StreamKind.DEVICE, "offload_d2h": StreamKind.DEVICE, "offload_h2d": StreamKind.DEVICE}
     pool = HazardAwareBlockPool(NUM_BLOCKS, enable_caching=False, streams=streams)
     ledger = EventLedger(gpu.event_factory(), streams={"compute": gpu.compute})
-    wh = vw.WorkerHazards(ledger, gpu.current_stream, timeout=WAIT_S)
+    wh = vw.WorkerHazards(ledger, gpu.current_stream, timeout=WAIT_S, audit=Audit() if audit else None)
     kv, pattern = buf.kv, buf.pattern
     blocks, _ = pool.allocate_for(K, "compute")
     ids = [b.block_id for b in blocks]
@@ -486,6 +487,8 @@ def offload_store_then_reload(gpu: Gpu, buf: Buffers, use_fence: bool) -> dict[s
         "load_landed": loaded,
         "corruption_observed": not store_ok or not loaded,
     }
+    if audit:  # the fences are only observed: vLLM's own ordering alone, counted
+        out["audit_would_have_raced"] = wh.audit.totals()[2]
     if not out["reused_same_blocks"] or [str(t) for t in fence] != [str(store_tok)]:
         RESULT["errors"].append(f"offload_store_then_reload: unexpected run (blocks {ids} -> {new_ids}, fence {fence})")
     return out
@@ -619,6 +622,12 @@ def run(dry_run: bool) -> int:
         }
         guarded(f"{name}/drain", gpu.drain)
         log(f"{name}: {RESULT[name]}")
+    # Audit mode (BLOCKPOOL_VLLM_HAZARDS=audit) on the offload reuse: no wait
+    # added, the would-be race counted.
+    RESULT["offload_store_then_reload"]["audit"] = guarded(
+        "offload_store_then_reload/audit", lambda: offload_store_then_reload(gpu, buf, True, audit=True)
+    )
+    guarded("offload_store_then_reload/audit/drain", gpu.drain)
 
     modes = ("exact_fence", "whole_step", "device_synchronize")
     samples: dict[str, list[float | None]] = {m: [] for m in modes}
@@ -647,6 +656,9 @@ def run(dry_run: bool) -> int:
     RESULT["summary"] = {
         "fenced_runs_kept_data": all(ok(name) for name, _ in subchecks),
         "corruption_without_fence": {name: corrupt(name) for name, _ in subchecks},
+        "audit_would_have_raced": (RESULT["offload_store_then_reload"].get("audit") or {}).get(
+            "audit_would_have_raced"
+        ),
         "whole_step_over_exact_fence": round(ws / ex, 2) if ex and ws else None,
         "device_synchronize_over_exact_fence": (
             round(delays["device_synchronize"]["median"] / ex, 2)

@@ -779,3 +779,14 @@ def test_gpu_check_dry_run_observes_corruption_without_the_fences(capsys: pytest
         "offload_store_then_reload": True,
     }
     assert result["offload_store_then_reload"]["with_fence"]["fence"] == ["offload_d2h:1"]
+
+
+def test_gpu_check_dry_run_counts_the_offload_race_in_audit_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    """Audit mode adds no wait (the reuse corrupts, as without the fence)
+    and counts the load that started while the store still read."""
+    _load("benchmarks/gpu_hazard_check.py").main(["--dry-run-cpu"])
+    result = json.loads(capsys.readouterr().out)
+    audit = result["offload_store_then_reload"]["audit"]
+    assert (audit["fenced_waits"], audit["corruption_observed"], audit["audit_would_have_raced"]) == (0, True, 1)
+    assert result["summary"]["audit_would_have_raced"] == 1
+    assert result["offload_store_then_reload"]["with_fence"]["corruption_observed"] is False
