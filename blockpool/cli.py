@@ -20,6 +20,10 @@ cannot be written, checked before the replay); 3 the replay itself failed
 (SIGINT, Ctrl-C); 143 terminated (SIGTERM). An interrupted run prints one
 line, leaves no output or part file behind and no worker process running.
 
+``blockpool --version`` prints the version. Every ``--help`` ends with its
+command's exit statuses. Interrupted, a command prints one line naming
+itself (``blockpool sweep: error: interrupted (SIGINT)``).
+
 Progress goes to stderr (never with ``--quiet``): a tqdm bar on a terminal;
 otherwise one line every :data:`PROGRESS_INTERVAL_S` seconds (requests done,
 rate, ETA), so logs of long runs show it too.
@@ -55,11 +59,45 @@ class Terminated(BaseException):
     unwinds (stops its workers, removes its part files) like on Ctrl-C."""
 
 
+_EXIT_STATUS_REPLAY = """exit status:
+  0    done
+  1    the exact policy showed a race
+  2    bad usage or input, checked before the replay: unreadable trace, bad line,
+       unknown policy, a pool too small for any request, --plot without matplotlib,
+       an output that cannot be written (a directory, a socket, no such directory)
+  3    the replay failed (stalled, leaked blocks) or an output could not be written
+  130  interrupted (SIGINT, Ctrl-C)
+  143  terminated (SIGTERM)"""
+
+_EXIT_STATUS_SWEEP = """exit status:
+  0    done
+  1    an exact cell showed a race
+  2    bad usage or input, checked before any cell runs (a trace, a name, --ray
+       without Ray, a cluster that cannot be joined)
+  3    a cell failed, or the JSON could not be written
+  130  interrupted (SIGINT, Ctrl-C)
+  143  terminated (SIGTERM)"""
+
+_EXIT_STATUS_TOP = """exit status (replay, sweep):
+  0 done; 1 the exact policy showed a race; 2 bad usage or input;
+  3 the run failed or an output could not be written; 130 interrupted (Ctrl-C);
+  143 terminated (SIGTERM). check-vllm: 0 identical, 1 a difference, 2 setup error.
+  See 'blockpool COMMAND --help'."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``blockpool``. O(1)."""
     from blockpool.replay.policies import POLICIES
 
-    parser = argparse.ArgumentParser(prog="blockpool", description="KV-cache block pool with exact hazard fences.")
+    from blockpool import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="blockpool",
+        description="KV-cache block pool with exact hazard fences.",
+        epilog=_EXIT_STATUS_TOP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"blockpool {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser(
         "replay",
@@ -69,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
             "on a simulated GPU under each wait policy, check every block access with the race oracle, "
             "and report races, load-start delays, makespan, throughput and allocator time."
         ),
+        epilog=_EXIT_STATUS_REPLAY,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("trace", nargs="?", metavar="TRACE", help="trace file (default: synthetic workload)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
@@ -106,7 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--events", metavar="OUT.jsonl", help="write every issue, wait, access and completion here")
     p.add_argument("--skip-bad-lines", action="store_true", help="skip bad trace lines (counted) instead of failing")
     p.add_argument("--jobs", type=int, default=None, help="policies run in parallel (default: min(policies, CPUs))")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--quiet", action="store_true",
+        help="no progress on stderr: neither the bar (a terminal) nor the progress lines (a log or a pipe)",
+    )  # fmt: skip
     w = sub.add_parser(
         "sweep",
         help="a grid of replays: traces x policies x evictions x placements x pool sizes x seeds",
@@ -115,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
             "x seeds) in local worker processes and print one row per cell; --json writes them all "
             "(schema blockpool.sweep/1). See docs/replay.md."
         ),
+        epilog=_EXIT_STATUS_SWEEP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     w.add_argument(
         "traces", nargs="*", metavar="TRACE",
@@ -140,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         "'local' starts a local Ray instance; needs the 'ray' extra (pip install 'blockpool[ray]')",
     )  # fmt: skip
     w.add_argument("--json", metavar="OUT", help="write every row here (schema blockpool.sweep/1)")
-    w.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    w.add_argument("--quiet", action="store_true", help="no progress on stderr (the 'sweep: N/M cells' lines)")
     # Imports neither torch nor vLLM: only the check's runs do, in subprocesses.
     from blockpool.integrations.vllm.engine_check import add_arguments as add_check_vllm_arguments
 
@@ -504,13 +549,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise Terminated()
 
         previous = signal.signal(signal.SIGTERM, on_term)
+    def stopped(msg: str) -> None:  # one line, naming the command that was stopped
+        print(f"blockpool {args.command}: error: {msg}", file=sys.stderr)
+
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:
-        _err("interrupted (SIGINT)")
+        stopped("interrupted (SIGINT)")
         return EXIT_SIGINT
     except Terminated:
-        _err("terminated (SIGTERM)")
+        stopped("terminated (SIGTERM)")
         return EXIT_SIGTERM
     finally:
         if main_thread and previous is not None:

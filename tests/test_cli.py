@@ -490,3 +490,65 @@ def test_write_atomic_refuses_what_output_kind_refuses(tmp_path: Path) -> None:
         write_atomic(tmp_path, lambda tmp: Path(tmp).write_text("x"))
     assert list(tmp_path.iterdir()) == []
     assert output_kind(tmp_path / "new") == (str(tmp_path / "new"), OUTPUT_FILE)
+
+
+# Issue #22 point 6: --version, exit statuses in --help, --quiet, sweep's interrupt line ----
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import blockpool
+
+    with pytest.raises(SystemExit) as ei:
+        main(["--version"])
+    assert ei.value.code == 0
+    assert capsys.readouterr().out.strip() == f"blockpool {blockpool.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "codes"),
+    [
+        ([], ["0 done", "1 the exact policy showed a race", "2 bad usage", "3 the run failed", "130", "143"]),
+        (["replay"], ["0    done", "1    the exact policy", "2    bad usage", "3    the replay failed", "130  ", "143  "]),
+        (["sweep"], ["0    done", "1    an exact cell", "2    bad usage", "3    a cell failed", "130  ", "143  "]),
+    ],
+)
+def test_help_lists_the_exit_statuses(argv: list[str], codes: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    out = capsys.readouterr().out
+    tail = out[out.index("exit status") :]
+    assert all(c in tail for c in codes), tail
+
+
+def test_quiet_help_says_it_drops_the_progress_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--quiet no progress on stderr: neither the bar (a terminal) nor the progress lines" in out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_ctrl_c_during_sweep_says_blockpool_sweep_interrupted(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blockpool", "sweep", "--seed", "0,1,2,3", "--limit", "3000", "--jobs", "2", "--quiet"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a terminal's Ctrl-C reaches the whole process group
+    )
+    deadline = time.monotonic() + 60
+    while len(_children(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(1.0)  # the cells are running
+    assert proc.poll() is None, "the sweep ended before it could be interrupted"
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.splitlines() == ["blockpool sweep: error: interrupted (SIGINT)"]
+    assert out == ""
