@@ -162,10 +162,10 @@ def test_audit_mooncake_get_runs_at_once_and_counts_a_race_only_while_its_fence_
 
 
 def test_audit_mooncake_put_keeps_vllms_event_and_is_checked_after_it(rank: Any) -> None:
+    from blockpool.core.hazards import Fence
     from blockpool.integrations.vllm import connectors as vc
     from blockpool.integrations.vllm import worker as vw
     from blockpool.integrations.vllm.hazards import StepRecord, Transfer
-    from blockpool.core.hazards import Fence
 
     class StockEvent:
         def __init__(self) -> None:
@@ -212,7 +212,8 @@ def test_audit_offload_copy_adds_no_stream_wait_and_counts_a_store_still_reading
     rank.wh.jobs[("offloading", 7)] = Transfer("B", "load", h2d, Fence([E1, D2H]), (3, 4))
 
     class Handler:
-        _transfers: list[Any] = []
+        def __init__(self) -> None:
+            self._transfers: list[Any] = []
 
         def _swap_blocks_batch(self) -> None:
             rank.copy.enqueue(lambda: None, "h2d copy")

@@ -68,7 +68,7 @@ class Rank:
         ledger = EventLedger(self.dev.new_event, streams={"compute": self.compute})
         self.wh = vw.WorkerHazards(ledger, lambda: self.current, timeout=5.0)
 
-    def __enter__(self) -> Rank:
+    def __enter__(self) -> Rank:  # noqa: PYI034  (a test helper, never subclassed)
         vw.install(self.wh)
         return self
 

@@ -54,6 +54,8 @@ from typing import Any
 import torch
 
 from blockpool.core.hazards import Fence, StreamKind, Token
+from blockpool.integrations.vllm import ENV_HAZARDS
+from blockpool.integrations.vllm.audit import MODE_AUDIT, Audit, device_covered_by
 from blockpool.integrations.vllm.connectors import (
     CONNECTORS,
     META_LOAD,
@@ -64,8 +66,6 @@ from blockpool.integrations.vllm.connectors import (
     NIXL,
     OFFLOADING,
 )
-from blockpool.integrations.vllm import ENV_HAZARDS
-from blockpool.integrations.vllm.audit import MODE_AUDIT, Audit, device_covered_by
 from blockpool.integrations.vllm.hazards import StepRecord, Transfer
 from blockpool.worker.torch_events import EventLedger, event_factory
 
@@ -541,13 +541,12 @@ def _wire_mooncake(patch: Patcher) -> None:
                 if not request.can_save:
                     continue
                 wire_form = getattr(request, META_STORE, None)
-                if wire_form is None or stock or wh.audit is not None:
+                if coarse is None and (wire_form is None or stock or wh.audit is not None):
                     # vLLM's coarse event: for a store the pool did not see,
                     # where the fence is not shown exact (on top of it), and
                     # in audit mode (instead of it).
-                    if coarse is None:
-                        coarse = torch.cuda.Event()
-                        coarse.record()
+                    coarse = torch.cuda.Event()
+                    coarse.record()
                 if wire_form is None:
                     request.current_event = coarse
                 elif wh.audit is not None:  # checked once the send thread passed vLLM's event
