@@ -458,6 +458,43 @@ def test_size_flags_override_every_selected_workload(monkeypatch: pytest.MonkeyP
     assert seen[1].max_num_seqs == WORKLOADS["timing"].max_num_seqs
 
 
+def test_repetitions_are_interleaved_compared_and_the_best_timing_reported(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    medians = iter([900.0, 1200.0, 1100.0, 800.0, 1000.0, 1300.0])
+
+    def edit(workload: str, mode: str, r: dict[str, Any]) -> None:
+        r["timing"] = dict(r["timing"], per_step_median_us=next(medians))
+
+    calls = fake_runs(monkeypatch, edit)
+    out = tmp_path / "r.json"
+    assert ec.main(["--repeat", "2", "--json", str(out)]) == EXIT_PASS
+    assert calls == [("quick", m) for m in ec.MODES] * 2
+    doc = json.loads(out.read_text())
+    on = doc["workloads"]["quick"]["runs"]["on"]
+    assert [t["per_step_median_us"] for t in on["timing_repeats"]] == [1200.0, 1000.0]
+    assert on["timing_best"]["per_step_median_us"] == 1000.0
+    assert doc["workloads"]["quick"]["runs"]["off"]["timing_best"]["per_step_median_us"] == 800.0
+    assert "best of 2 repetitions" in capsys.readouterr().out
+
+
+def test_a_repetition_that_differs_is_a_mismatch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: dict[str, int] = {}
+
+    def edit(workload: str, mode: str, r: dict[str, Any]) -> None:
+        seen[mode] = seen.get(mode, 0) + 1
+        if seen[mode] == 2 and mode in ("off", "on"):
+            r["tokens"][0][0] = 0
+
+    fake_runs(monkeypatch, edit)
+    assert ec.main(["--repeat", "2"]) == EXIT_MISMATCH
+    out = capsys.readouterr().out
+    assert "off#2: tokens: request 0, token 0" in out and "on#2: tokens:" in out
+    assert "hazards-off#2" not in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -465,6 +502,7 @@ def test_size_flags_override_every_selected_workload(monkeypatch: pytest.MonkeyP
         (["--modes", "on,sideways"], "unknown mode(s) sideways"),
         (["--num-blocks", "4"], "cannot hold one request"),
         (["--timeout", "0"], "--timeout must be > 0"),
+        (["--repeat", "0"], "--repeat must be >= 1"),
     ],
 )
 def test_bad_flags_are_setup_errors(
