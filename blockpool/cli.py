@@ -436,7 +436,13 @@ def _err(msg: str) -> None:
 def _replay(args: argparse.Namespace) -> int:
     import os
 
-    from blockpool.replay.config import DEFAULT_NUM_BLOCKS, SYNTHETIC_NUM_BLOCKS, ReplayConfig, ReplayError
+    from blockpool.replay.config import (
+        DEFAULT_NUM_BLOCKS,
+        SYNTHETIC_NUM_BLOCKS,
+        ReplayConfig,
+        ReplayError,
+        check_fits,
+    )
     from blockpool.replay.policies import parse_policies
     from blockpool.replay.report import format_table
     from blockpool.replay.run import replay, write_atomic
@@ -458,6 +464,7 @@ def _replay(args: argparse.Namespace) -> int:
         if nb is None:
             nb = SYNTHETIC_NUM_BLOCKS if args.trace is None else DEFAULT_NUM_BLOCKS
         cfg = ReplayConfig(block_size=args.block_size, num_blocks=nb, seed=args.seed)
+        check_fits(trace.requests, cfg)  # a pool too small for any request: status 2, not a table of zeros
         for e in evictions or ():
             ReplayConfig(eviction=e)  # an unknown name fails here (status 2)
         for pl in placements or ():

@@ -552,3 +552,43 @@ def test_ctrl_c_during_sweep_says_blockpool_sweep_interrupted(tmp_path: Path) ->
     assert proc.returncode == 130, err
     assert err.splitlines() == ["blockpool sweep: error: interrupted (SIGINT)"]
     assert out == ""
+
+
+# Issue #22 point 7: a pool too small for any request -----------------------------
+
+
+def test_pool_too_small_for_any_request_exits_two_before_the_replay(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import blockpool.replay.run as run_mod
+
+    monkeypatch.setattr(run_mod, "replay", lambda *a, **k: pytest.fail("the replay started"))
+    assert main(["replay", "--num-blocks", "3", "--limit", "5", "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "blockpool replay: error: num_blocks 3 is too small for any of the 5 requests: the pool hands out 2 blocks "
+        "(the null block is never handed out) and the smallest request needs 146 blocks of 16 tokens"
+    ]
+
+
+def test_pool_that_fits_some_requests_replays_and_counts_the_rejected(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    big = json.dumps({**GOOD, "timestamp": 5000, "input_length": 3000, "hash_ids": [9, 10, 11, 12, 13, 14]})
+    trace = _trace(tmp_path, big)
+    assert main(["replay", str(trace), "--num-blocks", "128", "--policy", "exact", "--quiet"]) == 0
+    assert "rejected 1," in capsys.readouterr().out
+
+
+def test_check_fits_refuses_only_when_no_request_fits() -> None:
+    from blockpool.core.errors import InvalidArgumentError
+    from blockpool.replay.config import ReplayConfig, check_fits, request_blocks
+    from blockpool.replay.traces import TraceRequest
+
+    reqs = [TraceRequest(i, 0.0, 31, 2, ((1, 31),), 2) for i in range(2)]
+    assert request_blocks(31, 2, 16) == 3
+    check_fits(reqs, ReplayConfig(num_blocks=4))  # 3 blocks handed out: fits
+    check_fits([], ReplayConfig(num_blocks=2))
+    with pytest.raises(InvalidArgumentError, match="too small for any of the 2 requests"):
+        check_fits(reqs, ReplayConfig(num_blocks=3))

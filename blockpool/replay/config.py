@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -10,7 +11,7 @@ from blockpool.core.errors import BlockPoolError, InvalidArgumentError
 from blockpool.core.hazards import StreamKind
 from blockpool.sim.simulator import DEFAULT_STREAM_SPECS, CostModel, StreamSpec
 
-__all__ = ["DEFAULT_NUM_BLOCKS", "SYNTHETIC_NUM_BLOCKS", "ReplayConfig", "ReplayError"]
+__all__ = ["DEFAULT_NUM_BLOCKS", "SYNTHETIC_NUM_BLOCKS", "ReplayConfig", "ReplayError", "check_fits", "request_blocks"]
 
 DEFAULT_NUM_BLOCKS = 16384
 """Default pool size for a trace: 16,384 blocks of 16 tokens (262,144 tokens,
@@ -26,6 +27,38 @@ its smaller scale)."""
 class ReplayError(BlockPoolError, RuntimeError):
     """A replay could not go on (no event left while requests still wait),
     or ended with blocks that were never returned to the pool."""
+
+
+def request_blocks(prompt_tokens: int, output_tokens: int, block_size: int) -> int:
+    """Blocks a request needs at its longest: ``ceil((prompt_tokens +
+    output_tokens) / block_size)``. A request needing more than the pool's
+    ``num_blocks - 1`` (the null block is never handed out) is rejected on
+    arrival by the replay. O(1)."""
+    return -(-(prompt_tokens + output_tokens) // block_size)
+
+
+def check_fits(requests: Sequence[Any], config: ReplayConfig) -> None:
+    """Refuse a pool too small for every request: a replay of it would
+    reject them all and report nothing but zeros. ``requests`` are
+    :class:`~blockpool.replay.traces.TraceRequest` (``prompt_tokens``,
+    ``output_tokens``); an empty sequence passes. O(len(requests)).
+
+    Raises:
+        InvalidArgumentError: not one request fits in ``config.num_blocks
+            - 1`` blocks of ``config.block_size`` tokens; names the
+            smallest request's need.
+    """
+    if not requests:
+        return
+    need = min(request_blocks(r.prompt_tokens, r.output_tokens, config.block_size) for r in requests)
+    cap = config.num_blocks - 1
+    if need > cap:
+        n = len(requests)
+        raise InvalidArgumentError(
+            f"num_blocks {config.num_blocks} is too small for any of the {n} request{'s' if n != 1 else ''}: "
+            f"the pool hands out {cap} block{'s' if cap != 1 else ''} (the null block is never handed out) and "
+            f"the smallest request needs {need} blocks of {config.block_size} tokens"
+        )
 
 
 def _int_at_least(lo: int):  # type: ignore[no-untyped-def]

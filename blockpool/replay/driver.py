@@ -34,7 +34,7 @@ import attrs
 
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.hazards import Token
-from blockpool.replay.config import ReplayConfig, ReplayError
+from blockpool.replay.config import ReplayConfig, ReplayError, request_blocks
 from blockpool.replay.eventlog import EventLog
 from blockpool.replay.machine import Machine
 from blockpool.replay.report import PolicyResult
@@ -153,7 +153,7 @@ class _Scheduler(StepBuilder):
         while self.arrivals and self.arrivals[0].trace.arrival_s <= now:
             r = self.arrivals.popleft()
             tr = r.trace
-            if -(-(tr.prompt_tokens + tr.output_tokens) // bs) > cap:
+            if request_blocks(tr.prompt_tokens, tr.output_tokens, bs) > cap:
                 r.phase = Phase.DONE
                 self.c["rejected"] += 1
                 self._progress()
