@@ -240,3 +240,64 @@ def test_every_exception_class_of_the_package_is_rooted_in_block_pool_error() ->
                     found.append(cls)
     assert len(found) > 20
     assert [c.__qualname__ for c in found if not issubclass(c, BlockPoolError)] == []
+
+
+# Issue #22 point 16: a failed call applies the completions queued before it, and changes nothing else
+
+
+def _pool_with_queued_completions() -> tuple[HazardAwareBlockPool, list[object]]:
+    """busy_pool() plus a step, a store and a load whose completions (one a failure) are queued, not applied."""
+    pool = busy_pool()
+    blocks = pool.get_new_blocks(2)
+    step = pool.issue("compute")
+    store, _ = pool.begin_store(blocks[:1], "d2h")
+    load, _ = pool.begin_load(blocks[1:], "h2d")
+    pool.complete(step)
+    pool.complete(store)
+    pool.fail(load)
+    return pool, blocks
+
+
+def _failing_calls(pool: HazardAwareBlockPool, blocks: list[object]) -> list[tuple[str, Callable[[], object]]]:
+    other = make_pool(4)
+    return [
+        ("get_new_blocks", lambda: pool.get_new_blocks(10**6)),
+        ("allocate_for", lambda: pool.allocate_for(10**6, "h2d")),
+        ("free_blocks", lambda: pool.free_blocks([pool.blocks[9], pool.blocks[9]])),
+        ("free_blocks foreign", lambda: pool.free_blocks(other.get_new_blocks(1))),
+        ("tag", lambda: pool.tag(blocks, Token("compute", 99), AccessKind.READ)),
+        ("begin_load", lambda: pool.begin_load(blocks, "nope")),
+        ("begin_copy", lambda: pool.begin_copy([(blocks[0], pool.null_block)], "compute")),
+        ("cache_full_blocks", lambda: pool.cache_full_blocks(blocks, ["x"], 0, 2, block_size=16)),
+        ("fence_for", lambda: pool.fence_for(blocks, "compute", "write")),
+        ("evict_blocks", lambda: pool.evict_blocks([10**6])),
+        ("is_ended", lambda: pool.is_ended(Token("compute", 99))),
+    ]
+
+
+@pytest.mark.parametrize("i", range(11))
+def test_a_failed_call_applies_the_queued_completions_and_changes_nothing_else(i: int) -> None:
+    reference, _ = _pool_with_queued_completions()
+    reference.poll()
+    pool, blocks = _pool_with_queued_completions()
+    before = pool.snapshot()
+    name, call = _failing_calls(pool, blocks)[i]
+    with pytest.raises(BlockPoolError):
+        call()
+    after = pool.snapshot()
+    assert after == reference.snapshot(), name  # exactly what poll() would have done
+    assert after.marks != before.marks  # ...which is not nothing: the completions were applied
+    pool.check()
+
+
+@pytest.mark.parametrize("call", ["complete", "fail"])
+def test_a_refused_completion_report_applies_nothing_and_changes_nothing(call: str) -> None:
+    pool, _ = _pool_with_queued_completions()
+    before = pool.snapshot()
+    with pytest.raises(UnknownTokenError):
+        getattr(pool, call)(Token("compute", 99))  # complete / fail only queue (any thread): nothing is applied
+    assert pool.snapshot() == before
+    pool.poll()
+    reference, _ = _pool_with_queued_completions()
+    reference.poll()
+    assert pool.snapshot() == reference.snapshot()  # the queued reports are still there
