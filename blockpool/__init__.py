@@ -12,12 +12,8 @@ Layout (``docs/architecture.md``):
 - :mod:`blockpool.sim`: the stream simulator and its cost model;
 - :mod:`blockpool.replay`: trace replay, sweeps;
 - :mod:`blockpool.integrations`: vLLM (plugin, pool adapter, connectors).
-
-Modules that moved into the sub-packages keep their old import paths for
-now, with a :class:`DeprecationWarning` (:data:`blockpool._moved.MOVED`).
 """
 
-from blockpool import _moved
 from blockpool.core.block import FreeBlockQueue, KVCacheBlock
 from blockpool.core.errors import (
     BlockNotAllocatedError,
@@ -54,14 +50,6 @@ from blockpool.core.pool import HazardAwareBlockPool
 from blockpool.core.stats import PoolSnapshot, PoolStats
 
 __version__ = "0.1.0"
-
-_moved.install()
-
-
-def __getattr__(name: str) -> object:
-    """``blockpool.pool`` and the other old submodule paths, as attributes
-    (with the alias's DeprecationWarning)."""
-    return _moved.old_submodule(__name__, name)
 
 
 __all__ = [

@@ -151,7 +151,7 @@ def test_automatic_check_reports_each_violation_once(h: RaceHarness) -> None:
 def test_importing_the_plugin_loads_neither_the_oracle_nor_heavy_modules() -> None:
     code = (
         "import sys, blockpool.checking.pytest_plugin\n"
-        "print(sorted(m for m in ('blockpool.checking.race_oracle', 'blockpool.sanitizer', 'blockpool.checking.harness', "
+        "print(sorted(m for m in ('blockpool.checking.race_oracle', 'blockpool.checking.harness', "
         "'torch', 'matplotlib', 'tqdm', 'vllm') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -388,15 +388,3 @@ def test_ordered_write_clears_what_the_racy_write_raced_with(oracle: RaceOracle)
     run(oracle, "h2d:1", [1], W)  # races
     assert run(oracle, "d2h:1", [1], W, after=("h2d:1", "compute:1")) == []
     assert run(oracle, "d2h:2", [1], W) == []
-
-
-
-def test_access_is_the_deprecated_name_of_tag() -> None:
-    o = RaceOracle({"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE})
-    t = tok("compute:1")
-    o.record(t)
-    with pytest.warns(DeprecationWarning, match="RaceOracle.tag"):
-        assert o.access(t, [1], R, "forward") == []
-    load = tok("h2d:1")
-    o.record(load)
-    assert [v.hazard for v in o.tag(load, [1], W, "load")] == ["WAR"]

@@ -258,6 +258,4 @@ def test_default_streams_has_one_meaning_and_the_specs_agree_with_it() -> None:
     assert all(isinstance(k, StreamKind) for k in DEFAULT_STREAMS.values())
     assert {n: DEFAULT_STREAM_SPECS[n].kind for n in DEFAULT_STREAMS} == dict(DEFAULT_STREAMS)
     assert set(DEFAULT_STREAM_SPECS) - set(DEFAULT_STREAMS) == {"xfer"}
-    for module in (costmodel, simulator):
-        with pytest.warns(DeprecationWarning, match="DEFAULT_STREAM_SPECS"):
-            assert module.DEFAULT_STREAMS is DEFAULT_STREAM_SPECS
+    assert costmodel.DEFAULT_STREAM_SPECS is simulator.DEFAULT_STREAM_SPECS is DEFAULT_STREAM_SPECS

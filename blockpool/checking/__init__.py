@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from blockpool._moved import lazy_exports
+from blockpool._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "RaceOracle": "race_oracle",

@@ -32,7 +32,6 @@ order of the work, not of the calls.
 from __future__ import annotations
 
 import collections
-import warnings
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -414,15 +413,6 @@ class RaceOracle:
         self.num_accesses += len(ids)
         self.violations.extend(out)
         return out
-
-    def access(
-        self, token: Token, block_ids: Iterable[int], kind: AccessKind, what: str
-    ) -> list[RaceViolation]:
-        """Deprecated name of :meth:`tag` (one verb for recording an access,
-        as the pool's ``tag``); emits a :class:`DeprecationWarning`. Same
-        complexity and errors as :meth:`tag`."""
-        warnings.warn("RaceOracle.access is deprecated; call RaceOracle.tag", DeprecationWarning, stacklevel=2)
-        return self.tag(token, block_ids, kind, what)
 
     def check_access(
         self,

@@ -15,11 +15,3 @@ core never imports them. Importing this package imports nothing else:
 - :mod:`blockpool.integrations.vllm.pytest_plugin`: a pytest plugin that
   installs the pool before collection (vLLM's own tests, "plugin on").
 """
-
-
-def __getattr__(name: str) -> object:
-    """``blockpool.integrations.vllm_pool`` and the other old submodule
-    paths, as attributes (with the alias's DeprecationWarning)."""
-    from blockpool import _moved
-
-    return _moved.old_submodule(__name__, name)

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from blockpool._moved import lazy_exports
+from blockpool._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "DEFAULT_STREAM_SPECS": "costmodel",

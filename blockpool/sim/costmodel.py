@@ -167,31 +167,3 @@ order) and ``xfer`` (remote-store PUTs from a transfer thread). Their
 kinds agree with :data:`blockpool.checking.harness.DEFAULT_STREAMS` (``{name:
 StreamKind}``, the streams a pool and the race oracle take), which lacks
 ``xfer``."""
-
-
-def deprecated_default_streams(module: str, name: str) -> object:
-    """Module ``__getattr__`` body shared by :mod:`blockpool.sim.costmodel` and
-    :mod:`blockpool.sim.simulator`: ``DEFAULT_STREAMS`` has one meaning,
-    ``{name: StreamKind}`` (:data:`blockpool.checking.harness.DEFAULT_STREAMS`); the
-    machine's stream specs were called that in those modules before, so the
-    old name still returns :data:`DEFAULT_STREAM_SPECS`, with a
-    ``DeprecationWarning`` pointing at the caller.
-
-    Raises:
-        AttributeError: any other ``name``.
-    """
-    if name == "DEFAULT_STREAMS":
-        import warnings
-
-        warnings.warn(
-            f"{module}.DEFAULT_STREAMS is renamed DEFAULT_STREAM_SPECS "
-            "(DEFAULT_STREAMS now always means {name: StreamKind}: blockpool.checking.harness.DEFAULT_STREAMS)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return DEFAULT_STREAM_SPECS
-    raise AttributeError(f"module {module!r} has no attribute {name!r}")
-
-
-def __getattr__(name: str) -> object:
-    return deprecated_default_streams(__name__, name)

@@ -50,7 +50,7 @@ import attrs
 
 from blockpool.core.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
 from blockpool.core.hazards import StreamKind, Token
-from blockpool.sim.costmodel import DEFAULT_STREAM_SPECS, CostModel, StreamSpec, deprecated_default_streams
+from blockpool.sim.costmodel import DEFAULT_STREAM_SPECS, CostModel, StreamSpec
 
 __all__ = [
     "DEFAULT_STREAM_SPECS",
@@ -314,8 +314,3 @@ class StreamSimulator:
     def pending(self) -> int:
         """Works submitted and not yet reported ended. O(1)."""
         return len(self._live)
-
-
-def __getattr__(name: str) -> object:
-    # The deprecated DEFAULT_STREAMS name, as in blockpool.sim.costmodel.
-    return deprecated_default_streams(__name__, name)

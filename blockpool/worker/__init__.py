@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from blockpool._moved import lazy_exports
+from blockpool._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "BackendUnavailableError": "torch_events",
