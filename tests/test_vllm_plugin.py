@@ -71,9 +71,18 @@ VLLMS = "vllm.v1.core.block_pool.BlockPool"
 
 
 def test_loader_makes_a_new_kv_cache_manager_hold_our_pool_and_logs_once() -> None:
+    import blockpool
+    from blockpool.integrations import vllm as plugin
+
     got = probe("load_general_plugins.__globals__['plugins_loaded'] = False; load_general_plugins()")
     assert got["pool"] == OURS and got["core_used"] == 3
-    assert len(got["log"]) == 1 and "HazardAwareBlockPool" in got["log"][0]  # type: ignore[index, arg-type]
+    assert len(got["log"]) == 1  # type: ignore[arg-type]
+    line = got["log"][0]  # type: ignore[index]
+    assert line.startswith(  # type: ignore[union-attr]
+        f"blockpool {blockpool.__version__}: vLLM {plugin.vllm_version()}'s BlockPool is now {OURS} "
+        "(HazardAwareBlockPool core; hazard tracking on) in "
+    )
+    assert "; KV connectors wired: mooncake_store, offloading, simple_cpu_offload, nixl; " in line  # type: ignore[operator]
 
 
 def test_vllm_plugins_allowlist_without_blockpool_keeps_vllms_pool() -> None:

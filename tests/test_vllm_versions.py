@@ -239,6 +239,7 @@ def _bp_version() -> str:
 # ----------------------------------------------------------------------
 
 MISSING = object()
+ORIGINAL_ATTR = "_blockpool_vllm_BlockPool"  # where register() keeps vLLM's class
 OUR_MODULES = (
     "blockpool.integrations.vllm.parity",
     "blockpool.integrations.vllm.pool",
@@ -341,6 +342,7 @@ def _snapshot(records: list[tuple[Any, str, Any]]) -> dict[Any, Any]:
         for name, mod in list(sys.modules.items())
         if name == "vllm" or name.startswith("vllm.")
     }
+    snap["original kept"] = sys.modules["vllm.v1.core.block_pool"].__dict__.get(ORIGINAL_ATTR, MISSING)
     for owner, attr, _ in records:
         snap[(owner, attr)] = owner.__dict__.get(attr, MISSING)
     return snap
@@ -380,9 +382,12 @@ def test_a_core_name_missing_leaves_vllm_exactly_as_it_was(
     if line and line != vllm_line:
         pytest.skip(f"vLLM {vllm_line} has no {name}")
     owner, attr = _resolve(name)
+    # as in a process where register() never ran: nothing of ours on vLLM's module
+    monkeypatch.delattr(sys.modules["vllm.v1.core.block_pool"], ORIGINAL_ATTR, raising=False)
     monkeypatch.delattr(owner, attr)
     _forget_our_modules(monkeypatch)
     before = _snapshot(reference["all"])
+    assert before["original kept"] is MISSING
     plugin.register()
     after = _snapshot(reference["all"])
     _assert_same(before, after)

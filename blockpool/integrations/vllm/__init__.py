@@ -12,14 +12,16 @@ core's scheduler: ``KVCacheCoordinator.__init__`` builds it from the
 module-level name ``BlockPool`` of ``vllm.v1.core.kv_cache_coordinator``.
 :func:`register` rebinds that name, the defining module's
 ``vllm.v1.core.block_pool.BlockPool`` (so modules imported later bind ours),
-and the name in every other vLLM module already imported that binds vLLM's
-class (vLLM 0.33: ``single_type_kv_cache_manager``, ``hisparse.coordinator``,
-``hisparse.block_pool``; classes already derived from vLLM's pool, e.g.
-``SharedEventQueueBlockPool``, the HiSparse host pool, stay vLLM's). With
-hazards on it also wires :class:`~blockpool.integrations.vllm.hazards.StepHazards`
-into ``Scheduler.schedule``, ``Scheduler.update_from_output`` and
-``KVCacheManager.take_kv_cache_block_copies``; those wrappers do nothing
-for a scheduler whose pool is not ours.
+and the name in every other vLLM module imported by then that binds vLLM's
+class (e.g. ``single_type_kv_cache_manager``, ``hisparse.block_pool``,
+``simple_kv_offload.manager``; classes already derived from vLLM's pool,
+e.g. ``SharedEventQueueBlockPool``, the HiSparse host pool, stay vLLM's).
+With hazards on it first wires
+:class:`~blockpool.integrations.vllm.hazards.StepHazards` into
+``Scheduler.schedule``, ``Scheduler.update_from_output`` and
+``KVCacheManager.take_kv_cache_block_copies`` (those wrappers do nothing
+for a scheduler whose pool is not ours) and the KV connectors
+(:mod:`~blockpool.integrations.vllm.connectors`).
 
 Turning it off:
 
@@ -221,9 +223,11 @@ def is_installed() -> bool:
 
 
 def _ours(cls: Any) -> bool:
-    from blockpool.integrations.vllm.pool import VllmBlockPool
-
-    return isinstance(cls, type) and issubclass(cls, VllmBlockPool)
+    # Without importing pool.py: it borrows vLLM's names at import, and this
+    # also runs while undoing an install that failed importing it.
+    pool_mod = sys.modules.get("blockpool.integrations.vllm.pool")
+    ours = getattr(pool_mod, "VllmBlockPool", None)
+    return ours is not None and isinstance(cls, type) and issubclass(cls, ours)
 
 
 def register() -> None:
