@@ -95,6 +95,7 @@ class PoolBase:
     enable_kv_cache_events: bool
     track_hazards: bool
     medium: str
+    stored_events: str  # "runs" or "call" (cache_full_blocks' BlockStored events)
     debug: bool
     lease_timeout: float | None
     null_block: KVCacheBlock

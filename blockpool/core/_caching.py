@@ -62,7 +62,16 @@ class CacheOps(PoolBase):
         ``block_hashes[i]`` (one key per block, aligned with ``blocks``).
         Null or masked-out blocks are skipped; so are blocks whose load
         failed. A block already holding a shorter-prefix key is promoted
-        (its old keys removed, with events). Emits one stored event.
+        (its old keys removed, with events). With events on, queues one
+        ``BlockStored`` per run of consecutive newly published positions
+        (none when nothing is newly published): each lists its run's keys
+        and block ids in table order, and its parent is the key of the
+        position just before the run (``None`` at position 0), so a gap (a
+        null or masked-out block, a failed load, a block that already held
+        its key) splits the event and every event chains onto the prefix it
+        extends. A pool built with ``stored_events="call"`` sends vLLM
+        0.33's events instead: one per call, parented at
+        ``num_cached_blocks - 1`` (``docs/vllm-differences.md``).
         ``generations`` (aligned with ``blocks``, from :meth:`generations`
         when the table was built): refuse the table if a block to publish
         was freed and allocated again since (its keys would name another
@@ -147,15 +156,57 @@ class CacheOps(PoolBase):
             self._count("unpublished_failed_loads", refused)
         published, removed = self.prefix_cache.publish_full(blocks, block_hashes, publish, block_size)
         if self.enable_kv_cache_events:
-            self._removed(removed, "promoted")
-            if published:
-                parent = block_hashes[lo - 1] if lo > 0 else None
-                self._stored(
-                    tuple(block_hashes[i] for i in published),
-                    parent,
-                    block_size,
-                    tuple(blocks[i].block_id for i in published),
-                )
+            if self.stored_events == "call":  # vLLM 0.33's events
+                self._removed(removed, "promoted")
+                if published:
+                    self._stored(
+                        tuple(block_hashes[i] for i in published),
+                        block_hashes[lo - 1] if lo > 0 else None,
+                        block_size,
+                        tuple(blocks[i].block_id for i in published),
+                    )
+                return
+            if removed:
+                # A block listed twice is promoted at its later entry: the key
+                # it got at the earlier one was never announced, so neither
+                # its stored nor its removed event is sent.
+                stale = {i for i in published if blocks[i].block_hash != block_hashes[i]}
+                if stale:
+                    never = {block_hashes[i] for i in stale}
+                    published = [i for i in published if i not in stale]
+                    removed = [k for k in removed if k not in never]
+                self._removed(removed, "promoted")
+            self._stored_runs(blocks, block_hashes, published, block_size)
+
+    def _stored_runs(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[Hashable],
+        published: Sequence[int],
+        block_size: int | None,
+    ) -> None:
+        """Queue one ``BlockStored`` per run of consecutive positions of
+        ``published`` (ascending positions of the table newly published),
+        so every event is a chain: its keys follow one another in the
+        table and its parent is the key of the position just before the
+        run (``None`` for a run starting at position 0), whether that
+        position was published by this call, held its key already, or is a
+        gap (the null block, a masked-out block, a failed load): e.g.
+        positions 0, 2, 3 give ``(k0,)`` with parent ``None`` and ``(k2,
+        k3)`` with parent ``k1``. O(len(published))."""
+        start = 0
+        for j in range(1, len(published) + 1):
+            if j < len(published) and published[j] == published[j - 1] + 1:
+                continue
+            run = published[start:j]
+            first = run[0]
+            self._stored(
+                tuple(block_hashes[i] for i in run),
+                block_hashes[first - 1] if first > 0 else None,
+                block_size,
+                tuple(blocks[i].block_id for i in run),
+            )
+            start = j
 
     def _fresh_range(
         self,

@@ -88,6 +88,15 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
             always means the key is gone; ``"each"`` whenever a block loses
             it, even while another block still holds it (vLLM 0.33's events,
             which the vLLM adapter reproduces).
+        stored_events: The ``BlockStored`` events of
+            :meth:`cache_full_blocks`: ``"runs"`` one per run of consecutive
+            newly published positions, parented on the key of the position
+            just before the run (every event a chain of the prefix tree);
+            ``"call"`` one per call listing every newly published block,
+            parented on the key at ``num_cached_blocks - 1`` (vLLM 0.33's
+            events, wrong across a gap: ``docs/vllm-differences.md``).
+            ``None`` (default): ``"call"`` with ``removal_events="each"``
+            (vLLM's events throughout), ``"runs"`` otherwise.
         eviction: Which free cached block loses its keys first:
             ``"lru"`` (default: vLLM's order, exactly), ``"s3fifo"`` or
             ``"2q"`` (keep blocks that were hit longer; see
@@ -125,8 +134,9 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
 
     Raises:
         InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``, a
-            stream spec is bad, or ``removal_events`` is not ``"last"`` or
-            ``"each"``.
+            stream spec is bad, ``removal_events`` is not ``"last"`` or
+            ``"each"``, or ``stored_events`` not ``"runs"``, ``"call"`` or
+            ``None``.
         UnknownEvictionPolicyError: ``eviction`` or ``placement`` is not a
             known name (an :class:`InvalidArgumentError`).
         InvalidArgumentError: ``block_factory`` made a null block (block 0)
@@ -166,6 +176,7 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
         debug: bool = False,
         medium: str = MEDIUM_GPU,
         removal_events: str = "last",
+        stored_events: str | None = None,
         eviction: str = "lru",
         placement: str = "lru",
         block_factory: Callable[[int], KVCacheBlock] | None = None,
@@ -178,6 +189,11 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
             raise InvalidArgumentError(f"lease_timeout must be > 0 or None, got {lease_timeout!r}")
         if removal_events not in ("last", "each"):
             raise InvalidArgumentError(f"removal_events must be 'last' or 'each', got {removal_events!r}")
+        if stored_events is None:
+            stored_events = "call" if removal_events == "each" else "runs"
+        elif stored_events not in ("runs", "call"):
+            raise InvalidArgumentError(f"stored_events must be 'runs', 'call' or None, got {stored_events!r}")
+        self.stored_events = stored_events
         if placement not in PLACEMENTS:
             raise UnknownEvictionPolicyError(
                 f"unknown placement {placement!r}; choose from {', '.join(PLACEMENTS)}"
