@@ -45,6 +45,7 @@ from blockpool.core.hazards import (
     FreeTag,
     StreamKind,
     Token,
+    TokenStatus,
 )
 from blockpool.core.pool import HazardAwareBlockPool
 from blockpool.core.stats import PoolSnapshot, PoolStats
@@ -86,6 +87,7 @@ __all__ = [
     "StaleBlockError",
     "StreamKind",
     "Token",
+    "TokenStatus",
     "UnknownStreamError",
     "UnknownTokenError",
     "__version__",

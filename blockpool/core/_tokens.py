@@ -5,7 +5,7 @@ writes undone, leases checked) is :meth:`PoolBase._apply_completions`."""
 from __future__ import annotations
 
 from blockpool.core._base import PoolBase
-from blockpool.core.hazards import StreamKind, Token
+from blockpool.core.hazards import StreamKind, Token, TokenStatus
 
 __all__ = ["TokenOps"]
 
@@ -149,3 +149,36 @@ class TokenOps(PoolBase):
         self._apply_completions()
         self.tracker.validate(token)
         return self.tracker.is_ended(token)
+
+    def token_status(self, token: Token) -> TokenStatus:
+        """Whether ``token`` is pending, completed or failed: what
+        :meth:`is_ended` cannot tell (it is true for both). A consumer that
+        took a prefix hit on a load's blocks, or waits on a fence by its own
+        means rather than through the worker's ``EventLedger``, proceeds
+        only past tokens that are ``COMPLETED`` (docs/hazard-model.md,
+        "Failure and coverage"). ``FAILED`` wins over an earlier
+        completion: a failure reported after the token ended (a late
+        failure: its content was found bad) makes it ``FAILED`` from then
+        on. Applies queued completions first (a queued ``fail`` counts);
+        changes nothing else. O(1) after them.
+
+        >>> from blockpool import HazardAwareBlockPool, StreamKind
+        >>> pool = HazardAwareBlockPool(4, streams={"h2d": StreamKind.DEVICE})
+        >>> load, _ = pool.begin_load(pool.get_new_blocks(1), "h2d")
+        >>> pool.token_status(load).value
+        'pending'
+        >>> pool.fail(load)
+        >>> pool.is_ended(load), pool.token_status(load).value
+        (True, 'failed')
+
+        Raises:
+            UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+            ForeignTokenError: ``token`` was issued by another pool.
+            InvalidArgumentError: ``token`` is not a Token, or its kind is not its stream's.
+        """
+        self._apply_completions()
+        tracker = self.tracker
+        tracker.validate(token)
+        if tracker.has_failed(token):
+            return TokenStatus.FAILED
+        return TokenStatus.COMPLETED if tracker.is_ended(token) else TokenStatus.PENDING

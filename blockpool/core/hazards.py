@@ -21,7 +21,7 @@ import attrs
 
 from blockpool.core.errors import InvalidTokenError
 
-__all__ = ["EMPTY_FENCE", "LAST_STEP", "AccessKind", "Fence", "FreeTag", "StreamKind", "Token"]
+__all__ = ["EMPTY_FENCE", "LAST_STEP", "AccessKind", "Fence", "FreeTag", "StreamKind", "Token", "TokenStatus"]
 
 
 class StreamKind(enum.Enum):
@@ -45,6 +45,23 @@ class AccessKind(enum.Enum):
 
     READ = "read"
     WRITE = "write"
+
+
+class TokenStatus(enum.Enum):
+    """What the pool knows of a token (:meth:`HazardAwareBlockPool.token_status`).
+
+    ``PENDING``: not known to have ended. ``COMPLETED``: ended, and no
+    failure was ever reported for it (reported complete, or ended because
+    a token ordered after it completed, or an in-order DEVICE stream got
+    past it). ``FAILED``: a failure was reported for it (``fail``,
+    ``abandon``), before or after it ended: its writes did not happen or
+    their content is bad, and a consumer must not proceed past it (the
+    worker ledger's ``FenceFailedError``).
+    """
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    FAILED = "failed"
 
 
 def _check_stream(_: object, __: attrs.Attribute, value: object) -> None:  # type: ignore[type-arg]
