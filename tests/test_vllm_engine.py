@@ -240,8 +240,14 @@ def test_plugin_line_warnings() -> None:
     assert "plugin disabled" in plugin_line_warnings("off", [])[0]
     assert "hazard tracking off" in plugin_line_warnings("hazards-off", [reg])[0]
     assert "not wired" in plugin_line_warnings(CONNECTOR_MODE, [reg])[0]
-    bad = plugin_line_warnings("on", ["blockpool: cannot install into this vLLM (AttributeError(...))"])
-    assert "install error" in bad[0] and "registration line" in bad[1]
+    bad = plugin_line_warnings("on", ["blockpool 0.1.0: x", "blockpool: cannot install into vLLM 0.32.0 (E)"])
+    assert bad[0] == "on: the plugin says: blockpool: cannot install into vLLM 0.32.0 (E)"
+    assert "registration line" in bad[1]
+    old = plugin_line_warnings(
+        "hazards-off", ["blockpool 0.1.0: vLLM 0.34.0 is not a supported version (...)"]
+    )
+    assert "not a supported version" in old[0] and "registration line" in old[1]
+    assert "cannot wire" in plugin_line_warnings("on", [reg, "blockpool: cannot wire KV connector nixl"])[0]
 
 
 # --- comparing the runs ------------------------------------------------------------------

@@ -399,18 +399,21 @@ def plugin_lines(log_text: str) -> list[str]:
     return out
 
 
+_TROUBLE = ("cannot install", "cannot wire", "not a supported version")
+
+
 def plugin_line_warnings(mode: str, lines: Sequence[str], off_by: str = "env") -> list[str]:
     """Warnings about the plugin's log lines of one run: the line the mode
-    should produce is missing, or a line says the plugin could not install.
-    (Warnings only: the pool's class is checked in the engine itself.) O(lines).
+    should produce is missing, or the plugin says it could not install or
+    wire something, or refused this vLLM's version (each such line
+    repeated). Warnings only: the pool's class is checked in the engine
+    itself. O(lines).
 
     >>> plugin_line_warnings("on", [])
     ["on: the plugin's registration line ('... BlockPool is now ...') is not in the log"]
     """
-    out = []
+    out = [f"{mode}: the plugin says: {x}" for x in lines if any(k in x for k in _TROUBLE)]
     text = "\n".join(lines)
-    if "cannot install" in text:
-        out.append(f"{mode}: the plugin logged an install error: {text.splitlines()[0]}")
     if mode == "off":
         if off_by == "env" and "plugin disabled by" not in text:
             out.append(f"{mode}: the plugin's 'plugin disabled by {_ENV_PLUGIN}=0' line is not in the log")
@@ -688,7 +691,8 @@ def _ensure_model(model_dir: str, spec: ModelSpec) -> None:
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg).to(torch.float32).eval()
-    parent = os.path.dirname(os.path.abspath(model_dir)) or "."
+    parent = os.path.dirname(os.path.abspath(model_dir))
+    os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".model-", dir=parent)
     model.save_pretrained(tmp, safe_serialization=True)
     try:
