@@ -63,7 +63,7 @@ def run_result(mode: str) -> dict[str, Any]:
         "prefix_cache_stats": {"requests": 2, "queries": 100, "hits": 32},
         "events": [stored([11, 12]), stored([13], parent=12), removed([11])],
         "events_per_batch": [2, 1],
-        "timing": step_stats([0.001] * 4, [0.0005] * 4),
+        "timing": step_stats([0.001] * 4, [0.0005] * 4, [0.0008] * 4, [0.0004] * 4),
         "wall_s": {"total": 20.0},
         "plugin_lines": [],
     }
@@ -200,6 +200,9 @@ def test_step_stats() -> None:
     assert s["per_step_p90_us"] == pytest.approx(10000.0)
     assert s["total_ms"] == pytest.approx(15.0)
     assert s["schedule_ms"] == pytest.approx(13.0) and s["update_ms"] == pytest.approx(2.0)
+    c = step_stats([0.002], [0.001], [0.001], [0.0005])
+    assert c["cpu_per_step_median_us"] == pytest.approx(1500.0) and c["cpu_total_ms"] == pytest.approx(1.5)
+    assert "cpu_total_ms" not in s
     empty = step_stats([], [])
     assert empty["steps"] == 0 and empty["per_step_median_us"] is None and empty["total_ms"] == 0
 
@@ -480,6 +483,7 @@ def test_repetitions_are_interleaved_compared_and_the_best_timing_reported(
     on = doc["workloads"]["quick"]["runs"]["on"]
     assert [t["per_step_median_us"] for t in on["timing_repeats"]] == [1200.0, 1000.0]
     assert on["timing_best"]["per_step_median_us"] == 1000.0
+    assert on["timing_best_cpu"]["cpu_per_step_median_us"] == pytest.approx(1200.0)
     assert doc["workloads"]["quick"]["runs"]["off"]["timing_best"]["per_step_median_us"] == 800.0
     assert "best of 2 repetitions" in capsys.readouterr().out
 
