@@ -24,6 +24,7 @@ from blockpool.core.errors import (
     ForeignTokenError,
     HashConflictError,
     InvalidArgumentError,
+    InvalidContentError,
     InvalidTokenError,
     InvariantError,
     LeaseExpiredWarning,
@@ -31,9 +32,11 @@ from blockpool.core.errors import (
     NoFreeBlocksError,
     NullBlockError,
     RefCountError,
+    SharedBlockError,
     StaleBlockError,
     UnknownStreamError,
     UnknownTokenError,
+    UnsafeTransferError,
 )
 from blockpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from blockpool.core.hazards import (
@@ -73,6 +76,7 @@ __all__ = [
     "HashConflictError",
     "HazardAwareBlockPool",
     "InvalidArgumentError",
+    "InvalidContentError",
     "InvalidTokenError",
     "InvariantError",
     "KVCacheBlock",
@@ -84,11 +88,13 @@ __all__ = [
     "PoolSnapshot",
     "PoolStats",
     "RefCountError",
+    "SharedBlockError",
     "StaleBlockError",
     "StreamKind",
     "Token",
     "TokenStatus",
     "UnknownStreamError",
     "UnknownTokenError",
+    "UnsafeTransferError",
     "__version__",
 ]

@@ -27,8 +27,10 @@ from blockpool import (
     AccessKind,
     Fence,
     HazardAwareBlockPool,
+    InvalidContentError,
     NoFreeBlocksError,
     RefCountError,
+    SharedBlockError,
     StreamKind,
     Token,
 )
@@ -89,8 +91,37 @@ class PoolMachine(RuleBasedStateMachine):
                 self.free.discard(b)
                 self.held.add(b)
 
-    def begin(self, kind: str, groups: list[tuple[list[int], AccessKind]], stream: str) -> Token:
+    def refusal(self, kind: str, groups: list[tuple[list[int], AccessKind]]) -> type[Exception] | None:
+        """The error the pool must refuse this transfer with (#22 points 2
+        and 3), or None: a write (load, copy destination) into a cached
+        block (it holds a key) more than one holder holds; a read that carries content a failed write
+        left bad (store, copy source). Writes are checked first."""
+        writes = [b for ids_, access in groups if access is WRITE for b in ids_]
+        reads = [b for ids_, access in groups if access is READ for b in ids_]
+        if any(self.ref[b] > 1 and self.keys.get(b) for b in writes):
+            return SharedBlockError
+        if any(b in self.invalid for b in reads):
+            return InvalidContentError
+        return None
+
+    def begin(self, kind: str, groups: list[tuple[list[int], AccessKind]], stream: str) -> Token | None:
         pool = self.pool
+        refused = self.refusal(kind, groups)
+        if refused is not None:
+            event(f"{kind} refused: {refused.__name__}")
+            pool.poll()
+            before = pool.snapshot()
+            with pytest.raises(refused):
+                if kind == "load":
+                    pool.begin_load(self.blocks(groups[0][0]), stream)
+                elif kind == "store":
+                    pool.begin_store(self.blocks(groups[0][0]), stream)
+                else:
+                    (src,), (dst,) = groups[0][0], groups[1][0]
+                    pool.begin_copy([(pool.blocks[src], pool.blocks[dst])], stream)
+            assert pool.snapshot() == before
+            self.settle()
+            return None
         if kind == "load":
             token, fence = pool.begin_load(self.blocks(groups[0][0]), stream)
         elif kind == "store":

@@ -35,7 +35,9 @@ from blockpool.core.errors import (
     BlockNotAllocatedError,
     ForeignBlockError,
     InvalidArgumentError,
+    InvalidContentError,
     LeaseExpiredWarning,
+    SharedBlockError,
 )
 from blockpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from blockpool.core.generations import Generations, check_fresh
@@ -382,6 +384,52 @@ class PoolBase:
                     "hold a reference (allocate or touch) for the transfer's duration"
                 )
         return out
+
+    def _check_exclusive(self, blocks: list[KVCacheBlock], what: str) -> None:
+        """Refuse a write replacing the content of a published block that
+        more than one holder holds (ref count above 1 and a key: a prefix
+        hit other requests may be reading): their reads are recorded only
+        when they free the block, so no fence can order the write before
+        them. A block with no key can have been shared only by its own
+        request's holders (a connector's pin for a transfer's retries), so
+        it is not refused. ``blocks``: allocated data blocks
+        (:meth:`_data_blocks`). O(len(blocks)).
+
+        Raises:
+            SharedBlockError: the first such block.
+        """
+        pc = self.prefix_cache
+        for b in blocks:
+            if b.ref_cnt > 1 and (b.block_hash is not None or pc.keys_of(b)):
+                raise SharedBlockError(
+                    f"{what}: block {b.block_id} is a cached block held by {b.ref_cnt} holders (ref count "
+                    f"{b.ref_cnt}); another request that took it as a prefix hit may still read it and its reads "
+                    "are recorded only when it frees it, so no fence can order this write after them: write into "
+                    "a block only this request holds (allocate a fresh one, or copy-on-write)",
+                    b.block_id,
+                    b.ref_cnt,
+                )
+
+    def _check_valid_content(self, blocks: list[KVCacheBlock], what: str) -> None:
+        """Refuse a read that would carry a block's content elsewhere (a
+        store, a copy's source) while that content is known bad: a failed
+        load or copy wrote it and nothing has rewritten it since
+        (:class:`~blockpool.core.pending_writes.PendingWrites` marks).
+        O(1) when no block is marked, else O(len(blocks)).
+
+        Raises:
+            InvalidContentError: the first such block.
+        """
+        writes = self.writes
+        if not writes.has_invalid():
+            return
+        for b in blocks:
+            if writes.is_invalid(b.block_id):
+                raise InvalidContentError(
+                    f"{what}: block {b.block_id} holds no valid content (a write into it failed and nothing has "
+                    "written it since): it would carry garbage under valid keys; write the block again first",
+                    b.block_id,
+                )
 
     def _check_fresh(self, blocks: list[KVCacheBlock], generations: Iterable[object], what: str) -> None:
         """:func:`blockpool.core.generations.check_fresh` for this pool.

@@ -161,6 +161,11 @@ class FenceOps(PoolBase):
             StaleBlockError: with ``generations``, a block was freed and
                 allocated again since they were taken.
             BlockNotAllocatedError: a block with ref count 0.
+            SharedBlockError: a cached destination more than one holder
+                holds (ref count above 1 and a key): their reads cannot be
+                fenced.
+            InvalidContentError: a source whose content is known bad (a
+                failed load or copy wrote it, nothing has since).
             InvalidArgumentError: a pair is not a 2-tuple, or
                 ``generations`` is not one pair of ints per pair.
         """
@@ -194,6 +199,8 @@ class FenceOps(PoolBase):
                 dst_gens.append(g_dst)
             self._check_fresh(srcs + dsts, src_gens + dst_gens, "copy")
         self._data_blocks(srcs + dsts, "copy")
+        self._check_exclusive(dsts, "copy")
+        self._check_valid_content(srcs, "copy")
         return self._begin(((srcs, _READ), (dsts, _WRITE)), stream, st)
 
     def _begin_transfer(
@@ -202,7 +209,12 @@ class FenceOps(PoolBase):
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         st = self.tracker.state(stream)
-        return self._begin(((self._data_blocks(blocks, what), access),), stream, st, access is _WRITE)
+        data = self._data_blocks(blocks, what)
+        if access is _WRITE:
+            self._check_exclusive(data, what)
+        else:
+            self._check_valid_content(data, what)
+        return self._begin(((data, access),), stream, st, access is _WRITE)
 
     def _begin_fresh_transfer(
         self, blocks: Iterable[KVCacheBlock], stream: str, access: AccessKind, what: str, generations: Iterable[int]
@@ -214,7 +226,12 @@ class FenceOps(PoolBase):
         st = self.tracker.state(stream)
         block_list = self._own_all(blocks)
         self._check_fresh(block_list, generations, what)
-        return self._begin(((self._data_blocks(block_list, what), access),), stream, st, access is _WRITE)
+        data = self._data_blocks(block_list, what)
+        if access is _WRITE:
+            self._check_exclusive(data, what)
+        else:
+            self._check_valid_content(data, what)
+        return self._begin(((data, access),), stream, st, access is _WRITE)
 
     def begin_load(
         self, blocks: Iterable[KVCacheBlock], stream: str, generations: Iterable[int] | None = None
@@ -240,8 +257,17 @@ class FenceOps(PoolBase):
         ('rdma:1', ())
         >>> pool.complete(token)
 
+        A load into a cached block more than one holder holds (ref count
+        above 1 and a key: a prefix hit a running request reads) is
+        refused: that holder's reads are recorded only when it frees the
+        block, so no fence can order the load after them (LMCache #2206).
+        An unpublished block shared only by its own request's holders (a
+        connector's pin) is not refused.
+
         Raises:
             UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
+            SharedBlockError: a cached block with ref count above 1;
+                nothing changes.
             StaleBlockError: with ``generations``, a block of the table was
                 allocated again since they were taken; nothing changes.
             InvalidArgumentError: ``generations`` is not one int per block.
@@ -262,8 +288,17 @@ class FenceOps(PoolBase):
         allocated again since (the store would file another request's data
         under this table's keys). O(len(blocks)).
 
+        A store of a block whose content is known bad (a load or copy into
+        it failed, reported on time or late, and nothing has written it
+        since) is refused: it would file garbage under valid keys in the
+        other tier (vLLM PR #35092). A store begun before the failure waits
+        on the failed write in its fence, and a consumer never runs past a
+        failed fence token (``FenceFailedError``).
+
         Raises:
             UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
+            InvalidContentError: a block whose content is known bad;
+                nothing changes.
             StaleBlockError: with ``generations``, a block of the table was
                 allocated again since they were taken; nothing changes.
             InvalidArgumentError: ``generations`` is not one int per block.

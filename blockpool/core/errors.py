@@ -20,15 +20,18 @@ __all__ = [
     "HashConflictError",
     "InvalidArgumentError",
     "InvalidTokenError",
+    "InvalidContentError",
     "InvariantError",
     "LeaseExpiredWarning",
     "MissingDependencyError",
     "NoFreeBlocksError",
     "NullBlockError",
     "RefCountError",
+    "SharedBlockError",
     "StaleBlockError",
     "UnknownStreamError",
     "UnknownTokenError",
+    "UnsafeTransferError",
 ]
 
 
@@ -87,6 +90,59 @@ class StaleBlockError(BlockPoolError, ValueError):
         """Pickle with the attributes (an exception pickles its ``args``
         only). O(1)."""
         return (type(self), (self.args[0], self.block_id, self.generation, self.table_generation))
+
+
+class UnsafeTransferError(BlockPoolError, ValueError):
+    """A transfer the pool refuses because no fence could make it safe (its
+    subclasses say why). Raised before anything changes; a connector
+    reports the transfer failed (or leaves it to its own path) instead of
+    starting it.
+
+    Attributes:
+        block_id: The first block of the call that is refused.
+    """
+
+    def __init__(self, message: str, block_id: int = -1) -> None:
+        super().__init__(message)
+        self.block_id = block_id
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickle with the attributes. O(1)."""
+        return (type(self), (self.args[0], self.block_id))
+
+
+class SharedBlockError(UnsafeTransferError):
+    """A write that would replace the content of a cached block (it holds a
+    key) that more than one holder holds (ref count above 1): a load into
+    a prefix-hit block a running request uses, a copy into such a
+    destination. That holder's
+    reads are recorded only when it frees the block, so no fence can order
+    the write before its next read (LMCache #2206: a chunk-aligned load
+    rewrote prefix-hit blocks a running request was reading).
+
+    Attributes:
+        block_id: The first shared block.
+        ref_cnt: Its ref count.
+    """
+
+    def __init__(self, message: str, block_id: int = -1, ref_cnt: int = 0) -> None:
+        super().__init__(message, block_id)
+        self.ref_cnt = ref_cnt
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickle with the attributes. O(1)."""
+        return (type(self), (self.args[0], self.block_id, self.ref_cnt))
+
+
+class InvalidContentError(UnsafeTransferError):
+    """A store (or a copy) would read a block whose content is known bad: a
+    load or copy into it failed and nothing has written it since. It would
+    file garbage under valid keys in the other tier (vLLM PR #35092: the
+    offloader stored blocks whose NIXL load had failed).
+
+    Attributes:
+        block_id: The first block whose content is bad.
+    """
 
 
 class UnknownStreamError(BlockPoolError, LookupError):
