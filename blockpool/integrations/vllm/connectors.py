@@ -190,10 +190,24 @@ class ConnectorWiring:
         stream: str,
         key: Hashable,
     ) -> Any:
+        from blockpool.core.errors import UnsafeTransferError
+
         blocks = self.hazards.blocks_of(block_ids)
         if not blocks:
             return None
-        t = begin(request_id, blocks, stream, key=key)
+        try:
+            t = begin(request_id, blocks, stream, key=key)
+        except UnsafeTransferError as exc:
+            # The pool refused it (a load into a block another request still
+            # reads, a store of content a failed load left bad): not begun in
+            # the pool, nothing changed there, and no exception out of vLLM's
+            # scheduler. Without a wire form the worker keeps vLLM's own path
+            # for it (vLLM's own waits, as stock: never weaker).
+            logger.warning(
+                "blockpool: %s: %s of request %r not fenced, left to vLLM's own path: %s",
+                self.name, begin.__name__.removeprefix("begin_"), request_id, exc,
+            )  # fmt: skip
+            return None
         if key is not None:
             self.pending.add(key)
         from blockpool.integrations.vllm.served import SERVED
