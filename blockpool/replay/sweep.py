@@ -265,18 +265,33 @@ def sweep(
             if progress is not None:
                 progress(i + 1, len(grid))
         return rows  # type: ignore[return-value]
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(grid))) as ex:
+    ex = concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(grid)), initializer=_ignore_sigint)
+    try:
         futs = {ex.submit(_run_cell, c, spec.limit, spec.block_size): i for i, c in enumerate(grid)}
-        try:
-            for done, f in enumerate(concurrent.futures.as_completed(futs), 1):
-                rows[futs[f]] = f.result()
-                if progress is not None:
-                    progress(done, len(grid))
-        except BaseException:
-            for f in futs:
-                f.cancel()
-            raise
+        for done, f in enumerate(concurrent.futures.as_completed(futs), 1):
+            rows[futs[f]] = f.result()
+            if progress is not None:
+                progress(done, len(grid))
+    except BaseException:
+        # Ctrl-C, SIGTERM turned into an exception, a cell's error: stop the
+        # workers now (a running cell is not waited for) and go.
+        workers = list((getattr(ex, "_processes", None) or {}).values())
+        ex.shutdown(wait=False, cancel_futures=True)
+        for p in workers:
+            p.terminate()
+        for p in workers:
+            p.join(5)
+        raise
+    ex.shutdown()
     return rows  # type: ignore[return-value]
+
+
+def _ignore_sigint() -> None:
+    """Worker initializer: Ctrl-C reaches the whole process group; the
+    parent handles it and stops the workers (SIGTERM), as ``replay`` does."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def require_ray() -> Any:
