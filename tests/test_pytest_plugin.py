@@ -125,9 +125,9 @@ def test_assert_no_races_lists_every_violation(h: RaceHarness) -> None:
     h.step(reads=blocks)
     with pytest.raises(AssertionError) as info:
         h.assert_no_races()
-    assert str(info.value).splitlines() == ["blockpool race oracle: 2 race(s)"] + [
-        f"  {v}" for v in h.violations
-    ]
+    lines = str(info.value).splitlines()
+    assert lines[0] == "blockpool race oracle: 2 race(s)"
+    assert lines[1::3] == [f"  {v}" for v in h.violations]
 
 
 def test_expect_races_silences_the_automatic_check(h: RaceHarness) -> None:
@@ -304,3 +304,58 @@ def test_plugin_teardown_reports_races_found_after_the_test_body(pytester: pytes
     result = pytester.runpytest(*PLUGIN)
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*RAW race on block 1*"])
+
+
+# -- races that point at the line (#22 point 14) -------------------------------------
+
+
+def test_a_race_names_the_file_and_line_of_both_accesses_and_the_fence_that_fixes_it() -> None:
+    h = RaceHarness(num_gpu_blocks=8)
+    here = pathlib.Path(__file__).resolve()
+    first = sys._getframe().f_lineno + 1  # the next line
+    blocks, fence = h.allocate_for(1, "compute")
+    e1 = h.step(writes=blocks, waits=fence)  # first + 1
+    h.free(blocks, e1)  # first + 2
+    again, fence = h.allocate_for(1, "h2d")  # first + 3: the fence that fixes it
+    h.load(again, "h2d")  # first + 4: forgot waits=fence
+    with pytest.raises(AssertionError) as info:
+        h.assert_no_races()
+    rel = str(pathlib.Path(here).relative_to(pathlib.Path.cwd())) if here.is_relative_to(pathlib.Path.cwd()) else str(here)
+    lines = str(info.value).splitlines()
+    assert lines[1] == "  WAW race on block 1: load (write) by h2d:1 is not ordered after forward (write) by compute:1"
+    assert lines[2] == f"    load by h2d:1 at {rel}:{first + 4}; forward by compute:1 at {rel}:{first + 1}"
+    assert lines[3] == f"    fix: pass `waits=fence` from `allocate_for` at {rel}:{first + 3}"
+    assert len(lines) == 4  # the read by compute:1 recorded at the free is the same token's: one race
+
+
+def test_a_transfer_that_dropped_its_own_fence_is_told_to_honour_it() -> None:
+    h = RaceHarness(num_gpu_blocks=8)
+    (b,) = h.pool.get_new_blocks(1)
+    e1 = h.step(reads=[b])
+    line = sys._getframe().f_lineno + 1
+    h.load([b], "rdma", honour_fence=False)
+    (v,) = h.violations
+    assert h.fix_for(v).startswith("honour the fence of `load` at ") and h.fix_for(v).endswith(f":{line} (drop honour_fence=False)")
+    assert e1 in h.last_fence
+
+
+def test_sites_are_off_on_request_and_the_message_is_the_plain_one() -> None:
+    h = RaceHarness(num_gpu_blocks=8, record_sites=False)
+    blocks, _ = h.allocate_for(1, "h2d")
+    h.load(blocks, "h2d")
+    h.step(reads=blocks)
+    assert h.site_of(h.violations[0].token, 1, h.violations[0].kind) is None
+    assert h.explain(h.violations).splitlines() == ["blockpool race oracle: 1 race(s)", f"  {h.violations[0]}"]
+
+
+def test_plugin_shows_the_tests_own_lines_for_a_race(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(DROPS_FENCE)
+    result = pytester.runpytest(*PLUGIN)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*load by h2d:1 at test_plugin_shows_the_tests_own_lines_for_a_race.py:7; "
+            "forward by compute:1 at test_plugin_shows_the_tests_own_lines_for_a_race.py:5*",
+            "*fix: pass `waits=fence` from `allocate_for` at test_plugin_shows_the_tests_own_lines_for_a_race.py:6*",
+        ]
+    )

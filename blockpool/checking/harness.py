@@ -22,6 +22,8 @@ WAW race on block 2: load (write) by h2d:1 is not ordered after forward (write) 
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 
 from blockpool.checking.race_oracle import RaceOracle, RaceViolation
@@ -61,6 +63,12 @@ class RaceHarness:
             registered in it either way.
         num_gpu_blocks: Size of the default pool (null block included).
         streams: Streams of the default pool; default :data:`DEFAULT_STREAMS`.
+        record_sites: Record where each access and each fence was made (the
+            first stack frame outside :mod:`blockpool`: the test's own
+            ``file:line``, as the CUDA stream sanitizer keeps a stack per
+            access), so a race names both accesses' lines and the fence
+            that would fix it. On by default (one frame walk per call, in
+            the harness only; the pool's own calls never pay it).
 
     Raises:
         InvalidArgumentError: a stream is registered with different kinds in
@@ -74,6 +82,7 @@ class RaceHarness:
         *,
         num_gpu_blocks: int = 64,
         streams: Mapping[str, StreamKind] | None = None,
+        record_sites: bool = True,
     ) -> None:
         if pool is None:
             pool = HazardAwareBlockPool(num_gpu_blocks, streams=dict(streams or DEFAULT_STREAMS), debug=True)
@@ -85,6 +94,11 @@ class RaceHarness:
         self.expecting_races = False
         self.last_fence = Fence()
         self._reported = 0
+        self.record_sites = record_sites
+        # (token, block id, access kind) -> "file:line" of the call that recorded it
+        self._sites: dict[tuple[Token, int, AccessKind], str] = {}
+        # fences handed out, in order: (call, site, stream, fence, block ids, honoured)
+        self._fences: list[tuple[str, str, str, Fence, frozenset[int], bool]] = []
 
     # -- helpers -------------------------------------------------------------
 
@@ -105,6 +119,24 @@ class RaceHarness:
         self.last_fence = fence
         self.oracle.record(token, [*fence, *waits] if honour_fence else waits)
 
+    def _mark(self, token: Token, ids: Iterable[int], kind: AccessKind, site: str | None) -> None:
+        """Remember where ``token``'s ``kind`` access to ``ids`` was made. O(len(ids))."""
+        if site is not None:
+            sites = self._sites
+            for bid in ids:
+                sites[(token, bid, kind)] = site
+
+    def _fence_made(self, call: str, site: str | None, stream: str, fence: Fence, ids: Iterable[int], honoured: bool) -> None:
+        if site is not None and fence.tokens:
+            self._fences.append((call, site, stream, fence, frozenset(ids), honoured))
+
+    def _where(self) -> str | None:
+        """``file:line`` of the first frame outside :mod:`blockpool` (the
+        caller's), or ``None`` when sites are off. O(stack depth)."""
+        if not self.record_sites:
+            return None
+        return call_site()
+
     # -- the sequence ----------------------------------------------------------
 
     def allocate_for(
@@ -120,12 +152,21 @@ class RaceHarness:
         Raises:
             The pool's errors (nothing changes).
         """
-        return self.pool.allocate_for(n, stream, hits=hits, access=access)
+        new, fence = self.pool.allocate_for(n, stream, hits=hits, access=access)
+        site = self._where()
+        if site is not None:
+            self._fence_made("allocate_for", site, stream, fence, self._ids([*hits, *new]), False)
+        return new, fence
 
     def fence_for(self, blocks: Iterable[KVCacheBlock], stream: str, access: AccessKind = _WRITE) -> Fence:
         """:meth:`HazardAwareBlockPool.fence_for` (records that ``stream``
         waits on it in the pool only; pass it to :meth:`step`). O(len(blocks))."""
-        return self.pool.fence_for(blocks, stream, access)
+        blocks = list(blocks)
+        fence = self.pool.fence_for(blocks, stream, access)
+        site = self._where()
+        if site is not None:
+            self._fence_made("fence_for", site, stream, fence, self._ids(blocks), False)
+        return fence
 
     def step(
         self,
@@ -158,6 +199,9 @@ class RaceHarness:
         self.pool.tag(writes, token, _WRITE)
         self.oracle.tag(token, rids, _READ, what)
         self.oracle.tag(token, wids, _WRITE, what)
+        site = self._where()
+        self._mark(token, rids, _READ, site)
+        self._mark(token, wids, _WRITE, site)
         return token
 
     def load(
@@ -186,6 +230,9 @@ class RaceHarness:
         token, fence = self.pool.begin_load(blocks, stream)
         self._begun(token, fence, honour_fence, waits)
         self.oracle.tag(token, ids, _WRITE, what)
+        site = self._where()
+        self._mark(token, ids, _WRITE, site)
+        self._fence_made("load", site, stream, fence, ids, honour_fence)
         return token
 
     def store(
@@ -209,6 +256,9 @@ class RaceHarness:
         token, fence = self.pool.begin_store(blocks, stream)
         self._begun(token, fence, honour_fence, waits)
         self.oracle.tag(token, ids, _READ, what)
+        site = self._where()
+        self._mark(token, ids, _READ, site)
+        self._fence_made("store", site, stream, fence, ids, honour_fence)
         return token
 
     def copy(
@@ -230,8 +280,13 @@ class RaceHarness:
         self.oracle.check_access(stream, (), _WRITE, what, after=waits)  # validates, records nothing
         token, fence = self.pool.begin_copy(pairs, stream)
         self._begun(token, fence, honour_fence, waits)
-        self.oracle.tag(token, self._ids(s for s, _ in pairs), _READ, what)
-        self.oracle.tag(token, self._ids(d for _, d in pairs), _WRITE, what)
+        src_ids, dst_ids = self._ids(s for s, _ in pairs), self._ids(d for _, d in pairs)
+        self.oracle.tag(token, src_ids, _READ, what)
+        self.oracle.tag(token, dst_ids, _WRITE, what)
+        site = self._where()
+        self._mark(token, src_ids, _READ, site)
+        self._mark(token, dst_ids, _WRITE, site)
+        self._fence_made("copy", site, stream, fence, [*src_ids, *dst_ids], honour_fence)
         return token
 
     def free(
@@ -253,6 +308,7 @@ class RaceHarness:
         self.pool.free_blocks(blocks, token=token)
         if token is not None:
             self.oracle.tag(token, ids, _READ, what)
+            self._mark(token, ids, _READ, self._where())
 
     def complete(self, token: Token) -> None:
         """``token`` ended: tell the pool and the oracle. O(#streams).
@@ -309,7 +365,7 @@ class RaceHarness:
         __tracebackhide__ = True  # pytest: point at the caller
         self._reported = len(self.violations)
         if self.violations:
-            raise AssertionError(_message(self.violations))
+            raise AssertionError(self.explain(self.violations))
 
     def check_new_races(self) -> None:
         """The automatic check (pytest plugin): unless :meth:`expect_races`
@@ -318,7 +374,60 @@ class RaceHarness:
         __tracebackhide__ = True
         new = self.take_unreported()
         if new and not self.expecting_races:
-            raise AssertionError(_message(new))
+            raise AssertionError(self.explain(new))
+
+    def site_of(self, token: Token, block_id: int, kind: AccessKind) -> str | None:
+        """``file:line`` where ``token``'s ``kind`` access to ``block_id``
+        was recorded through this harness (``None``: sites off, or recorded
+        elsewhere). O(1)."""
+        return self._sites.get((token, block_id, kind))
+
+    def fix_for(self, v: RaceViolation) -> str:
+        """The fence that would have ordered ``v``'s access after the prior
+        one, in words: the racing transfer's own fence it did not honour, or
+        the newest fence handed out for its stream over the block (from
+        ``allocate_for`` / ``fence_for``, with its ``file:line``) naming the
+        prior token or a later one of its DEVICE stream; else how to take
+        one. O(fences handed out)."""
+        prior, stream, bid = v.prior_token, v.token.stream, v.block_id
+
+        def names(fence: Fence) -> bool:
+            return any(
+                t == prior or (t.stream == prior.stream and t.kind is StreamKind.DEVICE and t.seq >= prior.seq)
+                for t in fence
+            )
+
+        best = None
+        for call, site, s, fence, ids, honoured in reversed(self._fences):
+            if s != stream or bid not in ids:
+                continue
+            if call in ("load", "store", "copy"):
+                if not honoured and names(fence) and self._sites.get((v.token, bid, v.kind)) == site:
+                    return f"honour the fence of `{call}` at {site} (drop honour_fence=False)"
+                continue
+            if names(fence):
+                return f"pass `waits=fence` from `{call}` at {site}"
+            best = best or (call, site)
+        if best is not None:
+            return f"pass `waits=fence` from `{best[0]}` at {best[1]}"
+        return f"take `fence_for(blocks, {stream!r}, AccessKind.{v.kind.name})` before the access and pass it as `waits=`"
+
+    def explain(self, violations: Sequence[RaceViolation]) -> str:
+        """The message of :meth:`assert_no_races`: one line per violation,
+        then, where sites were recorded, the ``file:line`` of both accesses
+        and the fix (:meth:`fix_for`). O(len(violations) x fences)."""
+        out = [f"blockpool race oracle: {len(violations)} race(s)"]
+        for v in violations:
+            out.append(f"  {v}")
+            here = self.site_of(v.token, v.block_id, v.kind)
+            there = self.site_of(v.prior_token, v.block_id, v.prior_kind)
+            if here is None and there is None:
+                continue
+            out.append(
+                f"    {v.what} by {v.token} at {here or '?'}; {v.prior_what} by {v.prior_token} at {there or '?'}"
+            )
+            out.append(f"    fix: {self.fix_for(v)}")
+        return "\n".join(out)
 
     def take_unreported(self) -> list[RaceViolation]:
         """The violations found since the last check, marked reported."""
@@ -327,6 +436,23 @@ class RaceHarness:
         return new
 
 
-def _message(violations: Sequence[RaceViolation]) -> str:
-    lines = "\n".join(f"  {v}" for v in violations)
-    return f"blockpool race oracle: {len(violations)} race(s)\n{lines}"
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def call_site() -> str:
+    """``file:line`` of the innermost stack frame outside the
+    :mod:`blockpool` package (the test that called the harness), the file
+    relative to the working directory when it lies below it. O(stack depth
+    inside blockpool)."""
+    f = sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+        f = f.f_back  # type: ignore[assignment]
+    if f is None:  # pragma: no cover (a call from blockpool itself, with no outside caller)
+        return "?"
+    name = f.f_code.co_filename
+    try:
+        rel = os.path.relpath(name)
+        name = rel if not rel.startswith("..") else name
+    except ValueError:  # pragma: no cover (another drive, on Windows)
+        pass
+    return f"{name}:{f.f_lineno}"

@@ -24,6 +24,7 @@ See ``docs/pytest-plugin.md``.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +70,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if harness is not None and report.when == "call" and report.failed:
         new = harness.take_unreported()
         if new:
-            report.sections.append(("blockpool races", "\n".join(map(str, new))))
+            # the violations and where they were made, without the summary line
+            body = harness.explain(new).split("\n", 1)[1]
+            report.sections.append(("blockpool races", textwrap.dedent(body)))
 
 
 @pytest.fixture
