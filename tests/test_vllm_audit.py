@@ -275,3 +275,17 @@ def test_audit_mode_installs_the_wiring_and_says_so_in_the_registration_line(cap
         assert "hazard tracking audit by BLOCKPOOL_VLLM_HAZARDS=audit: fences computed, no wait added" in line
     finally:
         plugin.unregister()
+
+
+def test_audit_counts_a_put_once_though_the_send_thread_synchronizes_twice(rank: Any) -> None:
+    """MooncakeStore's send thread synchronizes ``current_event`` again for
+    a PUT's boundary puts: one transfer, one count."""
+    from blockpool.core.hazards import Fence
+    from blockpool.integrations.vllm import worker as vw
+    from blockpool.integrations.vllm.hazards import Transfer
+
+    event = SimpleNamespace(synchronize=lambda: None, query=lambda: True)
+    audited = vw.AuditedEvent(rank.wh, Transfer("A", "store", GET, Fence([E1]), (1,)), event)
+    audited.synchronize()
+    audited.synchronize()
+    assert rank.audit.totals() == (1, 1, 1)

@@ -530,3 +530,165 @@ def test_async_simple_cpu_offload_load_into_an_aborted_requests_blocks_names_exa
     load = Transfer.from_wire(getattr(meta, vc.META_LOAD)["C"])
     assert set(load.block_ids) <= set(table_of_blocks(out_n))  # C's blocks are the aborted requests'
     assert load.fence.tokens == (e_n1,)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_cow_copy_in_a_step_with_no_scheduled_token_is_recorded_so_the_get_into_it_runs(registered: bool) -> None:
+    """The seed scenario when nothing else runs: the step that ships B's
+    copy schedules no token (B waits for its GET), but vLLM's runner still
+    enqueues the copy before it returns early; the step needs a record, or
+    nothing records the copy token and the GET times out and fails.
+    (Found by review.)"""
+    from tests.test_vllm_connectors import inject_partial_hit_cow
+
+    s = make_scheduler("MooncakeStoreConnector")
+    cs = s.connector.connector_scheduler
+    cs.client.lookup.return_value = lookup(0)
+    s.add_request(make_request("A", list(range(1, 49)), max_tokens=1))
+    out1 = s.schedule()
+    a_third = s.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["A"][2]
+    s.update_from_output(out1, model_output(out1))
+    assert "A" not in s.requests  # nothing else runs
+    inject_partial_hit_cow(s, "B", 2, a_third)
+    cs.client.lookup.return_value = lookup(64)
+    s.add_request(make_request("B", list(range(1, 41)) + list(range(100, 140))))
+    out2 = s.schedule()
+    assert out2.total_num_scheduled_tokens == 0 and out2.kv_cache_block_copies
+    step = step_of(out2)
+    (rm,) = [r for r in out2.kv_connector_metadata.requests if r.req_id == "B"]
+    load = Transfer.from_wire(getattr(rm, vc.META_LOAD))
+    assert step.copies is not None and load.fence.tokens == (step.copies,)
+    since = {"compute": step_of(out1).forward.seq}
+    with Rank() as rank:
+        rank.wh.timeout = 2.0
+        rank.compute.enqueue(lambda: None, "cow copy")  # vLLM's _update_states, before the empty-step return
+        rank.wh.on_bind(out2.kv_connector_metadata)  # kv_connector_no_forward
+        rank.wh.forward_done(out2.kv_connector_metadata)
+        got: list[bool] = []
+        handle = wrapper(vw._wire_mooncake, "KVCacheStoreRecvingThread", "_handle_request",
+                         lambda thread, m: got.append(True))
+        t = threading.Thread(target=handle, args=(SimpleNamespace(done_task_lock=threading.Lock(),
+                                                                  _failed_requests=set()), rm))
+        t.start()
+        t.join(10)
+        assert got == [True]
+        assert rank.unrecorded(s, since) == {}
+    s.update_from_output(out2, model_output(out2))
+    assert s.kv_cache_manager.block_pool.core.is_ended(step.forward)
+
+
+def test_a_non_writer_rank_records_the_store_jobs_vllm_flushes_and_completes_at_once() -> None:
+    """On an Offloading non-writer rank (replicated layout, rank > 0),
+    vLLM's real ``handle_preemptions`` pops this step's flushed store jobs
+    and completes them before ``prepare_store_kv`` sees them: their tokens
+    are recorded there, or a later load fenced on one could not wait.
+    (Found by review.)"""
+    from unittest.mock import MagicMock
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import worker as ow
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+    e1, s1 = Token("compute", 1), Token("offload_d2h", 1)
+    job = SimpleNamespace(req_id="A", src_spec=MagicMock(), dst_spec=MagicMock())
+    setattr(job, vc.META_STORE, Transfer("A", "store", s1, Fence([e1]), (3,)).to_wire())
+    meta = SimpleNamespace(load_jobs={}, store_jobs={1: job}, jobs_to_flush={1})
+    setattr(meta, STEP, (StepRecord(1, e1).to_wire(), Fence().to_wire()))
+    me = SimpleNamespace(_is_store_writer=False, _connector_worker_meta=OffloadingWorkerMetadata(),
+                         _unsubmitted_store_jobs=[], worker=MagicMock())
+    handle_preemptions = wrapper(vw._wire_offloading, "OffloadingConnectorWorker", "handle_preemptions",
+                                 ow.OffloadingConnectorWorker.handle_preemptions)
+    prepare_store_kv = wrapper(vw._wire_offloading, "OffloadingConnectorWorker", "prepare_store_kv",
+                               ow.OffloadingConnectorWorker.prepare_store_kv)
+    with Rank() as rank:
+        handle_preemptions(me, meta)
+        assert me._connector_worker_meta.completed_jobs == {1: 1}  # vLLM completed it on this rank
+        rank.wh.on_bind(meta)
+        rank.compute.enqueue(lambda: None, "forward")
+        prepare_store_kv(me, meta)
+        assert rank.wh.unrecorded({"offload_d2h": 1, "compute": 1}) == {}
+        assert rank.wh.out_of_order == 0
+
+
+def test_a_fence_the_rank_cannot_wait_on_leaves_the_job_to_vllms_own_waits_never_raising_into_vllm() -> None:
+    """A fence token never recorded on this rank (a wiring path that lost a
+    record): the offload job runs after vLLM's own ``wait_stream`` only --
+    stock vLLM -- with one warning and a count, instead of an exception
+    out of vLLM's ``transfer_async``. (Found by review.)"""
+    with Rank() as rank:
+        lost = Token("offload_d2h", 5)
+        rank.wh.jobs[("offloading", 9)] = Transfer("B", "load", Token("offload_h2d", 1), Fence([lost]), (3,))
+        assert vw.offload_transfer_async(CopyHandler.transfer_async)(CopyHandler(rank), 9) is True
+        assert rank.wh.stock_fallbacks == 1 and rank.wh.waits == 0
+        assert rank.wh.ledger.event_of(Token("offload_h2d", 1)) is not None  # its own token still recorded
+
+
+def test_an_offload_job_with_no_copy_kernels_is_still_ordered_after_its_fence() -> None:
+    """A job vLLM submits without a copy (nothing for this rank to copy)
+    still records its token: it must be ordered after the job's fence, or
+    later fences that name only it would lose the fence's tokens."""
+
+    class NoCopyHandler(CopyHandler):
+        def transfer_async(self, job_id: int, spec: Any = None) -> bool:
+            self._transfers.append(SimpleNamespace(stream=self.rank.copy))
+            return True
+
+    with Rank() as rank:
+        rank.compute.enqueue(lambda: None, "forward")
+        rank.wh.record(E := Token("compute", 1))
+        rank.wh.jobs[("offloading", 3)] = Transfer("B", "load", Token("offload_h2d", 1), Fence([E]), (3,))
+        assert vw.offload_transfer_async(NoCopyHandler.transfer_async)(NoCopyHandler(rank), 3) is True
+        waits = [op for op in rank.dev.log if op[0] == "wait_event"]
+        assert waits == [("wait_event", "copy", rank.wh.ledger.event_of(E).name)]
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_fault_in_fence_planning_never_reaches_vllms_scheduler(registered: bool) -> None:
+    """Whatever goes wrong while the wiring plans a step's fences, vLLM's
+    ``schedule()`` returns its metadata, and the step keeps vLLM's own
+    waits (``META_STOCK``); one ERROR line."""
+    s = make_scheduler("OffloadingConnector", OFFLOAD)
+    w = vc.wiring_of(s.connector.connector_scheduler)
+    s.add_request(make_request("A", list(range(1, 41))))
+    with patch.object(w.hazards, "begin_store", side_effect=RuntimeError("boom")):
+        out = s.schedule()
+    meta = out.kv_connector_metadata
+    assert len(meta.store_jobs) == 1 and getattr(meta, vc.META_STOCK) is True
+    assert getattr(meta, STEP, None) is not None and w.faults == 1
+    offload_step(s, out)
+    out2 = s.schedule()  # the next step plans normally again
+    assert not getattr(out2.kv_connector_metadata, vc.META_STOCK, False)
+
+
+def test_with_pipeline_parallelism_a_rank_that_does_not_draft_records_the_step_token_at_the_forward() -> None:
+    """With spec decode, vLLM's V1 runner defers ``wait_for_save`` on every
+    rank, but only the last pipeline stage drafts and finalizes; the others
+    must record eN when the forward ends, or it is never recorded."""
+    from vllm.v1.worker import kv_connector_model_runner_mixin  # noqa: F401  (the module wrapped)
+
+    @contextmanager
+    def vllm_lifecycle(scheduler_output: Any, defer_finalize: bool = False) -> Iterator[None]:
+        yield None
+
+    record, meta = step_meta(1)
+    lifecycle = wrapper(vw._wire_runner, "KVConnectorModelRunnerMixin", "_get_kv_connector_output", vllm_lifecycle)
+    for last_rank, recorded in ((False, True), (True, False)):
+        group = SimpleNamespace(is_last_rank=last_rank)
+        with Rank() as rank, patch("vllm.distributed.parallel_state.get_pp_group", lambda g=group: g):
+            with lifecycle.__func__(SimpleNamespace(kv_connector_metadata=meta), defer_finalize=True):
+                rank.compute.enqueue(lambda: None, "target forward")
+            assert (rank.wh.ledger.event_of(record.forward) is not None) is recorded
+
+
+def test_a_copy_fence_no_wait_can_order_is_counted_not_waited_on() -> None:
+    """vLLM enqueues a step's block copies before the connector binds the
+    step: a copy fence that names a running access cannot be waited on
+    there; it is counted and logged once, and the bind adds no wait."""
+    d2h = Token("offload_d2h", 1)
+    record = StepRecord(1, Token("compute", 2), Token("compute", 1), Fence([d2h]))
+    meta = SimpleNamespace()
+    setattr(meta, STEP, (record.to_wire(), Fence().to_wire()))
+    with Rank() as rank:
+        assert rank.wh.on_bind(meta) == record
+        assert rank.wh.copy_fences_unwaited == 1
+        assert not [op for op in rank.dev.log if op[0] == "wait_event"]
+        assert rank.wh.ledger.event_of(record.copies) is not None

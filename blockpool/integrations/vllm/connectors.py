@@ -133,6 +133,9 @@ class ConnectorWiring:
             step's metadata). True until :func:`on_scheduler_built` read the
             block sizes from the scheduler's managers and found nothing else
             in the way.
+        faults: Steps whose fence planning raised (logged once): those
+            steps shipped :data:`META_STOCK`, and vLLM's scheduler never saw
+            the exception.
     """
 
     name: str
@@ -141,6 +144,7 @@ class ConnectorWiring:
     pending: set[Hashable] = attrs.field(factory=set)
     reports: dict[Hashable, int] = attrs.field(factory=dict)
     stock_waits: bool = True
+    faults: int = 0
 
     def begin_step(self, scheduler_output: object) -> tuple[Any, Any] | None:
         """Issue the step's tokens and tag its writes (idempotent per step);
@@ -340,13 +344,34 @@ def _planner(plan: Callable[[Any, ConnectorWiring, Any, Any], None], before: Cal
             w = wiring_of(self)
             if w is None:
                 return orig(self, scheduler_output)
-            step = w.begin_step(scheduler_output)
-            ctx = before(self) if before is not None else None
+            failed: BaseException | None = None
+            step = ctx = None
+            try:
+                step = w.begin_step(scheduler_output)
+                ctx = before(self) if before is not None else None
+            except Exception as exc:  # noqa: BLE001  (never out of vLLM's scheduler)
+                failed = exc
             meta = orig(self, scheduler_output)
-            plan(self, w, meta, ctx)
+            if failed is None:
+                try:
+                    plan(self, w, meta, ctx)
+                except Exception as exc:  # noqa: BLE001
+                    failed = exc
             if step is not None:
                 setattr(meta, META_STEP, step)
-            if w.stock_waits:
+            if failed is not None:
+                # A wiring fault (a vLLM whose objects differ, a pool error):
+                # what was begun keeps its fence; the rest of the step keeps
+                # vLLM's own waits, and so does everything fenced, on top.
+                w.faults += 1
+                if w.faults == 1:
+                    logger.error(
+                        "blockpool: %s: planning the step's fences failed (%r); this step keeps vLLM's own "
+                        "waits (further faults are counted in the wiring, not logged)",
+                        w.name,
+                        failed,
+                    )
+            if w.stock_waits or failed is not None:
                 setattr(meta, META_STOCK, True)
             return meta
 

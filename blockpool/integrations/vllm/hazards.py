@@ -88,10 +88,10 @@ def _token_or_none(data: _Wire) -> Token | None:
 
 @attrs.frozen(slots=True)
 class StepRecord:
-    """The tokens of one non-empty scheduled step.
+    """The tokens of one scheduled step that runs a forward or block copies.
 
     Attributes:
-        index: 1-based count of non-empty steps this wiring has issued.
+        index: 1-based count of such steps this wiring has issued.
         forward: The step's "forward done" token ``eN`` on ``compute``.
         copies: The token of the block copies that run with this step
             (``SchedulerOutput.kv_cache_block_copies``), or ``None``.
@@ -257,11 +257,17 @@ class StepHazards:
     def step_record(self, scheduler_output: object) -> StepRecord | None:
         """The record of a scheduled step, issuing its tokens on first call;
         ``None`` for an empty step (``total_num_scheduled_tokens == 0``: no
-        forward runs). Idempotent per output object, so a connector may call
-        it from ``build_connector_meta`` to ship the step's tokens, before
-        the wiring calls it when ``schedule()`` returns. O(1).
+        forward runs) without block copies. A step with no scheduled token
+        but with copies (drained before the connector plans,
+        ``take_kv_cache_block_copies``) gets a record too: vLLM's runner
+        enqueues the copies before it returns early for the empty step, and
+        the worker records the copy token and ``eN`` (after the copies, no
+        forward) from it; without a record nothing would record them.
+        Idempotent per output object, so a connector may call it from
+        ``build_connector_meta`` to ship the step's tokens, before the wiring
+        calls it when ``schedule()`` returns. O(1).
         """
-        if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+        if not getattr(scheduler_output, "total_num_scheduled_tokens", 0) and self._pending_copy is None:
             return None
         key = id(scheduler_output)
         entry = self._steps.get(key)

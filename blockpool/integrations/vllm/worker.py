@@ -13,16 +13,22 @@ rank) turns them into waits:
   step's block copies were enqueued on the compute stream), the copy token
   is recorded on the compute stream and the compute stream waits on the
   forward's fence (usually empty);
-- right after the forward was launched, before the connectors' async loads
-  start (``KVConnectorModelRunnerMixin._get_kv_connector_output``; Model
-  Runner V2: ``ActiveKVConnector.post_forward``), the forward token ``eN``
-  is recorded on the compute stream, whichever connectors are wired;
+- after the step's last KV write, the forward token ``eN`` is recorded on
+  the compute stream, whichever connectors are wired: right after the
+  forward was launched, before the connectors' async loads start
+  (``KVConnectorModelRunnerMixin._get_kv_connector_output``; Model Runner
+  V2: ``ActiveKVConnector.post_forward``), or, with speculative decoding on
+  the rank that drafts, where vLLM finalizes the connector after the draft
+  model (``finalize_kv_connector``; V2: ``finalize_step``);
 - **MooncakeStore**: the receive thread waits on the host for its load's
   fence before it issues the GETs (:meth:`EventLedger.wait_host`), and the
   send thread, where vLLM synchronizes one event recorded after the whole
   forward (``req_meta.current_event``), waits on the store's own fence
-  instead; both threads report their tokens' ends to the ledger. Without a
-  fence (hazards off, connector unwired) vLLM's code runs unchanged;
+  instead -- or, where the scheduler could not show the fence exact
+  (:data:`~blockpool.integrations.vllm.connectors.META_STOCK`), on the
+  fence and then on vLLM's event; both threads report their tokens' ends to
+  the ledger. Without a fence (hazards off, connector unwired) vLLM's code
+  runs unchanged;
 - **Offloading**: a job's copy stream waits on the job's fence
   (``stream.wait_event`` per token, no host block) right before its copy
   kernels, after vLLM's own ``wait_stream(compute)`` barrier (kept: it also
@@ -31,6 +37,13 @@ rank) turns them into waits:
 - **NIXL** (pull mode): the worker posts READs from its main thread, which
   must not block; a read whose fence has not ended is deferred and posted
   by the first later ``start_load_kv`` that finds the fence ended.
+
+No wrapper lets an exception out into vLLM: a fence this rank cannot wait
+on (a token never recorded here, a host engine past :attr:`WorkerHazards.timeout`,
+a failed token) leaves that transfer to vLLM's own waits, as stock, with one
+warning (:meth:`WorkerHazards.wait_device_or_stock`). In audit mode
+(``BLOCKPOOL_VLLM_HAZARDS=audit``) no wrapper waits at all; each transfer is
+checked and counted instead (:mod:`~blockpool.integrations.vllm.audit`).
 
 :func:`install` sets the process's :class:`WorkerHazards` (tests pass CPU
 stand-ins, :mod:`blockpool.worker.standins`); without one, the first wired
@@ -53,6 +66,7 @@ from typing import Any
 
 import torch
 
+from blockpool.core.errors import BlockPoolError
 from blockpool.core.hazards import Fence, StreamKind, Token
 from blockpool.integrations.vllm import ENV_HAZARDS
 from blockpool.integrations.vllm.audit import MODE_AUDIT, Audit, device_covered_by
@@ -122,7 +136,10 @@ class WorkerHazards:
         self.deferred = 0
         self.out_of_order = 0
         self.skipped: dict[str, list[int]] = {}
+        self.stock_fallbacks = 0
+        self.copy_fences_unwaited = 0
         self._recorded: dict[str, int] = {}
+        self._fallbacks_logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
     def record(self, token: Token | None, stream: Any = None) -> bool:
@@ -190,13 +207,55 @@ class WorkerHazards:
         record = StepRecord.from_wire(step[0])
         self.ledger.poll()  # recycle the events of ended tokens
         self.record(record.copies)
+        copy_fence = self.waitable(record.copy_fence)
+        if copy_fence:
+            # vLLM's runner enqueued the copies already (_update_states, before
+            # the bind): nothing can order them now. vLLM keeps copy endpoints
+            # free of other-stream accesses (flushes, pins, hold-backs); count
+            # any fence that says otherwise.
+            if self.audit is not None:
+                self.observe("compute", "copy", record.copies, copy_fence, covered=frozenset({"compute"}))
+            else:
+                self.copy_fences_unwaited += 1
+                if self.copy_fences_unwaited == 1:
+                    logger.warning(
+                        "blockpool: block copies of step %d had a fence (%s) that no wait can order: vLLM "
+                        "enqueues them before the connector binds the step (counted in copy_fences_unwaited)",
+                        record.index,
+                        ", ".join(map(str, copy_fence)),
+                    )
         fence = self.waitable(Fence.from_wire(step[1]))
         if self.audit is not None:
             # The forward runs on compute, after every compute token recorded so far.
             self.observe("compute", "forward", record.forward, fence, covered=frozenset({record.forward.stream}))
         elif fence:
-            self.ledger.wait_device(fence, self.current_stream(), allow_host_wait=True, timeout=self.timeout)
+            self.wait_device_or_stock(fence, self.current_stream(), "the forward")
         return record
+
+    def wait_device_or_stock(self, fence: Iterable[Token], stream: Any, what: str) -> bool:
+        """Order ``stream`` after ``fence`` (:meth:`EventLedger.wait_device`,
+        host-waiting for ``HOST`` tokens), inside vLLM's worker, where no
+        exception may escape: a fence that cannot be waited on here (a token
+        never recorded on this rank, a host engine that did not end within
+        :attr:`timeout`, a failed token) leaves ``what`` to vLLM's own waits
+        alone -- exactly stock vLLM -- with one WARNING per kind of failure
+        and ``stock_fallbacks`` counted. Returns whether the fence was waited
+        on. O(fence size), plus the host wait."""
+        try:
+            self.ledger.wait_device(fence, stream, allow_host_wait=True, timeout=self.timeout)
+            return True
+        except BlockPoolError as exc:
+            self.stock_fallbacks += 1
+            key = (what, type(exc).__name__)
+            if key not in self._fallbacks_logged:
+                self._fallbacks_logged.add(key)
+                logger.warning(
+                    "blockpool: %s cannot wait on its fence here (%s); it runs after vLLM's own waits only, "
+                    "as in stock vLLM",
+                    what,
+                    exc,
+                )
+            return False
 
     def observe(
         self,
@@ -288,6 +347,18 @@ class WorkerHazards:
         if transfer.token.kind is StreamKind.HOST:
             self.ledger.mark_host_complete(transfer.token, failed=failed)
 
+    def record_points(self, items: Iterable[object], attr: str) -> None:
+        """Record, on the current stream, the token of each item carrying a
+        transfer under ``attr`` that this rank does not run (a non-writer
+        rank of a replicated store: the job completes at once here), unless
+        recorded already. O(items)."""
+        for item in items:
+            wire_form = getattr(item, attr, None)
+            if wire_form is not None:
+                token = Transfer.from_wire(wire_form).token
+                if token.seq > self._recorded.get(token.stream, 0):
+                    self.record(token)
+
     def add_jobs(self, key: str, jobs: Any, attr: str) -> None:
         """Remember the transfers of ``{job_id: item}`` whose items carry
         ``attr``, under ``(key, job_id)``."""
@@ -350,17 +421,21 @@ class AuditedEvent:
         event: vLLM's event.
     """
 
-    __slots__ = ("event", "hazards", "transfer")
+    __slots__ = ("event", "hazards", "observed", "transfer")
 
     def __init__(self, hazards: WorkerHazards, transfer: Transfer, event: Any) -> None:
         self.hazards = hazards
         self.transfer = transfer
         self.event = event
+        self.observed = False
 
     def synchronize(self) -> None:
-        """vLLM's ``event.synchronize()``, then the audit's check."""
+        """vLLM's ``event.synchronize()``, then the audit's check (once per
+        store: the send thread synchronizes again for boundary puts)."""
         self.event.synchronize()
-        self.hazards.observe_transfer(MOONCAKE, self.transfer)
+        if not self.observed:
+            self.observed = True
+            self.hazards.observe_transfer(MOONCAKE, self.transfer)
 
     def query(self) -> bool:
         """vLLM's ``event.query()``."""
@@ -459,6 +534,19 @@ def _defers_finalize(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return bool(kwargs["defer_finalize"] if "defer_finalize" in kwargs else args[0] if args else False)
 
 
+def _drafts_here() -> bool:
+    """Whether this rank runs the draft model after the target forward: the
+    last pipeline-parallel rank (vLLM's runner returns before drafting, and
+    before ``finalize_kv_connector``, on the others). True when vLLM's
+    pipeline group is not set up (no pipeline parallelism)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return bool(get_pp_group().is_last_rank)
+    except Exception:  # noqa: BLE001  (no PP group: a single stage)
+        return True
+
+
 def _wire_runner(patch: Patcher) -> None:
     """Record ``eN`` after the step's last KV write, whichever connector is
     wired: right after the forward was launched (V1 model runners:
@@ -477,7 +565,7 @@ def _wire_runner(patch: Patcher) -> None:
         def _get_kv_connector_output(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             with orig(scheduler_output, *args, **kwargs) as output:
                 yield output
-                if not _defers_finalize(args, kwargs):
+                if not _defers_finalize(args, kwargs) or not _drafts_here():
                     forward_launched(getattr(scheduler_output, "kv_connector_metadata", None))
 
         _get_kv_connector_output.__blockpool_wrapped__ = True  # type: ignore[attr-defined]
@@ -641,14 +729,17 @@ def offload_transfer_async(orig: Any) -> Any:
         if wh is None or transfer is None:
             return orig(self, job_id, *args, **kwargs)
         swap = self._swap_blocks_batch
+        ordered: list[bool] = []
 
-        def fenced_swap(*a: Any, **k: Any) -> Any:
+        def order(stream: Any) -> None:
+            ordered.append(True)
             if wh.audit is not None:  # after vLLM's wait_stream(compute): compute tokens recorded are ordered
                 wh.observe_transfer(OFFLOADING, transfer, covered=_COMPUTE)
-            else:
-                wh.ledger.wait_device(wh.waitable(transfer.fence), wh.current_stream(), allow_host_wait=True,
-                                      timeout=wh.timeout)
+            elif wh.wait_device_or_stock(wh.waitable(transfer.fence), stream, "an offload job"):
                 wh.waits += 1
+
+        def fenced_swap(*a: Any, **k: Any) -> Any:
+            order(wh.current_stream())
             return swap(*a, **k)
 
         self._swap_blocks_batch = fenced_swap
@@ -657,7 +748,10 @@ def offload_transfer_async(orig: Any) -> Any:
         finally:
             self._swap_blocks_batch = swap
         if ok and self._transfers:
-            wh.record(transfer.token, self._transfers[-1].stream)
+            stream = self._transfers[-1].stream
+            if not ordered:  # a job with no copy kernels: its token is still ordered after its fence
+                order(stream)
+            wh.record(transfer.token, stream)
         return ok
 
     return transfer_async
@@ -676,10 +770,7 @@ def _wire_offloading(patch: Patcher) -> None:
                 if getattr(self, "_is_store_writer", True):
                     wh.add_jobs(OFFLOADING, metadata.store_jobs, META_STORE)
                 else:  # this rank copies nothing for these jobs: their points are now
-                    for job in metadata.store_jobs.values():
-                        wire_form = getattr(job, META_STORE, None)
-                        if wire_form is not None:
-                            wh.record(Transfer.from_wire(wire_form).token)
+                    wh.record_points(metadata.store_jobs.values(), META_STORE)
             return orig(self, metadata)
 
         return prepare_store_kv
@@ -691,9 +782,13 @@ def _wire_offloading(patch: Patcher) -> None:
             wh = current() if _carries_hazards(metadata, jobs) else None
             if wh is not None:
                 wh.add_jobs(OFFLOADING, metadata.load_jobs, META_LOAD)
+                flushed = {j: metadata.store_jobs[j] for j in metadata.jobs_to_flush or () if j in metadata.store_jobs}
                 if getattr(self, "_is_store_writer", True):
-                    wh.add_jobs(OFFLOADING, {j: metadata.store_jobs[j] for j in metadata.jobs_to_flush or ()
-                                             if j in metadata.store_jobs}, META_STORE)
+                    wh.add_jobs(OFFLOADING, flushed, META_STORE)
+                else:
+                    # vLLM's handle_preemptions pops a non-writer's flushed
+                    # jobs and completes them at once: their points are now.
+                    wh.record_points(flushed.values(), META_STORE)
             return orig(self, metadata)
 
         return collect
