@@ -30,7 +30,7 @@ rate, ETA), so logs of long runs show it too.
 
 tqdm and matplotlib (the ``replay`` extra) are imported only when used; the
 command works without them (no bar on a terminal, progress lines elsewhere;
-``--plot`` then fails with status 2).
+``--plot`` then fails with status 2, before the replay).
 """
 
 from __future__ import annotations
@@ -176,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--limit", type=int, default=None, help="replay only the first K requests of each trace")
     w.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     w.add_argument(
+        "--skip-bad-lines", action="store_true",
+        help="skip bad trace lines (counted per row) instead of failing; without it, a bad line exits 2 before any cell",
+    )  # fmt: skip
+    w.add_argument(
         "--jobs", type=int, default=None,
         help="worker processes, or the CPUs of a --ray local instance (default: min(#cells, #CPUs))",
     )  # fmt: skip
@@ -247,10 +251,12 @@ def _sweep(args: argparse.Namespace) -> int:
             seeds=tuple(_ints(args.seed, "seed")),
             limit=args.limit,
             block_size=args.block_size,
+            skip_bad_lines=args.skip_bad_lines,
         )
         for t in spec.traces:
             if t != SYNTHETIC:
-                read_trace(t, limit=1)  # an unreadable trace fails here (status 2)
+                # read as the cells will (every line up to --limit): a bad line fails here, status 2
+                read_trace(t, limit=args.limit, skip_bad_lines=args.skip_bad_lines)
         grid = cells(spec)
         jobs = args.jobs if args.jobs is not None else max(1, min(len(grid), os.cpu_count() or 1))
         if jobs < 1:
@@ -306,8 +312,11 @@ class _ProgressLines:
     printed. Each names the requests done, the rate and the ETA. O(1) per
     update."""
 
-    def __init__(self, total: int, stream: Any, interval: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, total: int, stream: Any, interval: float, clock: Callable[[], float], runs: int = 1
+    ) -> None:
         self.total, self.stream, self.interval, self.clock = total, stream, interval, clock
+        self.runs = max(1, runs)  # total counts requests x runs; lines count requests, as the summary does
         self.t0 = self.last = clock()
         self.n = 0
         self.printed = False
@@ -325,8 +334,12 @@ class _ProgressLines:
         left = self.total - self.n
         eta = _hms(left / rate) if rate > 0 else "?"
         pct = 100.0 * self.n / self.total if self.total else 100.0
+        runs = self.runs
+        done = f"{self.n}/{self.total} requests" if runs == 1 else (
+            f"{self.n / runs:,.0f}/{self.total // runs:,} requests x {runs} runs"
+        )  # fmt: skip
         print(
-            f"replay: {self.n}/{self.total} requests ({pct:.0f}%), {rate:.1f} req/s, "
+            f"replay: {done} ({pct:.0f}%), {rate:.1f} req/s, "
             f"elapsed {_hms(elapsed)}, ETA {eta}",
             file=self.stream,
             flush=True,
@@ -345,21 +358,26 @@ def _hms(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
-def _progress_bar(total: int, quiet: bool) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+def _progress_bar(
+    total: int, quiet: bool, runs: int = 1
+) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
     """A progress callback and its closer: a tqdm bar on a terminal (when
-    tqdm is installed), progress lines otherwise, nothing with ``quiet``."""
+    tqdm is installed), progress lines otherwise, nothing with ``quiet``.
+    ``total`` counts requests x ``runs`` (the policies' runs); both show
+    requests, the unit of the summary."""
     import time
 
     if quiet:
         return None, lambda: None
     if not sys.stderr.isatty():
-        lines = _ProgressLines(total, sys.stderr, PROGRESS_INTERVAL_S, time.monotonic)
+        lines = _ProgressLines(total, sys.stderr, PROGRESS_INTERVAL_S, time.monotonic, runs)
         return lines.update, lines.close
     try:
         from tqdm import tqdm
     except ImportError:
         return None, lambda: None
-    bar: Any = tqdm(total=total, unit="req", desc="replay", file=sys.stderr, mininterval=0.5)
+    desc = "replay" if runs == 1 else f"replay ({runs} runs)"
+    bar: Any = tqdm(total=total, unit="req", unit_scale=1 / max(1, runs), desc=desc, file=sys.stderr, mininterval=0.5)
 
     def update(n: int) -> None:
         if n > bar.n:
@@ -474,13 +492,17 @@ def _replay(args: argparse.Namespace) -> int:
         if jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {jobs}")
         _check_outputs(args)  # fail before a long replay, not after it
+        if args.plot:
+            from blockpool.replay.plot import require_matplotlib
+
+            require_matplotlib()  # PlotUnavailableError (a BlockPoolError): status 2, before the replay
     except (BlockPoolError, ValueError) as e:
         _err(str(e))
         return 2
     if not trace.requests:
         _err(f"no requests in {trace.source}")
         return 2
-    update, close = _progress_bar(len(trace.requests) * nruns, args.quiet)
+    update, close = _progress_bar(len(trace.requests) * nruns, args.quiet, nruns)
     try:
         report = replay(
             trace, policies, cfg, jobs=jobs, events=args.events, progress=update,

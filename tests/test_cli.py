@@ -350,9 +350,9 @@ def test_table_labels_the_control_the_mean_and_simulated_versus_measured(small_r
     lines = format_table(small_report).splitlines()
     head = re.split(r"\s{2,}", lines[0].strip())
     kind = dict(zip(reversed(head), reversed(re.split(r"\s{2,}", lines[1].strip()))))
-    assert head[:2] == ["policy", "races"] and "mean delay ms" in head
-    assert {c for c, k in kind.items() if k == "simulated"} == {"mean delay ms", "p99 delay ms", "makespan s", "tok/s"}
-    assert {c for c, k in kind.items() if k == "measured"} == {"ns/op", "wall s"}
+    assert head[:2] == ["policy", "races"] and "mean ms" in head
+    assert {c for c, k in kind.items() if k == "sim"} == {"mean ms", "p99 ms", "makespan s", "tok/s"}
+    assert {c for c, k in kind.items() if k == "meas"} == {"wall s"}
     rows = {re.split(r"\s{2,}", x)[0]: re.split(r"\s{2,}", x) for x in lines[3:6]}
     assert "blind (negative control)" in rows and "blind" not in rows
     assert rows["step-event"][2:6] == ["0", "n/a", "n/a", "n/a"]
@@ -592,3 +592,91 @@ def test_check_fits_refuses_only_when_no_request_fits() -> None:
     check_fits([], ReplayConfig(num_blocks=2))
     with pytest.raises(InvalidArgumentError, match="too small for any of the 2 requests"):
         check_fits(reqs, ReplayConfig(num_blocks=3))
+
+
+# Issue #22 point 8: --plot without matplotlib is found before the replay --------------
+
+
+def test_plot_without_matplotlib_is_refused_before_the_replay_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import blockpool.replay.run as run_mod
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(run_mod, "replay", lambda *a, **k: pytest.fail("the replay started"))
+    rc = main(["replay", *SMALL, "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
+    assert rc == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--plot needs matplotlib" in err[0] and "pip install 'blockpool[replay]'" in err[0]
+    assert list(tmp_path.iterdir()) == []  # no JSON written either
+
+
+# Issue #22 point 9: sweep checks a trace like replay does --------------------------
+
+
+def test_sweep_refuses_a_bad_line_past_the_first_before_any_cell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import blockpool.replay.sweep as sweep_mod
+
+    monkeypatch.setattr(sweep_mod, "sweep", lambda *a, **k: pytest.fail("a cell ran"))
+    trace = _trace(tmp_path, "{not json")  # line 13
+    assert main(["sweep", str(trace), "--num-blocks", "1024", "--quiet"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("blockpool sweep: error: ") and f"{trace}:13" in err[0]
+
+
+def test_sweep_skip_bad_lines_replays_and_counts_them_per_row(tmp_path: Path) -> None:
+    trace = _trace(tmp_path, "{not json")
+    out = tmp_path / "s.json"
+    rc = main(["sweep", str(trace), "--num-blocks", "1024", "--skip-bad-lines", "--json", str(out), "--quiet", "--jobs", "1"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [(r["requests"], r["skipped"]) for r in doc["rows"]] == [(12, 1)]
+    assert doc["grid"]["skip_bad_lines"] is True
+
+
+# Issue #22 point 10: a verdict line, 100 columns, progress in requests, plurals ----------
+
+
+def test_the_report_ends_with_a_verdict_line_and_the_table_fits_100_columns(small_report) -> None:  # type: ignore[no-untyped-def]
+    from blockpool.replay.report import format_table, plural
+
+    lines = format_table(small_report).splitlines()
+    ex, blind = small_report.result("exact"), small_report.result("blind")
+    assert blind.races > 0
+    assert lines[-1] == (
+        f"exact: 0 races in {ex.oracle_accesses:,} checked accesses; blind (no waits): {plural(blind.races, 'race')}"
+    )
+    assert max(len(x) for x in lines[:6]) <= 100  # the table
+    assert max(len(x) for x in lines) <= 100
+
+
+def test_plurals_read_right() -> None:
+    from blockpool.replay.report import plural
+
+    assert [plural(1, "time"), plural(2, "time"), plural(1234, "race"), plural(0, "race")] == [
+        "1 time", "2 times", "1,234 races", "0 races",
+    ]
+    assert plural(1, "copy-on-write copy", "copy-on-write copies") == "1 copy-on-write copy"
+
+
+def test_a_verdict_names_a_racing_exact_policy_as_a_bug(small_report) -> None:  # type: ignore[no-untyped-def]
+    import attrs
+
+    from blockpool.replay.report import verdict
+
+    bad = attrs.evolve(small_report, results=(attrs.evolve(small_report.results[0], races=1),))
+    assert verdict(bad).startswith("exact: 1 race in ") and verdict(bad).endswith(": the exact policy raced (a bug)")
+
+
+def test_progress_lines_count_requests_as_the_summary_does() -> None:
+    import io
+
+    from blockpool.cli import _ProgressLines
+
+    buf, now = io.StringIO(), [0.0]
+    p = _ProgressLines(1600, buf, 5.0, lambda: now[0], runs=4)
+    now[0] = 5.0
+    p.update(864)
+    assert buf.getvalue().startswith("replay: 216/400 requests x 4 runs (54%), ")

@@ -11,7 +11,7 @@ import os
 from blockpool.core.errors import BlockPoolError
 from blockpool.replay.report import NEGATIVE_CONTROL, ReplayReport
 
-__all__ = ["TIMELINE_SPAN_S", "PlotUnavailableError", "figure", "plot_report"]
+__all__ = ["TIMELINE_SPAN_S", "PlotUnavailableError", "figure", "plot_report", "require_matplotlib"]
 
 TIMELINE_SPAN_S = 0.6
 """Simulated seconds shown each side of the first load in the timeline."""
@@ -21,6 +21,23 @@ _COLORS = {"forward": "#4c72b0", "cow-copy": "#dd8452", "load": "#55a868", "stor
 
 class PlotUnavailableError(BlockPoolError, ImportError):
     """matplotlib is not installed (``pip install 'blockpool[replay]'``)."""
+
+
+def require_matplotlib() -> None:
+    """Import matplotlib now (the CLI calls it before a replay with
+    ``--plot``, so a missing matplotlib fails at once, not after the run).
+    O(1) after the first call.
+
+    Raises:
+        PlotUnavailableError: matplotlib cannot be imported.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except ImportError as e:
+        raise PlotUnavailableError(f"--plot needs matplotlib ({e}); pip install 'blockpool[replay]'") from None
 
 
 def plot_report(report: ReplayReport, path: str | os.PathLike[str]) -> None:

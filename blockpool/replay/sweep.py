@@ -57,7 +57,7 @@ RAY_LOCAL = "local"
 sweep (``ray.init(address="local")``) and stops it afterwards."""
 
 COLUMNS = (
-    "trace", "policy", "eviction", "placement", "num_blocks", "seed", "requests", "races", "loads",
+    "trace", "policy", "eviction", "placement", "num_blocks", "seed", "requests", "skipped", "races", "loads",
     "loads_empty_fence_pct", "loads_short_of_ready", "load_delay_mean_ms", "load_delay_p99_ms",
     "runs_per_load", "min_runs_per_load", "prefix_hit_rate_pct", "makespan_s", "throughput_tok_s",
     "evictions", "preemptions", "wall_s",
@@ -95,6 +95,8 @@ class SweepSpec:
         limit: Replay the first ``limit`` requests (for the synthetic
             workload: generate that many); ``None``: all (500 synthetic).
         block_size: Tokens per block.
+        skip_bad_lines: Skip bad trace lines (counted in each row's
+            ``skipped``) instead of failing, as ``replay --skip-bad-lines``.
 
     Raises:
         UnknownPolicyError: an unknown wait policy.
@@ -113,6 +115,7 @@ class SweepSpec:
     seeds: tuple[int, ...] = attrs.field(default=(0,), converter=_axis, validator=_nonempty)
     limit: int | None = None
     block_size: int = 16
+    skip_bad_lines: bool = False
 
     def __attrs_post_init__(self) -> None:
         parse_policies(",".join(self.policies))
@@ -159,7 +162,7 @@ def cells(spec: SweepSpec) -> list[Cell]:
     return out
 
 
-def _run_cell(cell: Cell, limit: int | None, block_size: int) -> dict[str, Any]:
+def _run_cell(cell: Cell, limit: int | None, block_size: int, skip_bad_lines: bool = False) -> dict[str, Any]:
     """Replay one cell; its row. Runs in a worker process."""
     from blockpool.replay.driver import run_policy
     from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
@@ -170,7 +173,7 @@ def _run_cell(cell: Cell, limit: int | None, block_size: int) -> dict[str, Any]:
         spec = SyntheticSpec() if limit is None else SyntheticSpec(num_requests=limit)
         trace = synthetic_trace(spec, seed=cell.seed)
     else:
-        trace = read_trace(cell.trace, limit=limit)
+        trace = read_trace(cell.trace, limit=limit, skip_bad_lines=skip_bad_lines)
     cfg = ReplayConfig(
         block_size=block_size, num_blocks=cell.num_blocks, seed=cell.seed,
         eviction=cell.eviction, placement=cell.placement,
@@ -179,6 +182,7 @@ def _run_cell(cell: Cell, limit: int | None, block_size: int) -> dict[str, Any]:
     return {
         **attrs.asdict(cell),
         "requests": len(trace.requests),
+        "skipped": len(trace.skipped),
         "races": r.races,
         "loads": r.loads,
         "loads_empty_fence_pct": round(r.loads_empty_fence_pct, 3) if r.loads else None,
@@ -261,13 +265,13 @@ def sweep(
     rows: list[dict[str, Any] | None] = [None] * len(grid)
     if jobs == 1 or len(grid) == 1:
         for i, c in enumerate(grid):
-            rows[i] = _run_cell(c, spec.limit, spec.block_size)
+            rows[i] = _run_cell(c, spec.limit, spec.block_size, spec.skip_bad_lines)
             if progress is not None:
                 progress(i + 1, len(grid))
         return rows  # type: ignore[return-value]
     ex = concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(grid)), initializer=_ignore_sigint)
     try:
-        futs = {ex.submit(_run_cell, c, spec.limit, spec.block_size): i for i, c in enumerate(grid)}
+        futs = {ex.submit(_run_cell, c, spec.limit, spec.block_size, spec.skip_bad_lines): i for i, c in enumerate(grid)}
         for done, f in enumerate(concurrent.futures.as_completed(futs), 1):
             rows[futs[f]] = f.result()
             if progress is not None:
@@ -330,7 +334,7 @@ def _sweep_ray(
         task = ray_mod.remote(num_cpus=1)(_run_cell)
         index = {}
         for i, c in enumerate(grid):
-            index[task.remote(c, spec.limit, spec.block_size)] = i
+            index[task.remote(c, spec.limit, spec.block_size, spec.skip_bad_lines)] = i
         rows: list[dict[str, Any] | None] = [None] * len(grid)
         pending = list(index)
         try:
@@ -370,7 +374,7 @@ def sweep_json(spec: SweepSpec, rows: Sequence[dict[str, Any]], wall_s: float | 
         "grid": {
             "traces": list(spec.traces), "policies": list(spec.policies), "evictions": list(spec.evictions),
             "placements": list(spec.placements), "num_blocks": list(spec.num_blocks), "seeds": list(spec.seeds),
-            "limit": spec.limit, "block_size": spec.block_size,
+            "limit": spec.limit, "block_size": spec.block_size, "skip_bad_lines": spec.skip_bad_lines,
         },
         "cells": len(rows),
         "wall_s": None if wall_s is None else round(wall_s, 3),
