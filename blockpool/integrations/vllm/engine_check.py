@@ -6,14 +6,14 @@ locally (random weights, seeded; nothing from a model hub) and serves the
 same workload of token-id prompts three times, each run in its own
 subprocess (the plugin's state is per process):
 
-============== ================================================================
-mode           environment of the run
-============== ================================================================
-``off``        ``BLOCKPOOL_VLLM_PLUGIN=0`` (``--off-by allowlist``:
-               ``VLLM_PLUGINS=""``): vLLM's own ``BlockPool``
-``on``         the plugin as installed: :class:`VllmBlockPool`, hazards on
-``hazards-off`` ``BLOCKPOOL_VLLM_HAZARDS=0``: our pool without hazard tracking
-============== ================================================================
+================ ==============================================================
+mode             environment of the run
+================ ==============================================================
+``off``          ``BLOCKPOOL_VLLM_PLUGIN=0`` (``--off-by allowlist``:
+                 ``VLLM_PLUGINS=""``): vLLM's own ``BlockPool``
+``on``           the plugin as installed: :class:`VllmBlockPool`, hazards on
+``hazards-off``  ``BLOCKPOOL_VLLM_HAZARDS=0``: our pool without hazard tracking
+================ ==============================================================
 
 Each run uses ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core, and so
 the scheduler, live in the run's own process) and ``PYTHONHASHSEED=0``
@@ -34,7 +34,8 @@ the scheduler, live in the run's own process) and ``PYTHONHASHSEED=0``
   "disabled" line, a KV connector's "not wired" warning);
 - the scheduler's time per step: ``Scheduler.schedule`` and
   ``Scheduler.update_from_output`` of the engine's scheduler, wrapped with
-  :func:`time.perf_counter` (the plugin's own wrappers included).
+  :func:`time.perf_counter` and :func:`time.thread_time` (wall clock and
+  the thread's CPU time; the plugin's own wrappers included).
 
 The check passes when tokens, hits and events are identical in every mode,
 the pool is vLLM's ``BlockPool`` with the plugin off and
