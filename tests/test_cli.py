@@ -56,10 +56,10 @@ def test_events_file_starts_with_the_schema_header(tmp_path: Path) -> None:
     out = tmp_path / "ev.jsonl"
     assert main(["replay", *SMALL, "--policy", "exact", "--events", str(out)]) == 0
     lines = out.read_text().splitlines()
-    assert json.loads(lines[0])["schema"] == "blockpool.core.events/2"
+    assert json.loads(lines[0])["schema"] == "blockpool.core.events/3"
     assert {json.loads(x)["ev"] for x in lines[1:-1]} == {"issue", "wait", "access", "fence", "table", "end"}
     trailer = json.loads(lines[-1])
-    assert trailer["trailer"] == "blockpool.core.events/2" and trailer["lines"] == len(lines) - 1
+    assert trailer["trailer"] == "blockpool.core.events/3" and trailer["lines"] == len(lines) - 1
     assert sum(trailer["counts"].values()) == len(lines) - 2
 
 
@@ -680,3 +680,28 @@ def test_progress_lines_count_requests_as_the_summary_does() -> None:
     now[0] = 5.0
     p.update(864)
     assert buf.getvalue().startswith("replay: 216/400 requests x 4 runs (54%), ")
+
+
+# Issue #22 point 12: block lists as runs ------------------------------------------------
+
+
+def test_event_block_lists_are_written_as_runs_and_read_back_exactly() -> None:
+    from blockpool.replay.eventlog import decode_runs, encode_runs, iter_runs
+
+    assert encode_runs([5, 1, 2, 3, 3, 9, 10, 12]) == [[1, 3], 5, [9, 10], 12]
+    assert decode_runs(encode_runs(range(1, 5000))) == list(range(1, 5000))
+    assert encode_runs(range(1, 5000)) == [[1, 4999]]
+    assert encode_runs([]) == [] and decode_runs([]) == []
+    with pytest.raises(ValueError, match="not a block run"):
+        list(iter_runs([[3, 1]]))
+
+
+def test_an_events_file_is_a_fraction_of_the_old_size(tmp_path: Path) -> None:
+    from blockpool.replay.eventlog import decode_runs
+
+    out = tmp_path / "ev.jsonl"
+    assert main(["replay", *SMALL, "--policy", "exact", "--events", str(out)]) == 0
+    body = [json.loads(x) for x in out.read_text().splitlines()[1:-1]]
+    ids = sum(len(decode_runs(e["blocks"])) for e in body if "blocks" in e)
+    items = sum(len(e["blocks"]) for e in body if "blocks" in e)
+    assert items * 4 < ids  # runs: far fewer items than ids

@@ -1,9 +1,9 @@
 """The replay event log: every token issue, wait, block access, fence and
 completion as JSON lines, so an external checker can verify a replay.
 
-Schema ``blockpool.core.events/2`` (documented in ``docs/replay.md``): the first
-line is a header object with ``"schema": "blockpool.core.events/2"``; the last
-line is the trailer ``{"trailer": "blockpool.core.events/2", "lines": N,
+Schema ``blockpool.core.events/3`` (documented in ``docs/replay.md``): the first
+line is a header object with ``"schema": "blockpool.core.events/3"``; the last
+line is the trailer ``{"trailer": "blockpool.core.events/3", "lines": N,
 "counts": {ev: n}}`` (``N`` lines before it, header included; ``counts``
 per ``ev``), so a truncated log is detectable; every other line is one
 event object with an ``"ev"`` field:
@@ -11,13 +11,21 @@ event object with an ``"ev"`` field:
 - ``issue``: ``policy, token, stream, seq, kind ("device"|"host"), what,
   t (enqueued, s), start (s), end (s), failed``
 - ``wait``: ``policy, token, on (list of tokens), host (bool: a host wait)``
-- ``access``: ``policy, token, stream, blocks (ids), access ("read"|"write"), what``:
+Block lists (``blocks``) are written as runs (:func:`encode_runs`): the
+distinct ids in ascending order, each run of consecutive ids as ``[first,
+last]`` and a lone id as itself, e.g. ``[[1, 40], 43, [45, 47]]``
+(:func:`decode_runs` gives the ids back, lazily with :func:`iter_runs`). A
+step's block table covers whole stretches of the pool, so a line is a few
+runs instead of every id (``/2`` wrote every id: about 4.6 MB per request
+of the conversation trace).
+
+- ``access``: ``policy, token, stream, blocks (runs), access ("read"|"write"), what``:
   the accesses the race oracle judged (a step's block-table reads once per
   block, by the last step that used it, when the block is freed)
-- ``table``: ``policy, token, stream, blocks (ids)``: the block-table reads
+- ``table``: ``policy, token, stream, blocks (runs)``: the block-table reads
   of every step (the context of every request it computes), for a checker
   that judges each step's reads
-- ``fence``: ``policy, call, stream, blocks (ids), tokens, needs_host_wait``:
+- ``fence``: ``policy, call, stream, blocks (runs), tokens, needs_host_wait``:
   a fence the pool handed out (``call``: ``allocate_for``, ``fence_for``,
   ``begin_load``, ``begin_store``, ``begin_copy``), before the policy
   turned it into waits
@@ -33,9 +41,9 @@ order the replay made them; a ``wait`` follows the ``issue`` of its token.
 >>> log.end("exact", "h2d:3", 0.25, False)
 >>> log.close()
 >>> print(buf.getvalue(), end="")
-{"schema": "blockpool.core.events/2", "source": "synthetic"}
+{"schema": "blockpool.core.events/3", "source": "synthetic"}
 {"ev": "end", "policy": "exact", "token": "h2d:3", "t": 0.25, "failed": false}
-{"trailer": "blockpool.core.events/2", "lines": 2, "counts": {"end": 1}}
+{"trailer": "blockpool.core.events/3", "lines": 2, "counts": {"end": 1}}
 """
 
 from __future__ import annotations
@@ -44,10 +52,58 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import TextIO
 
-__all__ = ["EVENTS_SCHEMA", "EventLog"]
+__all__ = ["EVENTS_SCHEMA", "EventLog", "decode_runs", "encode_runs", "iter_runs"]
 
-EVENTS_SCHEMA = "blockpool.core.events/2"
+EVENTS_SCHEMA = "blockpool.core.events/3"
 """Name and version of the event-log schema."""
+
+
+def encode_runs(ids: Iterable[int]) -> list[int | list[int]]:
+    """The schema's block list: the distinct ``ids`` ascending, each run of
+    consecutive ids as ``[first, last]`` (inclusive), a lone id as itself.
+    O(n log n) for ``n`` ids.
+
+    >>> encode_runs([7, 1, 2, 3, 9, 8, 12])
+    [[1, 3], [7, 9], 12]
+    """
+    out: list[int | list[int]] = []
+    first = last = None
+    for b in sorted(set(ids)):
+        if last is not None and b == last + 1:
+            last = b
+            continue
+        if first is not None:
+            out.append(first if first == last else [first, last])  # type: ignore[list-item]
+        first = last = b
+    if first is not None:
+        out.append(first if first == last else [first, last])  # type: ignore[list-item]
+    return out
+
+
+def iter_runs(runs: Iterable[object]) -> Iterable[int]:
+    """The ids of a block list (:func:`encode_runs`), ascending, one at a
+    time (a checker needs no more memory than for one id). O(ids).
+
+    Raises:
+        ValueError: an item that is neither an int nor a ``[first, last]``
+            pair with ``first <= last``.
+    """
+    for item in runs:
+        if type(item) is int:
+            yield item
+        elif type(item) is list and len(item) == 2 and all(type(x) is int for x in item) and item[0] <= item[1]:
+            yield from range(item[0], item[1] + 1)
+        else:
+            raise ValueError(f"not a block run: {item!r}")
+
+
+def decode_runs(runs: Iterable[object]) -> list[int]:
+    """:func:`iter_runs` as a list. O(ids).
+
+    >>> decode_runs([[1, 3], [7, 9], 12])
+    [1, 2, 3, 7, 8, 9, 12]
+    """
+    return list(iter_runs(runs))
 
 
 class EventLog:
@@ -146,7 +202,7 @@ class EventLog:
                 "policy": policy,
                 "token": token,
                 "stream": stream,
-                "blocks": list(blocks),
+                "blocks": encode_runs(blocks),
                 "access": access,
                 "what": what,
             }
@@ -154,7 +210,7 @@ class EventLog:
 
     def table(self, policy: str, token: str, stream: str, blocks: Iterable[int]) -> None:
         """The step ``token`` reads the block table ``blocks`` (every step)."""
-        self._write({"ev": "table", "policy": policy, "token": token, "stream": stream, "blocks": list(blocks)})
+        self._write({"ev": "table", "policy": policy, "token": token, "stream": stream, "blocks": encode_runs(blocks)})
 
     def fence(
         self, policy: str, call: str, stream: str, blocks: Iterable[int], tokens: Iterable[str], needs_host_wait: bool
@@ -166,7 +222,7 @@ class EventLog:
                 "policy": policy,
                 "call": call,
                 "stream": stream,
-                "blocks": list(blocks),
+                "blocks": encode_runs(blocks),
                 "tokens": list(tokens),
                 "needs_host_wait": needs_host_wait,
             }

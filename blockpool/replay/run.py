@@ -106,7 +106,7 @@ def replay(
         policies: Names, or a comma-separated string.
         config: The :class:`ReplayConfig` (default: defaults).
         jobs: Worker processes (``1``: run in this process).
-        events: Write the event log (schema ``blockpool.core.events/2``) here
+        events: Write the event log (schema ``blockpool.core.events/3``) here
             (:func:`write_atomic`: a symlink's target; a device or a FIFO
             written through, its policies' part files in a temporary
             directory).
