@@ -1,5 +1,5 @@
-"""The replay figure: load-start delay distribution per policy and a short
-stream timeline. matplotlib is imported inside :func:`plot_report` only
+"""The replay figure: the cumulative distribution of load-start delays per
+policy. matplotlib is imported inside :func:`plot_report` only
 (with the non-interactive Agg backend), so importing this module costs
 nothing and works without matplotlib installed.
 """
@@ -9,14 +9,17 @@ from __future__ import annotations
 import os
 
 from blockpool.core.errors import BlockPoolError
-from blockpool.replay.report import NEGATIVE_CONTROL, ReplayReport
+from blockpool.replay.report import NEGATIVE_CONTROL, ReplayReport, plural
 
-__all__ = ["TIMELINE_SPAN_S", "PlotUnavailableError", "figure", "plot_report", "require_matplotlib"]
+__all__ = ["TIMELINE_SPAN_S", "ZERO_LINTHRESH_MS", "PlotUnavailableError", "figure", "plot_report", "require_matplotlib"]
 
 TIMELINE_SPAN_S = 0.6
-"""Simulated seconds shown each side of the first load in the timeline."""
+"""Kept for callers of the old two-panel figure (the streams panel is gone: it
+could not show the waits)."""
 
-_COLORS = {"forward": "#4c72b0", "cow-copy": "#dd8452", "load": "#55a868", "store": "#c44e52"}
+ZERO_LINTHRESH_MS = 0.01
+"""Below this delay (ms) the x axis is linear, so 0 ms is a point on it."""
+
 
 
 class PlotUnavailableError(BlockPoolError, ImportError):
@@ -57,13 +60,15 @@ def plot_report(report: ReplayReport, path: str | os.PathLike[str]) -> None:
 
 
 def figure(report: ReplayReport):  # type: ignore[no-untyped-def]
-    """The replay figure (a matplotlib ``Figure``): on top, the cumulative
-    distribution of load-start delays (simulated ms, symmetric-log axis) of
+    """The replay figure (a matplotlib ``Figure``): the cumulative
+    distribution of load-start delays (simulated ms, on a symmetric-log axis
+    linear below :data:`ZERO_LINTHRESH_MS`, so a 0 ms step is visible) of
     every policy that made loads, labelled with its races (the negative
-    control named as such); below, the streams of the first policy around
-    its first load (bars: works, by what they do; hatched: failed). Legends
-    sit outside the plotting areas and list only series that are drawn.
-    O(loads + timeline works).
+    control named as such). A caption says why the step at 0 ms need not be
+    the table's empty-fence share, with the figures where they differ.
+    (The streams panel of earlier versions is gone: it could not show which
+    token each work waited on.) The legend sits outside the plotting area
+    and lists only series that are drawn. O(loads).
 
     Raises:
         PlotUnavailableError: matplotlib cannot be imported.
@@ -76,8 +81,9 @@ def figure(report: ReplayReport):  # type: ignore[no-untyped-def]
     except ImportError as e:
         raise PlotUnavailableError(f"--plot needs matplotlib ({e}); pip install 'blockpool[replay]'") from None
 
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 8), gridspec_kw={"height_ratios": [3, 2]})
+    fig, ax1 = plt.subplots(1, 1, figsize=(12, 5.5))
     no_loads = []
+    notes = []
     for r in report.results:
         d = sorted(r.load_delays_ms)
         control = " (negative control)" if r.policy == NEGATIVE_CONTROL else ""
@@ -85,50 +91,38 @@ def figure(report: ReplayReport):  # type: ignore[no-untyped-def]
             no_loads.append(r.policy)
             continue
         ys = [(i + 1) / len(d) for i in range(len(d))]
-        ax1.step(
-            d,
-            ys,
+        (line,) = ax1.step(
+            [0.0, *d] if d[0] > 0 else d,
+            [0.0, *ys] if d[0] > 0 else ys,
             where="post",
-            label=f"{r.policy}{control}: {r.races} races, mean {r.load_delay_mean_ms:.2f} ms, n={len(d)}",
+            label=f"{r.policy}{control}: {plural(r.races, 'race')}, mean {r.load_delay_mean_ms:.2f} ms, n={len(d)}",
         )
-    ax1.set_xscale("symlog", linthresh=0.01)
-    ax1.set_xlabel("load-start delay (simulated ms)")
-    ax1.set_ylabel("fraction of loads")
-    title = f"Load-start delay per policy: {report.source} ({report.requests} requests)"
+        at_zero = sum(1 for x in d if x == 0.0) / len(d)
+        if abs(100.0 * at_zero - r.loads_empty_fence_pct) >= 0.05:
+            notes.append(
+                f"{r.policy}: {100.0 * at_zero:.1f}% start at 0 ms, {r.loads_empty_fence_pct:.1f}% had an empty fence"
+            )
+    ax1.set_xscale("symlog", linthresh=ZERO_LINTHRESH_MS)
+    ax1.set_xlim(left=-ZERO_LINTHRESH_MS)  # 0 ms is a visible step, not the axis edge
+    ax1.axvline(0.0, color="grey", linestyle=":", linewidth=0.8)
+    ax1.set_xlabel(
+        f"load-start delay (simulated ms; symmetric log axis, linear below {ZERO_LINTHRESH_MS} ms; dotted: 0 ms)"
+    )
+    ax1.set_ylabel("cumulative fraction of loads (delay <= x)")
+    title = f"Load-start delay per policy, cumulative: {report.source} ({plural(report.requests, 'request')})"
     if no_loads:
         title += f"; no loads: {', '.join(no_loads)}"
     ax1.set_title(title)
     ax1.grid(True, alpha=0.3)
     if ax1.get_lines():
         ax1.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
-
-    if report.results:
-        first = report.results[0]
-        works = first.timeline
-        mid = first.timeline_at if first.timeline_at is not None else (works[-1].start if works else 0.0)
-        lo, hi = mid - TIMELINE_SPAN_S, mid + TIMELINE_SPAN_S
-        streams = sorted({w.token.stream for w in works})
-        shown: set[str] = set()
-        for y, s in enumerate(streams):
-            for w in works:
-                if w.token.stream != s or w.end < lo or w.start > hi:
-                    continue
-                shown.add(w.what if w.what in _COLORS else "other")
-                ax2.broken_barh(
-                    [(w.start, max(w.end - w.start, 1e-5))],
-                    (y - 0.35 + 0.7 * (w.lane % 4) / 4, 0.7 / 4 if w.lane or s in ("rdma", "xfer") else 0.7),
-                    facecolors=_COLORS.get(w.what, "grey"),
-                    hatch="//" if w.failed else None,
-                    edgecolor="black",
-                    linewidth=0.3,
-                )
-        ax2.set_yticks(range(len(streams)), streams)
-        ax2.set_xlim(lo, hi)
-        ax2.set_xlabel("simulated time (s)")
-        ax2.set_title(f"Streams around the first load ({first.policy})")
-        kinds = [k for k in (*_COLORS, "other") if k in shown]
-        if kinds:
-            handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS.get(k, "grey")) for k in kinds]
-            ax2.legend(handles, kinds, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
-    fig.tight_layout()
+    caption = (
+        "The step at 0 ms is the loads that started at once. An empty fence (the table's empty%) need not "
+        "start at once (its stream may be busy), and a fenced load whose waits already ended does."
+    )
+    if notes:
+        caption += " Here: " + "; ".join(notes) + "."
+    fig.text(0.01, 0.01, caption, fontsize=7, wrap=True, va="bottom")
+    fig.subplots_adjust(bottom=0.2)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
