@@ -87,9 +87,8 @@ _EXIT_STATUS_TOP = """exit status (replay, sweep):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``blockpool``. O(1)."""
-    from blockpool.replay.policies import POLICIES
-
     from blockpool import __version__
+    from blockpool.replay.policies import POLICIES
 
     parser = argparse.ArgumentParser(
         prog="blockpool",

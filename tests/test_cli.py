@@ -590,8 +590,10 @@ def test_pool_too_small_for_any_request_exits_two_before_the_replay(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.splitlines() == [
-        "blockpool replay: error: num_blocks 3 is too small for any of the 5 requests: the pool hands out 2 blocks "
-        "(the null block is never handed out) and the smallest request needs 146 blocks of 16 tokens"
+        (
+            "blockpool replay: error: num_blocks 3 is too small for any of the 5 requests: the pool hands out 2 "
+            "blocks (the null block is never handed out) and the smallest request needs 146 blocks of 16 tokens"
+        )
     ]
 
 

@@ -354,8 +354,10 @@ def test_plugin_shows_the_tests_own_lines_for_a_race(pytester: pytest.Pytester) 
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*load by h2d:1 at test_plugin_shows_the_tests_own_lines_for_a_race.py:7; "
-            "forward by compute:1 at test_plugin_shows_the_tests_own_lines_for_a_race.py:5*",
+            (
+                "*load by h2d:1 at test_plugin_shows_the_tests_own_lines_for_a_race.py:7; "
+                "forward by compute:1 at test_plugin_shows_the_tests_own_lines_for_a_race.py:5*"
+            ),
             "*fix: pass `waits=fence` from `allocate_for` at test_plugin_shows_the_tests_own_lines_for_a_race.py:6*",
         ]
     )

@@ -71,7 +71,7 @@ def test_a_load_into_blocks_only_this_request_holds_is_accepted() -> None:
     pool.cache_full_blocks(a, ["p0", "p1"], 0, 2, 16)
     pool.free_blocks(a, token=None)  # A finished: cached and free
     _, _ = pool.allocate_for(0, "h2d", hits=a)  # B's hit: ref count 1, B alone
-    token, fence = pool.begin_load(a, "h2d")
+    _, fence = pool.begin_load(a, "h2d")
     assert fence.tokens == () and pool.get_cached_block("p0") is None  # the load withdrew the keys
 
 
@@ -130,7 +130,7 @@ def test_a_store_of_blocks_whose_load_failed_is_refused_until_they_are_written_a
     pool.begin_store([blocks[0], blocks[2]], "d2h")  # the good blocks can be stored
     step = pool.issue("compute")
     pool.tag(blocks[1:2], step, WRITE)  # recomputed: written again
-    token, fence = pool.begin_store(blocks, "d2h")
+    _, fence = pool.begin_store(blocks, "d2h")
     assert list(fence) == [step]
 
 
@@ -140,7 +140,7 @@ def test_a_store_begun_before_the_load_failed_waits_on_the_failed_load() -> None
     pool = make_pool()
     blocks = pool.get_new_blocks(2)
     load, _ = pool.begin_load(blocks, "rdma")
-    store, fence = pool.begin_store(blocks, "d2h")
+    _, fence = pool.begin_store(blocks, "d2h")
     assert list(fence) == [load]
     pool.fail(load)
     assert pool.token_status(load) is TokenStatus.FAILED

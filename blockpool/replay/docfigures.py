@@ -40,7 +40,7 @@ __all__ = ["BLOCKS", "format_synthetic", "format_trace_table", "generate", "main
 DOC = Path(__file__).resolve().parents[2] / "docs" / "replay.md"
 """The page the blocks live in."""
 
-_MARK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S)
+_MARK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.DOTALL)
 
 
 def _n(x: int) -> str:

@@ -38,7 +38,7 @@ def require_matplotlib() -> None:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot  # noqa: F401
+        import matplotlib.pyplot
     except ImportError as e:
         raise PlotUnavailableError(f"--plot needs matplotlib ({e}); pip install 'blockpool[replay]'") from None
 
@@ -91,7 +91,7 @@ def figure(report: ReplayReport):  # type: ignore[no-untyped-def]
             no_loads.append(r.policy)
             continue
         ys = [(i + 1) / len(d) for i in range(len(d))]
-        (line,) = ax1.step(
+        ax1.step(
             [0.0, *d] if d[0] > 0 else d,
             [0.0, *ys] if d[0] > 0 else ys,
             where="post",

@@ -142,12 +142,14 @@ def replay(
     labels = tuple(u[0] for u in runs)
     requests = trace.requests
     part_dir = None  # the policies' event logs: beside a regular output, in a temporary directory for a device
-    base = ""
+    part_base = ""
     if events is not None:
         target, kind = output_kind(events)
         part_dir = None if kind == OUTPUT_FILE else tempfile.mkdtemp(prefix="blockpool-events-")
-        base = target if part_dir is None else os.path.join(part_dir, os.path.basename(target) or "events")
-    parts: list[str | None] = [f"{base}.{u[0].replace('/', '_')}.part" if events is not None else None for u in runs]
+        part_base = target if part_dir is None else os.path.join(part_dir, os.path.basename(target) or "events")
+    parts: list[str | None] = [
+        f"{part_base}.{u[0].replace('/', '_')}.part" if events is not None else None for u in runs
+    ]
     t0 = time.perf_counter()
     jobs = min(jobs, len(runs))
     try:
