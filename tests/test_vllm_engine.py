@@ -57,7 +57,7 @@ def run_result(mode: str) -> dict[str, Any]:
         "device": "cpu",
         "pool_class": OUR_POOL if ours else VLLM_POOL,
         "pool_is_ours": ours,
-        "pool_hazards": mode in ("on", CONNECTOR_MODE),
+        "pool_hazards": mode in ("on", "audit", CONNECTOR_MODE),
         "tokens": [[5, 6, 7], [8, 9, 10]],
         "num_cached_tokens": [0, 32],
         "prefix_cache_stats": {"requests": 2, "queries": 100, "hits": 32},
@@ -382,6 +382,7 @@ def fake_runs(monkeypatch: pytest.MonkeyPatch, edit: Any = None) -> list[tuple[s
             "off": ["blockpool: plugin disabled by BLOCKPOOL_VLLM_PLUGIN=0; vLLM keeps its own BlockPool"],
             "on": ["blockpool 0.1.0: vLLM 0.33.0's BlockPool is now X (hazard tracking on)"],
             "hazards-off": ["blockpool 0.1.0: vLLM 0.33.0's BlockPool is now X (hazard tracking off by Y)"],
+            "audit": ["blockpool 0.1.0: vLLM 0.33.0's BlockPool is now X (hazard tracking audit by Y)"],
         }.get(mode, [])
         if edit is not None:
             edit(w.name, mode, r)
@@ -402,7 +403,7 @@ def test_check_passes_and_writes_the_json_report(
     )
     assert calls == [(w, m) for w in ("quick", "timing") for m in ec.MODES]
     text = capsys.readouterr().out
-    assert "check-vllm: PASS" in text and "identical in off, on, hazards-off" in text
+    assert "check-vllm: PASS" in text and "identical in off, on, hazards-off, audit" in text
     assert "workload timing: 768 requests" in text
     doc = json.loads(out.read_text())
     assert doc["schema"] == ec.SCHEMA and doc["passed"] is True and doc["exit_status"] == 0
@@ -470,7 +471,7 @@ def test_size_flags_override_every_selected_workload(monkeypatch: pytest.MonkeyP
 def test_repetitions_are_interleaved_compared_and_the_best_timing_reported(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    medians = iter([900.0, 1200.0, 1100.0, 800.0, 1000.0, 1300.0])
+    medians = iter([900.0, 1200.0, 1100.0, 1150.0, 800.0, 1000.0, 1300.0, 1250.0])  # off, on, hazards-off, audit, ..., x2
 
     def edit(workload: str, mode: str, r: dict[str, Any]) -> None:
         r["timing"] = dict(r["timing"], per_step_median_us=next(medians))

@@ -3,7 +3,7 @@
 ``python -m blockpool.integrations.vllm.engine_check`` (or ``blockpool
 check-vllm``) starts vLLM's engine in this environment on a tiny Llama built
 locally (random weights, seeded; nothing from a model hub) and serves the
-same workload of token-id prompts three times, each run in its own
+same workload of token-id prompts once per mode (:data:`MODES`), each run in its own
 subprocess (the plugin's state is per process):
 
 ================ ==============================================================
@@ -13,6 +13,7 @@ mode             environment of the run
                  ``VLLM_PLUGINS=""``): vLLM's own ``BlockPool``
 ``on``           the plugin as installed: :class:`VllmBlockPool`, hazards on
 ``hazards-off``  ``BLOCKPOOL_VLLM_HAZARDS=0``: our pool without hazard tracking
+``audit``        ``BLOCKPOOL_VLLM_HAZARDS=audit``: fences computed, no wait added
 ================ ==============================================================
 
 Each run uses ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core, and so
@@ -122,8 +123,12 @@ EXIT_MISMATCH = 1
 EXIT_SETUP = 2
 """Exit status: setup error (vLLM or its model stack missing, the ``off`` run failed, bad flags)."""
 
-MODES = ("off", "on", "hazards-off")
-"""The three modes every workload runs in, the reference (``off``) first."""
+MODES = ("off", "on", "hazards-off", "audit")
+"""The modes every workload runs in, the reference (``off``) first: the
+plugin off, on, on with hazards off (``BLOCKPOOL_VLLM_HAZARDS=0``), and on
+in audit mode (``BLOCKPOOL_VLLM_HAZARDS=audit``: fences computed, no wait
+added; on a CPU worker nothing is audited, so this run checks that the
+scheduler side changes nothing vLLM does and measures its cost)."""
 CONNECTOR_MODE = "on+example"
 """The optional run with the plugin on and vLLM's ``ExampleConnector`` (``--connector``)."""
 
@@ -308,6 +313,8 @@ def mode_env(mode: str, environ: Mapping[str, str], off_by: str = "env") -> dict
             env["VLLM_PLUGINS"] = ",".join([*names, "blockpool"])
     if mode == "hazards-off":
         env[_ENV_HAZARDS] = "0"
+    elif mode == "audit":
+        env[_ENV_HAZARDS] = "audit"
     return env
 
 
@@ -440,6 +447,8 @@ def plugin_line_warnings(mode: str, lines: Sequence[str], off_by: str = "env") -
         out.append(f"{mode}: the plugin's registration line ('... BlockPool is now ...') is not in the log")
     elif mode == "hazards-off" and "hazard tracking off" not in text:
         out.append(f"{mode}: the registration line does not say 'hazard tracking off'")
+    elif mode == "audit" and "hazard tracking audit" not in text:
+        out.append(f"{mode}: the registration line does not say 'hazard tracking audit'")
     if mode == CONNECTOR_MODE and "not wired" not in text:
         out.append(f"{mode}: no 'KV connector ... is not wired' warning for ExampleConnector in the log")
     return out
