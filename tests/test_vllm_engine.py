@@ -5,6 +5,7 @@ scripts/vllm_engine_check.sh)."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import subprocess
@@ -553,3 +554,15 @@ def test_importing_the_check_and_the_cli_loads_neither_torch_nor_vllm() -> None:
         "assert 'torch' not in sys.modules and 'vllm' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_kv_connector_runs_are_workload_variants_served_in_every_mode() -> None:
+    p = argparse.ArgumentParser()
+    ec.add_arguments(p)
+    ws = ec._workloads(p.parse_args(["--workload", "quick", "--kv-connector", "offloading,simple_cpu_offload"]))
+    assert [(w.name, w.kv_connector) for w in ws] == [
+        ("quick", None), ("quick+offloading", "offloading"), ("quick+simple_cpu_offload", "simple_cpu_offload"),
+    ]  # fmt: skip
+    assert ws[1].describe().endswith("; KV connector OffloadingConnector")
+    with pytest.raises(ValueError, match="unknown --kv-connector nixl"):
+        ec._workloads(p.parse_args(["--kv-connector", "nixl"]))

@@ -93,6 +93,8 @@ __all__ = [
     "EXIT_MISMATCH",
     "EXIT_PASS",
     "EXIT_SETUP",
+    "KV_CONNECTORS",
+    "KV_CPU_BYTES",
     "MODES",
     "SCHEMA",
     "WORKLOADS",
@@ -179,6 +181,9 @@ class Workload:
         max_num_seqs: Requests scheduled at once at most.
         max_model_len: vLLM's ``max_model_len`` (at most the model's
             positions); every prompt plus ``max_tokens`` must fit.
+        kv_connector: A KV connector every mode serves with
+            (:data:`KV_CONNECTORS`: ``offloading``, ``simple_cpu_offload``;
+            both need CUDA in vLLM 0.32 and 0.33), or ``None``.
     """
 
     name: str
@@ -193,6 +198,7 @@ class Workload:
     block_size: int = 32
     max_model_len: int = 1024
     seed: int = 0
+    kv_connector: str | None = None
 
     def validate(self, model: ModelSpec) -> None:
         """Raise ValueError naming the first field that cannot work. O(1)."""
@@ -227,8 +233,18 @@ class Workload:
             f"{self.prefix_blocks} blocks, suffixes up to {self.suffix_tokens} tokens, {self.max_tokens} "
             f"generated each; {self.num_blocks} blocks of {self.block_size} tokens, "
             f"max_num_seqs {self.max_num_seqs}"
+            + (f"; KV connector {KV_CONNECTORS[self.kv_connector]}" if self.kv_connector else "")
         )
 
+
+KV_CONNECTORS: Mapping[str, str] = {
+    "offloading": "OffloadingConnector",
+    "simple_cpu_offload": "SimpleCPUOffloadConnector",
+}
+"""``--kv-connector`` names and the vLLM connectors they serve with (the
+GPU check of the asynchronous connectors: CPU offloading needs CUDA)."""
+KV_CPU_BYTES = 1 << 30
+"""``cpu_bytes_to_use`` of a ``--kv-connector`` run (1 GiB of host memory)."""
 
 WORKLOADS: Mapping[str, Workload] = {
     "quick": Workload(
@@ -830,6 +846,15 @@ def _serve(spec: Mapping[str, Any], result: dict[str, Any]) -> None:
         "disable_log_stats": False,  # the scheduler keeps its prefix-cache stats
         "kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
     }
+    kv = spec["workload"].get("kv_connector")
+    if kv is not None:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=KV_CONNECTORS[kv],
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": KV_CPU_BYTES},
+        )
     if spec.get("connector_dir"):
         from vllm.config import KVTransferConfig
 
@@ -915,6 +940,15 @@ def _serve(spec: Mapping[str, Any], result: dict[str, Any]) -> None:
     served = sys.modules.get("blockpool.integrations.vllm.served")
     if served is not None:
         result["served"] = served.SERVED.as_dict()
+    worker = sys.modules.get("blockpool.integrations.vllm.worker")
+    wh = getattr(worker, "_CURRENT", None) if worker is not None else None
+    if wh is not None:  # the in-process worker's waits (a CUDA worker; none on CPU)
+        result["worker_hazards"] = {
+            "waits": wh.waits, "tokens_waited": wh.tokens_waited, "deferred": wh.deferred,
+            "stock_fallbacks": wh.stock_fallbacks, "copy_fences_unwaited": wh.copy_fences_unwaited,
+            "out_of_order": wh.out_of_order, "skipped": sum(len(v) for v in wh.skipped.values()),
+            "audit": wh.audit.to_json() if wh.audit is not None else None,
+        }  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -1011,6 +1045,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--connector", action="store_true",
         help="also run the first workload with the plugin on and vLLM's ExampleConnector (tokens must match)",
     )  # fmt: skip
+    p.add_argument(
+        "--kv-connector", metavar="NAMES", default="",
+        help="also serve every workload with these KV connectors, comma-separated, in every mode "
+        f"({', '.join(KV_CONNECTORS)}; CUDA only): tokens, hits and events must match the off run with "
+        "the same connector; the report adds the worker's fenced waits",
+    )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write the report as JSON here")
     p.add_argument(
         "--model-dir", metavar="DIR", help="build (or reuse) the tiny model here (default: a temp dir)"
@@ -1036,6 +1076,11 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
             raise ValueError(f"unknown workload {n!r} (known: {', '.join(WORKLOADS)})")
         over = {f: getattr(args, f) for f in _SIZE_FLAGS if getattr(args, f, None) is not None}
         out.append(attrs.evolve(WORKLOADS[n], **over))
+    kvs = [x.strip() for x in (getattr(args, "kv_connector", "") or "").split(",") if x.strip()]
+    bad = [k for k in kvs if k not in KV_CONNECTORS]
+    if bad:
+        raise ValueError(f"unknown --kv-connector {', '.join(bad)} (known: {', '.join(KV_CONNECTORS)})")
+    out += [attrs.evolve(w, name=f"{w.name}+{k}", kv_connector=k) for k in dict.fromkeys(kvs) for w in list(out)]
     return out
 
 
