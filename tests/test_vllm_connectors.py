@@ -363,9 +363,12 @@ def test_mooncake_send_thread_synchronizes_on_the_stores_own_fence(registered: b
             _capacity_only=False, can_put=True, kv_send_thread=SimpleNamespace(add_request=sent.append)
         )
         wait_for_save = wrapper(vw._wire_mooncake, "MooncakeStoreWorker", "wait_for_save", None)
-        wait_for_save(store_worker, meta)
+        vllm_event = SimpleNamespace(record=lambda: None, synchronize=lambda: None, query=lambda: True)
+        with patch.object(vw.torch.cuda, "Event", lambda: vllm_event):  # recorded as vLLM does, kept as fallback
+            wait_for_save(store_worker, meta)
         (req,) = sent
         assert isinstance(req.current_event, vw.FenceWait)
+        assert req.current_event.stock is vllm_event and not req.current_event.keep_stock
         assert not wh.ledger.is_complete(StepRecord.from_wire(getattr(meta, vc.META_STEP)[0]).forward)
         req.current_event.synchronize()  # what the send thread calls before reading the blocks
         assert [op for op in dev.log if op[0] == "synchronize"] == [("synchronize", "MainThread", "ev0")]

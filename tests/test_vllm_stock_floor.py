@@ -209,7 +209,7 @@ def test_mooncake_store_keeps_vllms_event_on_top_of_its_fence_when_flagged(regis
         wrapper(vw._wire_mooncake, "MooncakeStoreWorker", "wait_for_save", None)(store_worker, meta)
         (req,) = sent
         assert isinstance(req.current_event, vw.FenceWait)
-        assert isinstance(req.current_event.stock, StockEvent)
+        assert isinstance(req.current_event.stock, StockEvent) and req.current_event.keep_stock
         rank.compute.enqueue(lambda: None, "later work on compute")
         assert not req.current_event.query()
         req.current_event.synchronize()
@@ -692,3 +692,18 @@ def test_a_copy_fence_no_wait_can_order_is_counted_not_waited_on() -> None:
         assert rank.wh.copy_fences_unwaited == 1
         assert not [op for op in rank.dev.log if op[0] == "wait_event"]
         assert rank.wh.ledger.event_of(record.copies) is not None
+
+
+def test_a_put_whose_fence_the_rank_cannot_wait_on_waits_on_vllms_event_and_raises_nothing() -> None:
+    """MooncakeStore's send thread must never see an exception of ours: a
+    fence naming a token this rank never records falls back to vLLM's own
+    event (recorded where vLLM records it), as stock."""
+    with Rank() as rank:
+        rank.wh.timeout = 0.2
+        rank.compute.enqueue(lambda: None, "forward")
+        stock = StockEvent(rank)
+        stock.record()
+        t = Transfer("A", "store", Token("mooncake_store", 1, StreamKind.HOST), Fence([Token("compute", 9)]), (1,))
+        vw.FenceWait(rank.wh, t, stock).synchronize()
+        assert rank.wh.stock_fallbacks == 1
+        assert [op[2] for op in rank.dev.log if op[0] == "synchronize"] == [stock.event.name]

@@ -245,17 +245,23 @@ class WorkerHazards:
             self.ledger.wait_device(fence, stream, allow_host_wait=True, timeout=self.timeout)
             return True
         except BlockPoolError as exc:
-            self.stock_fallbacks += 1
-            key = (what, type(exc).__name__)
-            if key not in self._fallbacks_logged:
-                self._fallbacks_logged.add(key)
-                logger.warning(
-                    "blockpool: %s cannot wait on its fence here (%s); it runs after vLLM's own waits only, "
-                    "as in stock vLLM",
-                    what,
-                    exc,
-                )
+            self.fell_back(what, exc)
             return False
+
+    def fell_back(self, what: str, exc: BaseException) -> None:
+        """``what`` could not wait on its fence (``exc``) and runs after
+        vLLM's own waits only: count it in ``stock_fallbacks``, one WARNING
+        per kind of transfer and failure. O(1)."""
+        self.stock_fallbacks += 1
+        key = (what, type(exc).__name__)
+        if key not in self._fallbacks_logged:
+            self._fallbacks_logged.add(key)
+            logger.warning(
+                "blockpool: %s cannot wait on its fence here (%s); it runs after vLLM's own waits only, "
+                "as in stock vLLM",
+                what,
+                exc,
+            )
 
     def observe(
         self,
@@ -372,37 +378,47 @@ class FenceWait:
     """Stands in for MooncakeStore's ``req_meta.current_event``: its
     ``synchronize()`` waits on the store's exact fence instead of on one
     event recorded after the whole forward, or, where the wiring cannot show
-    the fence exact (``stock``: vLLM's own event, see
+    the fence exact (``keep_stock``, see
     :data:`~blockpool.integrations.vllm.connectors.META_STOCK`), on the
-    fence and then on vLLM's event too: never less than vLLM waits for.
+    fence and then on vLLM's event too: never less than vLLM waits for. A
+    fence this rank cannot wait on (a token never recorded here, a host
+    engine past the timeout, a failed token) falls back to vLLM's event
+    alone, as stock, with one warning: nothing raises into vLLM's send
+    thread.
 
     Args:
         hazards: The rank's :class:`WorkerHazards`.
         transfer: The store.
-        stock: vLLM's own event for the store, kept on top of the fence, or
-            ``None``.
+        stock: vLLM's own event for the store (recorded where vLLM records
+            it), or ``None`` (tests).
+        keep_stock: Wait on ``stock`` after the fence too.
     """
 
-    __slots__ = ("hazards", "stock", "transfer")
+    __slots__ = ("hazards", "keep_stock", "stock", "transfer")
 
-    def __init__(self, hazards: WorkerHazards, transfer: Transfer, stock: Any = None) -> None:
+    def __init__(self, hazards: WorkerHazards, transfer: Transfer, stock: Any = None, keep_stock: bool = False) -> None:
         self.hazards = hazards
         self.transfer = transfer
         self.stock = stock
+        self.keep_stock = keep_stock
 
     def synchronize(self) -> None:
-        """Block until the fence ended (then vLLM's own event, if kept).
-
-        Raises:
-            FenceTimeoutError, FenceFailedError: as :meth:`WorkerHazards.wait`.
-        """
-        self.hazards.wait(self.transfer)
-        if self.stock is not None:
+        """Block until the fence ended (then vLLM's own event, if kept, or
+        instead, if the fence cannot be waited on here). Raises nothing of
+        its own."""
+        try:
+            self.hazards.wait(self.transfer)
+        except BlockPoolError as exc:
+            self.hazards.fell_back("a MooncakeStore PUT", exc)
+            if self.stock is not None:
+                self.stock.synchronize()
+            return
+        if self.keep_stock and self.stock is not None:
             self.stock.synchronize()
 
     def query(self) -> bool:
         """Whether a :meth:`synchronize` now would return at once. Never blocks."""
-        if self.stock is not None and not self.stock.query():
+        if self.keep_stock and self.stock is not None and not self.stock.query():
             return False
         return self.hazards.ledger.is_complete(self.transfer.token) or all(
             self.hazards.ledger.is_complete(t) for t in self.hazards.waitable(self.transfer.fence)
@@ -629,10 +645,11 @@ def _wire_mooncake(patch: Patcher) -> None:
                 if not request.can_save:
                     continue
                 wire_form = getattr(request, META_STORE, None)
-                if coarse is None and (wire_form is None or stock or wh.audit is not None):
-                    # vLLM's coarse event: for a store the pool did not see,
-                    # where the fence is not shown exact (on top of it), and
-                    # in audit mode (instead of it).
+                if coarse is None:
+                    # vLLM's own event, where vLLM records it: for a store the
+                    # pool did not see, where the fence is not shown exact (on
+                    # top of it), in audit mode (instead of it), and as the
+                    # fallback of a fence this rank cannot wait on.
                     coarse = torch.cuda.Event()
                     coarse.record()
                 if wire_form is None:
@@ -640,7 +657,7 @@ def _wire_mooncake(patch: Patcher) -> None:
                 elif wh.audit is not None:  # checked once the send thread passed vLLM's event
                     request.current_event = AuditedEvent(wh, Transfer.from_wire(wire_form), coarse)
                 else:
-                    request.current_event = FenceWait(wh, Transfer.from_wire(wire_form), coarse if stock else None)
+                    request.current_event = FenceWait(wh, Transfer.from_wire(wire_form), coarse, keep_stock=stock)
                 self.kv_send_thread.add_request(request)
             return None
 
