@@ -95,6 +95,18 @@ def test_a_copy_into_a_shared_destination_is_refused_and_from_a_shared_source_ac
     assert pool.token_status(token) is TokenStatus.PENDING
 
 
+def test_a_copy_recorded_without_refusals_is_begun_into_a_shared_destination() -> None:
+    """vLLM's copy-on-write runs whatever the pool says, into a destination
+    the scheduler retains until the copy ran (ref count 2, its key maybe
+    published already): the vLLM wiring records it with ``refusals=False``
+    instead of raising out of vLLM's scheduler (vLLM's own
+    test_partial_prefix_cache_hits.py tests, in the parity run)."""
+    pool = make_pool()
+    a, new = _shared_prefix(pool)
+    token, _ = pool.begin_copy([(new[0], a[1])], "compute", refusals=False)
+    assert a[1].writer == token and pool.token_status(token) is TokenStatus.PENDING
+
+
 def test_a_step_write_to_a_shared_block_is_recorded() -> None:
     """Decision: ``tag(..., WRITE)`` on a shared block is accepted. A step's
     writes run on the compute stream in order with the other holder's

@@ -140,6 +140,8 @@ class FenceOps(PoolBase):
         pairs: Iterable[tuple[KVCacheBlock, KVCacheBlock]],
         stream: str = "compute",
         generations: Iterable[tuple[int, int]] | None = None,
+        *,
+        refusals: bool = True,
     ) -> tuple[Token, Fence]:
         """Begin copy-on-write / block copies ``(src, dst)`` on ``stream``:
         returns the copy's token (a read of every ``src``, a write of every
@@ -152,7 +154,12 @@ class FenceOps(PoolBase):
         rewritten). ``generations``: one ``(src, dst)`` pair of
         generations per pair (from :meth:`generations` of the tables the
         blocks come from); a block allocated again since is refused.
-        O(len(pairs)).
+        ``refusals=False`` skips the two refusals of unsafe copies
+        (``SharedBlockError``, ``InvalidContentError``) for a caller that
+        records a copy that runs anyway and whose destinations are private
+        by construction though held twice: vLLM's copy-on-write (the
+        scheduler retains both ends until the copy ran, and may have
+        published the destination's key already). O(len(pairs)).
 
         Raises:
             UnknownStreamError: ``stream`` is not registered.
@@ -163,9 +170,10 @@ class FenceOps(PoolBase):
             BlockNotAllocatedError: a block with ref count 0.
             SharedBlockError: a cached destination more than one holder
                 holds (ref count above 1 and a key): their reads cannot be
-                fenced.
+                fenced (not with ``refusals=False``).
             InvalidContentError: a source whose content is known bad (a
-                failed load or copy wrote it, nothing has since).
+                failed load or copy wrote it, nothing has since; not with
+                ``refusals=False``).
             InvalidArgumentError: a pair is not a 2-tuple, or
                 ``generations`` is not one pair of ints per pair.
         """
@@ -199,8 +207,9 @@ class FenceOps(PoolBase):
                 dst_gens.append(g_dst)
             self._check_fresh(srcs + dsts, src_gens + dst_gens, "copy")
         self._data_blocks(srcs + dsts, "copy")
-        self._check_exclusive(dsts, "copy")
-        self._check_valid_content(srcs, "copy")
+        if refusals:
+            self._check_exclusive(dsts, "copy")
+            self._check_valid_content(srcs, "copy")
         return self._begin(((srcs, _READ), (dsts, _WRITE)), stream, st)
 
     def _begin_transfer(

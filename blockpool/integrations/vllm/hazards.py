@@ -247,7 +247,12 @@ class StepHazards:
                 self.copy_pairs_skipped += 1
         if not kept:
             return None
-        token, fence = pool.begin_copy(kept, self.stream)
+        # vLLM's copies run whatever the pool says, and their destinations
+        # are private by construction (the scheduler retains both ends until
+        # the copy ran, so a published destination has ref count 2): record
+        # them, never refuse them (a refusal would raise out of vLLM's
+        # take_kv_cache_block_copies).
+        token, fence = pool.begin_copy(kept, self.stream, refusals=False)
         self.copies_begun += 1
         if self._pending_copy is not None:
             fence = fence.merge(self._pending_copy[1])
