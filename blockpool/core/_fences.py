@@ -219,11 +219,16 @@ class FenceOps(PoolBase):
             self._apply_completions()
         st = self.tracker.state(stream)
         data = self._data_blocks(blocks, what)
+        self._check_transfer(data, access, what)
+        return self._begin(((data, access),), stream, st, access is _WRITE)
+
+    def _check_transfer(self, data: list[KVCacheBlock], access: AccessKind, what: str) -> None:
+        """The refusals of a load (a write: shared cached blocks) or a store
+        (a read: content known bad), before anything changes. O(len(data))."""
         if access is _WRITE:
             self._check_exclusive(data, what)
         else:
             self._check_valid_content(data, what)
-        return self._begin(((data, access),), stream, st, access is _WRITE)
 
     def _begin_fresh_transfer(
         self, blocks: Iterable[KVCacheBlock], stream: str, access: AccessKind, what: str, generations: Iterable[int]
@@ -236,10 +241,7 @@ class FenceOps(PoolBase):
         block_list = self._own_all(blocks)
         self._check_fresh(block_list, generations, what)
         data = self._data_blocks(block_list, what)
-        if access is _WRITE:
-            self._check_exclusive(data, what)
-        else:
-            self._check_valid_content(data, what)
+        self._check_transfer(data, access, what)
         return self._begin(((data, access),), stream, st, access is _WRITE)
 
     def begin_load(
