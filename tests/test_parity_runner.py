@@ -1,0 +1,223 @@
+"""The parity pass runner (``scripts/vllm_parity_pass.py``): a hung test
+costs that test, not the pass.
+
+CI's parity run once lost a whole pass (30 minutes, every outcome) to one of
+vLLM's own tests hanging with vLLM's own pool. These tests run the runner on
+a small suite of its own: tests that pass, fail, skip, hang once, hang
+always, and hang at exit, and check the outcomes it writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+RUNNER = SCRIPTS / "vllm_parity_pass.py"
+
+SUITE = """
+import os, sys, time, threading
+from pathlib import Path
+import pytest
+
+STATE = Path(os.environ["SUITE_STATE"])
+
+def test_passes():
+    assert 1 + 1 == 2
+
+def test_fails():
+    assert 1 + 1 == 3, "one and one"
+
+def test_known_env_failure():
+    raise RuntimeError("needs torchvision, not here")
+
+@pytest.mark.skip(reason="not on CPU")
+def test_skipped():
+    pass
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("fixture broke")
+
+def test_setup_error(broken):
+    pass
+
+def test_hangs_once():
+    marker = STATE / "hung-once"
+    if not marker.exists():
+        marker.write_text("x")
+        time.sleep(600)
+
+def test_hangs_always():
+    time.sleep(600)
+
+def test_after_the_hangs():
+    pass
+"""
+
+EXIT_HANG = """
+import threading, time
+
+def test_leaves_a_thread_behind():
+    # A non-daemon thread: the interpreter waits for it at exit, forever.
+    threading.Thread(target=time.sleep, args=(600,)).start()
+"""
+
+SERVED_PLUGIN = """
+import json, os
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("SUITE_SERVED")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"installed": True, "allocations": 1,
+                       "modules": ["a"], "by_file": {"x": {"n": 1}}, "mode": "on"}, f)
+"""
+
+
+def run_runner(tmp_path: Path, files: dict[str, str], *extra: str, env: dict[str, str] | None = None):
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "pytest.ini").write_text("[pytest]\n")
+    for name, text in files.items():
+        (suite / name).write_text(textwrap.dedent(text))
+    state = tmp_path / "state"
+    state.mkdir()
+    results = tmp_path / "results"
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(suite)]),
+        "SUITE_STATE": str(state),
+        "KNOWN_MSGS": "needs torchvision",
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(RUNNER),
+            "--name",
+            "p",
+            "--results",
+            str(results),
+            "--cwd",
+            str(suite),
+            "--stall",
+            "5",
+            "--grace",
+            "2",
+            "--budget",
+            "120",
+            *extra,
+            "--",
+            "-p",
+            "vllm_parity_progress",
+            "-p",
+            "no:blockpool",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            ".",
+        ],
+        check=False,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc, results
+
+
+def outcomes(results: Path) -> dict[str, str]:
+    lines = (results / "p.outcomes").read_text().splitlines()
+    return dict(line.split("\t") for line in lines)
+
+
+def test_hung_tests_cost_themselves_not_the_pass(tmp_path: Path) -> None:
+    proc, results = run_runner(tmp_path, {"test_suite.py": SUITE})
+    assert proc.returncode == 0, proc.stderr
+    got = outcomes(results)
+    assert got == {
+        "test_suite.py::test_passes": "passed",
+        "test_suite.py::test_fails": "failed",
+        "test_suite.py::test_known_env_failure": "failed",
+        "test_suite.py::test_skipped": "skipped",
+        "test_suite.py::test_setup_error": "error",
+        # Hung in the pass, passed when run again on its own.
+        "test_suite.py::test_hangs_once": "passed",
+        "test_suite.py::test_hangs_always": "hung",
+        # The tests after a hang ran, in the resumed attempt.
+        "test_suite.py::test_after_the_hangs": "passed",
+    }
+    # Known by message, and hung: reported, not unexpected.
+    unexpected = (results / "p.unexpected").read_text().split()
+    assert unexpected == ["test_suite.py::test_fails", "test_suite.py::test_setup_error"]
+    assert "p: 3 passed, 4 failed" in proc.stdout
+    assert "test_suite.py::test_hangs_once hung" in proc.stderr
+    assert "test_suite.py::test_hangs_always hung again on its own" in proc.stderr
+    # Every attempt's output is in the one log.
+    log = (results / "p.log").read_text()
+    assert log.count("==== attempt") == 5  # pass, resume, resume, two retries
+
+
+def test_a_hang_at_exit_after_the_session_ended_keeps_the_outcomes(tmp_path: Path) -> None:
+    proc, results = run_runner(tmp_path, {"test_exit.py": EXIT_HANG})
+    assert proc.returncode == 0, proc.stderr
+    assert outcomes(results) == {"test_exit.py::test_leaves_a_thread_behind": "passed"}
+    assert "killed (its outcomes were all in)" in proc.stderr
+
+
+def test_an_attempt_that_cannot_collect_fails_the_pass(tmp_path: Path) -> None:
+    proc, results = run_runner(tmp_path, {"test_broken.py": "import no_such_module_here\n"})
+    assert proc.returncode == 1
+    assert "did not complete" in proc.stderr
+    assert not (results / "p.outcomes").exists()
+
+
+def test_json_reports_of_each_attempt_are_merged(tmp_path: Path) -> None:
+    served = tmp_path / "served.json"
+    proc, _ = run_runner(
+        tmp_path,
+        {"test_suite.py": SUITE, "conftest.py": SERVED_PLUGIN},
+        "--merge-json-env",
+        "SUITE_SERVED",
+        env={"SUITE_SERVED": str(served)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    # Five attempts; the two killed by a hang wrote nothing, the resumed one
+    # that finished the pass and the retry of test_hangs_once wrote one each.
+    assert json.loads(served.read_text()) == {
+        "installed": True,
+        "allocations": 2,
+        "modules": ["a"],
+        "by_file": {"x": {"n": 2}},
+        "mode": "on",
+    }
+    assert "2 of 5 attempts wrote" in proc.stderr
+    assert not list(tmp_path.glob("served.json.*"))
+
+
+@pytest.mark.parametrize(
+    ("values", "merged"),
+    [
+        ([1, 2, 3], 6),
+        ([True, False], False),
+        ([["a", "b"], ["b", "c"]], ["a", "b", "c"]),
+        (
+            [{"x": {"n": 1}, "m": "on"}, {"x": {"n": 2}, "y": 1, "m": "off"}],
+            {"x": {"n": 3}, "m": "on", "y": 1},
+        ),
+    ],
+)
+def test_merge_json(values: list, merged: object) -> None:
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import vllm_parity_pass
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    assert vllm_parity_pass.merge_json(values) == merged
