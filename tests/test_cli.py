@@ -557,7 +557,10 @@ def test_ctrl_c_during_sweep_says_blockpool_sweep_interrupted(tmp_path: Path) ->
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "blockpool", "sweep", "--seed", "0,1,2,3", "--limit", "3000", "--jobs", "2", "--quiet"],
+        # Cells of 30,000 requests: minutes each, so a Ctrl-C that waited for
+        # the running cells (forked workers inherited the CLI's SIGTERM
+        # handler and ran on) cannot end within the 20 s allowed below.
+        [sys.executable, "-m", "blockpool", "sweep", "--seed", "0,1,2,3", "--limit", "30000", "--jobs", "2", "--quiet"],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
@@ -571,7 +574,12 @@ def test_ctrl_c_during_sweep_says_blockpool_sweep_interrupted(tmp_path: Path) ->
     time.sleep(1.0)  # the cells are running
     assert proc.poll() is None, "the sweep ended before it could be interrupted"
     os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("Ctrl-C did not stop the running cells: the sweep was still running 20 s later")
     assert proc.returncode == 130, err
     assert err.splitlines() == ["blockpool sweep: error: interrupted (SIGINT)"]
     assert out == ""

@@ -292,10 +292,15 @@ def sweep(
 
 def _ignore_sigint() -> None:
     """Worker initializer: Ctrl-C reaches the whole process group; the
-    parent handles it and stops the workers (SIGTERM), as ``replay`` does."""
+    parent handles it and stops the workers (SIGTERM), as ``replay`` does.
+    SIGTERM gets its default action back: a forked worker inherits the
+    CLI's handler, which raises ``Terminated`` into the running cell, and
+    the executor's worker loop catches that as the cell's error and runs on
+    (Ctrl-C then waited for every running cell to finish)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def require_ray() -> Any:
