@@ -32,9 +32,12 @@ exit 1 naming every block that drifted, writing nothing). Blocks:
 
 ``--block NAME`` (repeatable) keeps to the named blocks. The differential
 blocks run ``benchmarks/differential.py`` from the checkout in a fresh
-process (hypothesis, derandomized; a replay run earlier in the same process
-was seen to change the sequences drawn) and name the hypothesis version
-they were generated with: another version draws other sequences.
+process and name the hypothesis version they were generated with: the run
+is derandomized, but hypothesis also draws constants found in the source of
+every local module the process has imported, so the sequences depend on the
+hypothesis version, on the modules imported (a fresh process of the command
+imports the same ones; a test process importing others draws other
+sequences) and on those modules' literals.
 
 ``tests/test_doc_figures.py`` checks ``synthetic`` and ``differential-300``
 on every test run, and the others with ``--check`` in tests marked
@@ -305,9 +308,8 @@ def _trace_events(path: str, requests: int) -> str:
 
 def _differential(sequences: int) -> str:
     """The documented command, ``benchmarks/differential.py --sequences
-    N``, in a fresh process (hypothesis, derandomized: the same sequences
-    for a hypothesis version and a fresh process; a replay run earlier in
-    the same process was seen to change them)."""
+    N``, in a fresh process: derandomized, and with the same local modules
+    imported, whose source constants hypothesis draws from too."""
     import hypothesis
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0"}
