@@ -45,3 +45,16 @@ def test_counts_catch_a_dropped_fence_token() -> None:
 def test_counts_catch_a_padded_fence() -> None:
     out = _with_pool(_PaddingPool)
     assert out["redundant"] and not out["missed"]
+
+
+def test_the_run_draws_no_constants_from_the_checkouts_source() -> None:
+    """Hypothesis draws constants from the source of the local modules a
+    process imported: the run turns that off, so its sequences do not
+    depend on what the process imported (the documented figures)."""
+    from hypothesis.internal.conjecture import providers
+
+    saved = providers._get_local_constants
+    assert saved().integers  # this process imported local modules with int literals
+    with differential._no_local_constants():
+        assert not providers._get_local_constants().integers
+    assert providers._get_local_constants is saved

@@ -33,11 +33,10 @@ exit 1 naming every block that drifted, writing nothing). Blocks:
 ``--block NAME`` (repeatable) keeps to the named blocks. The differential
 blocks run ``benchmarks/differential.py`` from the checkout in a fresh
 process and name the hypothesis version they were generated with: the run
-is derandomized, but hypothesis also draws constants found in the source of
-every local module the process has imported, so the sequences depend on the
-hypothesis version, on the modules imported (a fresh process of the command
-imports the same ones; a test process importing others draws other
-sequences) and on those modules' literals.
+is derandomized and draws no constants from the source of the modules the
+process imported (``tests/differential.py`` turns hypothesis's local
+constants off), so its sequences depend on the sequence count and the
+hypothesis version only.
 
 ``tests/test_doc_figures.py`` checks ``synthetic`` and ``differential-300``
 on every test run, and the others with ``--check`` in tests marked
@@ -308,8 +307,8 @@ def _trace_events(path: str, requests: int) -> str:
 
 def _differential(sequences: int) -> str:
     """The documented command, ``benchmarks/differential.py --sequences
-    N``, in a fresh process: derandomized, and with the same local modules
-    imported, whose source constants hypothesis draws from too."""
+    N``, in a fresh process (derandomized, hypothesis's local constants
+    off: the same sequences for a sequence count and a hypothesis version)."""
     import hypothesis
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0"}
