@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 
 from blockpool.core._base import PoolBase, _as_list, _check_key, logger
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import HashConflictError, InvalidArgumentError, NullBlockError
 
 __all__ = ["CacheOps"]
 
 
+@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
 class CacheOps(PoolBase):
     """Prefix-cache operations of the pool."""
 
@@ -132,7 +134,7 @@ class CacheOps(PoolBase):
             b = blocks[i]
             if b is null or (mask is not None and not mask[i - lo]):
                 continue
-            key = block_hashes[i]
+            key: Hashable | None = block_hashes[i]
             if key is None:
                 _check_key(key)  # raises
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from blockpool.core._base import _READ, _WRITE, PoolBase, _as_list
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import InvalidArgumentError, NullBlockError
 from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, Token
@@ -14,6 +15,7 @@ from blockpool.core.tracker import StreamState
 __all__ = ["FenceOps"]
 
 
+@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
 class FenceOps(PoolBase):
     """Fence computation and access recording of the pool."""
 

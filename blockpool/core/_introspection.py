@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from blockpool.core._base import _HOST, PoolBase
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import (
     InvalidArgumentError,
@@ -19,6 +20,7 @@ from blockpool.core.stats import PoolSnapshot, PoolStats
 __all__ = ["IntrospectionOps"]
 
 
+@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
 class IntrospectionOps(PoolBase):
     """Queries and invariant checks of the pool."""
 

@@ -5,11 +5,13 @@ writes undone, leases checked) is :meth:`PoolBase._apply_completions`."""
 from __future__ import annotations
 
 from blockpool.core._base import PoolBase
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.hazards import StreamKind, Token, TokenStatus
 
 __all__ = ["TokenOps"]
 
 
+@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
 class TokenOps(PoolBase):
     """Token issue and completion handling of the pool."""
 

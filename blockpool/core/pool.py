@@ -34,6 +34,7 @@ from blockpool.core._base import _COUNTERS, _DEVICE, _READ, _WRITE
 from blockpool.core._caching import CacheOps
 from blockpool.core._fences import FenceOps
 from blockpool.core._introspection import IntrospectionOps
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core._refcounts import RefCountOps
 from blockpool.core._tokens import TokenOps
 from blockpool.core.block import (
@@ -61,6 +62,7 @@ class _NoBlock:
     every block is checked by identity (``blocks[b.block_id] is b``)."""
 
 
+@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
 class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, IntrospectionOps):
     """A KV-cache block pool (vLLM v1 semantics) that hands out exact fences.
 
