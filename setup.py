@@ -52,7 +52,8 @@ def _ext_modules() -> list:
 
     here = os.path.dirname(os.path.abspath(__file__))
     paths = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "blockpool", "core", "*.py")))
-    return mypycify(paths, opt_level="3", group_name="blockpool_core")
+    # --platform=mypyc: the compiled build's view of blockpool/core/_args.py
+    return mypycify(["--platform=mypyc", *paths], opt_level="3", group_name="blockpool_core")
 
 
 setup(ext_modules=_ext_modules())

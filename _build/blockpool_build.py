@@ -45,8 +45,29 @@ def get_requires_for_build_wheel(config_settings=None):  # type: ignore[no-untyp
     return reqs + MYPYC_REQUIRES if compiled_requested() else reqs
 
 
-def build_editable(wheel_directory, config_settings=None, metadata_directory=None):  # type: ignore[no-untyped-def]
-    if compiled_requested():
-        print(f"blockpool: {SWITCH} is ignored by editable installs (pure-Python core)", file=sys.stderr)
-    os.environ[SWITCH] = "0"
-    return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)
+def _pure(hook):  # type: ignore[no-untyped-def]
+    """``hook`` with the switch off: editable installs and sdists are pure
+    (an sdist carries the sources; the switch is read when a wheel is built)."""
+
+    def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if compiled_requested() and hook.__name__.startswith("build_editable"):
+            print(f"blockpool: {SWITCH} is ignored by editable installs (pure-Python core)", file=sys.stderr)
+        saved = os.environ.get(SWITCH)
+        os.environ[SWITCH] = "0"
+        try:
+            return hook(*args, **kwargs)
+        finally:
+            if saved is None:
+                del os.environ[SWITCH]
+            else:
+                os.environ[SWITCH] = saved
+
+    run.__name__ = hook.__name__
+    return run
+
+
+build_editable = _pure(_setuptools.build_editable)
+get_requires_for_build_editable = _pure(_setuptools.get_requires_for_build_editable)
+prepare_metadata_for_build_editable = _pure(_setuptools.prepare_metadata_for_build_editable)
+build_sdist = _pure(_setuptools.build_sdist)
+get_requires_for_build_sdist = _pure(_setuptools.get_requires_for_build_sdist)
