@@ -60,3 +60,100 @@ def _vllm_test_fixtures() -> None:
 
 if not _missing("vllm"):
     _vllm_test_fixtures()
+
+
+def pytest_report_header(config: object) -> str:
+    """Name the build under test (``blockpool.__compiled__``) and fail fast
+    when ``BLOCKPOOL_EXPECT_COMPILED=1`` (``scripts/compiled_suite.sh``) but
+    the imported core is the pure one."""
+    import os
+
+    import blockpool
+
+    build = "compiled (mypyc)" if blockpool.__compiled__ else "pure Python"
+    if os.environ.get("BLOCKPOOL_EXPECT_COMPILED") == "1" and not blockpool.__compiled__:
+        raise RuntimeError(f"BLOCKPOOL_EXPECT_COMPILED=1 but {blockpool.__file__} has the pure-Python core")
+    return f"blockpool {blockpool.__version__}: {build} core, {os.path.dirname(blockpool.__file__)}"
+
+
+def _compiled_core() -> bool:
+    import blockpool
+
+    return bool(blockpool.__compiled__)
+
+
+if _compiled_core():
+    import pytest
+    from _pytest import doctest as _pytest_doctest
+
+    class _CompiledCoreDoctests(_pytest_doctest.DoctestModule):
+        """The doctests of a compiled core module: the examples are read from
+        its ``.py`` source (a compiled function keeps no source for doctest's
+        finder) and run against the compiled module's globals."""
+
+        def collect(self):  # type: ignore[no-untyped-def]
+            import ast
+            import doctest
+            import importlib
+
+            parts = self.path.with_suffix("").relative_to(self.config.rootpath).parts
+            modname = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            module = importlib.import_module(modname)
+            assert not str(module.__file__).endswith(".py"), module.__file__
+            runner = _pytest_doctest._get_runner(
+                verbose=False,
+                optionflags=_pytest_doctest.get_optionflags(self.config),
+                checker=_pytest_doctest._get_checker(),
+                continue_on_failure=_pytest_doctest._get_continue_on_failure(self.config),
+            )
+            parser = doctest.DocTestParser()
+            tree = ast.parse(self.path.read_text(encoding="utf-8"))
+
+            def walk(node: ast.AST, prefix: str):  # type: ignore[no-untyped-def]
+                doc = ast.get_docstring(node, clean=False) if hasattr(node, "body") else None  # type: ignore[arg-type]
+                if doc and isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield prefix, doc, node.body[0].lineno - 1  # type: ignore[attr-defined]
+                for child in getattr(node, "body", []):
+                    if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                        yield from walk(child, f"{prefix}.{child.name}")
+
+            for name, doc, lineno in walk(tree, modname):
+                test = parser.get_doctest(doc, dict(module.__dict__), name, str(self.path), lineno)
+                if test.examples:
+                    yield _pytest_doctest.DoctestItem.from_parent(self, name=test.name, runner=runner, dtest=test)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collect_file(file_path, parent):  # type: ignore[no-untyped-def]
+        """Compiled build: the core's doctests through :class:`_CompiledCoreDoctests`."""
+        found = yield
+        if file_path.suffix == ".py" and file_path.parent.name == "core" and file_path.parent.parent.name == "blockpool":
+            # nothing else (a .py named on the command line is also a test module to pytest)
+            found = []
+            if parent.config.getoption("doctestmodules"):
+                found.append(_CompiledCoreDoctests.from_parent(parent, path=file_path))
+        return found
+
+
+_PURE_ONLY: list[str] = []
+
+
+def pytest_collection_modifyitems(config: object, items: list) -> None:  # type: ignore[type-arg]
+    """Compiled build: skip the tests marked ``pure_python_only`` (they
+    patch or subclass the core's internals; a compiled class cannot be
+    subclassed or patched from Python), and count them."""
+    if not _compiled_core():
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason="pure_python_only: patches the core's internals (compiled build)")
+    for item in items:
+        if item.get_closest_marker("pure_python_only"):
+            item.add_marker(skip)
+            _PURE_ONLY.append(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: object) -> None:
+    if _PURE_ONLY:
+        terminalreporter.write_line(  # type: ignore[attr-defined]
+            f"blockpool compiled build: {len(_PURE_ONLY)} pure_python_only tests skipped: " + ", ".join(_PURE_ONLY)
+        )

@@ -56,6 +56,23 @@ from blockpool.core.stats import PoolSnapshot, PoolStats
 __version__ = "0.1.0"
 
 
+def _core_compiled() -> bool:
+    """Whether every loaded module of :mod:`blockpool.core` is a compiled
+    (mypyc) extension module rather than its ``.py`` source."""
+    import importlib.machinery
+    import sys
+
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    core = [m for n, m in list(sys.modules.items()) if n == "blockpool.core" or n.startswith("blockpool.core.")]
+    return bool(core) and all(str(getattr(m, "__file__", "")).endswith(suffixes) for m in core)
+
+
+__compiled__: bool = _core_compiled()
+"""True when this is the compiled build (every module of :mod:`blockpool.core`
+compiled by mypyc: ``BLOCKPOOL_MYPYC=1 pip wheel .``), False for the
+pure-Python build. Same behaviour either way; the compiled one is faster."""
+
+
 __all__ = [
     "EMPTY_FENCE",
     "LAST_STEP",
@@ -96,5 +113,6 @@ __all__ = [
     "UnknownStreamError",
     "UnknownTokenError",
     "UnsafeTransferError",
+    "__compiled__",
     "__version__",
 ]

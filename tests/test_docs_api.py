@@ -13,6 +13,7 @@ import pytest
 
 import blockpool
 from blockpool import HazardAwareBlockPool
+from tests import _docsource
 
 API_MD = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 ERROR = re.compile(r"\b([A-Z]\w*(?:Error|Warning))\b")
@@ -42,7 +43,7 @@ ROWS = api_rows()
 
 
 def doc_of(name: str) -> str:
-    return inspect.getdoc(getattr(HazardAwareBlockPool, name)) or ""
+    return _docsource.doc(HazardAwareBlockPool, name)
 
 
 def test_the_parser_sees_the_tables() -> None:
@@ -67,26 +68,17 @@ def test_every_row_names_a_public_method() -> None:
     assert set(ROWS) - set(PUBLIC_METHODS) == set()
 
 
-def _methods(cls: type) -> list[tuple[str, object]]:
-    out = []
-    for n, v in vars(cls).items():
-        f = v.__func__ if isinstance(v, (classmethod, staticmethod)) else v
-        if not n.startswith("_") and inspect.isfunction(f):
-            out.append((n, f))
-    return out
-
-
-@pytest.mark.parametrize("name", [n for n in blockpool.__all__ if n != "__version__"])
+@pytest.mark.parametrize("name", [n for n in blockpool.__all__ if n not in ("__version__", "__compiled__")])
 def test_public_name_is_documented_and_its_methods_state_their_complexity(name: str) -> None:
     obj = getattr(blockpool, name)
     if not (inspect.isclass(obj) or inspect.isfunction(obj)):
         return  # a value (EMPTY_FENCE, LAST_STEP, the KVCacheEvent union): documented in api.md
-    assert inspect.getdoc(obj), f"{name}: no docstring"
+    assert _docsource.doc(obj) if inspect.isclass(obj) else inspect.getdoc(obj), f"{name}: no docstring"
     if inspect.isclass(obj):
-        missing = [m for m, f in _methods(obj) if "O(" not in (inspect.getdoc(f) or "")]
+        missing = [m for m in _docsource.public_methods(obj) if "O(" not in _docsource.doc(obj, m)]
         assert missing == [], f"{name}: methods without complexity: {missing}"
 
 
-@pytest.mark.parametrize("name", ["EMPTY_FENCE", "LAST_STEP", "KVCacheEvent"])
+@pytest.mark.parametrize("name", ["EMPTY_FENCE", "LAST_STEP", "KVCacheEvent", "__compiled__"])
 def test_public_values_are_in_api_md(name: str) -> None:
     assert f"`{name}`" in API_MD.read_text()

@@ -401,6 +401,7 @@ def run_negative_control(machine: type[PoolMachine], match: str) -> None:
         run.runTest()
 
 
+@pytest.mark.pure_python_only  # subclasses the pool to override its private _fence
 def test_negative_control_dropped_fence_token_is_caught() -> None:
     run_negative_control(DroppingMachine, "missed hazard|needs_host_wait")
 
@@ -423,5 +424,6 @@ class PaddingMachine(PoolMachine):
     pool_cls = _PaddingPool
 
 
+@pytest.mark.pure_python_only  # subclasses the pool to override its private _fence
 def test_negative_control_padded_fence_is_caught_as_redundant() -> None:
     run_negative_control(PaddingMachine, "redundant wait")

@@ -211,7 +211,7 @@ def test_step_stats() -> None:
 LOG = """\
 (MainProcess pid=5087) INFO 12-01 20:51:25 [kv_cache_utils.py:1147] CPU KV cache size: 1,536 tokens
 (MainProcess pid=5221) INFO 12-01 20:51:40 [__init__.py:153] blockpool 0.1.0: vLLM 0.33.0's BlockPool is \
-now blockpool.integrations.vllm.pool.VllmBlockPool (HazardAwareBlockPool core; hazard tracking on) in 7 modules
+now blockpool.integrations.vllm.pool.VllmBlockPool (HazardAwareBlockPool core, pure Python; hazard tracking on) in 7 modules
 (MainProcess pid=5221) WARNING 12-01 20:51:41 [connectors.py:692] blockpool: KV connector ExampleConnector is \
 not wired to the pool: its transfers are not fenced (wired: nixl)
 INFO 12-01 20:51:41 [x.py:1] loading /path/blockpool/model

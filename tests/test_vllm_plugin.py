@@ -80,7 +80,8 @@ def test_loader_makes_a_new_kv_cache_manager_hold_our_pool_and_logs_once() -> No
     line = got["log"][0]  # type: ignore[index]
     assert line.startswith(  # type: ignore[union-attr]
         f"blockpool {blockpool.__version__}: vLLM {plugin.vllm_version()}'s BlockPool is now {OURS} "
-        "(HazardAwareBlockPool core; hazard tracking on) in "
+        f"(HazardAwareBlockPool core, {'compiled (mypyc)' if blockpool.__compiled__ else 'pure Python'}; "
+        "hazard tracking on) in "
     )
     assert "; KV connectors wired: mooncake_store, offloading, simple_cpu_offload, nixl; " in line  # type: ignore[operator]
 

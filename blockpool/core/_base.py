@@ -29,7 +29,9 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import FreeBlockQueue, KVCacheBlock
 from blockpool.core.errors import (
     BlockNotAllocatedError,
@@ -85,6 +87,7 @@ def _check_key(key: object) -> None:
         raise InvalidArgumentError(f"a block hash must be hashable, got {key!r}") from None
 
 
+@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
 class PoolBase:
     """The parts of :class:`~blockpool.core.pool.HazardAwareBlockPool` (set in its
     ``__init__``), the checks every public call uses to validate arguments
@@ -114,9 +117,10 @@ class PoolBase:
     _key_map: dict[Hashable, KVCacheBlock | dict[int, KVCacheBlock]]
     _lookups: int
     _hits: int
-    _inbox: object
+    # Any, not object: mypyc's non-native class bodies cannot annotate with object.
+    _inbox: Any
     _leases_on: bool
-    _due: object  # truthy when _apply_completions may have work (the inbox, or True with leases)
+    _due: Any  # truthy when _apply_completions may have work (the inbox, or True with leases)
     _gens: Generations | None
 
     # ------------------------------------------------------------------

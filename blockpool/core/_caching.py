@@ -4,14 +4,20 @@ keys): lookup, publish, partial keys, moves, eviction, reset."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from blockpool.core._base import PoolBase, _as_list, _check_key, logger
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import HashConflictError, InvalidArgumentError, NullBlockError
+
+if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
+    from blockpool.core._args import ArgBlock, ArgBool, ArgInt
 
 __all__ = ["CacheOps"]
 
 
+@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
 class CacheOps(PoolBase):
     """Prefix-cache operations of the pool."""
 
@@ -52,9 +58,9 @@ class CacheOps(PoolBase):
         self,
         blocks: Sequence[KVCacheBlock],
         block_hashes: Sequence[Hashable],
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int | None = None,
+        num_cached_blocks: ArgInt,
+        num_full_blocks: ArgInt,
+        block_size: ArgInt | None = None,
         block_mask: Sequence[bool] | None = None,
         generations: Sequence[int] | None = None,
     ) -> None:
@@ -132,7 +138,7 @@ class CacheOps(PoolBase):
             b = blocks[i]
             if b is null or (mask is not None and not mask[i - lo]):
                 continue
-            key = block_hashes[i]
+            key: Hashable | None = block_hashes[i]
             if key is None:
                 _check_key(key)  # raises
             try:
@@ -232,12 +238,12 @@ class CacheOps(PoolBase):
 
     def cache_partial_block(
         self,
-        block: KVCacheBlock,
+        block: ArgBlock,
         block_hash: Hashable,
-        num_tokens: int,
-        replace_existing_hashes: bool = False,
+        num_tokens: ArgInt,
+        replace_existing_hashes: ArgBool = False,
         parent_block_hash: Hashable | None = None,
-        generation: int | None = None,
+        generation: ArgInt | None = None,
     ) -> Hashable | None:
         """Make ``block`` reachable under a partial-prefix key covering
         ``num_tokens`` tokens of the sequence (the prefix length up to the
@@ -314,7 +320,7 @@ class CacheOps(PoolBase):
             self._stored((block_hash,), parent_block_hash, num_tokens, (bid,))
         return block_hash
 
-    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+    def move_block_hashes(self, src_block: ArgBlock, dst_block: ArgBlock) -> None:
         """Re-point every key of ``src_block`` to ``dst_block`` (the prefix
         cache keeps a private copy while the owner keeps writing ``src``). No
         events; the keys retired from ``src`` move with them. O(keys).
@@ -355,7 +361,7 @@ class CacheOps(PoolBase):
             if keys:
                 self._removed(pc.reportable(keys), "evicted")
 
-    def reset_prefix_cache(self, *, while_running: bool = False) -> bool:
+    def reset_prefix_cache(self, *, while_running: ArgBool = False) -> bool:
         """Drop every key (one all-cleared event).
 
         By default (vLLM's behaviour) only when no block is in use or held:

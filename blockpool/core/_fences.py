@@ -4,16 +4,22 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from blockpool.core._base import _READ, _WRITE, PoolBase, _as_list
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import InvalidArgumentError, NullBlockError
 from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, Token
 from blockpool.core.tracker import StreamState
 
+if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
+    from blockpool.core._args import ArgAccess, ArgBool, ArgStr, ArgToken
+
 __all__ = ["FenceOps"]
 
 
+@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
 class FenceOps(PoolBase):
     """Fence computation and access recording of the pool."""
 
@@ -24,10 +30,10 @@ class FenceOps(PoolBase):
     def fence_for(
         self,
         blocks: Iterable[KVCacheBlock],
-        stream: str,
-        access: AccessKind = AccessKind.WRITE,
+        stream: ArgStr,
+        access: ArgAccess = AccessKind.WRITE,
         *,
-        token: Token | None = None,
+        token: ArgToken | None = None,
     ) -> Fence:
         """The fence for an ``access`` by ``stream`` to ``blocks`` beginning
         now, and record that ``stream`` waits on it. A write waits for each
@@ -82,7 +88,7 @@ class FenceOps(PoolBase):
             self.tracker.order_after(token)  # the stream's clock holds the fence now
         return fence
 
-    def tag(self, blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind) -> None:
+    def tag(self, blocks: Iterable[KVCacheBlock], token: ArgToken, access: ArgAccess) -> None:
         """Record that ``token``'s work accesses ``blocks`` (e.g. step N's
         forward writes the blocks receiving new tokens). The caller ordered
         that work after the blocks' fences (:meth:`fence_for` /
@@ -138,10 +144,10 @@ class FenceOps(PoolBase):
     def begin_copy(
         self,
         pairs: Iterable[tuple[KVCacheBlock, KVCacheBlock]],
-        stream: str = "compute",
+        stream: ArgStr = "compute",
         generations: Iterable[tuple[int, int]] | None = None,
         *,
-        refusals: bool = True,
+        refusals: ArgBool = True,
     ) -> tuple[Token, Fence]:
         """Begin copy-on-write / block copies ``(src, dst)`` on ``stream``:
         returns the copy's token (a read of every ``src``, a write of every
@@ -182,11 +188,14 @@ class FenceOps(PoolBase):
         st = self.tracker.state(stream)
         srcs: list[KVCacheBlock] = []
         dsts: list[KVCacheBlock] = []
-        for pair in pairs:
+        # object, not the declared pair type: a compiled build would check the
+        # type on the loop variable, before the typed error below could.
+        item: object
+        for item in pairs:
             try:
-                src, dst = pair
+                src, dst = item  # type: ignore[misc]
             except (TypeError, ValueError):
-                raise InvalidArgumentError(f"a copy is a (src, dst) pair, got {pair!r}") from None
+                raise InvalidArgumentError(f"a copy is a (src, dst) pair, got {item!r}") from None
             for b in (src, dst):
                 self._own(b)
                 if b.is_null:
@@ -196,12 +205,12 @@ class FenceOps(PoolBase):
         if generations is not None:
             src_gens: list[object] = []
             dst_gens: list[object] = []
-            for pair in _as_list(generations, "generations"):
+            for gen_pair in _as_list(generations, "generations"):
                 try:
-                    g_src, g_dst = pair
+                    g_src, g_dst = gen_pair
                 except (TypeError, ValueError):
                     raise InvalidArgumentError(
-                        f"copy: generations are (src, dst) pairs, got {pair!r}"
+                        f"copy: generations are (src, dst) pairs, got {gen_pair!r}"
                     ) from None
                 src_gens.append(g_src)
                 dst_gens.append(g_dst)
@@ -245,7 +254,7 @@ class FenceOps(PoolBase):
         return self._begin(((data, access),), stream, st, access is _WRITE)
 
     def begin_load(
-        self, blocks: Iterable[KVCacheBlock], stream: str, generations: Iterable[int] | None = None
+        self, blocks: Iterable[KVCacheBlock], stream: ArgStr, generations: Iterable[int] | None = None
     ) -> tuple[Token, Fence]:
         """Begin a load (external tier -> GPU) into ``blocks`` on ``stream``
         (a DMA stream or a host engine): returns the load's token (the new
@@ -288,7 +297,7 @@ class FenceOps(PoolBase):
         return self._begin_fresh_transfer(blocks, stream, _WRITE, "load", generations)
 
     def begin_store(
-        self, blocks: Iterable[KVCacheBlock], stream: str, generations: Iterable[int] | None = None
+        self, blocks: Iterable[KVCacheBlock], stream: ArgStr, generations: Iterable[int] | None = None
     ) -> tuple[Token, Fence]:
         """Begin a store / offload (GPU -> external tier) from ``blocks`` on
         ``stream``: returns the store's token (a reader of every block; a

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from blockpool.core._base import _HOST, PoolBase
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import (
     InvalidArgumentError,
@@ -16,9 +18,13 @@ from blockpool.core.hazards import Token
 from blockpool.core.shadows import _UNSET, shadow_ready, shadow_tokens
 from blockpool.core.stats import PoolSnapshot, PoolStats
 
+if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
+    from blockpool.core._args import ArgBlock, ArgStr
+
 __all__ = ["IntrospectionOps"]
 
 
+@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
 class IntrospectionOps(PoolBase):
     """Queries and invariant checks of the pool."""
 
@@ -39,7 +45,7 @@ class IntrospectionOps(PoolBase):
             return 0.0
         return 1.0 - self.get_num_free_blocks() / total
 
-    def is_block_writable(self, block: KVCacheBlock) -> bool:
+    def is_block_writable(self, block: ArgBlock) -> bool:
         """Whether the sole owner may write ``block`` in place (not null, ref
         count 1, no key). O(1).
 
@@ -122,7 +128,7 @@ class IntrospectionOps(PoolBase):
                 out.append(True)
         return out
 
-    def num_ready_free_blocks(self, stream: str) -> int:
+    def num_ready_free_blocks(self, stream: ArgStr) -> int:
         """Free blocks a write on ``stream`` could begin on without waiting:
         every access on them ended, or ``stream`` is already ordered after
         it (their fence for ``stream`` would be empty). Held blocks are not

@@ -4,15 +4,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from blockpool.core._base import _HOST, _READ, _WRITE, PoolBase, _as_list
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import InvalidArgumentError, RefCountError
 from blockpool.core.hazards import LAST_STEP, AccessKind, FreeTag, Token
 
+if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
+    from blockpool.core._args import ArgAccess, ArgBool, ArgToken
+
 __all__ = ["RefCountOps"]
 
 
+@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
 class RefCountOps(PoolBase):
     """Taking blocks off the free queue (ref count 1), touching them (+1)
     and freeing them (-1; at 0 they go back to the free queue or are held
@@ -67,10 +73,10 @@ class RefCountOps(PoolBase):
     def free_blocks(
         self,
         ordered_blocks: Iterable[KVCacheBlock],
-        token: Token | FreeTag | None = LAST_STEP,
-        access: AccessKind = AccessKind.READ,
+        token: ArgToken | FreeTag | None = LAST_STEP,
+        access: ArgAccess = AccessKind.READ,
         *,
-        to_tail: bool = False,
+        to_tail: ArgBool = False,
     ) -> None:
         """Drop one reference per listed block, in eviction order (first =
         evicted first). A block reaching ref count 0 goes to the front of the

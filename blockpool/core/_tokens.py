@@ -4,12 +4,19 @@ writes undone, leases checked) is :meth:`PoolBase._apply_completions`."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from blockpool.core._base import PoolBase
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.hazards import StreamKind, Token, TokenStatus
+
+if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
+    from blockpool.core._args import ArgStr, ArgStreamKind, ArgToken
 
 __all__ = ["TokenOps"]
 
 
+@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
 class TokenOps(PoolBase):
     """Token issue and completion handling of the pool."""
 
@@ -17,7 +24,7 @@ class TokenOps(PoolBase):
     # streams, tokens, completions
     # ------------------------------------------------------------------
 
-    def add_stream(self, name: str, kind: StreamKind = StreamKind.DEVICE) -> None:
+    def add_stream(self, name: ArgStr, kind: ArgStreamKind = StreamKind.DEVICE) -> None:
         """Register a stream (idempotent for the same kind). O(1).
 
         Raises:
@@ -32,7 +39,7 @@ class TokenOps(PoolBase):
         """Registered streams and their kinds."""
         return {n: s.kind for n, s in self.tracker.streams.items()}
 
-    def issue(self, stream: str) -> Token:
+    def issue(self, stream: ArgStr) -> Token:
         """Issue the next token of ``stream`` (e.g. step N's "forward done"
         on ``compute``). The token is ordered after everything the stream has
         waited on so far. O(#streams).
@@ -49,7 +56,7 @@ class TokenOps(PoolBase):
             self._apply_completions()
         return self.tracker.issue(stream)
 
-    def last_token(self, stream: str) -> Token | None:
+    def last_token(self, stream: ArgStr) -> Token | None:
         """The newest token issued on ``stream`` (``None`` before the first).
         With async scheduling, this is what a free must be tagged with: step
         N+1 may already be enqueued when step N's output frees a request.
@@ -62,7 +69,7 @@ class TokenOps(PoolBase):
         st = self.tracker.state(stream)
         return Token(st.name, st.last_seq, st.kind, self.pool_id) if st.last_seq else None
 
-    def complete(self, token: Token) -> None:
+    def complete(self, token: ArgToken) -> None:
         """The work up to ``token`` finished. Callable from any thread; applied
         at the start of the pool's next call (or :meth:`poll`). For a
         ``DEVICE`` stream this ends every earlier token too; for a ``HOST``
@@ -82,7 +89,7 @@ class TokenOps(PoolBase):
         """
         self.tracker.submit(token, False)
 
-    def fail(self, token: Token) -> None:
+    def fail(self, token: ArgToken) -> None:
         """The work of ``token`` ended without doing its job (a failed
         transfer or step). Like :meth:`complete`, except that it ends only
         ``token`` (and, on a ``DEVICE`` stream, the tokens before it), not
@@ -114,7 +121,7 @@ class TokenOps(PoolBase):
         """
         self.tracker.submit(token, True)
 
-    def abandon(self, token: Token) -> list[int]:
+    def abandon(self, token: ArgToken) -> list[int]:
         """The operator's or connector's word that the engine behind ``token``
         stopped: the token is ended as failed now, and the blocks held on it
         are released. Returns the block ids released. O(blocks held on it).
@@ -137,7 +144,7 @@ class TokenOps(PoolBase):
         """Apply queued completions and check leases now. O(completions)."""
         self._apply_completions()
 
-    def is_ended(self, token: Token) -> bool:
+    def is_ended(self, token: ArgToken) -> bool:
         """Whether ``token`` is known to have ended (completed or failed).
         Applies queued completions first. O(1) after them.
 
@@ -150,7 +157,7 @@ class TokenOps(PoolBase):
         self.tracker.validate(token)
         return self.tracker.is_ended(token)
 
-    def token_status(self, token: Token) -> TokenStatus:
+    def token_status(self, token: ArgToken) -> TokenStatus:
         """Whether ``token`` is pending, completed or failed: what
         :meth:`is_ended` cannot tell (it is true for both). A consumer that
         took a prefix hit on a load's blocks, or waits on a fence by its own

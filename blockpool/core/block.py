@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.errors import InvalidArgumentError, InvariantError
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ __all__ = ["FreeBlockQueue", "KVCacheBlock", "block_class_for_pool", "check_bloc
 _B = TypeVar("_B")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheBlock:
     """Metadata of one KV-cache block (the data lives in the GPU tensor).
 
@@ -112,6 +114,7 @@ def _unpickle_block(cls: type[KVCacheBlock], state: tuple[object, ...]) -> KVCac
     return b
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class NullBlock(KVCacheBlock):
     """Block 0: a placeholder in block tables. Never allocated, never free,
     never cached, never the source or destination of a transfer."""
@@ -182,6 +185,7 @@ def check_block_class(cls: object, factory: object, claim: bool = False) -> None
         _CLAIMED.add(cls)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FreeBlockQueue:
     """Free blocks in eviction order, as an intrusive doubly linked list.
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+import attr
 import attrs
 
 from blockpool.core.errors import InvalidArgumentError
@@ -88,9 +89,9 @@ class CompletionReport:
             tuple is malformed (also a ``ValueError``).
     """
 
-    rank: int = attrs.field(default=0, validator=_check_rank)
-    completed: tuple[WireToken, ...] = attrs.field(default=(), converter=_wire_tuple)
-    failed: tuple[WireToken, ...] = attrs.field(default=(), converter=_wire_tuple)
+    rank: int = attr.ib(default=0, validator=_check_rank)
+    completed: tuple[WireToken, ...] = attr.ib(default=(), converter=_wire_tuple)
+    failed: tuple[WireToken, ...] = attr.ib(default=(), converter=_wire_tuple)
 
     @classmethod
     def of(

@@ -10,6 +10,8 @@ the start of every call, as documented in ``docs/threading.md``.
 
 from __future__ import annotations
 
+from blockpool.core._mypyc import mypyc_attr
+
 __all__ = [
     "BlockNotAllocatedError",
     "BlockPoolError",
@@ -35,14 +37,17 @@ __all__ = [
 ]
 
 
+@mypyc_attr(native_class=False)
 class BlockPoolError(Exception):
     """Root of every error raised by :mod:`blockpool`."""
 
 
+@mypyc_attr(native_class=False)
 class InvalidArgumentError(BlockPoolError, ValueError):
     """An argument has the wrong type, sign or shape (e.g. a negative count)."""
 
 
+@mypyc_attr(native_class=False)
 class NoFreeBlocksError(BlockPoolError, ValueError):
     """More blocks were asked for than are allocatable.
 
@@ -51,23 +56,28 @@ class NoFreeBlocksError(BlockPoolError, ValueError):
     """
 
 
+@mypyc_attr(native_class=False)
 class ForeignBlockError(BlockPoolError, ValueError):
     """A block record that does not belong to this pool was passed in."""
 
 
+@mypyc_attr(native_class=False)
 class NullBlockError(BlockPoolError, ValueError):
     """The null block was used where a data block is required (a copy)."""
 
 
+@mypyc_attr(native_class=False)
 class RefCountError(BlockPoolError, ValueError):
     """A free would take a ref count below zero (e.g. a block repeated in one
     ``free_blocks`` call more times than it is referenced)."""
 
 
+@mypyc_attr(native_class=False)
 class BlockNotAllocatedError(BlockPoolError, ValueError):
     """A transfer or copy named a block that nobody holds (ref count 0)."""
 
 
+@mypyc_attr(native_class=False)
 class StaleBlockError(BlockPoolError, ValueError):
     """A block table taken earlier names a block that was freed and
     allocated again since: the block now holds another request's data. Raised
@@ -92,6 +102,7 @@ class StaleBlockError(BlockPoolError, ValueError):
         return (type(self), (self.args[0], self.block_id, self.generation, self.table_generation))
 
 
+@mypyc_attr(native_class=False)
 class UnsafeTransferError(BlockPoolError, ValueError):
     """A transfer the pool refuses because no fence could make it safe (its
     subclasses say why). Raised before anything changes; a connector
@@ -111,6 +122,7 @@ class UnsafeTransferError(BlockPoolError, ValueError):
         return (type(self), (self.args[0], self.block_id))
 
 
+@mypyc_attr(native_class=False)
 class SharedBlockError(UnsafeTransferError):
     """A write that would replace the content of a cached block (it holds a
     key) that more than one holder holds (ref count above 1): a load into
@@ -134,6 +146,7 @@ class SharedBlockError(UnsafeTransferError):
         return (type(self), (self.args[0], self.block_id, self.ref_cnt))
 
 
+@mypyc_attr(native_class=False)
 class InvalidContentError(UnsafeTransferError):
     """A store (or a copy) would read a block whose content is known bad: a
     load or copy into it failed and nothing has written it since. It would
@@ -145,20 +158,24 @@ class InvalidContentError(UnsafeTransferError):
     """
 
 
+@mypyc_attr(native_class=False)
 class UnknownStreamError(BlockPoolError, LookupError):
     """A stream name that was never registered with the pool."""
 
 
+@mypyc_attr(native_class=False)
 class UnknownTokenError(BlockPoolError, LookupError):
     """A token the pool never issued (its ``seq`` is beyond the stream's counter)."""
 
 
+@mypyc_attr(native_class=False)
 class ForeignTokenError(BlockPoolError, ValueError):
     """A token issued by another pool (its ``Token.pool`` names another
     pool): completing, failing or tagging with it would act on this pool's
     unrelated token of the same ``(stream, seq)``."""
 
 
+@mypyc_attr(native_class=False)
 class InvalidTokenError(InvalidArgumentError, TypeError):
     """A :class:`~blockpool.core.hazards.Token` built from bad fields (an
     empty or non-str stream, a ``seq`` that is not an int ``>= 1``, a bad
@@ -166,12 +183,14 @@ class InvalidTokenError(InvalidArgumentError, TypeError):
     and a ``TypeError``, the builtins these checks raised before it."""
 
 
+@mypyc_attr(native_class=False)
 class HashConflictError(BlockPoolError, ValueError):
     """A block already cached under a full-block key was claimed by another
     key for the same (or a shorter) prefix: the two keys name different
     content, which vLLM's key model forbids (vLLM asserts)."""
 
 
+@mypyc_attr(native_class=False)
 class FenceFailedError(BlockPoolError, RuntimeError):
     """A fence the caller waited on names tokens that *failed* (their
     transfer ended without doing its job). Raised by the worker ledger's
@@ -192,6 +211,7 @@ class FenceFailedError(BlockPoolError, RuntimeError):
         self.waited = waited
 
 
+@mypyc_attr(native_class=False)
 class MissingDependencyError(BlockPoolError, ImportError):
     """An optional feature was asked for whose package is not installed
     (e.g. ``blockpool sweep --ray`` without Ray). Raised when the feature is
@@ -213,6 +233,7 @@ class MissingDependencyError(BlockPoolError, ImportError):
         return (type(self), (self.msg, self.package, self.extra))
 
 
+@mypyc_attr(native_class=False)
 class ClusterUnavailableError(BlockPoolError, ConnectionError):
     """A compute cluster (e.g. the Ray cluster of ``blockpool sweep --ray
     ADDRESS``) could not be joined or started. ``__cause__`` holds the
@@ -231,12 +252,14 @@ class ClusterUnavailableError(BlockPoolError, ConnectionError):
         return (type(self), (self.args[0], self.address))
 
 
+@mypyc_attr(native_class=False)
 class InvariantError(BlockPoolError, AssertionError):
     """Raised by :meth:`HazardAwareBlockPool.check` when an internal invariant
     does not hold. This is always a bug in the pool (or in code that mutated
     block records directly)."""
 
 
+@mypyc_attr(native_class=False)
 class LeaseExpiredWarning(UserWarning):
     """Held blocks whose host-engine transfer outlived its lease.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+import attr
 import attrs
 
 __all__ = ["MEDIUM_GPU", "REMOVAL_REASONS", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent"]
@@ -58,7 +59,7 @@ class BlockRemoved:
 
     block_hashes: tuple[Hashable, ...]
     medium: str = MEDIUM_GPU
-    reason: str | None = attrs.field(default=None, eq=False)
+    reason: str | None = attr.ib(default=None, eq=False)
 
 
 @attrs.frozen(slots=True)

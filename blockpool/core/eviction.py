@@ -48,6 +48,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Hashable, Iterator
 
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import FreeBlockQueue, KVCacheBlock
 from blockpool.core.errors import InvalidArgumentError, InvariantError
 
@@ -64,6 +65,7 @@ _MAX_FREQ = 3
 _S_SHARE = 0.1
 
 
+@mypyc_attr(native_class=False)
 class UnknownEvictionPolicyError(InvalidArgumentError):
     """An eviction policy or placement name that is not known."""
 

@@ -15,8 +15,10 @@ True
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
+import attr
 import attrs
 
 from blockpool.core.errors import InvalidTokenError
@@ -69,6 +71,11 @@ def _check_stream(_: object, __: attrs.Attribute, value: object) -> None:  # typ
         raise InvalidTokenError(f"stream must be a non-empty str, got {value!r}")
 
 
+def _check_seq(_: object, __: attrs.Attribute, value: object) -> None:  # type: ignore[type-arg]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidTokenError(f"seq must be an int >= 1, got {value!r}")
+
+
 @attrs.frozen(slots=True, order=False)
 class Token:
     """A logical event: the point in ``stream`` after its ``seq``-th issued work.
@@ -96,15 +103,10 @@ class Token:
             is not an int ``>= 1`` (a bool is not an int here).
     """
 
-    stream: str = attrs.field(validator=_check_stream)
-    seq: int = attrs.field()
-    kind: StreamKind = attrs.field(default=StreamKind.DEVICE, eq=False, repr=False)
-    pool: int = attrs.field(default=0, eq=False, repr=False)
-
-    @seq.validator
-    def _check_seq(self, _: attrs.Attribute, value: int) -> None:  # type: ignore[type-arg]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise InvalidTokenError(f"seq must be an int >= 1, got {value!r}")
+    stream: str = attr.ib(validator=_check_stream)
+    seq: int = attr.ib(validator=_check_seq)
+    kind: StreamKind = attr.ib(default=StreamKind.DEVICE, eq=False, repr=False)
+    pool: int = attr.ib(default=0, eq=False, repr=False)
 
     def __str__(self) -> str:
         return f"{self.stream}:{self.seq}"
@@ -183,9 +185,9 @@ class Fence:
         reasons: In debug mode, one :class:`FenceReason` per token.
     """
 
-    tokens: tuple[Token, ...] = attrs.field(default=(), converter=_tokens_converter)
+    tokens: tuple[Token, ...] = attr.ib(default=(), converter=_tokens_converter)
     needs_host_wait: bool = False
-    reasons: tuple[FenceReason, ...] = attrs.field(default=(), eq=False, repr=False)
+    reasons: tuple[FenceReason, ...] = attr.ib(default=(), eq=False, repr=False)
 
     def __iter__(self) -> Iterator[Token]:
         return iter(self.tokens)
@@ -234,8 +236,9 @@ class Fence:
         return ([t.to_wire() for t in self.tokens], self.needs_host_wait)
 
     @classmethod
-    def from_wire(cls, data: tuple[list[tuple[str, int, str]], bool]) -> Fence:
-        """Inverse of :meth:`to_wire`. O(len(tokens)).
+    def from_wire(cls, data: Sequence[Any]) -> Fence:
+        """Inverse of :meth:`to_wire` (``[tokens, needs_host_wait]``, a tuple or,
+        through JSON, a list). O(len(tokens)).
 
         Raises:
             InvalidTokenError: a malformed token.

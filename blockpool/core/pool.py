@@ -28,12 +28,14 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from blockpool.core import placement as _placement
 from blockpool.core._base import _COUNTERS, _DEVICE, _READ, _WRITE
 from blockpool.core._caching import CacheOps
 from blockpool.core._fences import FenceOps
 from blockpool.core._introspection import IntrospectionOps
+from blockpool.core._mypyc import mypyc_attr
 from blockpool.core._refcounts import RefCountOps
 from blockpool.core._tokens import TokenOps
 from blockpool.core.block import (
@@ -53,6 +55,9 @@ from blockpool.core.placement import PLACEMENTS
 from blockpool.core.prefix_cache import PrefixCache
 from blockpool.core.tracker import HazardTracker, StreamState
 
+if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
+    from blockpool.core._args import ArgAccess, ArgBool, ArgFloat, ArgInt, ArgStr
+
 __all__ = ["PLACEMENTS", "HazardAwareBlockPool"]
 
 
@@ -61,6 +66,7 @@ class _NoBlock:
     every block is checked by identity (``blocks[b.block_id] is b``)."""
 
 
+@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
 class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, IntrospectionOps):
     """A KV-cache block pool (vLLM v1 semantics) that hands out exact fences.
 
@@ -164,21 +170,21 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
 
     def __init__(
         self,
-        num_gpu_blocks: int,
-        enable_caching: bool = True,
-        hash_block_size: int = 16,
-        enable_kv_cache_events: bool = False,
+        num_gpu_blocks: ArgInt,
+        enable_caching: ArgBool = True,
+        hash_block_size: ArgInt = 16,
+        enable_kv_cache_events: ArgBool = False,
         *,
-        track_hazards: bool = True,
+        track_hazards: ArgBool = True,
         streams: Mapping[str, StreamKind] | None = None,
-        lease_timeout: float | None = None,
+        lease_timeout: ArgFloat | None = None,
         clock: Callable[[], float] = time.monotonic,
-        debug: bool = False,
-        medium: str = MEDIUM_GPU,
-        removal_events: str = "last",
-        stored_events: str | None = None,
-        eviction: str = "lru",
-        placement: str = "lru",
+        debug: ArgBool = False,
+        medium: ArgStr = MEDIUM_GPU,
+        removal_events: ArgStr = "last",
+        stored_events: ArgStr | None = None,
+        eviction: ArgStr = "lru",
+        placement: ArgStr = "lru",
         block_factory: Callable[[int], KVCacheBlock] | None = None,
         free_queue_class: type[FreeBlockQueue] | None = None,
         block_class: type[KVCacheBlock] | None = None,
@@ -278,7 +284,7 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
     # allocation (vLLM surface)
     # ------------------------------------------------------------------
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: ArgInt) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the front of the free queue, evicting
         their prefix-cache keys (one removed event per key). Held blocks are
         never taken. Same as vLLM's ``get_new_blocks``; the fence of the
@@ -308,11 +314,11 @@ class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, Introspect
 
     def allocate_for(
         self,
-        num_blocks: int,
-        stream: str,
+        num_blocks: ArgInt,
+        stream: ArgStr,
         *,
         hits: Sequence[KVCacheBlock] = (),
-        access: AccessKind = AccessKind.WRITE,
+        access: ArgAccess = AccessKind.WRITE,
     ) -> tuple[list[KVCacheBlock], Fence]:
         """Atomically touch the prefix hits ``hits`` and allocate
         ``num_blocks`` new blocks for a consumer on ``stream``; return the new

@@ -288,7 +288,7 @@ def settle(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock, end
 
     >>> from blockpool.core.block import KVCacheBlock
     >>> b = KVCacheBlock(1)
-    >>> settle([b], Token("compute", 1), None, lambda t: True)
+    >>> settle([b], Token("compute", 1), KVCacheBlock(0), lambda t: True)
     >>> str(b.writer)
     'compute:1'
     """

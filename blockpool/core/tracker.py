@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedSet
 
@@ -27,6 +28,9 @@ from blockpool.core.errors import (
     UnknownTokenError,
 )
 from blockpool.core.hazards import StreamKind, Token
+
+if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
+    from blockpool.core._args import ArgStr, ArgStreamKind
 
 __all__ = ["HazardTracker", "StreamState", "VectorClock"]
 
@@ -173,7 +177,7 @@ class HazardTracker:
 
     # -- streams and tokens ------------------------------------------------
 
-    def add_stream(self, name: str, kind: StreamKind) -> None:
+    def add_stream(self, name: ArgStr, kind: ArgStreamKind) -> None:
         """Register stream ``name`` of ``kind`` (again with the same kind: nothing). O(1).
 
         Raises:
@@ -196,7 +200,7 @@ class HazardTracker:
         if kind is _HOST:
             self._hosts.append(st)
 
-    def state(self, stream: str) -> StreamState:
+    def state(self, stream: ArgStr) -> StreamState:
         """The state of the stream named ``stream``. O(1).
 
         Raises:
@@ -213,7 +217,7 @@ class HazardTracker:
             )
         return st
 
-    def issue(self, stream: str, after: Iterable[Token] = ()) -> Token:
+    def issue(self, stream: ArgStr, after: Iterable[Token] = ()) -> Token:
         """Issue the next token of ``stream``, ordered after the stream's
         standing clock and after ``after`` (the fence the access waited on).
         O(#streams + len(after))."""
