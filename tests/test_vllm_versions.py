@@ -590,3 +590,31 @@ def test_vllm_configure_logging_0_is_respected() -> None:
     text = _load_plugins(VLLM_CONFIGURE_LOGGING="0")
     assert "BlockPool is now" not in text  # INFO has no handler: the application's choice
     assert "vllm handlers: 0" in text
+
+
+def test_compiled_core_patches_nothing_and_vllm_keeps_its_pool(
+    monkeypatch: pytest.MonkeyPatch, clean: None, log: Records
+) -> None:
+    """The compiled (mypyc) core refuses the adapter's blocks (vLLM's
+    ``KVCacheBlock``, not the core's native class: a ``TypeError`` in the
+    pool's constructor), so on that build the plugin must leave vLLM as it
+    is, with one warning naming the way out, never a crash in vLLM."""
+    import blockpool
+
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(plugin, "_install", _no_install)
+    monkeypatch.setattr(blockpool, "__compiled__", True)
+    plugin.register()
+    state = plugin.install_state()
+    assert (state.installed, state.disabled, state.refused, state.patched, state.modules) == (
+        False,
+        True,
+        "compiled",
+        [],
+        [],
+    )
+    assert not plugin.is_installed()
+    assert [lvl for lvl, _ in log.got] == ["WARNING"]
+    assert log.got[0][1].startswith(f"blockpool {_bp_version()}: this is the compiled (mypyc) core")
+    assert "nothing patched, vLLM keeps its own BlockPool" in log.got[0][1]
+    assert "BLOCKPOOL_MYPYC=1" in log.got[0][1]

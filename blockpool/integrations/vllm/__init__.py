@@ -179,6 +179,8 @@ class InstallState:
             (``refused`` says why).
         refused: Why nothing is installed: ``"disabled"`` (:data:`ENV_PLUGIN`),
             ``"version"`` (outside :data:`SUPPORTED_VLLM_LINES`),
+            ``"compiled"`` (the compiled core, ``blockpool.__compiled__``,
+            does not run the vLLM adapter yet),
             ``"failed"`` (a rebinding or wrapper failed; everything was
             undone); ``None`` otherwise.
         vllm_version: The vLLM version seen (:func:`vllm_version`).
@@ -269,6 +271,21 @@ def register() -> None:
                 version or "(version unknown)",
                 supported_vllm_range(),
                 ENV_ANY_VERSION,
+            )
+            return
+        import blockpool
+
+        if blockpool.__compiled__:
+            # The adapter's blocks are vLLM's KVCacheBlock (slots of vLLM's
+            # class), not the core's: the compiled core checks the block
+            # class natively and refuses them (TypeError in its first call).
+            _refuse("compiled")
+            logger.warning(
+                "blockpool %s: this is the compiled (mypyc) core, which does not run the vLLM adapter yet "
+                "(vLLM's block records are not the core's native block class): nothing patched, vLLM keeps "
+                "its own BlockPool; install the pure-Python build (a wheel built without %s=1) to use the plugin",
+                _version(),
+                "BLOCKPOOL_MYPYC",
             )
             return
         try:
