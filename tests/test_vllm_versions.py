@@ -62,9 +62,15 @@ def log() -> Iterator[Records]:
 
 @pytest.fixture
 def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No plugin state and none of the plugin's variables set, before and after."""
+    """No plugin state and none of the plugin's variables set, before and after;
+    the core taken as the pure-Python build (these tests fake the install, so
+    they pin the version and switch logic the same way on both builds; the
+    compiled build's refusal has a test of its own)."""
+    import blockpool
+
     for name in (plugin.ENV_PLUGIN, plugin.ENV_HAZARDS, plugin.ENV_ANY_VERSION, "BLOCKPOOL_VLLM_UNWIRED"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(blockpool, "__compiled__", False)
     plugin.unregister()
     yield
     plugin.unregister()
