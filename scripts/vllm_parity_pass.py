@@ -158,28 +158,32 @@ def run_attempt(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        last_size, last_change, finished_at = -1, time.monotonic(), None
-        while proc.poll() is None:
-            time.sleep(POLL_S)
-            now = time.monotonic()
-            try:
-                size = progress.stat().st_size
-            except FileNotFoundError:  # pytest has not configured the plugin yet
-                size = 0
-            if size != last_size:
-                last_size, last_change = size, now
-                if size and finished_at is None and b'"finish"' in progress.read_bytes()[-200:]:
-                    finished_at = now
-            if finished_at is not None and now - finished_at > args.grace:
-                attempt.killed = f"still running {args.grace:.0f} s after its session ended"
-            elif now - last_change > args.stall:
-                attempt.killed = f"no test outcome for {args.stall:.0f} s"
-            elif now > deadline:
-                attempt.killed = f"the pass ran past its {args.budget:.0f} s"
-            if attempt.killed:
-                break
-        attempt.rc = proc.poll()
-        kill_group(proc)  # the process, if still there, and every child left behind
+        try:
+            last_size, last_change, finished_at = -1, time.monotonic(), None
+            while proc.poll() is None:
+                time.sleep(POLL_S)
+                now = time.monotonic()
+                try:
+                    size = progress.stat().st_size
+                except FileNotFoundError:  # pytest has not configured the plugin yet
+                    size = 0
+                if size != last_size:
+                    last_size, last_change = size, now
+                    if size and finished_at is None and b'"finish"' in progress.read_bytes()[-200:]:
+                        finished_at = now
+                if finished_at is not None and now - finished_at > args.grace:
+                    attempt.killed = f"still running {args.grace:.0f} s after its session ended"
+                elif now - last_change > args.stall:
+                    attempt.killed = f"no test outcome for {args.stall:.0f} s"
+                elif now > deadline:
+                    attempt.killed = f"the pass ran past its {args.budget:.0f} s"
+                if attempt.killed:
+                    break
+            attempt.rc = proc.poll()
+        finally:
+            # Also when this runner fails or is stopped (SIGTERM is turned into
+            # SystemExit in main): no pytest process or child outlives it.
+            kill_group(proc)  # the process, if still there, and every child left behind
     read_progress(progress, attempt)
     with (Path(args.results) / f"{args.name}.progress").open("a") as all_progress:
         if progress.exists():
@@ -242,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge-json-env", default="", metavar="VAR")
     p.add_argument("pytest", nargs=argparse.REMAINDER, help="-- then pytest's arguments")
     args = p.parse_args(argv)
+    # SIGTERM (the script's outer timeout) unwinds like an error, so the
+    # finally in run_attempt kills the pytest process group.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.pytest[:1] == ["--"]:
         args.pytest = args.pytest[1:]
     if not args.pytest:

@@ -221,3 +221,49 @@ def test_merge_json(values: list, merged: object) -> None:
     finally:
         sys.path.remove(str(SCRIPTS))
     assert vllm_parity_pass.merge_json(values) == merged
+
+
+def test_a_stopped_runner_leaves_no_pytest_behind(tmp_path: Path) -> None:
+    """SIGTERM to the runner (the script's outer timeout) kills the pytest
+    process group it started: a crashed or stopped runner once left its
+    pytest (and that pytest's children) running for hours."""
+    import signal
+    import time
+
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "pytest.ini").write_text("[pytest]\n")
+    pid_file = tmp_path / "pytest.pid"
+    (suite / "test_sleeps.py").write_text(
+        textwrap.dedent(
+            f"""
+            import os, time
+            def test_sleeps():
+                open({str(pid_file)!r}, "w").write(str(os.getpid()))
+                time.sleep(600)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS)}
+    runner = subprocess.Popen(
+        [sys.executable, str(RUNNER), "--name", "p", "--results", str(tmp_path / "results"), "--cwd", str(suite),
+         "--stall", "300", "--", "-p", "vllm_parity_progress", "-p", "no:blockpool", "-q", "."],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pid_file.exists(), "the test never started"
+    pytest_pid = int(pid_file.read_text())
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pytest_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pytest_pid, signal.SIGKILL)
+        pytest.fail("the runner's pytest outlived it")
