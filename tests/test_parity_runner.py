@@ -255,15 +255,21 @@ def test_a_stopped_runner_leaves_no_pytest_behind(tmp_path: Path) -> None:
         time.sleep(0.1)
     assert pid_file.exists(), "the test never started"
     pytest_pid = int(pid_file.read_text())
-    runner.send_signal(signal.SIGTERM)
-    assert runner.wait(timeout=30) == 128 + signal.SIGTERM
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pytest_pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(pytest_pid, signal.SIGKILL)
-        pytest.fail("the runner's pytest outlived it")
+    try:
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pytest_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the runner's pytest outlived it")
+    finally:  # whatever failed, leave nothing running
+        for pid in (pytest_pid, runner.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
