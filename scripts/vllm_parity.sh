@@ -408,9 +408,10 @@ KNOWN_FLAKY=(
   # from a pytest process that earlier tests left with live threads; here a
   # child sometimes never answers (a lock another thread held at the fork is
   # the usual cause), the test fails at its 30 s queue timeout, and the child
-  # (not a daemon, not killed by the test) keeps pytest from exiting. That hang at exit is what ran CI's
-  # plugin-off pass into its limit (vllm_parity_pass.py now kills a process
-  # that outlives its session). Seen with vLLM's own pool, under load.
+  # (not a daemon, not killed by the test) keeps pytest from exiting. That
+  # hang at exit is what ran CI's plugin-off pass into its limit
+  # (vllm_parity_pass.py now kills a process that outlives its session).
+  # Seen with vLLM's own pool, under load.
   tests/v1/kv_offload/cpu/test_shared_offload_region.py::test_create_next_worker_view_multiprocess_slots
   tests/v1/kv_offload/cpu/test_shared_offload_region.py::test_multiprocess_race_construct_and_write
   tests/v1/kv_offload/cpu/test_shared_offload_region.py::test_mp_barrier_unlinks_file_and_survives_sigkill
