@@ -308,13 +308,13 @@ def register() -> None:
         )
         logger.log(
             logging.INFO if supported else logging.WARNING,
-            "blockpool %s: vLLM %s's BlockPool is now %s (HazardAwareBlockPool core, %s; hazard tracking %s) "
+            # "pure Python": the compiled core was refused above.
+            "blockpool %s: vLLM %s's BlockPool is now %s (HazardAwareBlockPool core, pure Python; hazard tracking %s) "
             "in %d modules; KV connectors wired: %s; set %s=0 or leave 'blockpool' out of VLLM_PLUGINS "
             "to turn it off%s",
             _version(),
             version or "?",
             "blockpool.integrations.vllm.pool.VllmBlockPool",
-            _build(),
             _hazards_mode(),
             len(_STATE.modules),
             ", ".join(_STATE.connectors) or "none",
@@ -336,13 +336,6 @@ def _hazards_mode() -> str:
 def _refuse(reason: str) -> None:
     _STATE.disabled = True
     _STATE.refused = reason
-
-
-def _build() -> str:
-    """How the registration line names the build of the core."""
-    import blockpool
-
-    return "compiled (mypyc)" if blockpool.__compiled__ else "pure Python"
 
 
 def _version() -> str:
