@@ -299,7 +299,6 @@ def main(argv: list[str] | None = None) -> int:
         deselect = tmp / "deselect"
         deselect.write_text("".join(n + "\n" for n in [*outcomes, *hung]))
         offset = log_path.stat().st_size if log_path.exists() else 0
-        before = len(outcomes)
         attempt = run_attempt(args, k, attempt_env(k), {"VLLM_PARITY_DESELECT": str(deselect)}, deadline)
         take(attempt)
         resumed_empty = k > 1 and attempt.rc == 5  # nothing was left to run
@@ -313,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         nodeid = attempt.unfinished()
         why = attempt.killed or f"the process exited with status {attempt.rc}"
-        if nodeid is None or (len(outcomes) == before and nodeid in hung):
+        if nodeid is None:
             log(f"pass {args.name}: attempt {k} ended with no test left hanging ({why}), see {log_path}")
             break
         hung.append(nodeid)
