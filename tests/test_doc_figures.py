@@ -116,12 +116,18 @@ def test_every_block_lives_in_its_page() -> None:
 
 
 def test_the_trace_blocks_need_the_trace(capsys: pytest.CaptureFixture[str]) -> None:
-    for name in ("trace-2000", "trace-events"):
+    for name in ("trace-2000", "trace-all", "trace-events"):
         with pytest.raises(ValueError, match="--trace"):
             docfigures.generate([name])
     with pytest.raises(SystemExit) as e:
         docfigures.main(["--check", "--block", "trace-events"])
     assert e.value.code == 2 and "needs --trace" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        docfigures.main(["--check", "--whole-trace", "--block", "trace-all"])
+    assert e.value.code == 2 and "--whole-trace needs --trace PATH" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # the whole trace only when asked: tens of CPU minutes
+        docfigures.main(["--check", "--trace", "t.jsonl", "--block", "trace-all"])
+    assert e.value.code == 2 and "trace-all needs --whole-trace" in capsys.readouterr().err
     with pytest.raises(KeyError, match="no figures block"):
         docfigures.generate(["nonesuch"])
 
@@ -195,3 +201,12 @@ def test_the_20000_sequence_differential_figures_are_what_the_run_prints() -> No
 @pytest.mark.parametrize("name", ["trace-2000", "trace-events"])
 def test_the_trace_figures_are_what_the_replay_prints(name: str) -> None:
     assert docfigures.main(["--check", "--trace", str(TRACE), "--block", name, "--jobs", "2"]) == 0
+
+
+@pytest.mark.slow
+@_SLOW
+@_TRACE
+def test_the_whole_trace_figures_are_what_the_replay_prints() -> None:
+    """Tens of CPU minutes: every request of the trace under every policy."""
+    args = ["--check", "--trace", str(TRACE), "--whole-trace", "--block", "trace-all", "--jobs", "2"]
+    assert docfigures.main(args) == 0

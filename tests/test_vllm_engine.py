@@ -331,6 +331,17 @@ def test_pool_and_served_expectations() -> None:
     assert d.what == "served" and "issued 3 step tokens" in d.detail
 
 
+def test_a_run_on_another_build_of_the_core_is_a_difference() -> None:
+    """A run that imported the other build than the check's own (a
+    compiled tree asked for with VLLM_ENGINE_BLOCKPOOL but the pure
+    checkout served, say) fails the check, naming both builds."""
+    other = "pure Python" if ec.core_build() == "compiled (mypyc)" else "compiled (mypyc)"
+    assert diffs_of("on", lambda x: x.update(core_build=ec.core_build())) == []
+    (d,) = diffs_of("on", lambda x: x.update(core_build=other))
+    assert (d.mode, d.what) == ("on", "build")
+    assert d.detail == f"the run's blockpool core is {other}, this process's {ec.core_build()}"
+
+
 def test_a_failed_run_is_a_difference_and_a_failed_reference_a_setup_error() -> None:
     r = runs()
     r["on"] = {"mode": "on", "error": "Traceback ...\nAttributeError: no _generate_event_extra_keys\n"}

@@ -27,7 +27,9 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.request import Request
 
 from blockpool import ForeignBlockError, RefCountError, StreamKind
+from blockpool.core.block import KVCacheBlock as CoreKVCacheBlock
 from blockpool.integrations.vllm import events as vllm_events
+from blockpool.integrations.vllm.blocks import VllmNullBlock
 from blockpool.integrations.vllm.parity import LOOSE_BLOCKS, ParityBlockPool
 from blockpool.integrations.vllm.pool import SERVED, VLLM_BLOCK_POOL, VllmBlockPool, VllmKVCacheBlock
 from tests.conftest import ids, toks
@@ -73,10 +75,60 @@ def state(pool: Any) -> tuple[object, ...]:
     )
 
 
-def test_blocks_are_vllm_blocks_owned_by_the_adapter() -> None:
+def test_blocks_are_core_records_with_vllms_surface_owned_by_the_adapter() -> None:
+    """The adapter's blocks are the core's record class (what the compiled
+    core reads natively), each with vLLM's names over the core's fields."""
     _, ours = pools()
-    assert all(isinstance(b, KVCacheBlock) and b.pool is ours for b in ours.blocks)
+    assert all(isinstance(b, CoreKVCacheBlock) and b.pool is ours for b in ours.blocks)
     assert ours.null_block is ours.blocks[0] and ours.null_block.is_null
+    assert type(ours.null_block) is VllmNullBlock
+    assert not any(b.is_null for b in ours.blocks[1:])
+    blk = ours.blocks[1]
+    key = make_block_hash_with_group_id(b"h", 0)
+    blk.set_block_hash(key, BS)
+    assert (blk._block_hash, blk._block_hash_num_tokens, blk.block_hash, blk.block_hash_num_tokens) == (
+        key,
+        BS,
+        key,
+        BS,
+    )
+    with pytest.raises(AssertionError, match="already has a hash"):
+        blk.set_block_hash(key)
+    blk.reset_hash()
+    assert (blk._block_hash, blk.block_hash_num_tokens) == (None, None)
+    assert repr(blk) == (  # vLLM's format; block 1 is the free queue's front (after the head, id -1)
+        "KVCacheBlock(block_id=1, ref_cnt=0, _block_hash=None, _block_hash_num_tokens=None, "
+        "prev_free_block=-1, next_free_block=2)"
+    )
+
+
+def test_key_map_view_tells_one_block_from_several_without_vllms_class() -> None:
+    """vLLM's ``BlockHashToBlockMap`` tells one block from a dict of them by
+    ``isinstance(x, KVCacheBlock)`` (vLLM's class, which our blocks are
+    not); the view answers as vLLM's map does for our blocks, and for
+    vLLM's own blocks that its unit tests insert."""
+    ours = VllmBlockPool(6, True, BS)
+    view = ours.cached_block_hash_to_block
+    b1, b2, b3 = ours.blocks[1:4]
+    loose = KVCacheBlock(block_id=5)  # vLLM's class, as its unit tests make
+    k, k2 = make_block_hash_with_group_id(b"k", 0), make_block_hash_with_group_id(b"k2", 0)
+    assert (view.get_one_block(k), view.contain(k, 1), view.pop(k, 1), len(view)) == (None, False, None, 0)
+    view.insert(k, b1)
+    assert view._cache[k] is b1 and view.get_one_block(k) is b1
+    assert (view.contain(k, 1), view.contain(k, 2)) == (True, False)
+    assert view.pop(k, 2) is None and view._cache[k] is b1  # another id: put back
+    view.insert(k, b2)
+    view.insert(k, loose)
+    assert view._cache[k] == {1: b1, 2: b2, 5: loose} and view.get_one_block(k) is b1
+    assert (view.contain(k, 2), view.contain(k, 5), view.contain(k, 3)) == (True, True, False)
+    assert view.pop(k, 1) is b1 and view._cache[k] == {2: b2, 5: loose}
+    assert view.pop(k, 3) is None and view._cache[k] == {2: b2, 5: loose}
+    assert view.pop(k, 2) is b2 and view.pop(k, 5) is loose and k not in view._cache
+    view.insert(k2, loose)
+    assert view.get_one_block(k2) is loose and view.contain(k2, 5) and view.pop(k2, 5) is loose
+    view.insert(k2, b3)
+    assert len(view) == 1 and view._cache is ours.core.prefix_cache.key_map
+    assert view.pop(k2, 3) is b3 and len(view) == 0
 
 
 def test_each_pool_has_its_own_block_class_so_the_own_check_is_a_type_test() -> None:
@@ -84,7 +136,7 @@ def test_each_pool_has_its_own_block_class_so_the_own_check_is_a_type_test() -> 
     cls = type(a.blocks[1])
     assert cls is not type(b.blocks[1]) and cls is not VllmKVCacheBlock
     assert cls.__name__ == "VllmKVCacheBlock" and issubclass(cls, VllmKVCacheBlock)
-    assert {type(x) for x in a.blocks} == {cls}  # the null block too
+    assert {type(x) for x in a.blocks[1:]} == {cls}  # the null block is checked by identity
     assert a.core._block_cls is cls
 
 

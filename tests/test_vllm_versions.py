@@ -65,7 +65,7 @@ def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No plugin state and none of the plugin's variables set, before and after;
     the core taken as the pure-Python build (these tests fake the install, so
     they pin the version and switch logic the same way on both builds; the
-    compiled build's refusal has a test of its own)."""
+    registration line's build field has a test of its own)."""
     import blockpool
 
     for name in (plugin.ENV_PLUGIN, plugin.ENV_HAZARDS, plugin.ENV_ANY_VERSION, "BLOCKPOOL_VLLM_UNWIRED"):
@@ -281,7 +281,6 @@ CORE_NAMES = [
     "vllm.v1.core.block_pool:BlockHashToBlockMap",
     "vllm.v1.core.kv_cache_utils:make_block_hash_with_group_id",
     "vllm.v1.core.kv_cache_utils:resolve_block_hashes",
-    "vllm.v1.core.kv_cache_utils:KVCacheBlock",
 ]
 
 
@@ -598,29 +597,22 @@ def test_vllm_configure_logging_0_is_respected() -> None:
     assert "vllm handlers: 0" in text
 
 
-def test_compiled_core_patches_nothing_and_vllm_keeps_its_pool(
-    monkeypatch: pytest.MonkeyPatch, clean: None, log: Records
+@pytest.mark.parametrize(("compiled", "build"), [(True, "compiled (mypyc)"), (False, "pure Python")])
+def test_registration_line_names_the_build_and_the_compiled_core_installs(
+    monkeypatch: pytest.MonkeyPatch, clean: None, log: Records, compiled: bool, build: str
 ) -> None:
-    """The compiled (mypyc) core refuses the adapter's blocks (vLLM's
-    ``KVCacheBlock``, not the core's native class: a ``TypeError`` in the
-    pool's constructor), so on that build the plugin must leave vLLM as it
-    is, with one warning naming the way out, never a crash in vLLM."""
+    """Both builds of the core install (the adapter's blocks are the core's
+    record class, which the compiled core takes natively), and the one
+    registration line says which build serves vLLM."""
     import blockpool
 
+    installed: list[bool] = []
     monkeypatch.setattr(plugin, "vllm_version", lambda: "0.33.0")
-    monkeypatch.setattr(plugin, "_install", _no_install)
-    monkeypatch.setattr(blockpool, "__compiled__", True)
+    monkeypatch.setattr(plugin, "_install", lambda hazards: installed.append(hazards))
+    monkeypatch.setattr(blockpool, "__compiled__", compiled)
     plugin.register()
     state = plugin.install_state()
-    assert (state.installed, state.disabled, state.refused, state.patched, state.modules) == (
-        False,
-        True,
-        "compiled",
-        [],
-        [],
-    )
-    assert not plugin.is_installed()
-    assert [lvl for lvl, _ in log.got] == ["WARNING"]
-    assert log.got[0][1].startswith(f"blockpool {_bp_version()}: this is the compiled (mypyc) core")
-    assert "nothing patched, vLLM keeps its own BlockPool" in log.got[0][1]
-    assert "BLOCKPOOL_MYPYC=1" in log.got[0][1]
+    assert installed == [True]
+    assert (state.disabled, state.refused) == (False, None)
+    assert [lvl for lvl, _ in log.got] == ["INFO"]
+    assert f"(HazardAwareBlockPool core, {build}; hazard tracking " in log.got[0][1]

@@ -25,6 +25,9 @@ exit 1 naming every block that drifted, writing nothing). Blocks:
 - ``trace-2000`` (``docs/replay.md``): the first 2,000 requests of the
   Mooncake conversation trace under every policy, only with ``--trace PATH``
   (minutes of CPU);
+- ``trace-all`` (``docs/replay.md``): the whole conversation trace (every
+  request) under every policy, only with ``--trace PATH --whole-trace``
+  (tens of CPU minutes);
 - ``trace-events`` (``docs/guarantees.md``): the ``exact`` replay's event
   log of the trace's first 300 requests, every step's ``table`` reads
   judged as reads by a fresh race oracle, only with ``--trace PATH``
@@ -281,7 +284,7 @@ def _synthetic(jobs: int) -> str:
     return format_synthetic(rep)
 
 
-def _trace(path: str, limit: int, jobs: int) -> str:
+def _trace(path: str, limit: int | None, jobs: int) -> str:
     from blockpool.replay.run import replay
     from blockpool.replay.traces import read_trace
 
@@ -322,7 +325,8 @@ def _differential(sequences: int) -> str:
 class Block(NamedTuple):
     """A block of generated figures: the page it lives in and what it needs
     (``None``: nothing, always generated; ``"trace"``: ``--trace PATH``;
-    ``"differential"``: ``--differential``)."""
+    ``"differential"``: ``--differential``; ``"whole-trace"``: ``--trace
+    PATH --whole-trace``)."""
 
     doc: Path
     needs: str | None
@@ -331,6 +335,7 @@ class Block(NamedTuple):
 BLOCKS: dict[str, Block] = {
     "synthetic": Block(DOC, None),
     "trace-2000": Block(DOC, "trace"),
+    "trace-all": Block(DOC, "whole-trace"),
     "differential-300": Block(GUARANTEES, None),
     "differential": Block(GUARANTEES, "differential"),
     "trace-events": Block(GUARANTEES, "trace"),
@@ -358,6 +363,7 @@ def blocks_of(text: str) -> dict[str, str]:
 _MAKE: dict[str, Callable[[str | None, int], str]] = {
     "synthetic": lambda trace, jobs: _synthetic(jobs),
     "trace-2000": lambda trace, jobs: _trace(str(trace), 2000, jobs),
+    "trace-all": lambda trace, jobs: _trace(str(trace), None, jobs),
     "differential-300": lambda trace, jobs: _differential(300),
     "differential": lambda trace, jobs: _differential(DIFFERENTIAL_SEQUENCES),
     "trace-events": lambda trace, jobs: _trace_events(str(trace), EVENT_REQUESTS),
@@ -365,8 +371,8 @@ _MAKE: dict[str, Callable[[str | None, int], str]] = {
 
 
 def generate(names: Sequence[str], *, trace: str | None = None, jobs: int = 1) -> dict[str, str]:
-    """The bodies of blocks ``names`` (``trace-2000`` and ``trace-events``
-    need ``trace``). Runs the replays and differential runs: seconds to
+    """The bodies of blocks ``names`` (``trace-2000``, ``trace-all`` and
+    ``trace-events`` need ``trace``). Runs the replays and differential runs: seconds to
     minutes of CPU.
 
     Raises:
@@ -377,7 +383,7 @@ def generate(names: Sequence[str], *, trace: str | None = None, jobs: int = 1) -
     for name in names:
         if name not in BLOCKS:
             raise KeyError(f"no figures block {name!r} (blocks: {', '.join(BLOCKS)})")
-        if BLOCKS[name].needs == "trace" and trace is None:
+        if BLOCKS[name].needs in ("trace", "whole-trace") and trace is None:
             raise ValueError(f"{name} needs --trace PATH")
         out[name] = _MAKE[name](trace, jobs)
     return out
@@ -391,14 +397,19 @@ def _rel(p: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m blockpool.replay.docfigures [--trace PATH] [--differential]
-    [--block NAME]... [--check]``: 0 written (or, with ``--check``, the docs
+    """``python -m blockpool.replay.docfigures [--trace PATH [--whole-trace]]
+    [--differential] [--block NAME]... [--check]``: 0 written (or, with ``--check``, the docs
     hold the figures), 1 a block drifted or is missing (``--check``), 2 bad
     usage."""
     p = argparse.ArgumentParser(
         prog="python -m blockpool.replay.docfigures", description=__doc__.split("\n")[0]
     )
     p.add_argument("--trace", help="the conversation trace (adds the trace-2000 and trace-events blocks)")
+    p.add_argument(
+        "--whole-trace",
+        action="store_true",
+        help="add the trace-all block: every request of --trace (tens of CPU minutes)",
+    )
     p.add_argument(
         "--differential",
         action="store_true",
@@ -408,7 +419,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="compare, write nothing; exit 1 on drift")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     args = p.parse_args(argv)
-    have = {None, "differential" if args.differential else None, "trace" if args.trace else None}
+    if args.whole_trace and not args.trace:
+        p.error("--whole-trace needs --trace PATH")
+    have = {
+        None,
+        "differential" if args.differential else None,
+        "trace" if args.trace else None,
+        "whole-trace" if args.whole_trace else None,
+    }
     names = [n for n, b in BLOCKS.items() if b.needs in have]
     if args.block:
         lacking = [n for n in args.block if n not in names]

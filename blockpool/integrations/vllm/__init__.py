@@ -179,8 +179,6 @@ class InstallState:
             (``refused`` says why).
         refused: Why nothing is installed: ``"disabled"`` (:data:`ENV_PLUGIN`),
             ``"version"`` (outside :data:`SUPPORTED_VLLM_LINES`),
-            ``"compiled"`` (the compiled core, ``blockpool.__compiled__``,
-            does not run the vLLM adapter yet),
             ``"failed"`` (a rebinding or wrapper failed; everything was
             undone); ``None`` otherwise.
         vllm_version: The vLLM version seen (:func:`vllm_version`).
@@ -275,19 +273,6 @@ def register() -> None:
             return
         import blockpool
 
-        if blockpool.__compiled__:
-            # The adapter's blocks are vLLM's KVCacheBlock (slots of vLLM's
-            # class), not the core's: the compiled core checks the block
-            # class natively and refuses them (TypeError in its first call).
-            _refuse("compiled")
-            logger.warning(
-                "blockpool %s: this is the compiled (mypyc) core, which does not run the vLLM adapter yet "
-                "(vLLM's block records are not the core's native block class): nothing patched, vLLM keeps "
-                "its own BlockPool; install the pure-Python build (a wheel built without %s=1) to use the plugin",
-                _version(),
-                "BLOCKPOOL_MYPYC",
-            )
-            return
         try:
             _install(hazards=_env_on(ENV_HAZARDS))
         except Exception as exc:  # noqa: BLE001  (a vLLM this adapter cannot serve: keep vLLM running)
@@ -308,13 +293,13 @@ def register() -> None:
         )
         logger.log(
             logging.INFO if supported else logging.WARNING,
-            # "pure Python": the compiled core was refused above.
-            "blockpool %s: vLLM %s's BlockPool is now %s (HazardAwareBlockPool core, pure Python; hazard tracking %s) "
+            "blockpool %s: vLLM %s's BlockPool is now %s (HazardAwareBlockPool core, %s; hazard tracking %s) "
             "in %d modules; KV connectors wired: %s; set %s=0 or leave 'blockpool' out of VLLM_PLUGINS "
             "to turn it off%s",
             _version(),
             version or "?",
             "blockpool.integrations.vllm.pool.VllmBlockPool",
+            "compiled (mypyc)" if blockpool.__compiled__ else "pure Python",
             _hazards_mode(),
             len(_STATE.modules),
             ", ".join(_STATE.connectors) or "none",

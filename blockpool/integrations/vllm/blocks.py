@@ -2,54 +2,49 @@
 key-map view that :class:`~blockpool.integrations.vllm.pool.VllmBlockPool`
 hands to vLLM, and the view of a request's hashes as the core's keys.
 
-vLLM's code and tests check ``isinstance(x, KVCacheBlock)``, read
-``block.pool`` and ``_block_hash``, call ``set_block_hash``, walk the free
-queue by vLLM's names and read ``cached_block_hash_to_block``; the core
-keeps the state. So the core builds its blocks from
-:class:`VllmKVCacheBlock` (one subclass per pool, for the fast own-block
-check), its free queue as :class:`VllmFreeBlockQueue`, and vLLM's map view
-wraps the core's key dict (``docs/vllm-plugin.md``, "Design"). The core's
-keys are vLLM's ``BlockHashWithGroupId`` bytes as they are
-(:class:`GroupKeys`).
+vLLM's code and tests read ``block.pool`` and ``_block_hash``, call
+``set_block_hash``, walk the free queue by vLLM's names and read
+``cached_block_hash_to_block``; the core keeps the state. So the core
+builds its blocks as :class:`VllmKVCacheBlock` (one subclass per pool, for
+the fast own-block check) and :class:`VllmNullBlock`, its free queue as
+:class:`VllmFreeBlockQueue`, and vLLM's map view wraps the core's key dict
+(``docs/vllm-plugin.md``, "Design"). The blocks are the core's record
+class with vLLM's names added, not vLLM's dataclass: the compiled core
+reads its records natively and takes no other class. The core's keys are
+vLLM's ``BlockHashWithGroupId`` bytes as they are (:class:`GroupKeys`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.block_pool import BlockHashToBlockMap
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from blockpool.core.block import FreeBlockQueue
-from blockpool.core.hazards import Token
+from blockpool.core.block import FreeBlockQueue, KVCacheBlock, NullBlock
 from blockpool.core.prefix_cache import PrefixCache
 
-__all__ = ["GroupKeys", "HashMapView", "VllmFreeBlockQueue", "VllmKVCacheBlock"]
+__all__ = ["GroupKeys", "HashMapView", "VllmFreeBlockQueue", "VllmKVCacheBlock", "VllmNullBlock"]
 
 
-class VllmKVCacheBlock(KVCacheBlock):
-    """vLLM's ``KVCacheBlock`` plus the core's shadow slots (``writer``,
-    ``readers``), with ``block_hash`` / ``block_hash_num_tokens`` writable
-    (the core's key map assigns them; vLLM's ``set_block_hash`` and
-    ``reset_hash`` keep working). ``block_hash`` is a slot of its own and
-    vLLM's ``_block_hash`` a property over it (the core reads
-    ``block_hash`` on every free: a property cost about 25 ns per block
-    there), so 11 slots, one of them (vLLM's ``_block_hash``) unused.
-    ``pool`` is the owning :class:`VllmBlockPool`. Each pool's blocks are
-    of its own subclass (:func:`~blockpool.core.block.block_class_for_pool`,
-    same name, no slot added), so the core's own-block check is a type
-    test; ``isinstance(b, KVCacheBlock)`` holds as in vLLM."""
+if TYPE_CHECKING:  # the mixin reads and writes the core record's fields
+    _Record = KVCacheBlock
+else:
+    _Record = object
 
-    __slots__ = ("block_hash", "readers", "writer")
 
-    def __init__(self, block_id: int, pool: Any = None, is_null: bool = False) -> None:
-        KVCacheBlock.__init__(self, block_id, pool=pool, is_null=is_null)
-        self.writer: Token | None = None
-        self.readers: Any = None
+class _VllmBlockSurface(_Record):
+    """vLLM's ``KVCacheBlock`` surface over the core's block record: the
+    names vLLM's code and tests use that the core's record spells
+    otherwise (no state of its own)."""
 
-    @property  # type: ignore[override]
+    __slots__ = ()
+    pool: Any
+
+    @property
     def _block_hash(self) -> Any:
+        """vLLM's field name for the primary key (the core's ``block_hash``). O(1)."""
         return self.block_hash
 
     @_block_hash.setter
@@ -57,27 +52,93 @@ class VllmKVCacheBlock(KVCacheBlock):
         self.block_hash = value
 
     @property
-    def block_hash_num_tokens(self) -> int | None:
-        return self._block_hash_num_tokens
+    def _block_hash_num_tokens(self) -> int | None:
+        """vLLM's field name for ``block_hash_num_tokens``. O(1)."""
+        return self.block_hash_num_tokens
 
-    @block_hash_num_tokens.setter
-    def block_hash_num_tokens(self, value: int | None) -> None:
-        self._block_hash_num_tokens = value
+    @_block_hash_num_tokens.setter
+    def _block_hash_num_tokens(self, value: int | None) -> None:
+        self.block_hash_num_tokens = value
+
+    def set_block_hash(self, block_hash: Any, num_tokens: int | None = None) -> None:
+        """vLLM's ``set_block_hash``: set the primary key on a block that has
+        none (the record only; the pool's key map is the caller's, as in
+        vLLM). O(1).
+
+        Raises:
+            AssertionError: the block already has a key (as vLLM).
+        """
+        assert self.block_hash is None and self.block_hash_num_tokens is None, (
+            "The block already has a hash. This should not happen."
+        )
+        self.block_hash = block_hash
+        self.block_hash_num_tokens = num_tokens
+
+    def __repr__(self) -> str:
+        # vLLM's format (ids of the free-queue neighbours, not their records).
+        prev, nxt = self.prev_free_block, self.next_free_block
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
+            f"_block_hash={self.block_hash!r}, _block_hash_num_tokens={self.block_hash_num_tokens}, "
+            f"prev_free_block={None if prev is None else prev.block_id}, "
+            f"next_free_block={None if nxt is None else nxt.block_id})"
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle (and ``copy``) support: a copy as :class:`VllmKVCacheBlock`
-        (a pool's own class is not importable by name) with every field but
-        ``pool`` and the free-queue links (they would drag the pool and its
-        whole queue along): the copy belongs to no pool, and a pool refuses
-        it. O(1)."""
-        state = (self._block_hash, self._block_hash_num_tokens, self.is_null, self.writer, self.readers)
-        return (_unpickle_block, (self.block_id, self.ref_cnt, state))
+        or :class:`VllmNullBlock` (a pool's own class is not importable by
+        name) with every field but ``pool`` and the free-queue links (they
+        would drag the pool and its whole queue along): the copy belongs to
+        no pool, and a pool refuses it. O(1)."""
+        state = (self.block_hash, self.block_hash_num_tokens, self.writer, self.readers)
+        null = isinstance(self, VllmNullBlock)
+        return (_unpickle_block, (self.block_id, self.ref_cnt, null, state))
 
 
-def _unpickle_block(block_id: int, ref_cnt: int, state: tuple[Any, ...]) -> VllmKVCacheBlock:
-    b = VllmKVCacheBlock(block_id)
+class VllmKVCacheBlock(_VllmBlockSurface, KVCacheBlock):
+    """The core's block record (:class:`blockpool.core.block.KVCacheBlock`:
+    its 8 slots, the shadow ``writer`` / ``readers`` among them) with
+    vLLM's ``KVCacheBlock`` surface: a ``pool`` slot (the owning
+    :class:`~blockpool.integrations.vllm.pool.VllmBlockPool`, or ``None``),
+    ``_block_hash`` and ``_block_hash_num_tokens`` as properties over the
+    core's fields, ``set_block_hash``, ``reset_hash``, ``is_null`` and
+    vLLM's ``repr``; 9 slots in all. Built as vLLM builds its blocks,
+    ``VllmKVCacheBlock(block_id, pool=None)``.
+
+    It is the core's class, not vLLM's, so that the compiled (mypyc) core's
+    native block access takes it (``docs/vllm-plugin.md``, "Design"):
+    ``isinstance(b, vllm.v1.core.kv_cache_utils.KVCacheBlock)`` is false
+    (nothing in vLLM 0.32/0.33 tests it but ``BlockHashToBlockMap``, which
+    :class:`HashMapView` overrides), and ``==`` is identity (vLLM's
+    dataclass ``==`` compares the fields of two blocks of one class; a
+    pool's blocks differ in ``block_id``). Each pool's blocks are of its own
+    subclass (:func:`~blockpool.core.block.block_class_for_pool`, same name,
+    no slot added), so the core's own-block check is a type test."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, block_id: int, pool: Any = None) -> None:
+        KVCacheBlock.__init__(self, block_id)
+        self.pool = pool
+
+
+class VllmNullBlock(_VllmBlockSurface, NullBlock):
+    """Block 0 of a :class:`~blockpool.integrations.vllm.pool.VllmBlockPool`:
+    the core's null block (``is_null`` true; never allocated, freed, cached
+    or a transfer's block) with the same vLLM surface as
+    :class:`VllmKVCacheBlock`."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, block_id: int = 0, pool: Any = None) -> None:
+        NullBlock.__init__(self, block_id)
+        self.pool = pool
+
+
+def _unpickle_block(block_id: int, ref_cnt: int, null: bool, state: tuple[Any, ...]) -> Any:
+    b: Any = (VllmNullBlock if null else VllmKVCacheBlock)(block_id)
     b.ref_cnt = ref_cnt
-    b._block_hash, b._block_hash_num_tokens, b.is_null, b.writer, b.readers = state
+    b.block_hash, b.block_hash_num_tokens, b.writer, b.readers = state
     return b
 
 
@@ -128,10 +189,60 @@ class VllmFreeBlockQueue(FreeBlockQueue):
 class HashMapView(BlockHashToBlockMap):
     """vLLM's ``BlockHashToBlockMap`` whose ``_cache`` *is* the core's key
     dict: vLLM's methods (and tests reaching into ``_cache``) read and write
-    the core's map. O(1) to build."""
+    the core's map. O(1) to build.
+
+    A value of the map is one block or a ``{block_id: block}`` dict, as in
+    vLLM. vLLM's methods tell the two apart by ``isinstance(value,
+    KVCacheBlock)`` (vLLM's class), which our blocks are not
+    (:class:`VllmKVCacheBlock`), so the four that test it are vLLM's code
+    with the test turned round: a dict is the several-block case, anything
+    else one block (ours, or vLLM's own that its unit tests insert). Each
+    O(1)."""
 
     def __init__(self, prefix_cache: PrefixCache) -> None:
         self._cache = prefix_cache.key_map  # type: ignore[assignment]
+
+    def get_one_block(self, key: Any) -> Any:
+        """Any block mapped to ``key``, or ``None``."""
+        blocks = self._cache.get(key)
+        if isinstance(blocks, dict):
+            return next(iter(blocks.values()))
+        return blocks
+
+    def contain(self, key: Any, block_id: int) -> bool:
+        """Whether ``key`` maps to block ``block_id``."""
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return False
+        if isinstance(blocks, dict):
+            return block_id in blocks
+        return bool(blocks.block_id == block_id)
+
+    def insert(self, key: Any, block: Any) -> None:
+        """Map ``key`` to ``block`` too (a second block makes the value a dict)."""
+        blocks = self._cache.get(key)
+        if blocks is None:
+            self._cache[key] = block
+        elif isinstance(blocks, dict):
+            blocks[block.block_id] = block
+        else:
+            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
+
+    def pop(self, key: Any, block_id: int) -> Any:
+        """Unmap block ``block_id`` from ``key``; the block, or ``None`` when
+        ``key`` did not map to it (the map unchanged)."""
+        blocks = self._cache.pop(key, None)
+        if blocks is None:
+            return None
+        if isinstance(blocks, dict):
+            block = blocks.pop(block_id, None)
+            if len(blocks) > 0:
+                self._cache[key] = blocks
+            return block
+        if blocks.block_id == block_id:
+            return blocks
+        self._cache[key] = blocks
+        return None
 
 
 class GroupKeys(Sequence):  # type: ignore[type-arg]

@@ -104,6 +104,7 @@ __all__ = [
     "add_arguments",
     "build_prompts",
     "compare_runs",
+    "core_build",
     "exit_status",
     "format_report",
     "main",
@@ -526,6 +527,22 @@ def _first_event_diff(ref: Sequence[Any], got: Sequence[Any]) -> str | None:
     return None
 
 
+def core_build() -> str:
+    """Which build of the core this process imports: ``"compiled (mypyc)"``
+    or ``"pure Python"`` (``blockpool.__compiled__``). Every run's report
+    records its own, and a run on the other build than the parent's is a
+    difference (a run's subprocess imports ``blockpool`` as the parent
+    does, from the same path: a compiled tree first on ``PYTHONPATH``
+    serves every mode). O(1).
+
+    >>> core_build() in ("compiled (mypyc)", "pure Python")
+    True
+    """
+    import blockpool
+
+    return "compiled (mypyc)" if blockpool.__compiled__ else "pure Python"
+
+
 def _expectations(mode: str, r: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(what, detail) for each way run ``r`` is not what its mode promises."""
     out = []
@@ -537,6 +554,8 @@ def _expectations(mode: str, r: Mapping[str, Any]) -> list[tuple[str, str]]:
     if not r.get("pool_is_ours"):
         out.append(("pool", f"the scheduler's pool is {pool}, expected {OUR_POOL}"))
         return out
+    if r.get("core_build", core_build()) != core_build():
+        out.append(("build", f"the run's blockpool core is {r['core_build']}, this process's {core_build()}"))
     want_hazards = mode != "hazards-off"
     if bool(r.get("pool_hazards")) != want_hazards:
         has = "set" if r.get("pool_hazards") else "None"
@@ -657,7 +676,8 @@ def format_report(report: Mapping[str, Any]) -> str:
     lines = [
         (
             f"blockpool check-vllm: vLLM {env.get('vllm_version', '?')}, torch {env.get('torch_version', '?')}, "
-            f"Python {env.get('python', '?')}, {env.get('device', '?')}, {env.get('machine', '?')}"
+            f"Python {env.get('python', '?')}, {env.get('device', '?')}, {env.get('machine', '?')}; "
+            f"blockpool core: {env.get('core_build', '?')}"
         ),
         f"model: tiny Llama with random weights ({_short(report.get('model'), 200)})",
     ]
@@ -874,6 +894,7 @@ def _serve(spec: Mapping[str, Any], result: dict[str, Any]) -> None:
     result["pool_mro"] = [f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__]
     result["pool_is_ours"] = any(n == OUR_POOL for n in result["pool_mro"])
     result["pool_hazards"] = getattr(pool, "hazards", None) is not None
+    result["core_build"] = core_build()
     result["scheduler_class"] = f"{type(sched).__module__}.{type(sched).__qualname__}"
     connector = getattr(sched, "connector", None)
     result["connector_class"] = type(connector).__name__ if connector is not None else None
@@ -1207,6 +1228,7 @@ def run(args: argparse.Namespace) -> int:
         "torch_version": first.get("torch_version", "?"),
         "device": first.get("device", "?"),
         "python": platform.python_version(),
+        "core_build": core_build(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "executable": sys.executable,
     }

@@ -70,11 +70,24 @@ class ParityBlockPool(VllmBlockPool):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._warned_loose = False
+        # Blocks of no pool were put in the key map (vLLM's code on them):
+        # lookups then go through vLLM's code on the map view, since the
+        # compiled core reads the map's values as its own records.
+        self._loose_keys = False
         if _TRACKED is not None:
             _TRACKED.append(self)
 
     def _foreign(self, *blocks: Any) -> bool:
         return any(b.pool is not self and not b.is_null for b in blocks)
+
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[Any] | None:
+        """As :meth:`VllmBlockPool.get_cached_block`; once blocks of no pool
+        were put in the key map, vLLM's own lookup on the map view (the
+        same answer; the compiled core reads the map's values as its own
+        records and would refuse vLLM's class). O(groups)."""
+        if self._loose_keys:
+            return VLLM_BLOCK_POOL.get_cached_block(self, block_hash, kv_cache_group_ids)  # type: ignore[no-any-return]
+        return super().get_cached_block(block_hash, kv_cache_group_ids)
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         """As :meth:`VllmBlockPool.free_blocks`, blocks of no pool left
@@ -101,6 +114,7 @@ class ParityBlockPool(VllmBlockPool):
     ) -> None:
         args = (request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
         if num_cached_blocks < num_full_blocks and self._foreign(*blocks[num_cached_blocks:num_full_blocks]):
+            self._loose_keys = True
             return VLLM_BLOCK_POOL.cache_full_blocks(self, *args)  # type: ignore[no-any-return]
         return super().cache_full_blocks(*args)
 
@@ -115,11 +129,13 @@ class ParityBlockPool(VllmBlockPool):
     ) -> Any:
         args = (request, block, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes)
         if self._foreign(block):
+            self._loose_keys = True
             return VLLM_BLOCK_POOL.cache_partial_block(self, *args)
         return super().cache_partial_block(*args)
 
     def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
         if src_block.pool is not self or dst_block.pool is not self:
+            self._loose_keys = True
             return VLLM_BLOCK_POOL.move_block_hashes(self, src_block, dst_block)  # type: ignore[no-any-return]
         return super().move_block_hashes(src_block, dst_block)
 
@@ -135,6 +151,7 @@ class ParityBlockPool(VllmBlockPool):
     def _insert_block_hash(self, block_hash_with_group_id: bytes, block: Any, num_tokens: int | None) -> None:
         if block.pool is self:
             return super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
+        self._loose_keys = True
         return VLLM_BLOCK_POOL._insert_block_hash(self, block_hash_with_group_id, block, num_tokens)  # type: ignore[no-any-return]
 
     def _remove_cached_block_hashes(self, block: Any) -> list[Any]:

@@ -34,7 +34,13 @@ from blockpool.core.errors import ForeignBlockError, InvalidArgumentError
 from blockpool.core.hazards import AccessKind, StreamKind
 from blockpool.core.pool import HazardAwareBlockPool
 from blockpool.integrations.vllm import release_line, vllm_version
-from blockpool.integrations.vllm.blocks import GroupKeys, HashMapView, VllmFreeBlockQueue, VllmKVCacheBlock
+from blockpool.integrations.vllm.blocks import (
+    GroupKeys,
+    HashMapView,
+    VllmFreeBlockQueue,
+    VllmKVCacheBlock,
+    VllmNullBlock,
+)
 from blockpool.integrations.vllm.events import HAS_LOOKAHEAD, VLLM_BLOCK_POOL, VllmEvents
 from blockpool.integrations.vllm.hazards import COMPUTE, StepHazards
 from blockpool.integrations.vllm.served import SERVED, Served
@@ -123,7 +129,7 @@ class VllmBlockPool(VllmEvents):
             streams={COMPUTE: StreamKind.DEVICE, **(streams or {})},
             medium=medium,
             removal_events="each",  # vLLM's events (0.32, 0.33): a removal per block that loses a key
-            block_factory=lambda block_id: block_cls(block_id, self, block_id == 0),
+            block_factory=lambda block_id: block_cls(block_id, self) if block_id else VllmNullBlock(0, self),
             block_class=block_cls,
             free_queue_class=VllmFreeBlockQueue,
         )
