@@ -554,8 +554,9 @@ def _expectations(mode: str, r: Mapping[str, Any]) -> list[tuple[str, str]]:
     if not r.get("pool_is_ours"):
         out.append(("pool", f"the scheduler's pool is {pool}, expected {OUR_POOL}"))
         return out
-    if r.get("core_build", core_build()) != core_build():
-        out.append(("build", f"the run's blockpool core is {r['core_build']}, this process's {core_build()}"))
+    build, own = r.get("core_build"), core_build()
+    if build is not None and build != own:
+        out.append(("build", f"the run's blockpool core is {build}, this process's {own}"))
     want_hazards = mode != "hazards-off"
     if bool(r.get("pool_hazards")) != want_hazards:
         has = "set" if r.get("pool_hazards") else "None"
