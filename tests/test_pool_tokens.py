@@ -146,3 +146,48 @@ def test_default_free_tag_carries_the_pools_identity() -> None:
     assert t == e1 and t.pool == pool.pool_id
     with pytest.raises(ForeignTokenError):
         other.complete(t)  # the other pool's compute:1 is not this one
+
+
+# The token path a real engine runs once a step (docs/performance.md,
+# "cold caches"): tokens built without attrs' __init__, the newest kept.
+
+
+def test_issued_tokens_are_tokens_like_any_other() -> None:
+    import pickle
+
+    import attrs
+
+    pool = HazardAwareBlockPool(4)
+    t = pool.issue("compute")
+    made = Token("compute", 1, t.kind, pool.pool_id)
+    assert type(t) is Token and t == made and hash(t) == hash(made) and repr(t) == repr(made)
+    assert (t.stream, t.seq, t.kind, t.pool) == (made.stream, made.seq, made.kind, made.pool)
+    assert pickle.loads(pickle.dumps(t)) == t and Token.from_wire(t.to_wire()).pool == pool.pool_id
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        t.seq = 2  # type: ignore[misc]
+
+
+def test_last_token_is_the_newest_issued_and_none_before_the_first() -> None:
+    pool = HazardAwareBlockPool(4)
+    assert pool.last_token("compute") is None
+    t1 = pool.issue("compute")
+    assert pool.last_token("compute") == t1
+    t2 = pool.issue("compute")
+    pool.complete(t2)
+    assert pool.last_token("compute") == t2 and pool.is_ended(t2)
+
+
+def test_free_count_and_events_apply_queued_completions_first(pool: HazardAwareBlockPool) -> None:
+    # get_num_free_blocks and take_events test the inbox before applying it
+    # (hoisted): a completion queued since the last call still releases the
+    # blocks it held and sends a failed load's removals.
+    (b,) = pool.get_new_blocks(1)
+    load, _ = pool.begin_load([b], "rdma")
+    pool.cache_full_blocks([b], ["k"], 0, 1, 16)
+    pool.free_blocks([b])
+    free = pool.get_num_free_blocks()
+    assert pool.held_block_ids() == [b.block_id]
+    pool.take_events()
+    pool.fail(load)
+    assert pool.get_num_free_blocks() == free + 1 and pool.held_block_ids() == []
+    assert [type(e) for e in pool.take_events()] == [BlockRemoved]

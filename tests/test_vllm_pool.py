@@ -473,3 +473,33 @@ def test_a_block_listed_twice_in_one_cache_full_blocks_call_matches_vllm() -> No
     assert state(ours) == state(theirs)
     assert ours.take_events() == theirs.take_events()
     ours.core.check()
+
+
+def test_too_few_block_hashes_are_refused_before_any_change() -> None:
+    from blockpool import InvalidArgumentError
+
+    ours = VllmBlockPool(10, True, BS, enable_kv_cache_events=True)
+    r = request("a", list(range(9)))  # two full blocks: two hashes
+    a = ours.get_new_blocks(3)
+    ours.take_events()
+    before = state(ours)
+    with pytest.raises(InvalidArgumentError, match="2 block hashes for 3 full blocks"):
+        ours.cache_full_blocks(r, a, 1, 3, BS, 0)
+    assert state(ours) == before and ours.take_events() == []
+
+
+def test_a_failed_loads_removals_reach_take_events_when_nothing_else_is_queued() -> None:
+    # The adapter moves the core's events only when the core queued some or
+    # has completions to apply: a failure reported from another thread
+    # since the last call must still withdraw the keys, with vLLM's events.
+    ours = VllmBlockPool(10, True, BS, enable_kv_cache_events=True)
+    ours.hazards.add_stream("nixl", StreamKind.HOST)
+    r = request("a", list(range(9)))
+    a = ours.get_new_blocks(2)
+    load = ours.hazards.begin_load("a", a, "nixl")
+    ours.cache_full_blocks(r, a, 0, 2, BS, 0)
+    ours.take_events()
+    ours.core.fail(load.token)
+    removed = [e for e in ours.take_events() if isinstance(e, BlockRemoved)]
+    assert [h for e in removed for h in e.block_hashes] == [maybe_convert_block_hash(h) for h in r.block_hashes[:2]]
+    assert ours.get_cached_block(r.block_hashes[0], [0]) is None

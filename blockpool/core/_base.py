@@ -245,7 +245,8 @@ class PoolBase:
         """Take and clear the queued KV cache events (``[]`` when disabled),
         after applying queued completions (a failed load's removed events).
         O(1)."""
-        self._apply_completions()
+        if self._due:  # hot call (once a step, and after each adapter call): _apply_completions' test, hoisted
+            self._apply_completions()
         if not self.enable_kv_cache_events:
             return []
         events, self.kv_event_queue = self.kv_event_queue, []

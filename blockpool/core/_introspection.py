@@ -35,7 +35,8 @@ class IntrospectionOps(PoolBase):
     def get_num_free_blocks(self) -> int:
         """Blocks in the free queue (held blocks excluded). O(1) plus queued
         completions."""
-        self._apply_completions()
+        if self._due:  # hot call (vLLM's scheduler: ~30 a step): _apply_completions' own test, hoisted
+            self._apply_completions()
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:

@@ -10,7 +10,7 @@ from blockpool.core._base import _HOST, _READ, _WRITE, PoolBase, _as_list
 from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import InvalidArgumentError, RefCountError
-from blockpool.core.hazards import LAST_STEP, AccessKind, FreeTag, Token
+from blockpool.core.hazards import LAST_STEP, AccessKind, FreeTag
 
 if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
     from blockpool.core._args import ArgAccess, ArgBool, ArgToken
@@ -124,7 +124,7 @@ class RefCountOps(PoolBase):
             self._check_access(access)
         if token is LAST_STEP:
             st = self.tracker.streams.get("compute") if self.track_hazards else None
-            token = Token(st.name, st.last_seq, st.kind, self.pool_id) if st is not None and st.last_seq else None
+            token = st.last_token if st is not None else None
         if token is not None:
             st = self.tracker.validate(token)
             # Record the access unless the token has ended (tracker.is_ended, inline).

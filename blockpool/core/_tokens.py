@@ -65,9 +65,9 @@ class TokenOps(PoolBase):
         Raises:
             UnknownStreamError: ``stream`` is not registered.
         """
-        self._apply_completions()
-        st = self.tracker.state(stream)
-        return Token(st.name, st.last_seq, st.kind, self.pool_id) if st.last_seq else None
+        if self._due:  # hot call (every free): _apply_completions' own test, hoisted
+            self._apply_completions()
+        return self.tracker.state(stream).last_token
 
     def complete(self, token: ArgToken) -> None:
         """The work up to ``token`` finished. Callable from any thread; applied

@@ -452,23 +452,6 @@ def unregister() -> None:
 # ----------------------------------------------------------------------
 
 
-def _hazards_of_pool(pool: Any) -> Any:
-    from blockpool.integrations.vllm.pool import VllmBlockPool
-
-    return pool.hazards if isinstance(pool, VllmBlockPool) else None
-
-
-def _hazards_of_scheduler(scheduler: Any) -> Any:
-    manager = getattr(scheduler, "kv_cache_manager", None)
-    return _hazards_of_pool(getattr(manager, "block_pool", None))
-
-
-def _served() -> Any:
-    from blockpool.integrations.vllm.served import SERVED
-
-    return SERVED
-
-
 def _patch(owner: Any, attr: str, make: Any) -> Undo | None:
     """Replace ``owner.attr`` by ``make(original)``, once; recorded for
     :func:`unregister`. Returns a function that removes this one wrapper
@@ -518,13 +501,25 @@ def _wire_scheduler() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from blockpool.integrations.vllm.pool import VllmBlockPool
+    from blockpool.integrations.vllm.served import SERVED
+
+    # The wrappers run on every step: the look-ups below are bound here,
+    # once (no import, no ABC check per call).
+    def hazards_of_pool(pool: Any) -> Any:
+        """The pool's StepHazards: ``None`` unless it is ours with hazards on. O(1)."""
+        return pool.hazards if isinstance(pool, VllmBlockPool) else None
+
+    def hazards_of_scheduler(scheduler: Any) -> Any:
+        return hazards_of_pool(getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None))
+
     def wrap_schedule(orig: Any) -> Any:
         @functools.wraps(orig)
         def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = orig(self, *args, **kwargs)
-            hz = _hazards_of_scheduler(self)
+            hz = hazards_of_scheduler(self)
             if hz is not None and hz.step_record(out) is not None:
-                _served().steps_issued += 1
+                SERVED.steps_issued += 1
             return out
 
         return schedule
@@ -534,11 +529,13 @@ def _wire_scheduler() -> None:
         def update_from_output(
             self: Any, scheduler_output: Any, model_runner_output: Any, *a: Any, **k: Any
         ) -> Any:
-            hz = _hazards_of_scheduler(self)
+            hz = hazards_of_scheduler(self)
             if hz is not None:
                 if hz.end_step(scheduler_output) is not None:
-                    _served().steps_ended += 1
-                hz.on_connector_output(getattr(model_runner_output, "kv_connector_output", None))
+                    SERVED.steps_ended += 1
+                connector_output = getattr(model_runner_output, "kv_connector_output", None)
+                if connector_output is not None:
+                    hz.on_connector_output(connector_output)
             return orig(self, scheduler_output, model_runner_output, *a, **k)
 
         return update_from_output
@@ -547,9 +544,10 @@ def _wire_scheduler() -> None:
         @functools.wraps(orig)
         def take_kv_cache_block_copies(self: Any, *a: Any, **k: Any) -> Any:
             copies, retained = orig(self, *a, **k)
-            hz = _hazards_of_pool(getattr(self, "block_pool", None))
-            if hz is not None and retained and hz.begin_copies(list(zip(retained[0::2], retained[1::2]))):
-                _served().copy_batches += 1
+            if retained:  # most steps copy nothing: no look-up then
+                hz = hazards_of_pool(getattr(self, "block_pool", None))
+                if hz is not None and hz.begin_copies(list(zip(retained[0::2], retained[1::2]))):
+                    SERVED.copy_batches += 1
             return copies, retained
 
         return take_kv_cache_block_copies
@@ -559,7 +557,7 @@ def _wire_scheduler() -> None:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             orig(self, *args, **kwargs)
             connector = getattr(self, "connector", None)
-            if connector is not None and _hazards_of_scheduler(self) is not None:
+            if connector is not None and hazards_of_scheduler(self) is not None:
                 from blockpool.integrations.vllm.connectors import on_scheduler_built
 
                 on_scheduler_built(self)
@@ -569,7 +567,7 @@ def _wire_scheduler() -> None:
     def wrap_drain(orig: Any) -> Any:
         @functools.wraps(orig)
         def _drain_deferred_frees(self: Any) -> Any:
-            hz = _hazards_of_scheduler(self)
+            hz = hazards_of_scheduler(self)
             if hz is None:
                 return orig(self)
             with hz.frees_after_their_steps():

@@ -1,6 +1,6 @@
 """vLLM's record types over the core's: the block, the free queue and the
 key-map view that :class:`~blockpool.integrations.vllm.pool.VllmBlockPool`
-hands to vLLM, and the view of a request's hashes as the core's keys.
+hands to vLLM.
 
 vLLM's code and tests read ``block.pool`` and ``_block_hash``, call
 ``set_block_hash``, walk the free queue by vLLM's names and read
@@ -11,21 +11,20 @@ the fast own-block check) and :class:`VllmNullBlock`, its free queue as
 (``docs/vllm-plugin.md``, "Design"). The blocks are the core's record
 class with vLLM's names added, not vLLM's dataclass: the compiled core
 reads its records natively and takes no other class. The core's keys are
-vLLM's ``BlockHashWithGroupId`` bytes as they are (:class:`GroupKeys`).
+vLLM's ``BlockHashWithGroupId`` bytes as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.block_pool import BlockHashToBlockMap
-from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from blockpool.core.block import FreeBlockQueue, KVCacheBlock, NullBlock
 from blockpool.core.prefix_cache import PrefixCache
 
-__all__ = ["GroupKeys", "HashMapView", "VllmFreeBlockQueue", "VllmKVCacheBlock", "VllmNullBlock"]
+__all__ = ["HashMapView", "VllmFreeBlockQueue", "VllmKVCacheBlock", "VllmNullBlock"]
 
 
 if TYPE_CHECKING:  # the mixin reads and writes the core record's fields
@@ -243,22 +242,3 @@ class HashMapView(BlockHashToBlockMap):
             return blocks
         self._cache[key] = blocks
         return None
-
-
-class GroupKeys(Sequence):  # type: ignore[type-arg]
-    """A request's block hashes as the core's keys for one KV cache group:
-    item ``i`` is vLLM's ``BlockHashWithGroupId`` of ``hashes[i]``, made on
-    demand (no list of the request's whole chain per call). O(1) to build
-    and per item."""
-
-    __slots__ = ("_hashes", "_suffix")
-
-    def __init__(self, hashes: Sequence[bytes], group_id: int) -> None:
-        self._hashes = hashes
-        self._suffix = group_id
-
-    def __len__(self) -> int:
-        return len(self._hashes)
-
-    def __getitem__(self, i: Any) -> Any:
-        return make_block_hash_with_group_id(self._hashes[i], self._suffix)  # type: ignore[arg-type]

@@ -94,10 +94,14 @@ class VllmEvents:
         per key, by vLLM's own helper); nothing when events are off. Returns
         the core's last ``BlockStored`` among them, or ``None``: the caller
         queues vLLM's, which carries token ids. O(events)."""
-        if not self.enable_kv_cache_events:
+        core = self.core
+        # Several times a step (after each core call that may queue one):
+        # nothing to move unless the core queued an event or has completions
+        # to apply (a failed load's removals), tested here without a call.
+        if not self.enable_kv_cache_events or not (core.kv_event_queue or core._due):
             return None
         stored = None
-        for ev in self.core.take_events():
+        for ev in core.take_events():
             if type(ev) is BlockRemoved:
                 self._emit_block_removed_events(ev.block_hashes)
             elif type(ev) is AllBlocksCleared:

@@ -35,7 +35,6 @@ from blockpool.core.hazards import AccessKind, StreamKind
 from blockpool.core.pool import HazardAwareBlockPool
 from blockpool.integrations.vllm import release_line, vllm_version
 from blockpool.integrations.vllm.blocks import (
-    GroupKeys,
     HashMapView,
     VllmFreeBlockQueue,
     VllmKVCacheBlock,
@@ -197,10 +196,11 @@ class VllmBlockPool(VllmEvents):
         blocks = self.core.get_new_blocks(num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(blocks)
-        if self.enable_caching:  # vLLM evicts each block's keys first
-            self._metrics(blocks, "on_block_evicted", "on_block_allocated")
-        else:
-            self._metrics(blocks, "on_block_allocated")
+        if self.metrics_collector is not None:
+            if self.enable_caching:  # vLLM evicts each block's keys first
+                self._metrics(blocks, "on_block_evicted", "on_block_allocated")
+            else:
+                self._metrics(blocks, "on_block_allocated")
         self._pull_events()
         if blocks:
             SERVED.allocations += 1
@@ -216,7 +216,10 @@ class VllmBlockPool(VllmEvents):
             ForeignBlockError: a block of another pool (nothing changes).
         """
         self.core.touch(blocks)
-        self._metrics(blocks if _ACCESS_HOOK_ON_NULL else (b for b in blocks if not b.is_null), "on_block_accessed")
+        if self.metrics_collector is not None:
+            self._metrics(
+                blocks if _ACCESS_HOOK_ON_NULL else (b for b in blocks if not b.is_null), "on_block_accessed"
+            )
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         """Drop one reference per block, first = evicted first; blocks of
@@ -339,7 +342,13 @@ class VllmBlockPool(VllmEvents):
             return
         assert block_mask is None or len(block_mask) == hi - lo
         block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
-        keys = GroupKeys(block_hashes, kv_cache_group_id)
+        # The core's keys (vLLM's BlockHashWithGroupId) of positions
+        # lo - 1 (the parent) to hi, made once each: the core reads a key
+        # several times. Shorter than hi when the request has too few hashes
+        # (the core refuses it).
+        first = lo - 1 if lo else 0
+        keys: list[Any] = [None] * first
+        keys += [make_block_hash_with_group_id(h, kv_cache_group_id) for h in block_hashes[first:hi]]  # type: ignore[arg-type]
         self._pull_events()  # first: the core's BlockStored pulled next is this call's
         self.core.cache_full_blocks(blocks, keys, lo, hi, block_size, block_mask)
         SERVED.blocks_cached += hi - lo
@@ -440,8 +449,15 @@ class VllmBlockPool(VllmEvents):
     # ------------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
-        """Blocks in the free queue (held-back blocks excluded). O(1)."""
-        return self.core.get_num_free_blocks()
+        """Blocks in the free queue (held-back blocks excluded). O(1).
+
+        vLLM's scheduler calls it some 30 times a step: the core's
+        ``get_num_free_blocks`` inlined (queued completions applied first,
+        which may release held-back blocks)."""
+        core = self.core
+        if core._due:
+            core._apply_completions()
+        return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
         """Fraction of usable blocks not free, in [0, 1]. O(1)."""
