@@ -557,6 +557,7 @@ print(f"plugin-on: HazardAwareBlockPool served {r['allocations']} allocations ({
       f"{r['frees']} frees ({r['blocks_freed']} blocks), {r['cache_hits']} prefix hits, "
       f"{r['blocks_cached']} blocks cached, in {r['pools']} pools")
 print(f"plugin-on: scheduler wiring issued {r['steps_issued']} step tokens, ended {r['steps_ended']}, "
+      f"saw {r.get('steps_untokened', 0)} steps without tokens (no stream but compute), "
       f"began {r['copy_batches']} copy batches; {r['loose_blocks_ignored']} blocks of no pool left alone")
 print(f"plugin-on: core invariants checked on {inv['pools_checked']} pools after {inv['tests_checked']} tests, "
       f"broken after {len(inv['broken'])} (tests that edit the key map by hand or cache blocks of no pool):")

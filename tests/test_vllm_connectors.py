@@ -51,7 +51,7 @@ def registered(request: pytest.FixtureRequest) -> Iterator[bool]:
 
 
 def make_scheduler(
-    connector: str,
+    connector: str | None,
     extra: dict[str, Any] | None = None,
     num_blocks: int = 64,
     role: str = "kv_both",
@@ -63,7 +63,8 @@ def make_scheduler(
     max_num_batched_tokens: int = 256,
     async_scheduling: bool = False,
 ) -> Any:
-    """vLLM's real Scheduler for a tiny model shape, with ``connector``:
+    """vLLM's real Scheduler for a tiny model shape, with ``connector``
+    (``None``: no KV connector):
     ``block_size`` is the KV cache spec's (the scheduler's is ``block_size
     * dcp``, as vLLM's engine resolves it); ``async_scheduling`` builds
     vLLM's ``AsyncScheduler``."""
@@ -92,7 +93,11 @@ def make_scheduler(
     )
     cache = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, enable_prefix_caching=True)
     cache.kv_cache_layout = "LBNHC"
-    transfer = KVTransferConfig(kv_connector=connector, kv_role=role, kv_connector_extra_config=extra or {})
+    transfer = (
+        None
+        if connector is None
+        else KVTransferConfig(kv_connector=connector, kv_role=role, kv_connector_extra_config=extra or {})
+    )
     config = VllmConfig(
         model_config=model,
         scheduler_config=sched,
@@ -678,3 +683,54 @@ def test_simple_cpu_offload_store_begins_on_the_pool_and_ends_when_every_worker_
     done = SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
     scheduler.update_from_output(out2, model_output(out2, kv_connector_worker_meta=done))
     assert core.is_ended(store.token)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_scheduler_without_connectors_sees_its_steps_without_issuing_tokens(registered: bool) -> None:
+    """With the compute stream alone every access is ordered by it and every
+    fence is empty: the wiring counts each step and issues, tags and ends
+    no token (the cost of one a step in a real engine: docs/performance.md)."""
+    from vllm.v1.request import RequestStatus
+
+    from blockpool.integrations.vllm.served import SERVED
+
+    s = make_scheduler(None, num_blocks=16)
+    hz = s.kv_cache_manager.block_pool.hazards
+    assert hz is not None and not hz.step_tokens and not hz.has_other_streams()
+    issued, untokened = SERVED.steps_issued, SERVED.steps_untokened
+    s.add_request(make_request("A", list(range(1, 40))))
+    out1 = s.schedule()
+    out2 = s.schedule()  # nothing new to schedule: an empty step, not counted
+    s.update_from_output(out1, model_output(out1))
+    s.finish_requests("A", RequestStatus.FINISHED_ABORTED)
+    assert (SERVED.steps_issued - issued, SERVED.steps_untokened - untokened) == (0, 1)
+    assert hz.steps_untokened == 1 and hz.steps_issued == 0 and hz.pool.last_token("compute") is None
+    assert all(b.writer is None and not b.readers for b in hz.pool.blocks)  # nothing tagged
+    s.update_from_output(out2, model_output(out2))
+
+
+def test_a_stream_added_later_turns_step_tokens_on_and_warns_of_outstanding_steps(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from blockpool import HazardAwareBlockPool
+    from blockpool.integrations.vllm.hazards import StepHazards
+
+    hz = StepHazards(HazardAwareBlockPool(8))
+    hz.step_tokens = False
+    out = SimpleNamespace(total_num_scheduled_tokens=8)
+    assert hz.skip_step(out) and not hz.skip_step(SimpleNamespace(total_num_scheduled_tokens=0))
+    hz.add_stream("compute", StreamKind.DEVICE)  # its own stream: nothing changes
+    assert not hz.step_tokens
+    with caplog.at_level("WARNING", logger="vllm.plugins.blockpool"):
+        hz.add_stream("nixl", StreamKind.HOST)
+    assert hz.step_tokens and "1 steps scheduled without step tokens" in caplog.text
+    assert str(hz.step_record(SimpleNamespace(total_num_scheduled_tokens=8)).forward) == "compute:1"
+    # A step ended before the stream came: nothing outstanding, no warning.
+    hz2 = StepHazards(HazardAwareBlockPool(8))
+    hz2.step_tokens = False
+    hz2.skip_step(out)
+    assert hz2.end_step(out) is None
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vllm.plugins.blockpool"):
+        hz2.add_stream("nixl", StreamKind.HOST)
+    assert hz2.step_tokens and caplog.text == ""

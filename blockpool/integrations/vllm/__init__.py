@@ -518,8 +518,12 @@ def _wire_scheduler() -> None:
         def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = orig(self, *args, **kwargs)
             hz = hazards_of_scheduler(self)
-            if hz is not None and hz.step_record(out) is not None:
-                SERVED.steps_issued += 1
+            if hz is not None:
+                if not hz.step_tokens:  # nothing can wait on a step token (StepHazards.step_tokens)
+                    if hz.skip_step(out):
+                        SERVED.steps_untokened += 1
+                elif hz.step_record(out) is not None:
+                    SERVED.steps_issued += 1
             return out
 
         return schedule
@@ -546,7 +550,11 @@ def _wire_scheduler() -> None:
             copies, retained = orig(self, *a, **k)
             if retained:  # most steps copy nothing: no look-up then
                 hz = hazards_of_pool(getattr(self, "block_pool", None))
-                if hz is not None and hz.begin_copies(list(zip(retained[0::2], retained[1::2]))):
+                if (
+                    hz is not None
+                    and hz.step_tokens
+                    and hz.begin_copies(list(zip(retained[0::2], retained[1::2])))
+                ):
                     SERVED.copy_batches += 1
             return copies, retained
 
@@ -556,11 +564,17 @@ def _wire_scheduler() -> None:
         @functools.wraps(orig)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             orig(self, *args, **kwargs)
+            hz = hazards_of_scheduler(self)
+            if hz is None:
+                return
             connector = getattr(self, "connector", None)
-            if connector is not None and hazards_of_scheduler(self) is not None:
+            if connector is not None:
                 from blockpool.integrations.vllm.connectors import on_scheduler_built
 
                 on_scheduler_built(self)
+            # Its connectors are bound (their streams registered): with the
+            # compute stream alone, no step token could be waited on.
+            hz.step_tokens = hz.has_other_streams()
 
         return __init__
 
@@ -568,7 +582,7 @@ def _wire_scheduler() -> None:
         @functools.wraps(orig)
         def _drain_deferred_frees(self: Any) -> Any:
             hz = hazards_of_scheduler(self)
-            if hz is None:
+            if hz is None or not hz.step_tokens:
                 return orig(self)
             with hz.frees_after_their_steps():
                 return orig(self)

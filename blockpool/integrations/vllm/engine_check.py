@@ -564,14 +564,13 @@ def _expectations(mode: str, r: Mapping[str, Any]) -> list[tuple[str, str]]:
     served = r.get("served") or {}
     if not served.get("allocations"):
         out.append(("served", f"the core served no allocations ({_short(served)})"))
-    if want_hazards and not served.get("steps_issued"):
-        out.append(
-            ("served", f"hazards on, but the scheduler wiring issued no step tokens ({_short(served)})")
-        )
-    if not want_hazards and served.get("steps_issued"):
-        out.append(
-            ("served", f"hazards off, but the scheduler wiring issued {served['steps_issued']} step tokens")
-        )
+    # Steps the wiring saw: with step tokens, or without (no stream but the
+    # compute stream: nothing could wait on one; StepHazards.step_tokens).
+    seen = (served.get("steps_issued") or 0) + (served.get("steps_untokened") or 0)
+    if want_hazards and not seen:
+        out.append(("served", f"hazards on, but the scheduler wiring saw no step ({_short(served)})"))
+    if not want_hazards and seen:
+        out.append(("served", f"hazards off, but the scheduler wiring saw {seen} steps"))
     return out
 
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import weakref
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any
@@ -69,6 +70,8 @@ __all__ = ["COMPUTE", "StepHazards", "StepRecord", "Transfer"]
 
 COMPUTE = "compute"
 """Name of the stream that runs the forward pass and the block copies."""
+
+logger = logging.getLogger("vllm.plugins.blockpool")
 
 _Wire = Any  # plain tuples/lists of str, int, bool (msgspec- and JSON-encodable)
 
@@ -196,6 +199,16 @@ class StepHazards:
         self._stores: dict[Hashable, list[Transfer]] = {}
         self._step_writes: tuple[int, Fence] = (0, EMPTY_FENCE)
         self._frees_after_steps = 0
+        self.step_tokens = True
+        """Whether the scheduler wiring issues step tokens and begins block
+        copies (this class's own methods always do when called). The plugin
+        turns it off for a scheduler whose pool has no stream or engine but
+        the compute stream once its connectors are bound (:meth:`has_other_streams`):
+        every access is then ordered by that one stream, every fence is
+        empty, and a token would be issued, tagged and ended for nothing.
+        :meth:`add_stream` turns it on again."""
+        self.steps_untokened = 0
+        self._untokened: dict[int, Any] = {}
 
     # ------------------------------------------------------------------
     # steps
@@ -208,6 +221,26 @@ class StepHazards:
         if self._frees_after_steps:
             return None
         return self.pool.last_token(self.stream)
+
+    def has_other_streams(self) -> bool:
+        """Whether the pool has a stream or engine besides this wiring's
+        compute stream: something that may have to wait on a step token.
+        O(streams)."""
+        return any(name != self.stream for name in self.pool.streams)
+
+    def skip_step(self, scheduler_output: object) -> bool:
+        """The scheduler wiring's call for a step while :attr:`step_tokens`
+        is off: a non-empty step (as :meth:`step_record` counts them) is
+        counted in ``steps_untokened`` and remembered until :meth:`end_step`
+        sees its output, no token issued. Returns whether it counted one.
+        O(1)."""
+        if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+            return False
+        self.steps_untokened += 1
+        self._untokened[id(scheduler_output)] = _ref(scheduler_output)
+        while len(self._untokened) > self.max_outstanding:
+            del self._untokened[next(iter(self._untokened))]
+        return True
 
     @contextlib.contextmanager
     def frees_after_their_steps(self) -> Iterator[None]:
@@ -353,8 +386,11 @@ class StepHazards:
         issued (an empty step, or one built outside ``schedule()``).
         O(steps dropped).
         """
-        entry = self._steps.get(id(scheduler_output))
+        key = id(scheduler_output)
+        entry = self._steps.get(key)
         if entry is None or entry[0]() is not scheduler_output:
+            if self._untokened:
+                self._untokened.pop(key, None)
             return None
         record = entry[1]
         while self._steps:
@@ -378,10 +414,27 @@ class StepHazards:
         completes in order) or engine (``HOST``: RDMA NIC, transfer threads;
         completes per transfer). Idempotent for the same kind.
 
+        A stream other than the compute stream turns :attr:`step_tokens` on
+        again. Steps the wiring scheduled without tokens that have not ended
+        yet (async scheduling) may still read blocks freed meanwhile, and no
+        token says so: a warning is logged then (vLLM binds its connectors,
+        which add their streams, before the scheduler's first step, so it
+        never happens there).
+
         Raises:
             InvalidArgumentError: the name is registered with another kind.
         """
         self.pool.add_stream(name, kind)
+        if not self.step_tokens and name != self.stream:
+            self.step_tokens = True
+            if self._untokened:
+                logger.warning(
+                    "blockpool: stream %r registered while %d steps scheduled without step tokens are "
+                    "outstanding: transfers on it into blocks those steps freed are not fenced on them",
+                    name,
+                    len(self._untokened),
+                )
+                self._untokened.clear()
 
     def blocks_of(self, block_ids: Iterable[int]) -> list[KVCacheBlock]:
         """The pool's blocks for ``block_ids``, in order, as a transfer may

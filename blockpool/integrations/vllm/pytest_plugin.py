@@ -132,6 +132,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     )
     write(
         f"blockpool: scheduler wiring issued {r['steps_issued']} step tokens, ended {r['steps_ended']}, "
+        f"saw {r['steps_untokened']} steps without tokens (no stream but compute), "
         f"began {r['copy_batches']} copy batches; ignored {r['loose_blocks_ignored']} blocks of no pool"
     )
     write(

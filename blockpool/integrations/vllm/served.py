@@ -21,8 +21,9 @@ __all__ = ["SERVED", "Served"]
 class Served:
     """Work done by every :class:`~blockpool.integrations.vllm.pool.VllmBlockPool`
     core in this process (the proof that the core, not vLLM's pool, served
-    vLLM's calls), and by the scheduler wiring (steps issued and ended, copy
-    batches begun) and by the connector wiring (transfers begun with a
+    vLLM's calls), and by the scheduler wiring (steps issued and ended, steps
+    seen without a token because nothing could wait on one, copy batches
+    begun) and by the connector wiring (transfers begun with a
     fence, and how many of those fences were non-empty)."""
 
     pools: int = 0
@@ -33,6 +34,7 @@ class Served:
     cache_hits: int = 0
     blocks_cached: int = 0
     steps_issued: int = 0
+    steps_untokened: int = 0
     steps_ended: int = 0
     copy_batches: int = 0
     transfers_fenced: int = 0
