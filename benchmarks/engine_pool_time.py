@@ -65,7 +65,7 @@ POOL_METHODS = (
 )
 """vLLM's ``BlockPool`` methods its scheduler and KV cache managers call."""
 
-WIRING_METHODS = ("step_record", "end_step", "on_connector_output", "begin_copies", "tag_step_writes")
+WIRING_METHODS = ("step_record", "skip_step", "end_step", "on_connector_output", "begin_copies", "tag_step_writes")
 """The :class:`StepHazards` calls the scheduler wiring makes (hazards on)."""
 
 

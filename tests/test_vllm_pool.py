@@ -503,3 +503,17 @@ def test_a_failed_loads_removals_reach_take_events_when_nothing_else_is_queued()
     removed = [e for e in ours.take_events() if isinstance(e, BlockRemoved)]
     assert [h for e in removed for h in e.block_hashes] == [maybe_convert_block_hash(h) for h in r.block_hashes[:2]]
     assert ours.get_cached_block(r.block_hashes[0], [0]) is None
+
+
+def test_usage_is_vllms_figure_and_the_cores_held_blocks_included() -> None:
+    theirs, ours = pools(10)
+    for p in (theirs, ours):
+        p.get_new_blocks(3)
+    assert ours.get_usage() == theirs.get_usage() == ours.core.get_usage() == pytest.approx(3 / 9)
+    ours.hazards.add_stream("nixl", StreamKind.HOST)
+    (b,) = ours.get_new_blocks(1)
+    ours.hazards.begin_load("x", [b], "nixl")
+    ours.free_blocks([b])  # held back while the load may still write it: used
+    assert ours.core.held_block_ids() == [b.block_id]
+    assert ours.get_usage() == ours.core.get_usage() == pytest.approx(4 / 9)
+    assert VllmBlockPool(1, True, BS).get_usage() == VLLM_BLOCK_POOL(1, True, BS).get_usage() == 0.0
