@@ -189,5 +189,14 @@ def test_free_count_and_events_apply_queued_completions_first(pool: HazardAwareB
     assert pool.held_block_ids() == [b.block_id]
     pool.take_events()
     pool.fail(load)
+    assert [type(e) for e in pool.take_events()] == [BlockRemoved]  # take_events applied it
+    assert pool.held_block_ids() == [] and pool.get_num_free_blocks() == free + 1
+
+
+def test_free_count_applies_a_queued_completion_first(pool: HazardAwareBlockPool) -> None:
+    (b,) = pool.get_new_blocks(1)
+    load, _ = pool.begin_load([b], "rdma")
+    pool.free_blocks([b])
+    free = pool.get_num_free_blocks()
+    pool.complete(load)  # queued: applied by the next call
     assert pool.get_num_free_blocks() == free + 1 and pool.held_block_ids() == []
-    assert [type(e) for e in pool.take_events()] == [BlockRemoved]

@@ -700,13 +700,29 @@ def test_a_scheduler_without_connectors_sees_its_steps_without_issuing_tokens(re
     issued, untokened = SERVED.steps_issued, SERVED.steps_untokened
     s.add_request(make_request("A", list(range(1, 40))))
     out1 = s.schedule()
-    out2 = s.schedule()  # nothing new to schedule: an empty step, not counted
+    s.finish_requests("A", RequestStatus.FINISHED_ABORTED)  # freed while step 1 runs
+    # With a token, the frees would carry step 1's (still running) as a read.
+    assert all(b.writer is None and not b.readers for b in hz.pool.blocks)
     s.update_from_output(out1, model_output(out1))
-    s.finish_requests("A", RequestStatus.FINISHED_ABORTED)
     assert (SERVED.steps_issued - issued, SERVED.steps_untokened - untokened) == (0, 1)
     assert hz.steps_untokened == 1 and hz.steps_issued == 0 and hz.pool.last_token("compute") is None
-    assert all(b.writer is None and not b.readers for b in hz.pool.blocks)  # nothing tagged
-    s.update_from_output(out2, model_output(out2))
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_scheduler_with_a_wired_connector_issues_step_tokens(registered: bool) -> None:
+    from vllm.v1.request import RequestStatus
+
+    s = make_scheduler("NixlConnector", role="kv_consumer", num_blocks=16)
+    hz = s.kv_cache_manager.block_pool.hazards
+    assert hz.step_tokens and hz.has_other_streams()
+    s.add_request(make_request("A", list(range(1, 40))))
+    out1 = s.schedule()
+    s.finish_requests("A", RequestStatus.FINISHED_ABORTED)  # freed while step 1 runs
+    e1 = hz.step_record(out1).forward
+    # Step 1's forward wrote A's blocks (tag_step_writes) and its read tags the frees.
+    assert [b.block_id for b in hz.pool.blocks if b.writer == e1] != []
+    s.update_from_output(out1, model_output(out1))
+    assert hz.steps_untokened == 0 and hz.steps_issued == 1
 
 
 def test_a_stream_added_later_turns_step_tokens_on_and_warns_of_outstanding_steps(

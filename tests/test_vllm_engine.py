@@ -334,6 +334,12 @@ def test_pool_and_served_expectations() -> None:
     # With the compute stream alone the wiring sees steps without tokens:
     # that is the wiring at work (StepHazards.step_tokens), not a difference.
     assert diffs_of("on", lambda x: x["served"].update(steps_issued=0, steps_untokened=4)) == []
+    # ... but a wired KV connector registers streams: its steps need tokens.
+    (d,) = diffs_of("on", lambda x: (x.update(kv_connector="offloading"), x["served"].update(steps_untokened=4)))
+    assert d.what == "served" and "offloading wired, but steps went without tokens" in d.detail
+    diffs = diffs_of("on", lambda x: (x.update(kv_connector="offloading"), x["served"].update(steps_issued=0)))
+    assert {d.what for d in diffs} == {"served"} and any("without tokens" in d.detail for d in diffs)
+    assert diffs_of("on", lambda x: x.update(kv_connector="offloading")) == []
 
 
 def test_a_run_on_another_build_of_the_core_is_a_difference() -> None:

@@ -517,3 +517,27 @@ def test_usage_is_vllms_figure_and_the_cores_held_blocks_included() -> None:
     assert ours.core.held_block_ids() == [b.block_id]
     assert ours.get_usage() == ours.core.get_usage() == pytest.approx(4 / 9)
     assert VllmBlockPool(1, True, BS).get_usage() == VLLM_BLOCK_POOL(1, True, BS).get_usage() == 0.0
+
+
+def test_free_count_applies_a_completion_queued_from_another_thread_first() -> None:
+    ours = VllmBlockPool(10, True, BS)
+    ours.hazards.add_stream("nixl", StreamKind.HOST)
+    (b,) = ours.get_new_blocks(1)
+    load = ours.hazards.begin_load("x", [b], "nixl")
+    ours.free_blocks([b])  # held back while the load may still write it
+    free = ours.get_num_free_blocks()
+    ours.core.complete(load.token)  # queued, as a transfer thread reports it
+    assert ours.get_num_free_blocks() == free + 1
+    assert ours.core.held_block_ids() == []
+
+
+def test_cache_full_blocks_deep_into_a_long_request_publishes_with_vllms_keys_and_event() -> None:
+    # The keys are made for positions lo - 1 .. hi - 1 only (not padded to lo).
+    theirs, ours = pools(40)
+    r = request("a", list(range(30 * BS + 1)))
+    for p in (theirs, ours):
+        blocks = p.get_new_blocks(30)
+        p.cache_full_blocks(r, blocks, 0, 28, BS, 0)
+        p.cache_full_blocks(r, blocks, 28, 30, BS, 0)
+    assert state(ours) == state(theirs)
+    assert ours.take_events() == theirs.take_events()

@@ -569,6 +569,12 @@ def _expectations(mode: str, r: Mapping[str, Any]) -> list[tuple[str, str]]:
     seen = (served.get("steps_issued") or 0) + (served.get("steps_untokened") or 0)
     if want_hazards and not seen:
         out.append(("served", f"hazards on, but the scheduler wiring saw no step ({_short(served)})"))
+    # A wired KV connector registers its streams: every step must get a token.
+    untokened = served.get("steps_untokened") or not served.get("steps_issued")
+    if want_hazards and r.get("kv_connector") and untokened:
+        out.append(
+            ("served", f"KV connector {r['kv_connector']} wired, but steps went without tokens ({_short(served)})")
+        )
     if not want_hazards and seen:
         out.append(("served", f"hazards off, but the scheduler wiring saw {seen} steps"))
     return out
@@ -894,6 +900,7 @@ def _serve(spec: Mapping[str, Any], result: dict[str, Any]) -> None:
     result["pool_mro"] = [f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__]
     result["pool_is_ours"] = any(n == OUR_POOL for n in result["pool_mro"])
     result["pool_hazards"] = getattr(pool, "hazards", None) is not None
+    result["kv_connector"] = spec["workload"].get("kv_connector")
     result["core_build"] = core_build()
     result["scheduler_class"] = f"{type(sched).__module__}.{type(sched).__qualname__}"
     connector = getattr(sched, "connector", None)

@@ -415,11 +415,12 @@ class StepHazards:
         completes per transfer). Idempotent for the same kind.
 
         A stream other than the compute stream turns :attr:`step_tokens` on
-        again. Steps the wiring scheduled without tokens that have not ended
-        yet (async scheduling) may still read blocks freed meanwhile, and no
-        token says so: a warning is logged then (vLLM binds its connectors,
-        which add their streams, before the scheduler's first step, so it
-        never happens there).
+        again (a stream added to the pool directly, ``pool.add_stream``,
+        does not: register connector streams here). Steps the wiring
+        scheduled without tokens that have not ended yet (async scheduling)
+        still read and write their blocks, and no token says so: a warning
+        is logged then (vLLM binds its connectors, which add their streams
+        here, before the scheduler's first step, so it never happens there).
 
         Raises:
             InvalidArgumentError: the name is registered with another kind.
@@ -427,14 +428,16 @@ class StepHazards:
         self.pool.add_stream(name, kind)
         if not self.step_tokens and name != self.stream:
             self.step_tokens = True
-            if self._untokened:
+            live = sum(1 for ref in self._untokened.values() if ref() is not None)
+            self._untokened.clear()
+            if live:
                 logger.warning(
                     "blockpool: stream %r registered while %d steps scheduled without step tokens are "
-                    "outstanding: transfers on it into blocks those steps freed are not fenced on them",
+                    "outstanding: transfers on it are not fenced on those steps (blocks they read, "
+                    "write or freed, and block copies begun without a token)",
                     name,
-                    len(self._untokened),
+                    live,
                 )
-                self._untokened.clear()
 
     def blocks_of(self, block_ids: Iterable[int]) -> list[KVCacheBlock]:
         """The pool's blocks for ``block_ids``, in order, as a transfer may

@@ -60,6 +60,22 @@ _READ = AccessKind.READ
 _ACCESS_HOOK_ON_NULL = (release_line(vllm_version()) or (0, 33)) < (0, 33)
 
 
+class _KeysAt(dict):  # type: ignore[type-arg]
+    """The core's keys (vLLM's ``BlockHashWithGroupId``) of one
+    ``cache_full_blocks`` call by table position, ``lo - 1`` (the parent) to
+    ``hi - 1``, each made once: the core reads a key several times, and a
+    read here is a C-level dict lookup (a lazy sequence cost a Python call
+    per read, a padded list O(``lo``) per call: 8,000 entries at 128k
+    tokens). ``len()`` is the length of the table the positions index,
+    which the core checks against ``hi``."""
+
+    __slots__ = ("length",)
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+
 class VllmBlockPool(VllmEvents):
     """vLLM's ``BlockPool`` (0.32 and 0.33) over a :class:`~blockpool.HazardAwareBlockPool`.
 
@@ -342,13 +358,11 @@ class VllmBlockPool(VllmEvents):
             return
         assert block_mask is None or len(block_mask) == hi - lo
         block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
-        # The core's keys (vLLM's BlockHashWithGroupId) of positions
-        # lo - 1 (the parent) to hi, made once each: the core reads a key
-        # several times. Shorter than hi when the request has too few hashes
-        # (the core refuses it).
         first = lo - 1 if lo else 0
-        keys: list[Any] = [None] * first
-        keys += [make_block_hash_with_group_id(h, kv_cache_group_id) for h in block_hashes[first:hi]]  # type: ignore[arg-type]
+        keys = _KeysAt(
+            zip(range(first, hi), (make_block_hash_with_group_id(h, kv_cache_group_id) for h in block_hashes[first:hi]))  # type: ignore[arg-type]
+        )
+        keys.length = min(len(block_hashes), hi)  # short: the core refuses the call
         self._pull_events()  # first: the core's BlockStored pulled next is this call's
         self.core.cache_full_blocks(blocks, keys, lo, hi, block_size, block_mask)
         SERVED.blocks_cached += hi - lo
