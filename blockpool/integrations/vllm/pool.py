@@ -360,7 +360,8 @@ class VllmBlockPool(VllmEvents):
         block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
         first = lo - 1 if lo else 0
         keys = _KeysAt(
-            zip(range(first, hi), (make_block_hash_with_group_id(h, kv_cache_group_id) for h in block_hashes[first:hi]))  # type: ignore[arg-type]
+            (i, make_block_hash_with_group_id(h, kv_cache_group_id))  # type: ignore[arg-type]
+            for i, h in enumerate(block_hashes[first:hi], first)
         )
         keys.length = min(len(block_hashes), hi)  # short: the core refuses the call
         self._pull_events()  # first: the core's BlockStored pulled next is this call's
