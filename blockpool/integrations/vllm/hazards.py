@@ -192,7 +192,9 @@ class StepHazards:
         self.copy_pairs_skipped = 0
         self.transfers_begun = 0
         self.fences_nonempty = 0
-        self._steps: collections.OrderedDict[int, tuple[Any, StepRecord]] = collections.OrderedDict()
+        # Outstanding steps by id of their output: (weak ref, record), the
+        # record None for a step seen without tokens (skip_step).
+        self._steps: collections.OrderedDict[int, tuple[Any, StepRecord | None]] = collections.OrderedDict()
         self._pending_copy: tuple[Token, Fence] | None = None
         self.transfer_blocks_skipped = 0
         self._loads: dict[Hashable, list[Transfer]] = {}
@@ -208,7 +210,6 @@ class StepHazards:
         empty, and a token would be issued, tagged and ended for nothing.
         :meth:`add_stream` turns it on again."""
         self.steps_untokened = 0
-        self._untokened: dict[int, Any] = {}
 
     # ------------------------------------------------------------------
     # steps
@@ -237,10 +238,15 @@ class StepHazards:
         if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
             return False
         self.steps_untokened += 1
-        self._untokened[id(scheduler_output)] = _ref(scheduler_output)
-        while len(self._untokened) > self.max_outstanding:
-            del self._untokened[next(iter(self._untokened))]
+        self._remember(scheduler_output, None)
         return True
+
+    def _remember(self, scheduler_output: object, record: StepRecord | None) -> None:
+        """Keep the step of ``scheduler_output`` outstanding until
+        :meth:`end_step`; the oldest is dropped beyond ``max_outstanding``. O(1)."""
+        self._steps[id(scheduler_output)] = (_ref(scheduler_output), record)
+        while len(self._steps) > self.max_outstanding:
+            self._steps.popitem(last=False)
 
     @contextlib.contextmanager
     def frees_after_their_steps(self) -> Iterator[None]:
@@ -315,9 +321,7 @@ class StepHazards:
         self._pending_copy = None
         self.steps_issued += 1
         record = StepRecord(self.steps_issued, self.pool.issue(self.stream), copies, copy_fence)
-        self._steps[key] = (_ref(scheduler_output), record)
-        while len(self._steps) > self.max_outstanding:
-            self._steps.popitem(last=False)
+        self._remember(scheduler_output, record)
         return record
 
     def tag_step_writes(self, scheduler_output: object, block_sizes: int | Sequence[int]) -> Fence:
@@ -383,27 +387,27 @@ class StepHazards:
         """Step N's model output came back: end ``eN`` (and every earlier
         compute token). Records of earlier steps are dropped too. Returns
         the step's record, or ``None`` for an output this wiring never
-        issued (an empty step, or one built outside ``schedule()``).
+        issued (an empty step, one built outside ``schedule()``, or one
+        :meth:`skip_step` saw, which is dropped here like a record).
         O(steps dropped).
         """
         key = id(scheduler_output)
         entry = self._steps.get(key)
         if entry is None or entry[0]() is not scheduler_output:
-            if self._untokened:
-                self._untokened.pop(key, None)
             return None
-        record = entry[1]
         while self._steps:
-            _, (_, rec) = self._steps.popitem(last=False)
-            if rec is record:
+            if self._steps.popitem(last=False)[0] == key:
                 break
+        record = entry[1]
+        if record is None:  # seen without tokens: nothing to end
+            return None
         self.pool.complete(record.forward)
         self.steps_ended += 1
         return record
 
     def outstanding_steps(self) -> list[StepRecord]:
         """Records of issued steps whose output has not come back, oldest first."""
-        return [rec for _, rec in self._steps.values()]
+        return [rec for _, rec in self._steps.values() if rec is not None]
 
     # ------------------------------------------------------------------
     # connector transfers
@@ -428,8 +432,7 @@ class StepHazards:
         self.pool.add_stream(name, kind)
         if not self.step_tokens and name != self.stream:
             self.step_tokens = True
-            live = sum(1 for ref in self._untokened.values() if ref() is not None)
-            self._untokened.clear()
+            live = sum(1 for ref, rec in self._steps.values() if rec is None and ref() is not None)
             if live:
                 logger.warning(
                     "blockpool: stream %r registered while %d steps scheduled without step tokens are "
