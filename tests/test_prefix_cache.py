@@ -5,11 +5,14 @@ flight. Faults reported from the field (issue #4): one test per behaviour.
 
 from __future__ import annotations
 
+import pytest
+
 from blockpool import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     HazardAwareBlockPool,
+    InvalidArgumentError,
 )
 from tests.conftest import make_pool
 
@@ -107,3 +110,46 @@ def test_a_block_listed_twice_in_one_cache_full_blocks_call_keeps_the_longer_pre
     # BlockRemoved(n0) then BlockStored((n0, n1)): a router would keep n0).
     assert pool.take_events() == [BlockStored(("n1",), "n0", 16, (1,), "GPU")]
     pool.check()
+
+
+def test_publish_full_blocks_publishes_as_cache_full_blocks_and_queues_no_stored_event() -> None:
+    # Two pools, the same calls: publish_full_blocks leaves the key map and
+    # the blocks as cache_full_blocks does, returns the positions it newly
+    # published (gaps: the null block, a masked-out block, a block already
+    # holding its key), and queues only the promotions' removed events.
+    twins = [make_pool(10, removal_events="each") for _ in range(2)]
+    got = []
+    for pool, publish in zip(twins, (True, False)):
+        a = pool.get_new_blocks(4)
+        pool.cache_partial_block(a[3], "p3", 72)  # a[3]: a partial key at position 4, promoted below
+        pool.cache_full_blocks(a, ["h0", "h1"], 1, 2, 16)  # a[1] holds h1 already
+        pool.take_events()
+        table = [a[0], a[1], pool.null_block, a[2], a[3]]
+        keys = ["h0", "h1", "hn", "h2", "h3"]
+        if publish:
+            got.append(pool.publish_full_blocks(table, keys, 0, 5, 16, block_mask=[True, True, True, False, True]))
+        else:
+            pool.cache_full_blocks(table, keys, 0, 5, 16, block_mask=[True, True, True, False, True])
+        got.append(pool.take_events())
+    positions, published_events, cached_events = got
+    assert positions == [0, 4]
+    assert published_events == [BlockRemoved(("p3",), reason="promoted")]
+    assert cached_events == [
+        BlockRemoved(("p3",)),
+        BlockStored(("h0", "h3"), None, 16, (twins[1].blocks[1].block_id, twins[1].blocks[4].block_id)),
+    ]
+    assert twins[0].snapshot() == twins[1].snapshot()
+    assert [twins[0].get_cached_block(k) for k in ("h0", "h3", "p3", "h2")] == [
+        twins[0].blocks[1], twins[0].blocks[4], None, None,
+    ]
+
+
+def test_publish_full_blocks_refuses_a_bad_key_before_publishing_any() -> None:
+    pool = make_pool(10)
+    a = pool.get_new_blocks(3)
+    pool.take_events()
+    before = pool.snapshot()
+    with pytest.raises(InvalidArgumentError, match="hashable"):
+        pool.publish_full_blocks(a, ["h0", ["unhashable"], "h2"], 0, 3, 16)
+    assert pool.snapshot() == before and pool.take_events() == []
+    assert pool.get_cached_block("h0") is None

@@ -541,3 +541,24 @@ def test_cache_full_blocks_deep_into_a_long_request_publishes_with_vllms_keys_an
         p.cache_full_blocks(r, blocks, 28, 30, BS, 0)
     assert state(ours) == state(theirs)
     assert ours.take_events() == theirs.take_events()
+
+
+def test_the_cores_removals_and_resets_moved_together_keep_their_order() -> None:
+    # The adapter hands a run of the core's removals to vLLM's helper in one
+    # call: the events around a reset must keep the core's order.
+    ours = VllmBlockPool(10, True, BS, enable_kv_cache_events=True)
+    r = request("a", list(range(9)))
+    keys = [make_block_hash_with_group_id(h, 0) for h in r.block_hashes]
+    core = ours.core
+    a = core.get_new_blocks(2)
+    core.cache_full_blocks(a, keys, 0, 2, BS)
+    core.free_blocks(a)
+    core.evict_blocks([b.block_id for b in a])
+    core.reset_prefix_cache()
+    core.cache_full_blocks(core.get_new_blocks(1), keys, 0, 1, BS)
+    core.evict_blocks([b.block_id for b in core.blocks if b.block_hash is not None])
+    events = ours.take_events()
+    assert [type(e).__name__ for e in events] == ["BlockRemoved", "BlockRemoved", "AllBlocksCleared", "BlockRemoved"]
+    assert [e.block_hashes for e in events if isinstance(e, BlockRemoved)] == [
+        [maybe_convert_block_hash(h)] for h in (r.block_hashes[0], r.block_hashes[1], r.block_hashes[0])
+    ]

@@ -229,7 +229,7 @@ class PoolBase:
         """Queue one removed event per key (events on). O(len(keys))."""
         if self.enable_kv_cache_events:
             medium = self.medium
-            self.kv_event_queue.extend(BlockRemoved((k,), medium, reason) for k in keys)
+            self.kv_event_queue.extend([BlockRemoved((k,), medium, reason) for k in keys])
 
     def _stored(self, keys: tuple[Hashable, ...], parent: Hashable | None, size: int | None, ids: tuple[int, ...]) -> None:
         """Queue a stored event (events on). O(len(keys))."""

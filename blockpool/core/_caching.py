@@ -103,6 +103,97 @@ class CacheOps(PoolBase):
             HashConflictError: a block already cached under a different key
                 for the same or a longer prefix.
         """
+        lo = num_cached_blocks
+        published, removed = self._publish_full(
+            blocks, block_hashes, num_cached_blocks, num_full_blocks, block_size, block_mask, generations
+        )
+        if not self.enable_kv_cache_events:
+            return
+        if self.stored_events == "call":  # vLLM 0.33's events
+            self._removed(removed, "promoted")
+            if published:
+                self._stored(
+                    tuple(block_hashes[i] for i in published),
+                    block_hashes[lo - 1] if lo > 0 else None,
+                    block_size,
+                    tuple(blocks[i].block_id for i in published),
+                )
+            return
+        if removed:
+            # A block listed twice is promoted at its later entry: the key
+            # it got at the earlier one was never announced, so neither
+            # its stored nor its removed event is sent.
+            stale = {i for i in published if blocks[i].block_hash != block_hashes[i]}
+            if stale:
+                never = {block_hashes[i] for i in stale}
+                published = [i for i in published if i not in stale]
+                removed = [k for k in removed if k not in never]
+            self._removed(removed, "promoted")
+        self._stored_runs(blocks, block_hashes, published, block_size)
+
+    def publish_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[Hashable],
+        num_cached_blocks: ArgInt,
+        num_full_blocks: ArgInt,
+        block_size: ArgInt | None = None,
+        block_mask: Sequence[bool] | None = None,
+        generations: Sequence[int] | None = None,
+    ) -> list[int]:
+        """:meth:`cache_full_blocks` for an adapter that sends its own
+        ``BlockStored`` events (vLLM's carry the request's token ids): the
+        same checks, errors and publication, and with events on the same
+        removed events for promoted keys (one per key, in order, as
+        ``stored_events="call"`` sends them), but no ``BlockStored``.
+        Returns the positions newly published, ascending (a block listed
+        twice, promoted at its later entry, appears at both, as in vLLM's
+        own loop). ``block_hashes`` is read only at positions
+        ``num_cached_blocks`` to ``num_full_blocks - 1`` and for its
+        ``len()``. O(num_full_blocks - num_cached_blocks).
+
+        >>> from blockpool import HazardAwareBlockPool
+        >>> pool = HazardAwareBlockPool(4, enable_kv_cache_events=True)
+        >>> blocks = pool.get_new_blocks(3)
+        >>> pool.publish_full_blocks(blocks, ["h0", None, "h2"], 0, 3, 16, block_mask=[True, False, True])
+        [0, 2]
+        >>> pool.take_events(), pool.get_cached_block("h2").block_id
+        ([], 3)
+
+        Raises:
+            InvalidArgumentError: (as :meth:`cache_full_blocks`, each before
+                anything is published) counts out of range, too few hashes, mask
+                of the wrong length, a key that is ``None`` or unhashable, a
+                ``block_size`` that is not a positive int, ``generations``
+                not one int per block.
+            ForeignBlockError: a block of another pool.
+            StaleBlockError: with ``generations``, a block to publish was
+                allocated again since they were taken.
+            HashConflictError: a block already cached under a different key
+                for the same or a longer prefix.
+        """
+        published, removed = self._publish_full(
+            blocks, block_hashes, num_cached_blocks, num_full_blocks, block_size, block_mask, generations
+        )
+        if removed:
+            self._removed(removed, "promoted")
+        return published
+
+    def _publish_full(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[Hashable],
+        num_cached_blocks: ArgInt,
+        num_full_blocks: ArgInt,
+        block_size: ArgInt | None,
+        block_mask: Sequence[bool] | None,
+        generations: Sequence[int] | None,
+    ) -> tuple[list[int], list[Hashable]]:
+        """Check every argument of :meth:`cache_full_blocks` (raising before
+        any change), then publish. Returns the positions newly published and
+        the reportable keys the promotions removed, in order
+        (:meth:`~blockpool.core.prefix_cache.PrefixCache.publish_full`); no
+        events. O(num_full_blocks - num_cached_blocks)."""
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         lo, hi = num_cached_blocks, num_full_blocks
@@ -111,7 +202,7 @@ class CacheOps(PoolBase):
                 f"need 0 <= num_cached_blocks <= num_full_blocks <= len(blocks), got {lo!r}, {hi!r}, {len(blocks)}"
             )
         if lo == hi:
-            return
+            return [], []
         if len(block_hashes) < hi:
             raise InvalidArgumentError(f"{len(block_hashes)} block hashes for {hi} full blocks")
         try:
@@ -160,29 +251,7 @@ class CacheOps(PoolBase):
             publish.append(i)
         if refused:
             self._count("unpublished_failed_loads", refused)
-        published, removed = self.prefix_cache.publish_full(blocks, block_hashes, publish, block_size)
-        if self.enable_kv_cache_events:
-            if self.stored_events == "call":  # vLLM 0.33's events
-                self._removed(removed, "promoted")
-                if published:
-                    self._stored(
-                        tuple(block_hashes[i] for i in published),
-                        block_hashes[lo - 1] if lo > 0 else None,
-                        block_size,
-                        tuple(blocks[i].block_id for i in published),
-                    )
-                return
-            if removed:
-                # A block listed twice is promoted at its later entry: the key
-                # it got at the earlier one was never announced, so neither
-                # its stored nor its removed event is sent.
-                stale = {i for i in published if blocks[i].block_hash != block_hashes[i]}
-                if stale:
-                    never = {block_hashes[i] for i in stale}
-                    published = [i for i in published if i not in stale]
-                    removed = [k for k in removed if k not in never]
-                self._removed(removed, "promoted")
-            self._stored_runs(blocks, block_hashes, published, block_size)
+        return self.prefix_cache.publish_full(blocks, block_hashes, publish, block_size)
 
     def _stored_runs(
         self,

@@ -34,8 +34,13 @@ class RefCountOps(PoolBase):
         events), give each ref count 1, forget the old content's marks.
         Returns ``blocks``. O(len(blocks))."""
         dropped = self.prefix_cache.evict_for_reuse(blocks, self.enable_kv_cache_events)
-        for b, keys in dropped:
-            self._removed(keys, "load_failed" if self.writes.is_invalid(b.block_id) else "evicted")
+        if dropped:
+            writes = self.writes
+            if writes.has_invalid():  # a failed load's keys: their own reason
+                for b, keys in dropped:
+                    self._removed(keys, "load_failed" if writes.is_invalid(b.block_id) else "evicted")
+            else:  # the same events, queued in one call
+                self._removed([k for _, keys in dropped for k in keys], "evicted")
         for b in blocks:
             b.ref_cnt = 1
         self.writes.rewritten(blocks)

@@ -286,16 +286,19 @@ class PrefixCache:
         evicted = 0
         for b in blocks:
             key = b.block_hash
-            if key is not None:
-                evicted += 1
+            if key is None:
+                continue
+            evicted += 1
+            if (extra and b.block_id in extra) or m.get(key) is not b:
+                keys = self.remove(b)
                 if report:
-                    out.append((b, self.reportable(self.remove(b))))
-                elif (extra and b.block_id in extra) or m.get(key) is not b:
-                    self.remove(b)
-                else:
-                    del m[key]
-                    b.block_hash = None
-                    b.block_hash_num_tokens = None
+                    out.append((b, self.reportable(keys)))
+            else:  # remove() for a block whose one key maps to it alone, inline
+                del m[key]
+                b.block_hash = None
+                b.block_hash_num_tokens = None
+                if report:  # reportable: removed from every block
+                    out.append((b, [key]))
         if evicted:
             self.evictions += evicted
         if self._partial or self._retired:

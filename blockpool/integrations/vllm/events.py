@@ -101,37 +101,43 @@ class VllmEvents:
         if not self.enable_kv_cache_events or not (core.kv_event_queue or core._due):
             return None
         stored = None
+        removed: list[Any] = []  # a run of removals: one call of vLLM's helper (an event per key)
         for ev in core.take_events():
             if type(ev) is BlockRemoved:
-                self._emit_block_removed_events(ev.block_hashes)
-            elif type(ev) is AllBlocksCleared:
+                removed += ev.block_hashes
+                continue
+            if removed:
+                self._emit_block_removed_events(removed)
+                removed = []
+            if type(ev) is AllBlocksCleared:
                 self.kv_event_queue.append(VllmAllBlocksCleared())
             elif type(ev) is BlockStored:
                 stored = ev
+        if removed:
+            self._emit_block_removed_events(removed)
         return stored
 
     def _queue_full_blocks_stored(
-        self, request: Any, blocks: list[Any], block_hashes: Any, lo: int, hi: int, block_size: int, group_id: int
+        self,
+        request: Any,
+        block_hashes: Any,
+        published: list[int],
+        lo: int,
+        hi: int,
+        block_size: int,
+        group_id: int,
     ) -> None:
-        """After ``cache_full_blocks(..., lo, hi, ...)``: move the core's
-        events, then queue vLLM's ``BlockStored`` (vLLM's code) for the
-        blocks of ``blocks[lo:hi]`` the core's event lists, in order (one is
-        queued, possibly empty, as vLLM does). Blocks the core did not
-        publish (null, masked out, a failed load, a key the block already
-        held) are not in it. O(hi - lo)."""
-        if not self.enable_kv_cache_events:
-            return
-        stored = self._pull_events()
+        """After the core's ``publish_full_blocks(..., lo, hi, ...)``, events
+        on: queue vLLM's ``BlockStored`` (vLLM's code) for the positions
+        ``published`` returned, in order (one is queued, possibly empty, as
+        vLLM does). Positions the core did not publish (null, masked out, a
+        failed load, a key the block already held) are not in it.
+        O(len(published))."""
         new_hashes = []
         extra_keys_list = []
         lookahead: list[list[int]] | None = [] if self.num_hash_lookahead_tokens else None
         curr_mm_idx = 0
-        ids = iter(stored.block_ids if stored is not None else ())
-        next_id = next(ids, None)
-        for i in range(lo, hi):
-            if blocks[i].block_id != next_id:
-                continue
-            next_id = next(ids, None)
+        for i in published:
             new_hashes.append(maybe_convert_block_hash(block_hashes[i]))  # type: ignore[arg-type]
             start = i * block_size
             extra_keys, curr_mm_idx = self._generate_event_extra_keys(request, start, start + block_size, curr_mm_idx)

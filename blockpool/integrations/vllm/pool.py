@@ -62,8 +62,9 @@ _ACCESS_HOOK_ON_NULL = (release_line(vllm_version()) or (0, 33)) < (0, 33)
 
 class _KeysAt(dict):  # type: ignore[type-arg]
     """The core's keys (vLLM's ``BlockHashWithGroupId``) of one
-    ``cache_full_blocks`` call by table position, ``lo - 1`` (the parent) to
-    ``hi - 1``, each made once: the core reads a key several times, and a
+    ``cache_full_blocks`` call by table position, ``lo`` to ``hi - 1`` (all
+    :meth:`~blockpool.HazardAwareBlockPool.publish_full_blocks` reads), each
+    made once: the core reads a key several times, and a
     read here is a C-level dict lookup (a lazy sequence cost a Python call
     per read, a padded list O(``lo``) per call: 8,000 entries at 128k
     tokens). ``len()`` is the length of the table the positions index,
@@ -344,8 +345,10 @@ class VllmBlockPool(VllmEvents):
     ) -> None:
         """Publish ``blocks[num_cached_blocks:num_full_blocks]`` under the
         request's block hashes for ``kv_cache_group_id`` (null and masked-out
-        blocks skipped; a partial entry is promoted), then queue one vLLM
-        ``BlockStored`` with the token ids. O(num_full_blocks - num_cached_blocks).
+        blocks skipped; a partial entry is promoted) with the core's
+        ``publish_full_blocks``, then queue one vLLM ``BlockStored`` with the
+        token ids for the positions it published (events on).
+        O(num_full_blocks - num_cached_blocks).
 
         Raises:
             AssertionError: ``block_mask`` of the wrong length (as vLLM).
@@ -358,16 +361,16 @@ class VllmBlockPool(VllmEvents):
             return
         assert block_mask is None or len(block_mask) == hi - lo
         block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
-        first = lo - 1 if lo else 0
         keys = _KeysAt(
             (i, make_block_hash_with_group_id(h, kv_cache_group_id))  # type: ignore[arg-type]
-            for i, h in enumerate(block_hashes[first:hi], first)
+            for i, h in enumerate(block_hashes[lo:hi], lo)
         )
         keys.length = min(len(block_hashes), hi)  # short: the core refuses the call
-        self._pull_events()  # first: the core's BlockStored pulled next is this call's
-        self.core.cache_full_blocks(blocks, keys, lo, hi, block_size, block_mask)
+        published = self.core.publish_full_blocks(blocks, keys, lo, hi, block_size, block_mask)
         SERVED.blocks_cached += hi - lo
-        self._queue_full_blocks_stored(request, blocks, block_hashes, lo, hi, block_size, kv_cache_group_id)
+        if self.enable_kv_cache_events:
+            self._pull_events()  # the promotions' removals first, as vLLM's loop queues them
+            self._queue_full_blocks_stored(request, block_hashes, published, lo, hi, block_size, kv_cache_group_id)
 
     def cache_partial_block(
         self,
