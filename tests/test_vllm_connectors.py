@@ -750,3 +750,23 @@ def test_a_stream_added_later_turns_step_tokens_on_and_warns_of_outstanding_step
     with caplog.at_level("WARNING", logger="vllm.plugins.blockpool"):
         hz2.add_stream("nixl", StreamKind.HOST)
     assert hz2.step_tokens and caplog.text == ""
+
+
+def test_a_step_seen_without_tokens_keeps_no_reference_to_its_output() -> None:
+    import gc
+    import weakref
+
+    from blockpool import HazardAwareBlockPool
+    from blockpool.integrations.vllm.hazards import StepHazards
+
+    class Output:  # a SimpleNamespace takes no weak reference
+        total_num_scheduled_tokens = 8
+
+    hz = StepHazards(HazardAwareBlockPool(8))
+    hz.step_tokens = False
+    out = Output()
+    ref = weakref.ref(out)
+    assert hz.skip_step(out) and hz.steps_untokened == 1
+    del out
+    gc.collect()
+    assert ref() is None and hz.outstanding_steps() == []

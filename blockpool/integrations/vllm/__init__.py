@@ -511,7 +511,9 @@ def _wire_scheduler() -> None:
         return pool.hazards if isinstance(pool, VllmBlockPool) else None
 
     def hazards_of_scheduler(scheduler: Any) -> Any:
-        return hazards_of_pool(getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None))
+        """:func:`hazards_of_pool` of the scheduler's pool, inline (every step, twice). O(1)."""
+        pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
+        return pool.hazards if isinstance(pool, VllmBlockPool) else None
 
     def wrap_schedule(orig: Any) -> Any:
         @functools.wraps(orig)

@@ -192,9 +192,8 @@ class StepHazards:
         self.copy_pairs_skipped = 0
         self.transfers_begun = 0
         self.fences_nonempty = 0
-        # Outstanding steps by id of their output: (weak ref, record), the
-        # record None for a step seen without tokens (skip_step).
-        self._steps: collections.OrderedDict[int, tuple[Any, StepRecord | None]] = collections.OrderedDict()
+        # Outstanding issued steps by id of their output: (weak ref, record).
+        self._steps: collections.OrderedDict[int, tuple[Any, StepRecord]] = collections.OrderedDict()
         self._pending_copy: tuple[Token, Fence] | None = None
         self.transfer_blocks_skipped = 0
         self._loads: dict[Hashable, list[Transfer]] = {}
@@ -210,6 +209,7 @@ class StepHazards:
         empty, and a token would be issued, tagged and ended for nothing.
         :meth:`add_stream` turns it on again."""
         self.steps_untokened = 0
+        self._untokened_ended = 0  # outputs of steps skip_step counted that end_step saw
 
     # ------------------------------------------------------------------
     # steps
@@ -232,21 +232,15 @@ class StepHazards:
     def skip_step(self, scheduler_output: object) -> bool:
         """The scheduler wiring's call for a step while :attr:`step_tokens`
         is off: a non-empty step (as :meth:`step_record` counts them) is
-        counted in ``steps_untokened`` and remembered until :meth:`end_step`
-        sees its output, no token issued. Returns whether it counted one.
-        O(1)."""
+        counted in ``steps_untokened``; no token is issued and nothing is
+        kept (:meth:`end_step` counts the outputs that come back, for
+        :meth:`add_stream`'s warning). Returns whether it counted one. O(1):
+        in a real engine this runs every step on cold caches, so it touches
+        two counters and nothing else."""
         if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
             return False
         self.steps_untokened += 1
-        self._remember(scheduler_output, None)
         return True
-
-    def _remember(self, scheduler_output: object, record: StepRecord | None) -> None:
-        """Keep the step of ``scheduler_output`` outstanding until
-        :meth:`end_step`; the oldest is dropped beyond ``max_outstanding``. O(1)."""
-        self._steps[id(scheduler_output)] = (_ref(scheduler_output), record)
-        while len(self._steps) > self.max_outstanding:
-            self._steps.popitem(last=False)
 
     @contextlib.contextmanager
     def frees_after_their_steps(self) -> Iterator[None]:
@@ -321,7 +315,10 @@ class StepHazards:
         self._pending_copy = None
         self.steps_issued += 1
         record = StepRecord(self.steps_issued, self.pool.issue(self.stream), copies, copy_fence)
-        self._remember(scheduler_output, record)
+        steps = self._steps
+        steps[key] = (_ref(scheduler_output), record)
+        while len(steps) > self.max_outstanding:  # the oldest goes (the docstring of max_outstanding)
+            steps.popitem(last=False)
         return record
 
     def tag_step_writes(self, scheduler_output: object, block_sizes: int | Sequence[int]) -> Fence:
@@ -388,26 +385,29 @@ class StepHazards:
         compute token). Records of earlier steps are dropped too. Returns
         the step's record, or ``None`` for an output this wiring never
         issued (an empty step, one built outside ``schedule()``, or one
-        :meth:`skip_step` saw, which is dropped here like a record).
+        :meth:`skip_step` counted, whose coming back is counted here).
         O(steps dropped).
         """
+        steps = self._steps
+        if not steps:  # nothing issued is outstanding (the untokened wiring's every step)
+            if not self.step_tokens and getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+                self._untokened_ended += 1
+            return None
         key = id(scheduler_output)
-        entry = self._steps.get(key)
+        entry = steps.get(key)
         if entry is None or entry[0]() is not scheduler_output:
             return None
-        while self._steps:
-            if self._steps.popitem(last=False)[0] == key:
+        while steps:
+            if steps.popitem(last=False)[0] == key:
                 break
         record = entry[1]
-        if record is None:  # seen without tokens: nothing to end
-            return None
         self.pool.complete(record.forward)
         self.steps_ended += 1
         return record
 
     def outstanding_steps(self) -> list[StepRecord]:
         """Records of issued steps whose output has not come back, oldest first."""
-        return [rec for _, rec in self._steps.values() if rec is not None]
+        return [rec for _, rec in self._steps.values()]
 
     # ------------------------------------------------------------------
     # connector transfers
@@ -421,10 +421,12 @@ class StepHazards:
         A stream other than the compute stream turns :attr:`step_tokens` on
         again (a stream added to the pool directly, ``pool.add_stream``,
         does not: register connector streams here). Steps the wiring
-        scheduled without tokens that have not ended yet (async scheduling)
-        still read and write their blocks, and no token says so: a warning
-        is logged then (vLLM binds its connectors, which add their streams
-        here, before the scheduler's first step, so it never happens there).
+        scheduled without tokens whose output has not come back yet (async
+        scheduling; :meth:`skip_step`'s count less the outputs
+        :meth:`end_step` saw) still read and write their blocks, and no
+        token says so: a warning is logged then (vLLM binds its connectors,
+        which add their streams here, before the scheduler's first step, so
+        it never happens there).
 
         Raises:
             InvalidArgumentError: the name is registered with another kind.
@@ -432,7 +434,7 @@ class StepHazards:
         self.pool.add_stream(name, kind)
         if not self.step_tokens and name != self.stream:
             self.step_tokens = True
-            live = sum(1 for ref, rec in self._steps.values() if rec is None and ref() is not None)
+            live = self.steps_untokened - self._untokened_ended
             if live:
                 logger.warning(
                     "blockpool: stream %r registered while %d steps scheduled without step tokens are "
