@@ -6,8 +6,10 @@ its own methods (``docs/architecture.md`` has the table):
 
 - :mod:`~blockpool.core.pool`: :class:`HazardAwareBlockPool` — argument
   checks, the order in which completions are applied, ref counts, events;
-  its calls are grouped in mixins by concern (``_tokens``, ``_fences``,
-  ``_caching``, ``_introspection``; ``_base`` coordinates the parts);
+  its calls are grouped by concern in one line of single inheritance
+  (``_base`` coordinates the parts, then ``_introspection``, ``_caching``,
+  ``_fences``, ``_tokens``, ``_refcounts``), so that the compiled build
+  makes the pool one native class;
 - :mod:`~blockpool.core.block`: block records and the LRU free queue;
   :mod:`~blockpool.core.eviction`: the other eviction policies' queues;
 - :mod:`~blockpool.core.prefix_cache`: the key map (publish, evict, promote);

@@ -87,7 +87,7 @@ def _check_key(key: object) -> None:
         raise InvalidArgumentError(f"a block hash must be hashable, got {key!r}") from None
 
 
-@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PoolBase:
     """The parts of :class:`~blockpool.core.pool.HazardAwareBlockPool` (set in its
     ``__init__``), the checks every public call uses to validate arguments

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from blockpool.core._base import PoolBase, _as_list, _check_key, logger
+from blockpool.core._base import _as_list, _check_key, logger
+from blockpool.core._introspection import IntrospectionOps
 from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import HashConflictError, InvalidArgumentError, NullBlockError
@@ -17,9 +18,10 @@ if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py
 __all__ = ["CacheOps"]
 
 
-@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
-class CacheOps(PoolBase):
-    """Prefix-cache operations of the pool."""
+@mypyc_attr(allow_interpreted_subclasses=True)
+class CacheOps(IntrospectionOps):
+    """Prefix-cache operations of the pool (one class of its line of
+    single inheritance: ``docs/architecture.md``)."""
 
     # ------------------------------------------------------------------
     # prefix cache (vLLM surface, request-agnostic keys)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from blockpool.core._base import _READ, _WRITE, PoolBase, _as_list
+from blockpool.core._base import _READ, _WRITE, _as_list
+from blockpool.core._caching import CacheOps
 from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import InvalidArgumentError, NullBlockError
@@ -19,8 +20,8 @@ if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py
 __all__ = ["FenceOps"]
 
 
-@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
-class FenceOps(PoolBase):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class FenceOps(CacheOps):
     """Fence computation and access recording of the pool."""
 
     # ------------------------------------------------------------------

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py
 __all__ = ["IntrospectionOps"]
 
 
-@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
+@mypyc_attr(allow_interpreted_subclasses=True)
 class IntrospectionOps(PoolBase):
     """Queries and invariant checks of the pool."""
 

@@ -3,10 +3,11 @@
 The core is plain, typed Python; ``BLOCKPOOL_MYPYC=1 pip wheel .`` compiles
 every module of :mod:`blockpool.core` with mypyc (``docs/performance.md``,
 "The compiled core"). ``mypyc_attr`` is mypy_extensions' class decorator:
-mypyc reads it when it compiles (``native_class=False`` for the pool and its
-mixins, which use multiple inheritance, and for the errors, which have two
-builtin bases; ``allow_interpreted_subclasses=True`` for the block record and
-the free queue, which the vLLM adapter subclasses). At run time it changes
+mypyc reads it when it compiles (``native_class=False`` for the errors,
+which have two builtin bases; ``allow_interpreted_subclasses=True`` for the
+block record and the free queue, which the vLLM adapter subclasses, and for
+the pool's line of classes, which the benchmarks' recorder and the tests'
+negative controls subclass). At run time it changes
 nothing, so the pure build does not need mypy_extensions: without it the
 decorator is a no-op here.
 """

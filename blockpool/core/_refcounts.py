@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from blockpool.core._base import _HOST, _READ, _WRITE, PoolBase, _as_list
+from blockpool.core._base import _HOST, _READ, _WRITE, _as_list
 from blockpool.core._mypyc import mypyc_attr
+from blockpool.core._tokens import TokenOps
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import InvalidArgumentError, RefCountError
 from blockpool.core.hazards import LAST_STEP, AccessKind, FreeTag
@@ -18,8 +19,8 @@ if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py
 __all__ = ["RefCountOps"]
 
 
-@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
-class RefCountOps(PoolBase):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class RefCountOps(TokenOps):
     """Taking blocks off the free queue (ref count 1), touching them (+1)
     and freeing them (-1; at 0 they go back to the free queue or are held
     back)."""

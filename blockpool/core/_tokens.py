@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from blockpool.core._base import PoolBase
+from blockpool.core._fences import FenceOps
 from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.hazards import StreamKind, Token, TokenStatus
 
@@ -16,8 +16,8 @@ if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py
 __all__ = ["TokenOps"]
 
 
-@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
-class TokenOps(PoolBase):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class TokenOps(FenceOps):
     """Token issue and completion handling of the pool."""
 
     # ------------------------------------------------------------------

@@ -32,12 +32,8 @@ from typing import TYPE_CHECKING
 
 from blockpool.core import placement as _placement
 from blockpool.core._base import _COUNTERS, _DEVICE, _READ, _WRITE
-from blockpool.core._caching import CacheOps
-from blockpool.core._fences import FenceOps
-from blockpool.core._introspection import IntrospectionOps
 from blockpool.core._mypyc import mypyc_attr
 from blockpool.core._refcounts import RefCountOps
-from blockpool.core._tokens import TokenOps
 from blockpool.core.block import (
     FreeBlockQueue,
     KVCacheBlock,
@@ -66,8 +62,8 @@ class _NoBlock:
     every block is checked by identity (``blocks[b.block_id] is b``)."""
 
 
-@mypyc_attr(native_class=False, allow_interpreted_subclasses=True)
-class HazardAwareBlockPool(RefCountOps, TokenOps, FenceOps, CacheOps, IntrospectionOps):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class HazardAwareBlockPool(RefCountOps):
     """A KV-cache block pool (vLLM v1 semantics) that hands out exact fences.
 
     Args:
