@@ -139,8 +139,9 @@ _PURE_ONLY: list[str] = []
 
 def pytest_collection_modifyitems(config: object, items: list) -> None:  # type: ignore[type-arg]
     """Compiled build: skip the tests marked ``pure_python_only`` (they
-    patch or subclass the core's internals; a compiled class cannot be
-    subclassed or patched from Python), and count them."""
+    patch the core's internals: a compiled module's functions and a native
+    instance's methods cannot be replaced from Python), and count them.
+    None is marked today (``docs/performance.md``, "The compiled core")."""
     if not _compiled_core():
         return
     import pytest

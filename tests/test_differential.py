@@ -39,13 +39,11 @@ def _with_pool(pool_cls: type) -> dict[str, int]:
     return dict(differential.COUNTS)
 
 
-@pytest.mark.pure_python_only  # subclasses the pool to override its private _fence
 def test_counts_catch_a_dropped_fence_token() -> None:
     out = _with_pool(_DroppingPool)
     assert out["missed"] and out["unsafe_accesses"]
 
 
-@pytest.mark.pure_python_only  # subclasses the pool to override its private _fence
 def test_counts_catch_a_padded_fence() -> None:
     out = _with_pool(_PaddingPool)
     assert out["redundant"] and not out["missed"]
