@@ -267,7 +267,8 @@ class HazardAwareBlockPool(RefCountOps):
         # _apply_completions tests these two: the completion inbox (a
         # deque, appended from any thread) and whether leases are on; the
         # hot calls test _due, truthy exactly when one of them is (one
-        # attribute test per lookup, not two).
+        # attribute test per lookup, not two). Set here only, never again:
+        # the vLLM adapter binds the same object once.
         self._inbox = self.tracker._inbox
         self._leases_on = lease_timeout is not None
         self._due = True if self._leases_on else self._inbox

@@ -74,6 +74,7 @@ class VllmEvents:
     call that may queue some). Reads the pool's attributes below."""
 
     core: HazardAwareBlockPool
+    _due: Any  # the core's _due, bound once (VllmBlockPool.__init__)
     medium: str
     hash_block_size: int
     num_hash_lookahead_tokens: int
@@ -98,7 +99,7 @@ class VllmEvents:
         # Several times a step (after each core call that may queue one):
         # nothing to move unless the core queued an event or has completions
         # to apply (a failed load's removals), tested here without a call.
-        if not self.enable_kv_cache_events or not (core.kv_event_queue or core._due):
+        if not self.enable_kv_cache_events or not (core.kv_event_queue or self._due):
             return None
         stored = None
         removed: list[Any] = []  # a run of removals: one call of vLLM's helper (an event per key)

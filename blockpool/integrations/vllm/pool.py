@@ -151,6 +151,11 @@ class VllmBlockPool(VllmEvents):
         )
         blocks = core.blocks
         self.core = core
+        # The core's "completions may be due" object, set once when it is
+        # built (its inbox, or True with leases): the hot queries below test
+        # it here, without reading the core (a compiled core's attribute is
+        # a descriptor call from this interpreted class).
+        self._due: Any = core._due
         self.hazards: StepHazards | None = StepHazards(core) if track else None
 
         self.num_gpu_blocks = num_gpu_blocks
@@ -472,9 +477,8 @@ class VllmBlockPool(VllmEvents):
         vLLM's scheduler calls it some 30 times a step: the core's
         ``get_num_free_blocks`` inlined (queued completions applied first,
         which may release held-back blocks)."""
-        core = self.core
-        if core._due:
-            core._apply_completions()
+        if self._due:
+            self.core._apply_completions()
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
