@@ -769,4 +769,23 @@ def test_a_step_seen_without_tokens_keeps_no_reference_to_its_output() -> None:
     assert hz.skip_step(out) and hz.steps_untokened == 1
     del out
     gc.collect()
-    assert ref() is None and hz.outstanding_steps() == []
+    assert ref() is None and hz.outstanding_steps() == [] and not hz._steps  # no entry per untokened step
+
+
+def test_an_output_the_untokened_wiring_never_saw_does_not_offset_the_outstanding_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # vLLM's unit tests build outputs by hand and pass them to
+    # update_from_output: end_step must not count those as ended, or a
+    # stream added later would hide (or report a negative number of) the
+    # steps still running without tokens.
+    from blockpool import HazardAwareBlockPool
+    from blockpool.integrations.vllm.hazards import StepHazards
+
+    hz = StepHazards(HazardAwareBlockPool(8))
+    hz.step_tokens = False
+    assert hz.end_step(SimpleNamespace(total_num_scheduled_tokens=8)) is None  # never scheduled here
+    hz.skip_step(SimpleNamespace(total_num_scheduled_tokens=8))  # still running
+    with caplog.at_level("WARNING", logger="vllm.plugins.blockpool"):
+        hz.add_stream("nixl", StreamKind.HOST)
+    assert "1 steps scheduled without step tokens" in caplog.text

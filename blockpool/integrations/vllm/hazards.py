@@ -390,7 +390,11 @@ class StepHazards:
         """
         steps = self._steps
         if not steps:  # nothing issued is outstanding (the untokened wiring's every step)
-            if not self.step_tokens and getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+            if (
+                not self.step_tokens
+                and self._untokened_ended < self.steps_untokened  # not an output skip_step never saw
+                and getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+            ):
                 self._untokened_ended += 1
             return None
         key = id(scheduler_output)
@@ -434,8 +438,8 @@ class StepHazards:
         self.pool.add_stream(name, kind)
         if not self.step_tokens and name != self.stream:
             self.step_tokens = True
-            live = self.steps_untokened - self._untokened_ended
-            if live:
+            live = self.steps_untokened - self._untokened_ended  # >= 0: end_step counts no more
+            if live > 0:
                 logger.warning(
                     "blockpool: stream %r registered while %d steps scheduled without step tokens are "
                     "outstanding: transfers on it are not fenced on those steps (blocks they read, "
