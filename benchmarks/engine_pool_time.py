@@ -16,8 +16,10 @@ only (a pool method calling another is counted once), with
 Each mode runs ``--repeat`` times, interleaved; the table gives, per mode,
 the median over runs of µs per step in the pool (and the wiring), its ratio
 to ``off``, the scheduler's CPU µs per step (median of steps, median of
-runs: the engine check's figure, with the timers' cost in it) and the
-per-method split of the first run. Why per-step cost in an engine is several
+runs: the engine check's figure, with the timers' cost in it), its mean
+per step (median of runs: the pool figure's own kind, so on's excess over
+off is the pool's and the wiring's excess plus whatever else the plugin
+changes) and the per-method split of the first run. Why per-step cost in an engine is several
 times a hot loop's (the scheduler's code runs on caches the forward pass
 has just evicted): ``docs/performance.md``, "The engine's cold caches".
 
@@ -140,8 +142,10 @@ def _child(spec_path: str, out_path: str) -> int:
 
 def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per mode: µs per step in the pool (median over runs), the scheduler's
-    CPU µs per step (median over runs of the per-run median) and the first
-    run's per-method µs per step. O(runs * methods)."""
+    CPU µs per step (median over runs of the per-run median, and of the
+    per-run mean: the mean is the pool figure's own kind, the median the
+    engine check's) and the first run's per-method µs per step.
+    O(runs * methods)."""
     by_mode: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
         by_mode.setdefault(r["mode"], []).append(r)
@@ -149,6 +153,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for mode, rs in by_mode.items():
         pool_us = [sum(ns for _, ns in r["pool_time"].values()) / 1e3 / r["timing"]["steps"] for r in rs]
         sched_us = [r["timing"]["cpu_per_step_median_us"] for r in rs]
+        sched_mean = [r["timing"]["cpu_per_step_mean_us"] for r in rs]
         first = rs[0]
         steps = first["timing"]["steps"]
         out[mode] = {
@@ -156,6 +161,8 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "pool_us_median": round(statistics.median(pool_us), 1),
             "sched_cpu_us_median": round(statistics.median(sched_us), 1),
             "sched_cpu_us_runs": sched_us,
+            "sched_cpu_mean_us_median": round(statistics.median(sched_mean), 1),
+            "sched_cpu_mean_us_runs": sched_mean,
             "methods": {
                 k: {"calls": n, "us_per_step": round(ns / 1e3 / steps, 2), "ns_per_call": round(ns / n)}
                 for k, (n, ns) in sorted(first["pool_time"].items(), key=lambda kv: -kv[1][1])
@@ -169,13 +176,16 @@ def format_table(summary: dict[str, Any]) -> str:
     """The summary as text: one line per mode (ratios against ``off``),
     then each mode's per-method split."""
     base = summary.get("off")
-    lines = [f"{'mode':<12} {'pool µs/step (runs)':<30} {'median':>8} {'/ off':>6} {'sched CPU µs/step':>18} {'/ off':>6}"]
+    head = f"{'mode':<12} {'pool µs/step (runs)':<30} {'median':>8} {'/ off':>6} {'sched CPU µs/step':>18} {'/ off':>6}"
+    lines = [head + f" {'mean':>8} {'/ off':>6}"]
     for mode, s in summary.items():
-        r_pool = f"{s['pool_us_median'] / base['pool_us_median']:.2f}" if base else "-"
-        r_sched = f"{s['sched_cpu_us_median'] / base['sched_cpu_us_median']:.2f}" if base else "-"
+        r_pool = f"{s['pool_us_median'] / base['pool_us_median']:.3f}" if base else "-"
+        r_sched = f"{s['sched_cpu_us_median'] / base['sched_cpu_us_median']:.3f}" if base else "-"
+        r_mean = f"{s['sched_cpu_mean_us_median'] / base['sched_cpu_mean_us_median']:.3f}" if base else "-"
         runs = ", ".join(f"{x:.0f}" for x in s["pool_us_per_step"])
         lines.append(
             f"{mode:<12} {runs:<30} {s['pool_us_median']:>8.1f} {r_pool:>6} {s['sched_cpu_us_median']:>18.1f} {r_sched:>6}"
+            f" {s['sched_cpu_mean_us_median']:>8.1f} {r_mean:>6}"
         )
     for mode, s in summary.items():
         lines.append(f"\n{mode} ({s['core_build']}), first run, µs per step by method:")

@@ -155,3 +155,51 @@ def test_publish_full_blocks_refuses_a_bad_key_before_publishing_any() -> None:
         pool.publish_full_blocks(a, ["h0", ["unhashable"], "h2"], 0, 3, 16)
     assert pool.snapshot() == before and pool.take_events() == []
     assert pool.get_cached_block("h0") is None
+
+
+def test_publish_full_blocks_with_hashes_offset_reads_only_the_new_positions_keys() -> None:
+    # hashes_offset=k: block_hashes[j] is position k + j's key. The same
+    # table published from a full key list and from the new keys alone
+    # leaves the same pool (keys, token counts, promotions' events).
+    twins = [make_pool(10, removal_events="each") for _ in range(2)]
+    got = []
+    for pool, tail in zip(twins, (False, True)):
+        a = pool.get_new_blocks(5)
+        pool.cache_full_blocks(a, ["h0", "h1"], 0, 2, 16)
+        pool.cache_partial_block(a[3], "p3", 56)  # promoted at position 3 below
+        pool.take_events()
+        keys = ["h0", "h1", "h2", "h3", "h4"]
+        if tail:
+            got.append(pool.publish_full_blocks(a, keys[2:], 2, 5, 16, hashes_offset=2))
+        else:
+            got.append(pool.publish_full_blocks(a, keys, 2, 5, 16))
+        got.append(pool.take_events())
+    assert got[0] == got[2] == [2, 3, 4]
+    assert got[1] == got[3] == [BlockRemoved(("p3",))]
+    assert twins[0].snapshot() == twins[1].snapshot()
+    assert [twins[1].get_cached_block(k) for k in ("h2", "h3", "h4", "p3")] == [*twins[1].blocks[3:6], None]
+    assert twins[1].blocks[5].block_hash_num_tokens == 5 * 16  # position 4, not index 2 of the keys
+
+
+@pytest.mark.parametrize(
+    ("keys", "offset", "match"),
+    [
+        (["h2"], 3, "hashes_offset"),  # past num_cached_blocks (2)
+        (["h2", "h3"], -1, "hashes_offset"),
+        (["h2", "h3"], True, "hashes_offset"),  # a bool is not a position
+        (["h2", "h3"], 1.0, "hashes_offset"),
+        (["h2"], 2, "3 block hashes for 4 full blocks \\(1 from position 2\\)"),  # position 3 has none
+    ],
+)
+def test_publish_full_blocks_refuses_a_bad_hashes_offset_before_publishing_any(
+    keys: list[str], offset: object, match: str
+) -> None:
+    pool = make_pool(10)
+    a = pool.get_new_blocks(4)
+    pool.cache_full_blocks(a, ["h0", "h1"], 0, 2, 16)
+    pool.take_events()
+    before = pool.snapshot()
+    with pytest.raises(InvalidArgumentError, match=match):
+        pool.publish_full_blocks(a, keys, 2, 4, 16, hashes_offset=offset)  # type: ignore[arg-type]
+    assert pool.snapshot() == before and pool.take_events() == []
+    assert pool.get_cached_block("h2") is None

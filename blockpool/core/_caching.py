@@ -142,6 +142,8 @@ class CacheOps(IntrospectionOps):
         block_size: ArgInt | None = None,
         block_mask: Sequence[bool] | None = None,
         generations: Sequence[int] | None = None,
+        *,
+        hashes_offset: ArgInt = 0,
     ) -> list[int]:
         """:meth:`cache_full_blocks` for an adapter that sends its own
         ``BlockStored`` events (vLLM's carry the request's token ids): the
@@ -152,22 +154,32 @@ class CacheOps(IntrospectionOps):
         twice, promoted at its later entry, appears at both, as in vLLM's
         own loop). ``block_hashes`` is read only at positions
         ``num_cached_blocks`` to ``num_full_blocks - 1`` and for its
-        ``len()``. O(num_full_blocks - num_cached_blocks).
+        ``len()``; with ``hashes_offset=k`` (``0 <= k <= num_cached_blocks``)
+        ``block_hashes[j]`` is the key of position ``k + j``, so an adapter
+        that makes its keys per call passes only the new blocks' (``k =
+        num_cached_blocks``: ``num_full_blocks - num_cached_blocks`` keys),
+        neither a table-long list nor a mapping. O(num_full_blocks -
+        num_cached_blocks).
 
         >>> from blockpool import HazardAwareBlockPool
-        >>> pool = HazardAwareBlockPool(4, enable_kv_cache_events=True)
+        >>> pool = HazardAwareBlockPool(5, enable_kv_cache_events=True)
         >>> blocks = pool.get_new_blocks(3)
         >>> pool.publish_full_blocks(blocks, ["h0", None, "h2"], 0, 3, 16, block_mask=[True, False, True])
         [0, 2]
         >>> pool.take_events(), pool.get_cached_block("h2").block_id
         ([], 3)
+        >>> more = blocks + pool.get_new_blocks(1)  # positions 0-2 done: the new block's key alone
+        >>> pool.publish_full_blocks(more, ["h3"], 3, 4, 16, hashes_offset=3)
+        [3]
 
         Raises:
             InvalidArgumentError: (as :meth:`cache_full_blocks`, each before
-                anything is published) counts out of range, too few hashes, mask
+                anything is published) counts out of range, too few hashes
+                (fewer than ``num_full_blocks - hashes_offset``), mask
                 of the wrong length, a key that is ``None`` or unhashable, a
                 ``block_size`` that is not a positive int, ``generations``
-                not one int per block.
+                not one int per block; ``hashes_offset`` not an int in
+                ``[0, num_cached_blocks]``.
             ForeignBlockError: a block of another pool.
             StaleBlockError: with ``generations``, a block to publish was
                 allocated again since they were taken.
@@ -175,8 +187,9 @@ class CacheOps(IntrospectionOps):
                 for the same or a longer prefix.
         """
         published, removed = self._publish_full(
-            blocks, block_hashes, num_cached_blocks, num_full_blocks, block_size, block_mask, generations
-        )
+            blocks, block_hashes, num_cached_blocks, num_full_blocks, block_size, block_mask, generations,
+            hashes_offset,
+        )  # fmt: skip
         if removed:
             self._removed(removed, "promoted")
         return published
@@ -190,12 +203,14 @@ class CacheOps(IntrospectionOps):
         block_size: ArgInt | None,
         block_mask: Sequence[bool] | None,
         generations: Sequence[int] | None,
+        hashes_offset: ArgInt = 0,
     ) -> tuple[list[int], list[Hashable]]:
         """Check every argument of :meth:`cache_full_blocks` (raising before
         any change), then publish. Returns the positions newly published and
         the reportable keys the promotions removed, in order
         (:meth:`~blockpool.core.prefix_cache.PrefixCache.publish_full`); no
-        events. O(num_full_blocks - num_cached_blocks)."""
+        events. Position ``i``'s key is ``block_hashes[i - hashes_offset]``
+        (:meth:`publish_full_blocks`). O(num_full_blocks - num_cached_blocks)."""
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         lo, hi = num_cached_blocks, num_full_blocks
@@ -203,10 +218,16 @@ class CacheOps(IntrospectionOps):
             raise InvalidArgumentError(
                 f"need 0 <= num_cached_blocks <= num_full_blocks <= len(blocks), got {lo!r}, {hi!r}, {len(blocks)}"
             )
+        off = hashes_offset
+        if not (isinstance(off, int) and not isinstance(off, bool) and 0 <= off <= lo):
+            raise InvalidArgumentError(f"need 0 <= hashes_offset <= num_cached_blocks ({lo}), got {off!r}")
         if lo == hi:
             return [], []
-        if len(block_hashes) < hi:
-            raise InvalidArgumentError(f"{len(block_hashes)} block hashes for {hi} full blocks")
+        if len(block_hashes) < hi - off:
+            raise InvalidArgumentError(  # counted in table positions, whatever the offset
+                f"{off + len(block_hashes)} block hashes for {hi} full blocks"
+                + (f" ({len(block_hashes)} from position {off})" if off else "")
+            )
         try:
             if block_mask is not None and len(block_mask) != hi - lo:
                 raise InvalidArgumentError(f"block_mask has {len(block_mask)} entries, expected {hi - lo}")
@@ -231,7 +252,7 @@ class CacheOps(IntrospectionOps):
             b = blocks[i]
             if b is null or (mask is not None and not mask[i - lo]):
                 continue
-            key: Hashable | None = block_hashes[i]
+            key: Hashable | None = block_hashes[i - off]
             if key is None:
                 _check_key(key)  # raises
             try:
@@ -253,7 +274,7 @@ class CacheOps(IntrospectionOps):
             publish.append(i)
         if refused:
             self._count("unpublished_failed_loads", refused)
-        return self.prefix_cache.publish_full(blocks, block_hashes, publish, block_size)
+        return self.prefix_cache.publish_full(blocks, block_hashes, publish, block_size, off)
 
     def _stored_runs(
         self,

@@ -192,9 +192,11 @@ class PrefixCache:
         keys: Sequence[Hashable],
         indices: Iterable[int],
         block_size: int | None,
+        keys_offset: int = 0,
     ) -> tuple[list[int], list[Hashable]]:
-        """Publish full block ``blocks[i]`` under ``keys[i]`` for each ``i``
-        of ``indices`` (covering ``(i + 1) * block_size`` tokens), promoting
+        """Publish full block ``blocks[i]`` under ``keys[i - keys_offset]``
+        for each ``i`` of ``indices`` (covering ``(i + 1) * block_size``
+        tokens), promoting
         a block that holds another key first (its keys removed and
         retired: a key from before the call, whose shorter prefix the caller
         checked, or one this call gave it at an earlier index, the longer
@@ -207,7 +209,7 @@ class PrefixCache:
         removed: list[Hashable] = []
         for i in indices:
             b = blocks[i]
-            key = keys[i]
+            key = keys[i - keys_offset]
             if b.block_hash is None:
                 # publish() for a block holding no key, inline.
                 v = m.get(key)

@@ -48,14 +48,6 @@ if HAS_LOOKAHEAD != hasattr(VLLM_BLOCK_POOL, "_generate_event_extra_keys"):
     )
 
 
-def _generate_event_extra_keys_032(
-    self: Any, request: Any, start: int, end: int, start_mm_idx: int
-) -> tuple[tuple[Any, ...] | None, int]:
-    """vLLM 0.32's event extra keys: those of the block's own tokens
-    (what 0.32's ``BlockPool`` computes inline). O(features in the window)."""
-    return generate_block_hash_extra_keys(request, start, end, start_mm_idx)
-
-
 def _no_lookahead_token_ids(self: Any, request: Any, block_end: int) -> list[int]:  # pragma: no cover
     # Unreachable: on vLLM 0.32 the pool refuses num_hash_lookahead_tokens != 0.
     raise AssertionError("this vLLM has no lookahead hashing")
@@ -86,7 +78,8 @@ class VllmEvents:
         after moving the core's (a failed load's removals). O(events)."""
         if not self.enable_kv_cache_events:
             return []
-        self._pull_events()
+        if self.core.kv_event_queue or self._due:  # _pull_events' own test, hoisted (once a step)
+            self._pull_events()
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
 
@@ -193,7 +186,9 @@ class VllmEvents:
     emit_cached_block_events = VLLM_BLOCK_POOL.emit_cached_block_events
     _build_block_stored_event = VLLM_BLOCK_POOL._build_block_stored_event
     _generate_event_extra_keys = (
-        VLLM_BLOCK_POOL._generate_event_extra_keys if HAS_LOOKAHEAD else _generate_event_extra_keys_032
+        VLLM_BLOCK_POOL._generate_event_extra_keys
+        if HAS_LOOKAHEAD
+        else staticmethod(generate_block_hash_extra_keys)  # 0.32's own computation, no frame of ours per block
     )
     _lookahead_token_ids = VLLM_BLOCK_POOL._lookahead_token_ids if HAS_LOOKAHEAD else _no_lookahead_token_ids
     _get_partial_block_hash = VLLM_BLOCK_POOL._get_partial_block_hash

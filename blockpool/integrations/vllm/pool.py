@@ -23,6 +23,7 @@ parity harness gives them vLLM's treatment
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU
@@ -58,23 +59,6 @@ _READ = AccessKind.READ
 # vLLM 0.32's touch calls the metrics collector's on_block_accessed for the
 # null block too (0.33 skips the null block there).
 _ACCESS_HOOK_ON_NULL = (release_line(vllm_version()) or (0, 33)) < (0, 33)
-
-
-class _KeysAt(dict):  # type: ignore[type-arg]
-    """The core's keys (vLLM's ``BlockHashWithGroupId``) of one
-    ``cache_full_blocks`` call by table position, ``lo`` to ``hi - 1`` (all
-    :meth:`~blockpool.HazardAwareBlockPool.publish_full_blocks` reads), each
-    made once: the core reads a key several times, and a
-    read here is a C-level dict lookup (a lazy sequence cost a Python call
-    per read, a padded list O(``lo``) per call: 8,000 entries at 128k
-    tokens). ``len()`` is the length of the table the positions index,
-    which the core checks against ``hi``."""
-
-    __slots__ = ("length",)
-    length: int
-
-    def __len__(self) -> int:
-        return self.length
 
 
 class VllmBlockPool(VllmEvents):
@@ -215,7 +199,8 @@ class VllmBlockPool(VllmEvents):
         Raises:
             NoFreeBlocksError (a ``ValueError``, as vLLM): not enough free blocks.
         """
-        blocks = self.core.get_new_blocks(num_blocks)
+        core = self.core
+        blocks = core.get_new_blocks(num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(blocks)
         if self.metrics_collector is not None:
@@ -223,7 +208,8 @@ class VllmBlockPool(VllmEvents):
                 self._metrics(blocks, "on_block_evicted", "on_block_allocated")
             else:
                 self._metrics(blocks, "on_block_allocated")
-        self._pull_events()
+        if core.kv_event_queue:  # the evicted keys' removals (_pull_events' own test, hoisted)
+            self._pull_events()
         if blocks:
             SERVED.allocations += 1
             SERVED.blocks_allocated += len(blocks)
@@ -366,15 +352,18 @@ class VllmBlockPool(VllmEvents):
             return
         assert block_mask is None or len(block_mask) == hi - lo
         block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
-        keys = _KeysAt(
-            (i, make_block_hash_with_group_id(h, kv_cache_group_id))  # type: ignore[arg-type]
-            for i, h in enumerate(block_hashes[lo:hi], lo)
-        )
-        keys.length = min(len(block_hashes), hi)  # short: the core refuses the call
-        published = self.core.publish_full_blocks(blocks, keys, lo, hi, block_size, block_mask)
+        # The new blocks' keys alone (hashes_offset=lo: the core reads
+        # position i's at keys[i - lo]), made in C loops: on the engine's
+        # cold caches a mapping by position, or a frame per key, cost more
+        # than the keys. Fewer than hi - lo (too few hashes): the core
+        # refuses the call.
+        keys = list(map(make_block_hash_with_group_id, block_hashes[lo:hi], repeat(kv_cache_group_id)))
+        core = self.core
+        published = core.publish_full_blocks(blocks, keys, lo, hi, block_size, block_mask, hashes_offset=lo)
         SERVED.blocks_cached += hi - lo
         if self.enable_kv_cache_events:
-            self._pull_events()  # the promotions' removals first, as vLLM's loop queues them
+            if core.kv_event_queue:  # the promotions' removals first, as vLLM's loop queues them
+                self._pull_events()
             self._queue_full_blocks_stored(request, block_hashes, published, lo, hi, block_size, kv_cache_group_id)
 
     def cache_partial_block(
