@@ -37,6 +37,7 @@ the build it asked for (``core_build``), else the script stops.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -131,6 +132,7 @@ def _child(spec_path: str, out_path: str) -> int:
             with open(out_path, encoding="utf-8") as f:
                 result = json.load(f)
             result["pool_time"] = totals
+            result["gc_collections"] = [g["collections"] for g in gc.get_stats()]  # per generation, whole run
             with open(out_path, "w", encoding="utf-8") as f:
                 json.dump(result, f)
         finally:
@@ -168,6 +170,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 for k, (n, ns) in sorted(first["pool_time"].items(), key=lambda kv: -kv[1][1])
             },
             "core_build": first.get("core_build"),
+            "gc_collections_runs": [r.get("gc_collections") for r in rs],
         }
     return out
 
@@ -188,7 +191,8 @@ def format_table(summary: dict[str, Any]) -> str:
             f" {s['sched_cpu_mean_us_median']:>8.1f} {r_mean:>6}"
         )
     for mode, s in summary.items():
-        lines.append(f"\n{mode} ({s['core_build']}), first run, µs per step by method:")
+        gcs = "; ".join("/".join(map(str, g)) for g in s.get("gc_collections_runs", ()) if g)
+        lines.append(f"\n{mode} ({s['core_build']}), first run, µs per step by method (gc collections by generation, per run: {gcs}):")
         for k, m in s["methods"].items():
             lines.append(f"  {k:<28} {m['calls']:>7} calls {m['us_per_step']:>8.2f} µs/step {m['ns_per_call']:>8} ns/call")
     return "\n".join(lines)
