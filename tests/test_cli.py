@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -269,6 +270,26 @@ def test_progress_lines_name_rate_and_eta() -> None:
     ]
 
 
+@pytest.fixture()
+def sigint_as_in_a_terminal() -> Iterator[None]:
+    """A CLI run that the test interrupts gets SIGINT at its default, as
+    under a terminal. A job started in the background (``cmd &`` in a
+    shell without job control, as ``nohup`` runs are) has SIGINT ignored;
+    its children inherit that across ``exec``, and Python then installs
+    no ``KeyboardInterrupt`` handler, so the run ignores Ctrl-C as such a
+    job should. The test's own handler (any but ``SIG_IGN``) becomes the
+    default in the child."""
+    import signal
+
+    old = signal.getsignal(signal.SIGINT)
+    if old is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _children(pid: int) -> set[int]:
     import os
 
@@ -295,6 +316,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 @pytest.mark.parametrize(("sig", "status", "jobs"), [("SIGINT", 130, "2"), ("SIGTERM", 143, "2"), ("SIGINT", 130, "1")])
+@pytest.mark.usefixtures("sigint_as_in_a_terminal")
 def test_interrupt_exits_with_the_conventional_status_and_leaves_nothing(
     sig: str, status: int, jobs: str, tmp_path: Path
 ) -> None:
@@ -551,6 +573,7 @@ def test_quiet_help_says_it_drops_the_progress_lines(capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+@pytest.mark.usefixtures("sigint_as_in_a_terminal")
 def test_ctrl_c_during_sweep_says_blockpool_sweep_interrupted(tmp_path: Path) -> None:
     import os
     import signal
