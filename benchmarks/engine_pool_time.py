@@ -155,7 +155,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for mode, rs in by_mode.items():
         pool_us = [sum(ns for _, ns in r["pool_time"].values()) / 1e3 / r["timing"]["steps"] for r in rs]
         sched_us = [r["timing"]["cpu_per_step_median_us"] for r in rs]
-        sched_mean = [r["timing"]["cpu_per_step_mean_us"] for r in rs]
+        sched_mean = [r["timing"].get("cpu_per_step_mean_us") or 0.0 for r in rs]  # 0: no step timed
         first = rs[0]
         steps = first["timing"]["steps"]
         out[mode] = {
@@ -184,7 +184,11 @@ def format_table(summary: dict[str, Any]) -> str:
     for mode, s in summary.items():
         r_pool = f"{s['pool_us_median'] / base['pool_us_median']:.3f}" if base else "-"
         r_sched = f"{s['sched_cpu_us_median'] / base['sched_cpu_us_median']:.3f}" if base else "-"
-        r_mean = f"{s['sched_cpu_mean_us_median'] / base['sched_cpu_mean_us_median']:.3f}" if base else "-"
+        r_mean = (
+            f"{s['sched_cpu_mean_us_median'] / base['sched_cpu_mean_us_median']:.3f}"
+            if base and base["sched_cpu_mean_us_median"]
+            else "-"
+        )
         runs = ", ".join(f"{x:.0f}" for x in s["pool_us_per_step"])
         lines.append(
             f"{mode:<12} {runs:<30} {s['pool_us_median']:>8.1f} {r_pool:>6} {s['sched_cpu_us_median']:>18.1f} {r_sched:>6}"

@@ -152,9 +152,9 @@ class CacheOps(IntrospectionOps):
         ``stored_events="call"`` sends them), but no ``BlockStored``.
         Returns the positions newly published, ascending (a block listed
         twice, promoted at its later entry, appears at both, as in vLLM's
-        own loop). ``block_hashes`` is read only at positions
-        ``num_cached_blocks`` to ``num_full_blocks - 1`` and for its
-        ``len()``; with ``hashes_offset=k`` (``0 <= k <= num_cached_blocks``)
+        own loop). Only the keys of positions ``num_cached_blocks`` to
+        ``num_full_blocks - 1`` are read, and ``len(block_hashes)``; with
+        ``hashes_offset=k`` (``0 <= k <= num_cached_blocks``)
         ``block_hashes[j]`` is the key of position ``k + j``, so an adapter
         that makes its keys per call passes only the new blocks' (``k =
         num_cached_blocks``: ``num_full_blocks - num_cached_blocks`` keys),
