@@ -203,3 +203,14 @@ def test_publish_full_blocks_refuses_a_bad_hashes_offset_before_publishing_any(
         pool.publish_full_blocks(a, keys, 2, 4, 16, hashes_offset=offset)  # type: ignore[arg-type]
     assert pool.snapshot() == before and pool.take_events() == []
     assert pool.get_cached_block("h2") is None
+
+
+def test_publish_full_blocks_with_an_offset_below_num_cached_blocks_shifts_every_read() -> None:
+    # hashes_offset=1 with num_cached_blocks=2: position i's key is
+    # block_hashes[i - 1], not block_hashes[i - num_cached_blocks].
+    pool = make_pool(10)
+    a = pool.get_new_blocks(4)
+    pool.cache_full_blocks(a, ["h0", "h1"], 0, 2, 16)
+    assert pool.publish_full_blocks(a, ["h1", "h2", "h3"], 2, 4, 16, hashes_offset=1) == [2, 3]
+    assert [pool.get_cached_block(k) for k in ("h2", "h3")] == a[2:4]
+    assert [b.block_hash_num_tokens for b in a[2:4]] == [3 * 16, 4 * 16]
