@@ -6,13 +6,20 @@ flight. Faults reported from the field (issue #4): one test per behaviour.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from blockpool import (
+    AccessKind,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     HazardAwareBlockPool,
     InvalidArgumentError,
+    KVCacheBlock,
+    NoFreeBlocksError,
+    StreamKind,
+    Token,
 )
 from tests.conftest import make_pool
 
@@ -214,3 +221,109 @@ def test_publish_full_blocks_with_an_offset_below_num_cached_blocks_shifts_every
     assert pool.publish_full_blocks(a, ["h1", "h2", "h3"], 2, 4, 16, hashes_offset=1) == [2, 3]
     assert [pool.get_cached_block(k) for k in ("h2", "h3")] == a[2:4]
     assert [b.block_hash_num_tokens for b in a[2:4]] == [3 * 16, 4 * 16]
+
+
+# get_new_blocks_with_removed_keys: the evicted keys returned, not queued ------
+
+
+@pytest.mark.parametrize("removal_events", ["each", "last"])
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 5), st.integers(0, 7)), max_size=50))
+def test_get_new_blocks_with_removed_keys_returns_the_keys_get_new_blocks_would_queue(
+    removal_events: str, ops: list[tuple[int, int, int]]
+) -> None:
+    # Twin pools, the same calls, one allocating with get_new_blocks, the
+    # other with get_new_blocks_with_removed_keys: the same blocks come out;
+    # the second queues only the events of the call's first step (a failed
+    # load's removals, from the completions it applies), as the first queues
+    # them, and returns the keys of the removed events the first queues after
+    # those, in order; the pools stay equal. Keys repeat across blocks (with
+    # "last" a key is reported once no block holds it), loads fail.
+    twins = [make_pool(8, removal_events=removal_events, streams={"compute": StreamKind.DEVICE}) for _ in range(2)]
+    held: list[list[KVCacheBlock]] = [[], []]
+    loads: list[list[Token]] = [[], []]
+    for op, n, k in ops:
+        calls = []
+        for i, pool in enumerate(twins):
+            mine = held[i]
+            if op == 0:  # allocate
+                before = pool.take_events()
+                n = min(n, pool.get_num_free_blocks())
+                got, removed = (pool.get_new_blocks(n), None) if i == 0 else pool.get_new_blocks_with_removed_keys(n)
+                calls.append((before, [b.block_id for b in got], removed, pool.take_events()))
+                mine.extend(got)
+            elif op == 1:  # publish the newest uncached blocks, one key each (of 4: shared)
+                for j, b in enumerate(x for x in mine[-n - 1 :] if x.block_hash is None):
+                    pool.cache_full_blocks([b], [f"h{(k + j) % 4}"], 0, 1, 16)
+            elif op == 2 and mine:  # free the oldest
+                pool.free_blocks(mine[: n + 1], token=None)
+                del mine[: n + 1]
+            elif op == 3 and mine:  # a load into the newest block, in flight
+                loads[i].append(pool.issue("compute"))
+                pool.tag(mine[-1:], loads[i][-1], AccessKind.WRITE)
+            elif op == 4 and loads[i]:  # the oldest load fails (k odd) or ends
+                t = loads[i].pop(0)
+                pool.fail(t) if k % 2 else pool.complete(t)
+        if calls:
+            (before0, ids0, _, events0), (before1, ids1, removed, events1) = calls
+            assert (before0, ids0) == (before1, ids1)
+            assert events0[: len(events1)] == events1
+            assert all(isinstance(e, BlockRemoved) for e in events0[len(events1) :])
+            assert removed == [key for e in events0[len(events1) :] for key in e.block_hashes]
+    twins[0].poll()
+    twins[1].poll()
+    assert twins[0].snapshot() == twins[1].snapshot()
+
+
+def test_get_new_blocks_with_removed_keys_leaves_a_failed_loads_removals_queued_before_its_keys() -> None:
+    pool = make_pool(4, streams={"compute": StreamKind.DEVICE})
+    a, b = pool.get_new_blocks(2)
+    load = pool.issue("compute")
+    pool.tag([a], load, AccessKind.WRITE)
+    pool.cache_full_blocks([a, b], ["ka", "kb"], 0, 2, 16)
+    pool.free_blocks([b], token=None)  # b, cached, at the free queue's tail
+    pool.take_events()
+    pool.fail(load)  # applied at the next call's start: "ka" withdrawn
+    got, removed = pool.get_new_blocks_with_removed_keys(2)
+    assert ([x.block_id for x in got], removed) == ([3, 2], ["kb"])
+    assert [(e.block_hashes, e.reason) for e in pool.take_events()] == [(("ka",), "load_failed")]
+
+
+def test_get_new_blocks_with_removed_keys_returns_no_keys_with_events_off() -> None:
+    pool = make_pool(4, enable_kv_cache_events=False)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(blocks, ["h0", "h1", "h2"], 0, 3, 16)
+    pool.free_blocks(blocks)
+    got, removed = pool.get_new_blocks_with_removed_keys(2)
+    assert ([b.block_id for b in got], removed, pool.get_cached_block("h0")) == ([1, 2], [], None)
+    assert pool.get_cached_block("h2") is blocks[2]
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "error", "match"),
+    [(-1, InvalidArgumentError, ">= 0"), (1.5, InvalidArgumentError, "int"), (4, NoFreeBlocksError, "Cannot get 4")],
+)
+def test_get_new_blocks_with_removed_keys_refuses_a_bad_count_changing_nothing(
+    num_blocks: object, error: type[Exception], match: str
+) -> None:
+    pool = make_pool(4)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(blocks, ["h0", "h1", "h2"], 0, 3, 16)
+    pool.free_blocks(blocks)
+    pool.take_events()
+    before = pool.snapshot()
+    with pytest.raises(error, match=match):
+        pool.get_new_blocks_with_removed_keys(num_blocks)  # type: ignore[arg-type]
+    assert pool.snapshot() == before and pool.take_events() == []
+
+
+def test_take_events_empties_the_same_queue_in_place() -> None:
+    # An adapter binds kv_event_queue once (the vLLM adapter does): the
+    # pool never replaces the list.
+    pool = make_pool(4)
+    queue = pool.kv_event_queue
+    blocks = pool.get_new_blocks(1)
+    pool.cache_full_blocks(blocks, ["h0"], 0, 1, 16)
+    assert len(queue) == 1
+    assert pool.take_events() == [BlockStored(("h0",), None, 16, (1,))]
+    assert pool.kv_event_queue is queue and queue == []

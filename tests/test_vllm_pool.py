@@ -102,6 +102,38 @@ def test_blocks_are_core_records_with_vllms_surface_owned_by_the_adapter() -> No
     )
 
 
+def test_the_block_id_and_is_null_vllm_reads_are_the_ones_the_core_reads() -> None:
+    # block_id and is_null are copied into slots of the adapter's block
+    # class (vLLM's interpreted reads of them are then CPython slot reads):
+    # the core's own reads (its events' block ids, compiled or not) and
+    # vLLM's agree for every block, and for a pickled copy.
+    import pickle
+
+    ours = VllmBlockPool(6, True, BS, enable_kv_cache_events=True)
+    assert [b.is_null for b in ours.blocks] == [True, False, False, False, False, False]
+    assert [b.block_id for b in ours.blocks] == list(range(6))
+    blocks = ours.get_new_blocks(5)
+    ours.core.cache_full_blocks(blocks, [f"k{i}" for i in range(5)], 0, 5, BS)
+    (stored,) = ours.core.take_events()
+    assert list(stored.block_ids) == [b.block_id for b in blocks] == [1, 2, 3, 4, 5]
+    copies = [pickle.loads(pickle.dumps(b)) for b in (ours.null_block, blocks[4])]
+    assert [(c.block_id, c.is_null, type(c)) for c in copies] == [(0, True, VllmNullBlock), (5, False, VllmKVCacheBlock)]
+
+
+def test_free_count_and_usage_are_the_cores_own_unless_a_subclass_has_its_own() -> None:
+    ours = VllmBlockPool(10, True, BS)
+    assert ours.get_num_free_blocks == ours.core.get_num_free_blocks and ours.get_usage == ours.core.get_usage
+    ours.get_new_blocks(3)
+    assert (ours.get_num_free_blocks(), ours.get_usage()) == (6, pytest.approx(3 / 9))
+
+    class SevenFree(VllmBlockPool):
+        def get_num_free_blocks(self) -> int:
+            return 7
+
+    seven = SevenFree(10, True, BS)
+    assert (seven.get_num_free_blocks(), seven.get_usage()) == (7, pytest.approx(2 / 9))  # vLLM's get_usage reads it
+
+
 def test_key_map_view_tells_one_block_from_several_without_vllms_class() -> None:
     """vLLM's ``BlockHashToBlockMap`` tells one block from a dict of them by
     ``isinstance(x, KVCacheBlock)`` (vLLM's class, which our blocks are

@@ -244,12 +244,15 @@ class PoolBase:
     def take_events(self) -> list[KVCacheEvent]:
         """Take and clear the queued KV cache events (``[]`` when disabled),
         after applying queued completions (a failed load's removed events).
-        O(1)."""
+        ``kv_event_queue`` stays the same list (emptied in place), so a
+        reference to it held by an adapter stays good. O(events)."""
         if self._due:  # hot call (once a step, and after each adapter call): _apply_completions' test, hoisted
             self._apply_completions()
         if not self.enable_kv_cache_events:
             return []
-        events, self.kv_event_queue = self.kv_event_queue, []
+        queue = self.kv_event_queue
+        events = queue.copy()
+        queue.clear()
         return events
 
     def _count(self, name: str, n: int = 1) -> None:

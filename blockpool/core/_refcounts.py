@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING
 
 from blockpool.core._base import _HOST, _READ, _WRITE, _as_list
@@ -30,18 +30,23 @@ class RefCountOps(TokenOps):
         them. O(n)."""
         return self._claim(self.free_block_queue.popleft_n(n))
 
-    def _claim(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+    def _claim(self, blocks: list[KVCacheBlock], keys_out: list[Hashable] | None = None) -> list[KVCacheBlock]:
         """Blocks just taken off the free queue: evict their keys (removed
-        events), give each ref count 1, forget the old content's marks.
-        Returns ``blocks``. O(len(blocks))."""
-        dropped = self.prefix_cache.evict_for_reuse(blocks, self.enable_kv_cache_events)
-        if dropped:
-            writes = self.writes
-            if writes.has_invalid():  # a failed load's keys: their own reason
-                for b, keys in dropped:
-                    self._removed(keys, "load_failed" if writes.is_invalid(b.block_id) else "evicted")
-            else:  # the same events, queued in one call
-                self._removed([k for _, keys in dropped for k in keys], "evicted")
+        events, or with ``keys_out`` and events on, the removed keys
+        appended there and no event), give each ref count 1, forget the old
+        content's marks. Returns ``blocks``. O(len(blocks))."""
+        report = self.enable_kv_cache_events
+        if keys_out is not None and report:
+            self.prefix_cache.evict_for_reuse(blocks, True, keys_out)
+        else:
+            dropped = self.prefix_cache.evict_for_reuse(blocks, report)
+            if dropped:
+                writes = self.writes
+                if writes.has_invalid():  # a failed load's keys: their own reason
+                    for b, keys in dropped:
+                        self._removed(keys, "load_failed" if writes.is_invalid(b.block_id) else "evicted")
+                else:  # the same events, queued in one call
+                    self._removed([k for _, keys in dropped for k in keys], "evicted")
         for b in blocks:
             b.ref_cnt = 1
         self.writes.rewritten(blocks)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from blockpool.core import placement as _placement
@@ -253,6 +253,9 @@ class HazardAwareBlockPool(RefCountOps):
         self._hits = 0
         self.holdback = HoldBack(lease_timeout, clock)
         self.writes = PendingWrites()
+        # One list for the pool's lifetime (take_events empties it in
+        # place): an adapter may bind it once and test it without a read
+        # of this object's attribute.
         self.kv_event_queue: list[KVCacheEvent] = []
 
         # This pool's identity, stamped on its tokens (Token.pool): a token
@@ -297,6 +300,40 @@ class HazardAwareBlockPool(RefCountOps):
             InvalidArgumentError: ``num_blocks`` is not an int ``>= 0``.
             NoFreeBlocksError: fewer than ``num_blocks`` blocks are free.
         """
+        return self._new_blocks(num_blocks, None)
+
+    def get_new_blocks_with_removed_keys(self, num_blocks: ArgInt) -> tuple[list[KVCacheBlock], list[Hashable]]:
+        """:meth:`get_new_blocks` for an adapter that sends its own removed
+        events (vLLM's adapter: vLLM's events, by vLLM's own helper): the
+        same blocks, checks and errors, but with events on the keys the
+        blocks lost are returned, in the order :meth:`get_new_blocks` would
+        queue their removed events (one per key), and no event is queued
+        for them (``[]`` with events off). The events' reason (``evicted``
+        or ``load_failed``) is not returned. Events queued by the call's
+        first step, the queued completions applied (a failed load's
+        removals), stay queued: they come before these keys.
+        O(num_blocks).
+
+        >>> from blockpool import HazardAwareBlockPool
+        >>> pool = HazardAwareBlockPool(3, enable_kv_cache_events=True)
+        >>> blocks = pool.get_new_blocks(2)
+        >>> pool.cache_full_blocks(blocks, ["h0", "h1"], 0, 2, 16)
+        >>> pool.free_blocks(blocks)
+        >>> _ = pool.take_events()
+        >>> new, removed = pool.get_new_blocks_with_removed_keys(2)
+        >>> [b.block_id for b in new], removed, pool.take_events()
+        ([1, 2], ['h0', 'h1'], [])
+
+        Raises:
+            InvalidArgumentError: ``num_blocks`` is not an int ``>= 0``.
+            NoFreeBlocksError: fewer than ``num_blocks`` blocks are free.
+        """
+        removed: list[Hashable] = []
+        return self._new_blocks(num_blocks, removed), removed
+
+    def _new_blocks(self, num_blocks: ArgInt, keys_out: list[Hashable] | None) -> list[KVCacheBlock]:
+        """:meth:`get_new_blocks`, the removed keys appended to ``keys_out``
+        instead of queued when it is a list (events on). O(num_blocks)."""
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         n = num_blocks if type(num_blocks) is int and num_blocks >= 0 else self._check_count(num_blocks)
@@ -305,9 +342,10 @@ class HazardAwareBlockPool(RefCountOps):
                 f"Cannot get {n} free blocks from the pool "
                 f"({self.free_block_queue.num_free_blocks} free, {len(self.holdback)} held back)"
             )
+        blocks = self._claim(self.free_block_queue.popleft_n(n), keys_out)
         if self._gens is None:
-            return self._take(n)
-        return self._gens.stamp(self._take(n))
+            return blocks
+        return self._gens.stamp(blocks)
 
     def allocate_for(
         self,

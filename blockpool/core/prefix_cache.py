@@ -275,13 +275,17 @@ class PrefixCache:
         replaced). O(1)."""
         self._retired.pop(block_id, None)
 
-    def evict_for_reuse(self, blocks: list[KVCacheBlock], report: bool) -> list[tuple[KVCacheBlock, list[Hashable]]]:
+    def evict_for_reuse(
+        self, blocks: list[KVCacheBlock], report: bool, keys_out: list[Hashable] | None = None
+    ) -> list[tuple[KVCacheBlock, list[Hashable]]]:
         """Blocks just taken for new content: withdraw their keys and forget
         what was retired or partial about the old content; counts one
         eviction per block that held a key. A block whose only key maps to
         it alone costs one dict deletion. With ``report``, returns
         ``(block, reportable keys)`` for each block that lost keys (else
-        ``[]``). O(len(blocks) + keys)."""
+        ``[]``); with ``report`` and ``keys_out``, appends the reportable
+        keys to ``keys_out`` instead, in the same order, and returns ``[]``.
+        O(len(blocks) + keys)."""
         m = self._map
         extra = self._extra
         out: list[tuple[KVCacheBlock, list[Hashable]]] = []
@@ -294,13 +298,19 @@ class PrefixCache:
             if (extra and b.block_id in extra) or m.get(key) is not b:
                 keys = self.remove(b)
                 if report:
-                    out.append((b, self.reportable(keys)))
+                    if keys_out is not None:
+                        keys_out.extend(self.reportable(keys))
+                    else:
+                        out.append((b, self.reportable(keys)))
             else:  # remove() for a block whose one key maps to it alone, inline
                 del m[key]
                 b.block_hash = None
                 b.block_hash_num_tokens = None
                 if report:  # reportable: removed from every block
-                    out.append((b, [key]))
+                    if keys_out is not None:
+                        keys_out.append(key)
+                    else:
+                        out.append((b, [key]))
         if evicted:
             self.evictions += evicted
         if self._partial or self._retired:

@@ -101,8 +101,18 @@ class VllmKVCacheBlock(_VllmBlockSurface, KVCacheBlock):
     :class:`~blockpool.integrations.vllm.pool.VllmBlockPool`, or ``None``),
     ``_block_hash`` and ``_block_hash_num_tokens`` as properties over the
     core's fields, ``set_block_hash``, ``reset_hash``, ``is_null`` and
-    vLLM's ``repr``; 9 slots in all. Built as vLLM builds its blocks,
-    ``VllmKVCacheBlock(block_id, pool=None)``.
+    vLLM's ``repr``; 11 slots in all (below). Built as vLLM builds its
+    blocks, ``VllmKVCacheBlock(block_id, pool=None)``.
+
+    ``block_id`` and ``is_null``, which never change, are also slots of
+    this class, set once in ``__init__``: vLLM's own code reads them (block
+    tables, ``get_block_ids``, the allocation count), and CPython reads a
+    slot of an interpreted class in 9 ns where the compiled core's record
+    field is a getset descriptor call (50 ns for ``block_id``, which boxes
+    an int above 256 on every read; 33 for ``is_null``). The core's
+    compiled code reads its own fields; both hold the same value. Nothing
+    may assign ``block_id`` or ``is_null`` after construction (nothing in
+    vLLM or the core does).
 
     It is the core's class, not vLLM's, so that the compiled (mypyc) core's
     native block access takes it (``docs/vllm-plugin.md``, "Design"):
@@ -114,24 +124,29 @@ class VllmKVCacheBlock(_VllmBlockSurface, KVCacheBlock):
     subclass (:func:`~blockpool.core.block.block_class_for_pool`, same name,
     no slot added), so the core's own-block check is a type test."""
 
-    __slots__ = ("pool",)
+    __slots__ = ("block_id", "is_null", "pool")
 
     def __init__(self, block_id: int, pool: Any = None) -> None:
         KVCacheBlock.__init__(self, block_id)
         self.pool = pool
+        self.block_id = block_id  # the interpreted copies (class docstring)
+        self.is_null = False
 
 
 class VllmNullBlock(_VllmBlockSurface, NullBlock):
     """Block 0 of a :class:`~blockpool.integrations.vllm.pool.VllmBlockPool`:
     the core's null block (``is_null`` true; never allocated, freed, cached
     or a transfer's block) with the same vLLM surface as
-    :class:`VllmKVCacheBlock`."""
+    :class:`VllmKVCacheBlock` (``block_id`` and ``is_null`` copied into
+    slots of its own likewise)."""
 
-    __slots__ = ("pool",)
+    __slots__ = ("block_id", "is_null", "pool")
 
     def __init__(self, block_id: int = 0, pool: Any = None) -> None:
         NullBlock.__init__(self, block_id)
         self.pool = pool
+        self.block_id = block_id
+        self.is_null = True
 
 
 def _unpickle_block(block_id: int, ref_cnt: int, null: bool, state: tuple[Any, ...]) -> Any:

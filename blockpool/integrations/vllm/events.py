@@ -67,6 +67,7 @@ class VllmEvents:
 
     core: HazardAwareBlockPool
     _due: Any  # the core's _due, bound once (VllmBlockPool.__init__)
+    _core_events: list[Any]  # the core's kv_event_queue, bound once (VllmBlockPool.__init__)
     medium: str
     hash_block_size: int
     num_hash_lookahead_tokens: int
@@ -78,7 +79,7 @@ class VllmEvents:
         after moving the core's (a failed load's removals). O(events)."""
         if not self.enable_kv_cache_events:
             return []
-        if self.core.kv_event_queue or self._due:  # _pull_events' own test, hoisted (once a step)
+        if self._core_events or self._due:  # _pull_events' own test, hoisted (once a step)
             self._pull_events()
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
@@ -92,7 +93,7 @@ class VllmEvents:
         # Several times a step (after each core call that may queue one):
         # nothing to move unless the core queued an event or has completions
         # to apply (a failed load's removals), tested here without a call.
-        if not self.enable_kv_cache_events or not (core.kv_event_queue or self._due):
+        if not self.enable_kv_cache_events or not (self._core_events or self._due):
             return None
         stored = None
         removed: list[Any] = []  # a run of removals: one call of vLLM's helper (an event per key)

@@ -186,6 +186,7 @@ class StepHazards:
         self.stream = stream
         self.max_outstanding = max_outstanding
         pool.add_stream(stream, StreamKind.DEVICE)
+        self._state = pool.tracker.state(stream)  # the stream's state: the pool never replaces it
         self.steps_issued = 0
         self.steps_ended = 0
         self.copies_begun = 0
@@ -221,7 +222,7 @@ class StepHazards:
         first, and ``None`` inside :meth:`frees_after_their_steps`. O(1)."""
         if self._frees_after_steps:
             return None
-        return self.pool.last_token(self.stream)
+        return self._state.last_token  # pool.last_token(self.stream), without the call (every free)
 
     def has_other_streams(self) -> bool:
         """Whether the pool has a stream or engine besides this wiring's

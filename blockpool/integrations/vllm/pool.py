@@ -140,6 +140,22 @@ class VllmBlockPool(VllmEvents):
         # it here, without reading the core (a compiled core's attribute is
         # a descriptor call from this interpreted class).
         self._due: Any = core._due
+        # The core's event queue, the same list for its lifetime (its
+        # take_events empties it in place): tested here after each call that
+        # may queue an event, without reading the core's attribute.
+        self._core_events: list[Any] = core.kv_event_queue
+        # vLLM's scheduler calls get_num_free_blocks some 30 times a step
+        # and get_usage once: the core's own methods (the same answers:
+        # held-back blocks count as used, queued completions applied
+        # first), bound on the instance, so no frame of this class's runs
+        # per call (unless a subclass has its own: get_usage reads
+        # get_num_free_blocks, as vLLM's).
+        cls = type(self)
+        if cls.get_num_free_blocks is VllmBlockPool.get_num_free_blocks:
+            self.get_num_free_blocks = core.get_num_free_blocks  # type: ignore[method-assign]
+            if cls.get_usage is VllmBlockPool.get_usage:
+                self.get_usage = core.get_usage  # type: ignore[method-assign]
+        self._core_get_cached_block = core.get_cached_block  # bound once (one call per looked-up block)
         self.hazards: StepHazards | None = StepHazards(core) if track else None
 
         self.num_gpu_blocks = num_gpu_blocks
@@ -200,7 +216,10 @@ class VllmBlockPool(VllmEvents):
             NoFreeBlocksError (a ``ValueError``, as vLLM): not enough free blocks.
         """
         core = self.core
-        blocks = core.get_new_blocks(num_blocks)
+        # The evicted keys come back as keys (events on), not as the core's
+        # events for this adapter to read and drop: vLLM's own helper makes
+        # its events from them, below.
+        blocks, removed = core.get_new_blocks_with_removed_keys(num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(blocks)
         if self.metrics_collector is not None:
@@ -208,8 +227,10 @@ class VllmBlockPool(VllmEvents):
                 self._metrics(blocks, "on_block_evicted", "on_block_allocated")
             else:
                 self._metrics(blocks, "on_block_allocated")
-        if core.kv_event_queue:  # the evicted keys' removals (_pull_events' own test, hoisted)
+        if self._core_events:  # a failed load's removals, from completions the call applied first
             self._pull_events()
+        if removed:
+            self._emit_block_removed_events(removed)
         if blocks:
             SERVED.allocations += 1
             SERVED.blocks_allocated += len(blocks)
@@ -314,7 +335,7 @@ class VllmBlockPool(VllmEvents):
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[Any] | None:
         """The first cached block under ``block_hash`` for each group, or
         ``None`` if any group misses. O(len(kv_cache_group_ids))."""
-        get = self.core.get_cached_block
+        get = self._core_get_cached_block
         cached = []
         for group_id in kv_cache_group_ids:
             b = get(make_block_hash_with_group_id(block_hash, group_id))  # type: ignore[arg-type]
@@ -362,7 +383,7 @@ class VllmBlockPool(VllmEvents):
         published = core.publish_full_blocks(blocks, keys, lo, hi, block_size, block_mask, hashes_offset=lo)
         SERVED.blocks_cached += hi - lo
         if self.enable_kv_cache_events:
-            if core.kv_event_queue:  # the promotions' removals first, as vLLM's loop queues them
+            if self._core_events:  # the promotions' removals first, as vLLM's loop queues them
                 self._pull_events()
             self._queue_full_blocks_stored(request, block_hashes, published, lo, hi, block_size, kv_cache_group_id)
 
@@ -461,19 +482,22 @@ class VllmBlockPool(VllmEvents):
     # ------------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
-        """Blocks in the free queue (held-back blocks excluded). O(1).
+        """Blocks in the free queue (held-back blocks excluded), queued
+        completions applied first (they may release held-back blocks). O(1).
 
-        vLLM's scheduler calls it some 30 times a step: the core's
-        ``get_num_free_blocks`` inlined (queued completions applied first,
-        which may release held-back blocks)."""
+        An instance's own is the core's ``get_num_free_blocks``, bound in
+        ``__init__`` (vLLM's scheduler calls it some 30 times a step); this
+        one is the same for the class."""
         if self._due:
             self.core._apply_completions()
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
         """Fraction of usable blocks not free (held-back blocks count as
-        used), in [0, 1]: the core's figure, computed here as vLLM does (once
-        a step; a call less on the scheduler's cold path). O(1)."""
+        used), in [0, 1]: the core's figure, computed as vLLM does. O(1).
+
+        An instance's own is the core's ``get_usage``, bound in
+        ``__init__``; this one is the same for the class."""
         total = self.num_gpu_blocks - 1
         if not total:
             return 0.0
