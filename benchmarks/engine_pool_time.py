@@ -13,13 +13,21 @@ makes into the pool (vLLM's ``BlockPool`` with the plugin off, our
 only (a pool method calling another is counted once), with
 ``time.perf_counter_ns``: about 0.1 µs per call added alike to every mode.
 
-Each mode runs ``--repeat`` times, interleaved; the table gives, per mode,
+Each mode runs ``--repeat`` times, interleaved: one run of every mode per
+round, the order rotated from round to round (``off, on, hazards-off``,
+then ``on, hazards-off, off``, ...), so that no mode always runs first
+after a slower or faster stretch of the machine. The table gives, per mode,
 the median over runs of µs per step in the pool (and the wiring), its ratio
 to ``off``, the scheduler's CPU µs per step (median of steps, median of
 runs: the engine check's figure, with the timers' cost in it), its mean
 per step (median of runs: the pool figure's own kind, so on's excess over
 off is the pool's and the wiring's excess plus whatever else the plugin
-changes) and the per-method split of the first run. Why per-step cost in an engine is several
+changes), the **paired** ratios (each round's run against the same
+round's ``off`` run, the median over rounds: the machine's speed drifts
+from minute to minute by more than the plugin's cost, and a round's runs
+see the same stretch of it) and the per-method split (each method's median
+over runs).
+Why per-step cost in an engine is several
 times a hot loop's (the scheduler's code runs on caches the forward pass
 has just evicted): ``docs/performance.md``, "The engine's cold caches".
 
@@ -146,18 +154,18 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per mode: µs per step in the pool (median over runs), the scheduler's
     CPU µs per step (median over runs of the per-run median, and of the
     per-run mean: the mean is the pool figure's own kind, the median the
-    engine check's) and the first run's per-method µs per step.
+    engine check's), each method's µs per step and ns per call (medians over
+    runs) and, with an ``off`` mode, the paired ratios (module docstring).
     O(runs * methods)."""
     by_mode: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
         by_mode.setdefault(r["mode"], []).append(r)
     out: dict[str, Any] = {}
     for mode, rs in by_mode.items():
-        pool_us = [sum(ns for _, ns in r["pool_time"].values()) / 1e3 / r["timing"]["steps"] for r in rs]
+        pool_us = [_pool_us(r) for r in rs]
         sched_us = [r["timing"]["cpu_per_step_median_us"] for r in rs]
         sched_mean = [r["timing"].get("cpu_per_step_mean_us") or 0.0 for r in rs]  # 0: no step timed
         first = rs[0]
-        steps = first["timing"]["steps"]
         out[mode] = {
             "pool_us_per_step": [round(x, 1) for x in pool_us],
             "pool_us_median": round(statistics.median(pool_us), 1),
@@ -165,14 +173,59 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "sched_cpu_us_runs": sched_us,
             "sched_cpu_mean_us_median": round(statistics.median(sched_mean), 1),
             "sched_cpu_mean_us_runs": sched_mean,
-            "methods": {
-                k: {"calls": n, "us_per_step": round(ns / 1e3 / steps, 2), "ns_per_call": round(ns / n)}
-                for k, (n, ns) in sorted(first["pool_time"].items(), key=lambda kv: -kv[1][1])
-            },
+            "methods": _methods(rs),
             "core_build": first.get("core_build"),
             "gc_collections_runs": [r.get("gc_collections") for r in rs],
         }
+    base = by_mode.get("off")
+    if base is not None:
+        off_by_round = {r.get("round"): r for r in base}
+        for mode, rs in by_mode.items():
+            pairs = [(r, off_by_round.get(r.get("round"))) for r in rs]
+            pairs = [(r, b) for r, b in pairs if b is not None]
+            med = [r["timing"]["cpu_per_step_median_us"] / b["timing"]["cpu_per_step_median_us"] for r, b in pairs]
+            mean = [
+                r["timing"]["cpu_per_step_mean_us"] / b["timing"]["cpu_per_step_mean_us"]
+                for r, b in pairs
+                if r["timing"].get("cpu_per_step_mean_us") and b["timing"].get("cpu_per_step_mean_us")
+            ]
+            delta = [_pool_us(r) - _pool_us(b) for r, b in pairs]
+            out[mode]["pool_paired_delta_us"] = [round(x, 1) for x in delta]
+            out[mode]["pool_paired_delta_us_median"] = round(statistics.median(delta), 1) if delta else None
+            out[mode]["sched_cpu_paired_ratios"] = [round(x, 3) for x in med]
+            out[mode]["sched_cpu_paired_ratio_median"] = round(statistics.median(med), 3) if med else None
+            out[mode]["sched_cpu_mean_paired_ratios"] = [round(x, 3) for x in mean]
+            out[mode]["sched_cpu_mean_paired_ratio_median"] = round(statistics.median(mean), 3) if mean else None
     return out
+
+
+def _pool_us(r: dict[str, Any]) -> float:
+    """A run's µs per step in every timed call (pool and wiring). O(methods)."""
+    return float(sum(ns for _, ns in r["pool_time"].values()) / 1e3 / r["timing"]["steps"])
+
+
+def _methods(rs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per method over one mode's runs: calls (the first run's), µs per
+    step and ns per call (medians over the runs that called it), the
+    costliest first. O(runs * methods)."""
+    names = {k for r in rs for k in r["pool_time"]}
+    out = {}
+    for k in names:
+        per = [(r["pool_time"][k], r["timing"]["steps"]) for r in rs if k in r["pool_time"]]
+        out[k] = {
+            "calls": per[0][0][0],
+            "us_per_step": round(statistics.median(ns / 1e3 / steps for (_, ns), steps in per), 2),
+            "ns_per_call": round(statistics.median(ns / n for (n, ns), _ in per if n)),
+        }
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["us_per_step"]))
+
+
+def _rotated(modes: Sequence[str], rnd: int) -> list[str]:
+    """``modes`` in round ``rnd``'s order (1-based): rotated left by
+    ``rnd - 1``, so over ``len(modes)`` rounds each mode runs once in every
+    position. O(len(modes))."""
+    k = (rnd - 1) % len(modes)
+    return [*modes[k:], *modes[:k]]
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -194,9 +247,24 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{mode:<12} {runs:<30} {s['pool_us_median']:>8.1f} {r_pool:>6} {s['sched_cpu_us_median']:>18.1f} {r_sched:>6}"
             f" {s['sched_cpu_mean_us_median']:>8.1f} {r_mean:>6}"
         )
+    if base and len(summary) > 1:
+        lines.append("\npaired: each round's run / the same round's off run (median over rounds; the rounds' ratios)")
+        for mode, s in summary.items():
+            if mode == "off" or s.get("sched_cpu_paired_ratio_median") is None:
+                continue
+            lines.append(
+                f"  {mode:<12} scheduler CPU, median step {s['sched_cpu_paired_ratio_median']:.3f}"
+                f" ({', '.join(f'{x:.2f}' for x in s['sched_cpu_paired_ratios'])});"
+                f" mean step {s['sched_cpu_mean_paired_ratio_median'] or float('nan'):.3f}"
+                f" ({', '.join(f'{x:.2f}' for x in s['sched_cpu_mean_paired_ratios'])});"
+                f" pool and wiring {s['pool_paired_delta_us_median']:+.1f} µs/step"
+            )
     for mode, s in summary.items():
         gcs = "; ".join("/".join(map(str, g)) for g in s.get("gc_collections_runs", ()) if g)
-        lines.append(f"\n{mode} ({s['core_build']}), first run, µs per step by method (gc collections by generation, per run: {gcs}):")
+        lines.append(
+            f"\n{mode} ({s['core_build']}), µs per step by method, medians over runs"
+            f" (gc collections by generation, per run: {gcs}):"
+        )
         for k, m in s["methods"].items():
             lines.append(f"  {k:<28} {m['calls']:>7} calls {m['us_per_step']:>8.2f} µs/step {m['ns_per_call']:>8} ns/call")
     return "\n".join(lines)
@@ -241,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         want = "compiled (mypyc)" if any(f.endswith(".so") for f in os.listdir(os.path.join(pkg, "blockpool", "core"))) else "pure Python"
     runs: list[dict[str, Any]] = []
     for rep in range(1, args.repeat + 1):
-        for mode in modes:
+        for mode in _rotated(modes, rep):
             tag = f"{mode}-{rep}"
             spec_path, out_path, log_path = (os.path.join(work, f"{tag}.{x}") for x in ("spec.json", "result.json", "log"))
             with open(spec_path, "w", encoding="utf-8") as f:
@@ -266,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{tag}: served by {r.get('core_build')}, not {want}", file=sys.stderr)
                 return 1
             print(f"{tag}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            r["round"] = rep
             runs.append(r)
     summary = summarize(runs)
     print(format_table(summary))

@@ -309,10 +309,9 @@ class HazardAwareBlockPool(RefCountOps):
         blocks lost are returned, in the order :meth:`get_new_blocks` would
         queue their removed events (one per key), and no event is queued
         for them (``[]`` with events off). The events' reason (``evicted``
-        or ``load_failed``) is not returned. Events queued by the call's
-        first step, the queued completions applied (a failed load's
-        removals), stay queued: they come before these keys.
-        O(num_blocks).
+        or ``load_failed``) is not returned. The events of the queued
+        completions the call applies first (a failed load's removals) are
+        queued as usual: they come before these keys. O(num_blocks).
 
         >>> from blockpool import HazardAwareBlockPool
         >>> pool = HazardAwareBlockPool(3, enable_kv_cache_events=True)
