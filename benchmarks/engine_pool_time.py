@@ -183,7 +183,11 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for mode, rs in by_mode.items():
             pairs = [(r, off_by_round.get(r.get("round"))) for r in rs]
             pairs = [(r, b) for r, b in pairs if b is not None]
-            med = [r["timing"]["cpu_per_step_median_us"] / b["timing"]["cpu_per_step_median_us"] for r, b in pairs]
+            med = [
+                r["timing"]["cpu_per_step_median_us"] / b["timing"]["cpu_per_step_median_us"]
+                for r, b in pairs
+                if r["timing"].get("cpu_per_step_median_us") and b["timing"].get("cpu_per_step_median_us")
+            ]
             mean = [
                 r["timing"]["cpu_per_step_mean_us"] / b["timing"]["cpu_per_step_mean_us"]
                 for r, b in pairs

@@ -120,18 +120,22 @@ def test_the_block_id_and_is_null_vllm_reads_are_the_ones_the_core_reads() -> No
     assert [(c.block_id, c.is_null, type(c)) for c in copies] == [(0, True, VllmNullBlock), (5, False, VllmKVCacheBlock)]
 
 
-def test_free_count_and_usage_are_the_cores_own_unless_a_subclass_has_its_own() -> None:
+def test_the_free_count_is_the_cores_own_unless_the_class_has_another(monkeypatch: pytest.MonkeyPatch) -> None:
     ours = VllmBlockPool(10, True, BS)
-    assert ours.get_num_free_blocks == ours.core.get_num_free_blocks and ours.get_usage == ours.core.get_usage
+    assert ours.get_num_free_blocks == ours.core.get_num_free_blocks
     ours.get_new_blocks(3)
     assert (ours.get_num_free_blocks(), ours.get_usage()) == (6, pytest.approx(3 / 9))
+    monkeypatch.setattr(ours, "get_num_free_blocks", lambda: 8)  # an instance patch: get_usage reads it, as vLLM's
+    assert ours.get_usage() == pytest.approx(1 / 9)
 
     class SevenFree(VllmBlockPool):
         def get_num_free_blocks(self) -> int:
             return 7
 
     seven = SevenFree(10, True, BS)
-    assert (seven.get_num_free_blocks(), seven.get_usage()) == (7, pytest.approx(2 / 9))  # vLLM's get_usage reads it
+    assert (seven.get_num_free_blocks(), seven.get_usage()) == (7, pytest.approx(2 / 9))
+    monkeypatch.setattr(VllmBlockPool, "get_num_free_blocks", lambda self: 5)  # a class patch before the pool is built
+    assert VllmBlockPool(10, True, BS).get_num_free_blocks() == 5
 
 
 def test_key_map_view_tells_one_block_from_several_without_vllms_class() -> None:

@@ -109,8 +109,10 @@ class VllmKVCacheBlock(_VllmBlockSurface, KVCacheBlock):
     tables, ``get_block_ids``, the allocation count), and CPython reads a
     slot of an interpreted class in 9 ns where the compiled core's record
     field is a getset descriptor call (50 ns for ``block_id``, which boxes
-    an int above 256 on every read; 33 for ``is_null``). The core's
-    compiled code reads its own fields; both hold the same value. Nothing
+    an int above 256 on every read; 33 for ``is_null``). The compiled
+    core's code reads its own fields, which hold the same values; in the
+    pure-Python build these slots shadow the record's (every read and
+    write, the core's too, goes to them; the record's go unused). Nothing
     may assign ``block_id`` or ``is_null`` after construction (nothing in
     vLLM or the core does).
 

@@ -144,17 +144,14 @@ class VllmBlockPool(VllmEvents):
         # take_events empties it in place): tested here after each call that
         # may queue an event, without reading the core's attribute.
         self._core_events: list[Any] = core.kv_event_queue
-        # vLLM's scheduler calls get_num_free_blocks some 30 times a step
-        # and get_usage once: the core's own methods (the same answers:
-        # held-back blocks count as used, queued completions applied
-        # first), bound on the instance, so no frame of this class's runs
-        # per call (unless a subclass has its own: get_usage reads
-        # get_num_free_blocks, as vLLM's).
-        cls = type(self)
-        if cls.get_num_free_blocks is VllmBlockPool.get_num_free_blocks:
+        # vLLM's scheduler calls get_num_free_blocks some 30 times a step:
+        # the core's own method (the same answer: held-back blocks
+        # excluded, queued completions applied first), bound on the
+        # instance, so no frame of this class's runs per call -- unless the
+        # class's method is not this module's own (a subclass's, or a
+        # patch of the class made before the pool was built).
+        if type(self).get_num_free_blocks is _OWN_GET_NUM_FREE_BLOCKS:
             self.get_num_free_blocks = core.get_num_free_blocks  # type: ignore[method-assign]
-            if cls.get_usage is VllmBlockPool.get_usage:
-                self.get_usage = core.get_usage  # type: ignore[method-assign]
         self._core_get_cached_block = core.get_cached_block  # bound once (one call per looked-up block)
         self.hazards: StepHazards | None = StepHazards(core) if track else None
 
@@ -215,11 +212,16 @@ class VllmBlockPool(VllmEvents):
         Raises:
             NoFreeBlocksError (a ``ValueError``, as vLLM): not enough free blocks.
         """
-        core = self.core
         # The evicted keys come back as keys (events on), not as the core's
         # events for this adapter to read and drop: vLLM's own helper makes
-        # its events from them, below.
-        blocks, removed = core.get_new_blocks_with_removed_keys(num_blocks)
+        # its events from them, at once (before any hook that may raise),
+        # after a failed load's removals from completions the call applied
+        # first.
+        blocks, removed = self.core.get_new_blocks_with_removed_keys(num_blocks)
+        if self._core_events:
+            self._pull_events()
+        if removed:
+            self._emit_block_removed_events(removed)
         if self._reuse_watchers:
             self._notify_reuse(blocks)
         if self.metrics_collector is not None:
@@ -227,10 +229,6 @@ class VllmBlockPool(VllmEvents):
                 self._metrics(blocks, "on_block_evicted", "on_block_allocated")
             else:
                 self._metrics(blocks, "on_block_allocated")
-        if self._core_events:  # a failed load's removals, from completions the call applied first
-            self._pull_events()
-        if removed:
-            self._emit_block_removed_events(removed)
         if blocks:
             SERVED.allocations += 1
             SERVED.blocks_allocated += len(blocks)
@@ -486,18 +484,17 @@ class VllmBlockPool(VllmEvents):
         completions applied first (they may release held-back blocks). O(1).
 
         An instance's own is the core's ``get_num_free_blocks``, bound in
-        ``__init__`` (vLLM's scheduler calls it some 30 times a step); this
-        one is the same for the class."""
+        ``__init__`` (vLLM's scheduler calls it some 30 times a step), so a
+        patch of the class made after the pool was built does not reach
+        it: patch the instance. This one is the same for the class."""
         if self._due:
             self.core._apply_completions()
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
         """Fraction of usable blocks not free (held-back blocks count as
-        used), in [0, 1]: the core's figure, computed as vLLM does. O(1).
-
-        An instance's own is the core's ``get_usage``, bound in
-        ``__init__``; this one is the same for the class."""
+        used), in [0, 1]: the core's figure, computed as vLLM does (from
+        ``get_num_free_blocks``). O(1)."""
         total = self.num_gpu_blocks - 1
         if not total:
             return 0.0
@@ -506,3 +503,8 @@ class VllmBlockPool(VllmEvents):
     def is_block_writable(self, block: Any) -> bool:
         """Not null, ref count 1, no key. O(1)."""
         return self.core.is_block_writable(block)
+
+
+_OWN_GET_NUM_FREE_BLOCKS = VllmBlockPool.__dict__["get_num_free_blocks"]
+"""The class's own ``get_num_free_blocks`` (``VllmBlockPool.__init__`` binds
+the core's on the instance only while the class still has this one)."""
