@@ -183,16 +183,8 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for mode, rs in by_mode.items():
             pairs = [(r, off_by_round.get(r.get("round"))) for r in rs]
             pairs = [(r, b) for r, b in pairs if b is not None]
-            med = [
-                r["timing"]["cpu_per_step_median_us"] / b["timing"]["cpu_per_step_median_us"]
-                for r, b in pairs
-                if r["timing"].get("cpu_per_step_median_us") and b["timing"].get("cpu_per_step_median_us")
-            ]
-            mean = [
-                r["timing"]["cpu_per_step_mean_us"] / b["timing"]["cpu_per_step_mean_us"]
-                for r, b in pairs
-                if r["timing"].get("cpu_per_step_mean_us") and b["timing"].get("cpu_per_step_mean_us")
-            ]
+            med = _paired(pairs, "cpu_per_step_median_us")
+            mean = _paired(pairs, "cpu_per_step_mean_us")
             delta = [_pool_us(r) - _pool_us(b) for r, b in pairs]
             out[mode]["pool_paired_delta_us"] = [round(x, 1) for x in delta]
             out[mode]["pool_paired_delta_us_median"] = round(statistics.median(delta), 1) if delta else None
@@ -201,6 +193,12 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             out[mode]["sched_cpu_mean_paired_ratios"] = [round(x, 3) for x in mean]
             out[mode]["sched_cpu_mean_paired_ratio_median"] = round(statistics.median(mean), 3) if mean else None
     return out
+
+
+def _paired(pairs: Sequence[tuple[dict[str, Any], dict[str, Any]]], key: str) -> list[float]:
+    """``run / off run`` of the timing figure ``key`` for each pair where
+    both have it (a run with no step timed has none). O(len(pairs))."""
+    return [r["timing"][key] / b["timing"][key] for r, b in pairs if r["timing"].get(key) and b["timing"].get(key)]
 
 
 def _pool_us(r: dict[str, Any]) -> float:

@@ -25,10 +25,10 @@ class RefCountOps(TokenOps):
     and freeing them (-1; at 0 they go back to the free queue or are held
     back)."""
 
-    def _take(self, n: int) -> list[KVCacheBlock]:
+    def _take(self, n: int, keys_out: list[Hashable] | None = None) -> list[KVCacheBlock]:
         """Pop ``n`` free blocks from the queue's front and :meth:`_claim`
-        them. O(n)."""
-        return self._claim(self.free_block_queue.popleft_n(n))
+        them (``keys_out``: as there). O(n)."""
+        return self._claim(self.free_block_queue.popleft_n(n), keys_out)
 
     def _claim(self, blocks: list[KVCacheBlock], keys_out: list[Hashable] | None = None) -> list[KVCacheBlock]:
         """Blocks just taken off the free queue: evict their keys (removed

@@ -341,7 +341,7 @@ class HazardAwareBlockPool(RefCountOps):
                 f"Cannot get {n} free blocks from the pool "
                 f"({self.free_block_queue.num_free_blocks} free, {len(self.holdback)} held back)"
             )
-        blocks = self._claim(self.free_block_queue.popleft_n(n), keys_out)
+        blocks = self._take(n, keys_out)
         if self._gens is None:
             return blocks
         return self._gens.stamp(blocks)
