@@ -830,9 +830,9 @@ compare_passes() {
 # ---------------------------------------------------------------------------
 main() {
   local start; start=$(now)
-  check_inputs
   local passes; read -r -a passes <<<"$PASSES" || true
   log "vLLM $VLLM_VERSION: venv $VENV_DIR, results $RESULTS_DIR, passes: ${passes[*]:-none}"
+  check_inputs
   log "free disk: $(df -h "$REPO_ROOT" | awk 'NR == 2 { print $4 }')"
   timed "venv build" build_venv
   # The sdist (vLLM's tests) only for the off / on passes.

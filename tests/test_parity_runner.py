@@ -273,3 +273,68 @@ def test_a_stopped_runner_leaves_no_pytest_behind(tmp_path: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# --- scripts/vllm_parity.sh: the version switch refuses before it builds ---
+
+PARITY_SH = SCRIPTS / "vllm_parity.sh"
+
+
+def run_parity_sh(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """Runs the script with settings that make it stop at its input checks:
+    the shared dir is an empty temp dir, the venv and results dirs are
+    temp paths (nothing of the checkout's is built or touched)."""
+    shared = tmp_path / "shared"
+    shared.mkdir(exist_ok=True)
+    base = {
+        k: v for k, v in os.environ.items() if not k.startswith(("VLLM_PARITY_", "VLLM_VENV"))
+    }
+    full = {
+        **base,
+        "VLLM_PARITY_SHARED": str(shared),
+        "VLLM_VENV": str(tmp_path / "venv"),
+        "VLLM_PARITY_RESULTS": str(tmp_path / "results"),
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(PARITY_SH)], env=full, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_parity_sh_refuses_an_unknown_version(tmp_path: Path) -> None:
+    proc = run_parity_sh(tmp_path, VLLM_PARITY_VERSION="0.99.0")
+    assert proc.returncode == 2
+    assert "VLLM_PARITY_VERSION=0.99.0 is not one of 0.34.0, 0.33.0, 0.32.0" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("version", "missing"),
+    [
+        ("0.34.0", "requirements file not found: {shared}/vllm-0.34/vllm-0.34.0-cpu-reqs.txt"),
+        (None, "requirements file not found: {shared}/vllm-0.34/vllm-0.34.0-cpu-reqs.txt"),
+        ("0.33.0", "freeze list not found: {shared}/vllm-0.33.0-cpu-freeze.txt"),
+    ],
+)
+def test_parity_sh_reads_each_versions_requirements(tmp_path: Path, version: str | None, missing: str) -> None:
+    """0.34.0 is the default; each version reads its own requirements from
+    the shared dir (and stops, here, where they are missing)."""
+    env = {"VLLM_PARITY_VERSION": version} if version else {}
+    proc = run_parity_sh(tmp_path, **env)
+    assert proc.returncode == 2
+    assert missing.format(shared=tmp_path / "shared") in proc.stderr
+    assert f"vLLM {version or '0.34.0'}: venv {tmp_path / 'venv'}" in proc.stderr
+    assert not (tmp_path / "venv").exists()
+
+
+def test_parity_sh_runs_only_our_tests_on_032(tmp_path: Path) -> None:
+    proc = run_parity_sh(tmp_path, VLLM_PARITY_VERSION="0.32.0", VLLM_PARITY_PASSES="off on own")
+    assert proc.returncode == 2
+    assert "vLLM 0.32.0 runs only the \"own\" pass" in proc.stderr
+
+
+def test_parity_sh_keeps_the_033_venv_from_an_unversioned_run(tmp_path: Path) -> None:
+    """A caller naming 0.33's venv without a version (written before the
+    default became 0.34.0) is refused, not given 0.34 in that venv."""
+    proc = run_parity_sh(tmp_path, VLLM_VENV=".venv-vllm")
+    assert proc.returncode == 2
+    assert "VLLM_VENV=.venv-vllm is another version's venv; set VLLM_PARITY_VERSION" in proc.stderr
