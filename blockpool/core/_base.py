@@ -184,15 +184,15 @@ class PoolBase:
     # blocks in and out of the free queue
     # ------------------------------------------------------------------
 
-    def _enqueue_free(self, blocks: list[KVCacheBlock], to_tail: bool = False) -> None:
+    def _enqueue_free(self, blocks: list[KVCacheBlock], to_tail: bool = False, evict_first: bool = False) -> None:
         """Put blocks that reached ref count 0 in the free queue (unkeyed to
-        the front, keyed to the back; all to the back with ``to_tail``) or,
-        when a host-engine access on them has not ended, hold them back.
-        O(len(blocks))."""
+        the front, keyed to the back; all to the back with ``to_tail``, all
+        to the front with ``evict_first``) or, when a host-engine access on
+        them has not ended, hold them back. O(len(blocks))."""
         if self.track_hazards and self.tracker.host_pending():
             blocks = self.holdback.hold_back(blocks, self.tracker.is_ended)
         q = self.free_block_queue
-        if to_tail or not self.enable_caching:
+        if to_tail or evict_first or not self.enable_caching:
             if to_tail:
                 q.append_n(blocks)
             else:

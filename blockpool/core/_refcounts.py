@@ -88,6 +88,7 @@ class RefCountOps(TokenOps):
         access: ArgAccess = AccessKind.READ,
         *,
         to_tail: ArgBool = False,
+        evict_first: ArgBool = False,
     ) -> None:
         """Drop one reference per listed block, in eviction order (first =
         evicted first). A block reaching ref count 0 goes to the front of the
@@ -108,6 +109,11 @@ class RefCountOps(TokenOps):
         as for :meth:`tag`. ``to_tail``: blocks that become free go to the
         back of the free queue whatever their keys (reused last; vLLM's
         ``unpin_blocks``); blocks held back go as usual once released.
+        ``evict_first``: blocks that become free go to the front of the
+        free queue whatever their keys, in the listed order (evicted before
+        every other cached block; vLLM 0.34's ``free_blocks(...,
+        evict_first=True)``, for blocks whose content another tier already
+        holds); they keep their keys until reused. Ignored with ``to_tail``.
 
         >>> from blockpool import HazardAwareBlockPool
         >>> pool = HazardAwareBlockPool(4)
@@ -182,4 +188,4 @@ class RefCountOps(TokenOps):
         elif access is _WRITE and token is not None:
             self._ended_write(blocks, token)  # type: ignore[arg-type]
         if zero:
-            self._enqueue_free(zero, to_tail)
+            self._enqueue_free(zero, to_tail, evict_first)

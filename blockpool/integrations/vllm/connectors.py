@@ -599,7 +599,7 @@ def _unwired_by_env() -> set[str]:
     return set(CONNECTORS) if "all" in names else names
 
 
-def wire(patch: Patcher, errors: dict[str, str] | None = None) -> list[str]:
+def wire(patch: Patcher, errors: dict[str, str] | None = None, skip: Iterable[str] = ()) -> list[str]:
     """Install the wrappers of every connector in :data:`CONNECTORS` that
     imports here and is not named in :data:`ENV_UNWIRED`, through
     ``patch(owner, attribute, make_wrapper)`` (the plugin's patcher, which
@@ -611,11 +611,15 @@ def wire(patch: Patcher, errors: dict[str, str] | None = None) -> list[str]:
     fenced); the error goes into ``errors`` under its name. A connector
     whose module does not import for want of an optional third-party
     dependency cannot run here and is skipped with one debug line. Returns
-    the names wired. O(connectors).
+    the names wired. Connectors named in ``skip`` are left as vLLM built
+    them (the caller has said why). O(connectors).
     """
     off = _unwired_by_env()
+    skipped = set(skip)
     done = []
     for name, spec in CONNECTORS.items():
+        if name in skipped:
+            continue
         if name in off:
             logger.info("blockpool: %s left unwired by %s: its transfers are not fenced", name, ENV_UNWIRED)
             continue

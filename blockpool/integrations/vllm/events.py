@@ -11,11 +11,13 @@ module that depends on vLLM's private event helpers.
 
 vLLM 0.33 added lookahead hashing (``num_hash_lookahead_tokens``: each
 block's hash and event cover tokens after it, the events carry
-``lookahead_token_ids``) with two helpers, ``_generate_event_extra_keys``
-and ``_lookahead_token_ids``. vLLM 0.32 has neither: its events take the
-extra keys from ``generate_block_hash_extra_keys`` and its
-``_build_block_stored_event`` has no ``lookahead_token_ids`` argument
-(:data:`HAS_LOOKAHEAD` tells which).
+``lookahead_token_ids``) with two helpers of its pool, which 0.34 renamed;
+vLLM 0.32 has neither: its events take the extra keys from
+``generate_block_hash_extra_keys`` and its ``_build_block_stored_event``
+has no ``lookahead_token_ids`` argument. Which helpers a line has is
+declared in its surface (:attr:`~blockpool.integrations.vllm.surface.Surface.event_extra_keys`,
+:attr:`~blockpool.integrations.vllm.surface.Surface.lookahead_token_ids`;
+:data:`HAS_LOOKAHEAD` tells which).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_co
 
 from blockpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from blockpool.core.pool import HazardAwareBlockPool
+from blockpool.integrations.vllm.surface import active as active_surface
 
 __all__ = ["HAS_LOOKAHEAD", "VLLM_BLOCK_POOL", "VllmEvents"]
 
@@ -39,13 +42,11 @@ VLLM_BLOCK_POOL: type = getattr(
     _vllm_block_pool_module, "_blockpool_vllm_BlockPool", _vllm_block_pool_module.BlockPool
 )
 
-HAS_LOOKAHEAD: bool = hasattr(VLLM_BLOCK_POOL, "_lookahead_token_ids")
-"""vLLM's pool has lookahead hashing (vLLM 0.33; not 0.32)."""
-if HAS_LOOKAHEAD != hasattr(VLLM_BLOCK_POOL, "_generate_event_extra_keys"):
-    # One of the pair without the other: neither 0.32's events nor 0.33's.
-    raise AttributeError(
-        "vLLM's BlockPool has only one of _generate_event_extra_keys and _lookahead_token_ids"
-    )
+_SURFACE = active_surface()
+
+HAS_LOOKAHEAD: bool = _SURFACE.lookahead_token_ids is not None
+"""vLLM's pool has lookahead hashing (vLLM 0.33 and later; not 0.32), as
+the active surface declares."""
 
 
 def _no_lookahead_token_ids(self: Any, request: Any, block_end: int) -> list[int]:  # pragma: no cover
@@ -183,15 +184,21 @@ class VllmEvents:
 
     # vLLM's pure helpers (event shapes, partial-hash arithmetic), borrowed
     # so the events are byte-for-byte vLLM's. They read only the attributes
-    # declared above. On vLLM 0.32, 0.32's own computation of the extra keys.
+    # declared above (each is declared, with its body's fingerprint, in the
+    # surface of every line). On vLLM 0.32, 0.32's own computation of the
+    # extra keys.
     emit_cached_block_events = VLLM_BLOCK_POOL.emit_cached_block_events
     _build_block_stored_event = VLLM_BLOCK_POOL._build_block_stored_event
     _generate_event_extra_keys = (
-        VLLM_BLOCK_POOL._generate_event_extra_keys
-        if HAS_LOOKAHEAD
+        getattr(VLLM_BLOCK_POOL, _SURFACE.event_extra_keys)
+        if _SURFACE.event_extra_keys is not None
         else staticmethod(generate_block_hash_extra_keys)  # 0.32's own computation, no frame of ours per block
     )
-    _lookahead_token_ids = VLLM_BLOCK_POOL._lookahead_token_ids if HAS_LOOKAHEAD else _no_lookahead_token_ids
+    _lookahead_token_ids = (
+        getattr(VLLM_BLOCK_POOL, _SURFACE.lookahead_token_ids)
+        if _SURFACE.lookahead_token_ids is not None
+        else _no_lookahead_token_ids
+    )
     _get_partial_block_hash = VLLM_BLOCK_POOL._get_partial_block_hash
     _get_partial_block_parent_hash_and_start = VLLM_BLOCK_POOL._get_partial_block_parent_hash_and_start
     _emit_block_removed_events = VLLM_BLOCK_POOL._emit_block_removed_events

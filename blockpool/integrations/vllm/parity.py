@@ -78,7 +78,7 @@ class ParityBlockPool(VllmBlockPool):
             _TRACKED.append(self)
 
     def _foreign(self, *blocks: Any) -> bool:
-        return any(b.pool is not self and not b.is_null for b in blocks)
+        return any(b.pool is not self._pool_ref and not b.is_null for b in blocks)
 
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[Any] | None:
         """As :meth:`VllmBlockPool.get_cached_block`; once blocks of no pool
@@ -134,13 +134,13 @@ class ParityBlockPool(VllmBlockPool):
         return super().cache_partial_block(*args)
 
     def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
-        if src_block.pool is not self or dst_block.pool is not self:
+        if src_block.pool is not self._pool_ref or dst_block.pool is not self._pool_ref:
             self._loose_keys = True
             return VLLM_BLOCK_POOL.move_block_hashes(self, src_block, dst_block)  # type: ignore[no-any-return]
         return super().move_block_hashes(src_block, dst_block)
 
     def _maybe_evict_cached_block(self, block: Any) -> bool:
-        if block.pool is self:
+        if block.pool is self._pool_ref:
             return super()._maybe_evict_cached_block(block)
         if self.metrics_collector is not None:
             self.metrics_collector.on_block_evicted(block)
@@ -149,7 +149,7 @@ class ParityBlockPool(VllmBlockPool):
         return bool(removed)
 
     def _insert_block_hash(self, block_hash_with_group_id: bytes, block: Any, num_tokens: int | None) -> None:
-        if block.pool is self:
+        if block.pool is self._pool_ref:
             return super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
         self._loose_keys = True
         return VLLM_BLOCK_POOL._insert_block_hash(self, block_hash_with_group_id, block, num_tokens)  # type: ignore[no-any-return]
@@ -157,6 +157,6 @@ class ParityBlockPool(VllmBlockPool):
     def _remove_cached_block_hashes(self, block: Any) -> list[Any]:
         """vLLM's private removal (no events; its own code on blocks of no
         pool calls it): the keys that were mapped to the block. O(keys)."""
-        if block.pool is self:
+        if block.pool is self._pool_ref:
             return self.core.prefix_cache.remove(block)
         return VLLM_BLOCK_POOL._remove_cached_block_hashes(self, block)  # type: ignore[no-any-return]

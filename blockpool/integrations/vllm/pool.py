@@ -23,6 +23,7 @@ parity harness gives them vLLM's treatment
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+import weakref
 from itertools import repeat
 from typing import Any
 
@@ -34,7 +35,6 @@ from blockpool.core.block import block_class_for_pool
 from blockpool.core.errors import ForeignBlockError, InvalidArgumentError
 from blockpool.core.hazards import AccessKind, StreamKind
 from blockpool.core.pool import HazardAwareBlockPool
-from blockpool.integrations.vllm import release_line, vllm_version
 from blockpool.integrations.vllm.blocks import (
     HashMapView,
     VllmFreeBlockQueue,
@@ -44,6 +44,7 @@ from blockpool.integrations.vllm.blocks import (
 from blockpool.integrations.vllm.events import HAS_LOOKAHEAD, VLLM_BLOCK_POOL, VllmEvents
 from blockpool.integrations.vllm.hazards import COMPUTE, StepHazards
 from blockpool.integrations.vllm.served import SERVED, Served
+from blockpool.integrations.vllm.surface import active as active_surface
 
 __all__ = [
     "SERVED",
@@ -56,9 +57,15 @@ __all__ = [
 
 _READ = AccessKind.READ
 
+_SURFACE = active_surface()
 # vLLM 0.32's touch calls the metrics collector's on_block_accessed for the
-# null block too (0.33 skips the null block there).
-_ACCESS_HOOK_ON_NULL = (release_line(vllm_version()) or (0, 33)) < (0, 33)
+# null block too (0.33 and later skip the null block there).
+_ACCESS_HOOK_ON_NULL = _SURFACE.access_hook_on_null
+# vLLM 0.34: KVCacheBlock.pool is a weakref.ref to the pool (its pool frees
+# a block of another pool through ``block.pool()``), and free_blocks takes
+# evict_first.
+_WEAK_POOL_REF = _SURFACE.weak_pool_ref
+_EVICT_FIRST = _SURFACE.evict_first
 
 
 class VllmBlockPool(VllmEvents):
@@ -83,7 +90,9 @@ class VllmBlockPool(VllmEvents):
     ``kv_event_queue``, ``num_gpu_blocks``, ``enable_caching``,
     ``hash_block_size``, ``enable_kv_cache_events``, ``metrics_collector``,
     ``num_hash_lookahead_tokens``, ``medium``; the state ones are the core's
-    own objects. Ours: ``core`` and ``hazards`` (a
+    own objects; ``_weak_self`` (a ``weakref.ref`` to the pool, what each
+    block's ``pool`` holds on vLLM 0.34; on earlier lines ``pool`` is the
+    pool itself). Ours: ``core`` and ``hazards`` (a
     :class:`~blockpool.integrations.vllm.hazards.StepHazards`, or ``None``
     when hazards are off).
 
@@ -120,6 +129,12 @@ class VllmBlockPool(VllmEvents):
             )
         track = self.default_track_hazards if track_hazards is None else track_hazards
         block_cls = block_class_for_pool(VllmKVCacheBlock)  # this pool's alone
+        # What every block's ``pool`` holds: a weak reference to this pool
+        # where vLLM's blocks hold one (0.34: vLLM's own pool frees a block
+        # of another pool through ``block.pool()``), else the pool itself.
+        self._weak_self = weakref.ref(self)
+        ref: Any = self._weak_self if _WEAK_POOL_REF else self
+        self._pool_ref = ref
         core = HazardAwareBlockPool(
             num_gpu_blocks,
             enable_caching,
@@ -129,7 +144,7 @@ class VllmBlockPool(VllmEvents):
             streams={COMPUTE: StreamKind.DEVICE, **(streams or {})},
             medium=medium,
             removal_events="each",  # vLLM's events (0.32, 0.33): a removal per block that loses a key
-            block_factory=lambda block_id: block_cls(block_id, self) if block_id else VllmNullBlock(0, self),
+            block_factory=lambda block_id: block_cls(block_id, ref) if block_id else VllmNullBlock(0, ref),
             block_class=block_cls,
             free_queue_class=VllmFreeBlockQueue,
         )
@@ -185,8 +200,9 @@ class VllmBlockPool(VllmEvents):
         """Raise :class:`~blockpool.ForeignBlockError` unless every block's
         ``pool`` is this one (for the private key-map calls, which reach
         the core's parts directly). O(len(blocks))."""
+        ref = self._pool_ref
         for b in blocks:
-            if b.pool is not self:
+            if b.pool is not ref:
                 raise ForeignBlockError(f"block {b.block_id} belongs to {b.pool!r}, not to {self!r}")
 
     def _metrics(self, blocks: Iterable[Any], *hooks: str) -> None:
@@ -248,13 +264,18 @@ class VllmBlockPool(VllmEvents):
                 blocks if _ACCESS_HOOK_ON_NULL else (b for b in blocks if not b.is_null), "on_block_accessed"
             )
 
-    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
         """Drop one reference per block, first = evicted first; blocks of
         another pool (``block.pool``) are forwarded to it, after this pool's,
         as vLLM does (deferred frees span pools). Frees are tagged with the
-        last enqueued step token when hazards are on. O(len(ordered_blocks)):
-        the core checks ownership by type, and only a call naming another
-        pool's block is split by ``block.pool``.
+        last enqueued step token when hazards are on. ``evict_first`` (vLLM
+        0.34; on earlier lines only ``False`` is accepted, as their
+        ``free_blocks`` has no such argument): blocks that become free go to
+        the front of the free queue whatever their keys, evicted before
+        other cached blocks (SimpleCPUOffload's lazy mode: their content is
+        in the CPU tier). O(len(ordered_blocks)): the core checks ownership
+        by type, and only a call naming another pool's block is split by
+        ``block.pool``.
 
         Raises:
             RefCountError: a ref count would go below zero (vLLM corrupts it;
@@ -262,42 +283,58 @@ class VllmBlockPool(VllmEvents):
             ForeignBlockError: a block of no pool (``block.pool is None``;
                 vLLM frees it as its own) or one its pool does not hold;
                 nothing changes.
+            InvalidArgumentError: ``evict_first`` on a vLLM line without it;
+                nothing changes.
         """
+        if evict_first and not _EVICT_FIRST:
+            raise InvalidArgumentError(f"evict_first: vLLM {_SURFACE.line}'s free_blocks has no such argument")
         blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         hz = self.hazards
         token = hz.free_token() if hz is not None else None
         others: dict[Any, list[Any]] = {}
         try:
-            self.core.free_blocks(blocks, token, _READ)
+            self.core.free_blocks(blocks, token, _READ, evict_first=evict_first)
         except ForeignBlockError:
             blocks, others = self._split_by_pool(blocks)
             if blocks:
-                self.core.free_blocks(blocks, token, _READ)
+                self.core.free_blocks(blocks, token, _READ, evict_first=evict_first)
         if blocks:
             SERVED.frees += 1
             SERVED.blocks_freed += len(blocks)
         for pool, theirs in others.items():  # after this pool's, as vLLM
-            pool.free_blocks(theirs)
+            if evict_first:
+                pool.free_blocks(theirs, evict_first=True)
+            else:
+                pool.free_blocks(theirs)
 
     def _split_by_pool(self, blocks: list[Any]) -> tuple[list[Any], dict[Any, list[Any]]]:
         """This pool's blocks of ``blocks``, and every other pool's by pool,
-        null blocks left out, order kept (for :meth:`free_blocks`).
-        O(len(blocks)).
+        null blocks left out, order kept (for :meth:`free_blocks`). On a
+        line whose blocks hold a weak reference to their pool
+        (:attr:`~blockpool.integrations.vllm.surface.Surface.weak_pool_ref`),
+        ``block.pool`` is dereferenced; a block whose pool is gone is
+        dropped, as vLLM 0.34 does. O(len(blocks)).
 
         Raises:
             ForeignBlockError: a block of no pool (``block.pool is None``).
         """
         own: list[Any] = []
         others: dict[Any, list[Any]] = {}
+        ref = self._pool_ref
         for b in blocks:
             if b.is_null:
                 continue
-            if b.pool is self:
+            p = b.pool
+            if p is ref:
                 own.append(b)
-            elif b.pool is None:
+            elif p is None:
                 raise ForeignBlockError(f"block {b.block_id} belongs to no pool (block.pool is None)")
             else:
-                others.setdefault(b.pool, []).append(b)
+                if _WEAK_POOL_REF and isinstance(p, weakref.ref):
+                    p = p()
+                    if p is None:  # its pool is gone: nothing to free it into
+                        continue
+                others.setdefault(p, []).append(b)
         return own, others
 
     def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:

@@ -574,6 +574,40 @@ def _wire_runner(patch: Patcher) -> None:
     finalizes the connector after the draft (``finalize_kv_connector``;
     V2: ``finalize_step``), before ``wait_for_save`` runs. Either way before
     any store that reads the step's blocks starts."""
+    from blockpool.integrations.vllm.surface import active as active_surface
+
+    surface = active_surface()
+    if surface.v1_model_runner:  # 0.32, 0.33 (0.34 removed Model Runner V1)
+        _wire_v1_runner(patch)
+    v2 = importlib.import_module("vllm.v1.worker.gpu.kv_connector")
+
+    def wrap_post(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def post_forward(self: Any, finished_req_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(self, "_disabled", False) and not _defers_finalize(args, kwargs):
+                forward_launched(getattr(self.kv_connector, "_connector_metadata", None))
+            return orig(self, finished_req_ids, *args, **kwargs)
+
+        return post_forward
+
+    def wrap_finalize_step(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def finalize_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(self, "_disabled", False):
+                forward_launched(getattr(self.kv_connector, "_connector_metadata", None))
+            return orig(self, *args, **kwargs)
+
+        return finalize_step
+
+    patch(v2.ActiveKVConnector, "post_forward", wrap_post)
+    if surface.declares(v2.__name__, "ActiveKVConnector.finalize_step"):  # 0.33 and later (0.32's V2 never defers)
+        patch(v2.ActiveKVConnector, "finalize_step", wrap_finalize_step)
+
+
+def _wire_v1_runner(patch: Patcher) -> None:
+    """Model Runner V1's hooks (:func:`_wire_runner`): ``eN`` when the
+    forward's connector-output context exits, or at ``finalize_kv_connector``
+    with speculative decoding."""
     mixin = importlib.import_module("vllm.v1.worker.kv_connector_model_runner_mixin")
 
     def wrap_output(orig: Any) -> Any:
@@ -599,32 +633,6 @@ def _wire_runner(patch: Patcher) -> None:
 
     patch(mixin.KVConnectorModelRunnerMixin, "_get_kv_connector_output", wrap_output)
     patch(mixin.KVConnectorModelRunnerMixin, "finalize_kv_connector", wrap_finalize)
-    try:
-        v2 = importlib.import_module("vllm.v1.worker.gpu.kv_connector")
-    except ImportError:  # pragma: no cover - a vLLM without Model Runner V2
-        return
-
-    def wrap_post(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def post_forward(self: Any, finished_req_ids: Any, *args: Any, **kwargs: Any) -> Any:
-            if not getattr(self, "_disabled", False) and not _defers_finalize(args, kwargs):
-                forward_launched(getattr(self.kv_connector, "_connector_metadata", None))
-            return orig(self, finished_req_ids, *args, **kwargs)
-
-        return post_forward
-
-    def wrap_finalize_step(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def finalize_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not getattr(self, "_disabled", False):
-                forward_launched(getattr(self.kv_connector, "_connector_metadata", None))
-            return orig(self, *args, **kwargs)
-
-        return finalize_step
-
-    patch(v2.ActiveKVConnector, "post_forward", wrap_post)
-    if hasattr(v2.ActiveKVConnector, "finalize_step"):  # vLLM 0.33 (0.32's V2 never defers)
-        patch(v2.ActiveKVConnector, "finalize_step", wrap_finalize_step)
 
 
 def _wire_mooncake(patch: Patcher) -> None:

@@ -1,0 +1,673 @@
+"""The vLLM names the plugin depends on, declared once per release line.
+
+Every vLLM function, method or class the plugin replaces, wraps, borrows or
+reads by name is declared here, in one :class:`Surface` per supported
+release line (:data:`SURFACES`). :func:`blockpool.integrations.vllm.register`
+chooses the line once (:func:`select`), checks the running vLLM against it
+(:func:`check`) and makes it the process's :func:`active` surface; the
+plugin's code asks the active surface what differs between lines (the
+switches of :class:`Surface`) instead of probing vLLM for names.
+
+A line is recognised by the presence of its own names (its
+:attr:`Surface.markers`, each with its signature), never by the absence of
+another line's. Adding a release line is one new declaration (usually
+``attrs.evolve`` of the newest one with the names that changed) plus the
+code for what really changed; ``blockpool check-vllm --surface`` against
+the new release prints every drifted name.
+
+What a drift does (:func:`check`, at ``register()``):
+
+- a name missing, or a callable whose parameters differ from the declared
+  ones: the install is refused whole (one line naming each drifted name;
+  vLLM keeps its own pool, as stock);
+- a function whose body the wiring depends on line by line (declared with
+  :attr:`Name.fingerprints`) whose body changed: the connector it belongs
+  to (:attr:`Name.connector`) is left unwired with one WARNING until the
+  wiring is reviewed (its transfers keep vLLM's own waits, as stock); a
+  changed body of a core name (no connector: the pool's own methods that
+  the plugin re-implements and vLLM's event helpers it borrows) refuses
+  the install whole.
+
+A fingerprint is the first 16 hex digits of the SHA-256 of the function's
+syntax tree (:func:`fingerprint`: comments, docstrings and formatting do
+not count), so a release that only reformats keeps it.
+
+The module imports neither vLLM nor torch at import time; :func:`check`
+imports the declared modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import inspect
+import textwrap
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+from blockpool.core.errors import BlockPoolError
+
+__all__ = [
+    "CONNECTOR_NAMES",
+    "SURFACES",
+    "Drift",
+    "Name",
+    "Surface",
+    "SurfaceError",
+    "active",
+    "check",
+    "fingerprint",
+    "resolve",
+    "select",
+    "set_active",
+]
+
+
+class SurfaceError(BlockPoolError, LookupError):
+    """The running vLLM is not one the plugin has a declared surface for
+    (no line's markers are present, or its version's line lacks them)."""
+
+
+@attrs.frozen
+class Name:
+    """One vLLM name the plugin depends on.
+
+    Attributes:
+        target: ``"module:Qualified.name"`` (``"vllm.v1.core.block_pool:BlockPool.free_blocks"``).
+        params: The callable's parameter names in order (``self`` included
+            for methods); for a class declared with ``use="members"``, the
+            sorted names of the methods and properties it defines itself (a
+            method vLLM adds to its ``BlockPool`` is a drift: the plugin's
+            pool would lack it); ``None`` to check presence only.
+        fingerprints: The accepted :func:`fingerprint` s of its body; empty:
+            the body is not checked.
+        connector: The KV connector this name belongs to (a drift leaves
+            that connector unwired), or ``None`` (a drift refuses the
+            install).
+        use: How the plugin uses it: ``replaced`` (re-implemented by
+            ``VllmBlockPool``), ``wrapped``, ``borrowed`` (called as
+            vLLM's own), ``members`` (a class whose surface the plugin's
+            types imitate), ``read`` or ``marker``.
+    """
+
+    target: str
+    params: tuple[str, ...] | None = None
+    fingerprints: tuple[str, ...] = ()
+    connector: str | None = None
+    use: str = "read"
+
+    @property
+    def module(self) -> str:
+        """The module part of :attr:`target`."""
+        return self.target.partition(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        """The attribute path part of :attr:`target`."""
+        return self.target.partition(":")[2]
+
+
+@attrs.frozen
+class Surface:
+    """The vLLM names of one release line, and the switches for what
+    differs between lines.
+
+    Attributes:
+        line: ``"major.minor"`` (``"0.34"``).
+        markers: Names (with signatures) only this line has: the line is
+            recognised by their presence.
+        names: Every other name the plugin depends on in this line.
+        event_extra_keys: ``BlockPool``'s method computing a block's event
+            extra keys (``"generate_event_extra_keys"``), or ``None`` where
+            the pool has none and ``kv_cache_utils.generate_block_hash_extra_keys``
+            computes them (0.32).
+        lookahead_token_ids: ``BlockPool``'s method giving the tokens of a
+            block's lookahead window, or ``None``: the line has no
+            lookahead hashing (its ``_build_block_stored_event`` takes no
+            ``lookahead_token_ids``).
+        access_hook_on_null: ``BlockPool.touch`` calls the metrics
+            collector's ``on_block_accessed`` for the null block too.
+        weak_pool_ref: ``KVCacheBlock.pool`` is a ``weakref.ref`` to the
+            pool (else the pool itself).
+        evict_first: ``BlockPool.free_blocks`` takes ``evict_first``.
+        v1_model_runner: The line has Model Runner V1's
+            ``KVConnectorModelRunnerMixin`` (the worker hooks wrap it beside
+            Model Runner V2's ``ActiveKVConnector``).
+        offloading_failed_jobs: The Offloading connector reports failed
+            copies in ``failed_jobs``.
+        connectors: The KV connectors whose wiring was reviewed against
+            this line; the plugin leaves any other connector unwired here.
+    """
+
+    line: str
+    markers: tuple[Name, ...]
+    names: tuple[Name, ...]
+    event_extra_keys: str | None
+    lookahead_token_ids: str | None
+    access_hook_on_null: bool
+    weak_pool_ref: bool
+    evict_first: bool
+    v1_model_runner: bool
+    offloading_failed_jobs: bool
+    connectors: tuple[str, ...] = ()
+
+    def all_names(self) -> tuple[Name, ...]:
+        """Markers then names. O(names)."""
+        return self.markers + self.names
+
+    def declares(self, module: str, qualname: str) -> bool:
+        """Whether ``module:qualname`` is declared (a marker or a name). O(names)."""
+        target = f"{module}:{qualname}"
+        return any(n.target == target for n in self.all_names())
+
+    def connector_names(self, connector: str) -> tuple[Name, ...]:
+        """The names that belong to ``connector``. O(names)."""
+        return tuple(n for n in self.names if n.connector == connector)
+
+
+@attrs.frozen
+class Drift:
+    """One row of :func:`check`'s table.
+
+    Attributes:
+        name: The declared name.
+        status: ``"ok"``, ``"missing"`` (not importable or no such
+            attribute), ``"signature"`` (other parameters) or ``"body"``
+            (an unknown fingerprint).
+        expected: What the declaration says (parameters or fingerprints).
+        found: What the running vLLM has.
+    """
+
+    name: Name
+    status: str
+    expected: str
+    found: str
+
+    @property
+    def ok(self) -> bool:
+        """No drift."""
+        return self.status == "ok"
+
+    @property
+    def refuses_install(self) -> bool:
+        """A drift that refuses the install whole (not a connector's)."""
+        return not self.ok and self.name.connector is None
+
+
+# ----------------------------------------------------------------------
+# looking names up
+# ----------------------------------------------------------------------
+
+
+def resolve(target: str) -> Any:
+    """Import ``target``'s module and walk its attribute path; the object
+    as found in the class's ``__dict__`` for the last step when that is a
+    ``staticmethod`` / ``classmethod`` (unwrapped). O(path length) plus
+    the import.
+
+    Raises:
+        ImportError: the module does not import.
+        AttributeError: an attribute of the path is missing.
+    """
+    module, _, qualname = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split(".") if qualname else ():
+        owner = obj
+        obj = getattr(owner, part)
+        raw = owner.__dict__.get(part) if isinstance(owner, type) else None
+        if isinstance(raw, (staticmethod, classmethod)):
+            obj = raw.__func__
+    return obj
+
+
+def _params(obj: Any) -> tuple[str, ...] | None:
+    fn = inspect.unwrap(obj)
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _members(cls: Any) -> tuple[str, ...]:
+    """The methods and properties ``cls`` defines itself, sorted."""
+    return tuple(
+        sorted(
+            k
+            for k, v in vars(cls).items()
+            if inspect.isfunction(v) or isinstance(v, (property, staticmethod, classmethod))
+        )
+    )
+
+
+def fingerprint(obj: Any) -> str | None:
+    """First 16 hex digits of the SHA-256 of ``obj``'s syntax tree without
+    docstrings (``ast.dump`` of its dedented source), or ``None`` when its
+    source is not available. A function the plugin wrapped is fingerprinted
+    as vLLM wrote it (through ``__wrapped__``). O(size of the source).
+    """
+    fn = inspect.unwrap(obj)
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree, include_attributes=False).encode()).hexdigest()[:16]
+
+
+def _check_one(name: Name) -> Drift:
+    try:
+        obj = resolve(name.target)
+    except Exception as exc:  # noqa: BLE001  (any failure to find it is a drift)
+        return Drift(name, "missing", _expected(name), f"{type(exc).__name__}: {exc}")
+    if name.use == "members":
+        members = _members(obj)
+        if members != name.params:
+            return Drift(name, "signature", _expected(name), "members (" + ", ".join(members) + ")")
+    elif name.params is not None:
+        found = _params(obj)
+        if found != name.params:
+            return Drift(name, "signature", _expected(name), "(" + ", ".join(found or ("?",)) + ")")
+    if name.fingerprints:
+        fp = fingerprint(obj)
+        if fp not in name.fingerprints:
+            return Drift(name, "body", _expected(name), f"body {fp}")
+    return Drift(name, "ok", _expected(name), _expected(name))
+
+
+def _expected(name: Name) -> str:
+    parts = []
+    if name.params is not None:
+        parts.append("(" + ", ".join(name.params) + ")")
+    if name.fingerprints:
+        parts.append("body " + "|".join(name.fingerprints))
+    return " ".join(parts) or "present"
+
+
+def check(surface: Surface, names: Iterable[Name] | None = None) -> list[Drift]:
+    """Check every declared name of ``surface`` (or ``names``) against the
+    running vLLM: one :class:`Drift` per name, in declaration order.
+    Imports the declared modules; changes nothing. A connector's module
+    that does not import for want of a third-party package counts as
+    missing. O(names) imports and signature reads.
+    """
+    return [_check_one(n) for n in (surface.all_names() if names is None else names)]
+
+
+# ----------------------------------------------------------------------
+# the declarations
+# ----------------------------------------------------------------------
+
+_BP = "vllm.v1.core.block_pool"
+_UTILS = "vllm.v1.core.kv_cache_utils"
+_SCHED = "vllm.v1.core.sched.scheduler"
+_MGR = "vllm.v1.core.kv_cache_manager"
+_BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+_V2 = "vllm.v1.worker.gpu.kv_connector"
+_MIXIN = "vllm.v1.worker.kv_connector_model_runner_mixin"
+_MOONCAKE_S = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.scheduler"
+_MOONCAKE_W = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker"
+_OFFLOAD = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"
+_OFFLOAD_S = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+_OFFLOAD_W = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker"
+_OFFLOAD_G = "vllm.v1.kv_offload.cpu.gpu_worker"
+_SIMPLE = "vllm.v1.simple_kv_offload.manager"
+_NIXL_C = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"
+_NIXL_S = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler"
+_NIXL_W = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
+
+# Connector names (as blockpool.integrations.vllm.connectors names them).
+MOONCAKE, OFFLOADING, SIMPLE, NIXL = "mooncake_store", "offloading", "simple_cpu_offload", "nixl"
+CONNECTOR_NAMES: tuple[str, ...] = (MOONCAKE, OFFLOADING, SIMPLE, NIXL)
+"""Every KV connector the plugin can wire (``blockpool.integrations.vllm.connectors``' names)."""
+
+
+def _n(target: str, *params: str, fp: tuple[str, ...] = (), connector: str | None = None, use: str = "read") -> Name:
+    return Name(target, tuple(params) if params else None, fp, connector, use)
+
+
+
+# One table per release line, as found in that line's release (x.y.0):
+# markers first (the names only that line has, with their signatures),
+# then every other name. Printed against an installed vLLM by
+# ``blockpool check-vllm --surface``; a new line starts as a copy of the
+# newest with the rows that command reports drifted, each reviewed.
+
+_MARKERS_032 = (
+    _n(f"{_BP}:BlockPool.__init__", 'self', 'num_gpu_blocks', 'enable_caching', 'hash_block_size', 'enable_kv_cache_events', 'metrics_collector', 'medium', fp=("9b457db81707a9fc",), use="marker"),
+    _n(f"{_BP}:BlockPool._build_block_stored_event", 'self', 'request', 'block_hashes', 'parent_block_hash', 'start_token_idx', 'end_token_idx', 'block_size', 'kv_cache_group_id', 'extra_keys_list', fp=("e82af77fc0cb240d",), use="marker"),
+)
+_NAMES_032 = (
+    _n(f"{_BP}:BlockPool", '__init__', '_build_block_stored_event', '_emit_block_removed_events', '_get_partial_block_hash', '_get_partial_block_parent_hash_and_start', '_insert_block_hash', '_maybe_evict_cached_block', '_notify_reuse', '_remove_cached_block_hashes', 'cache_full_blocks', 'cache_partial_block', 'emit_cached_block_events', 'evict_blocks', 'free_blocks', 'get_cached_block', 'get_new_blocks', 'get_num_free_blocks', 'get_usage', 'is_block_writable', 'move_block_hashes', 'reset_prefix_cache', 'take_events', 'touch', 'unpin_blocks', use="members"),
+    _n(f"{_BP}:BlockPool.get_cached_block", 'self', 'block_hash', 'kv_cache_group_ids', fp=("de1e3e8b42ddd5d1",), use="replaced"),
+    _n(f"{_BP}:BlockPool.cache_full_blocks", 'self', 'request', 'blocks', 'num_cached_blocks', 'num_full_blocks', 'block_size', 'kv_cache_group_id', 'block_mask', fp=("d57e464beb120a40",), use="replaced"),
+    _n(f"{_BP}:BlockPool.cache_partial_block", 'self', 'request', 'block', 'num_tokens', 'kv_cache_group_id', 'block_size', 'replace_existing_hashes', fp=("ef199acb5469078a",), use="replaced"),
+    _n(f"{_BP}:BlockPool.move_block_hashes", 'self', 'src_block', 'dst_block', fp=("e4e86dfd60be9c9e",), use="replaced"),
+    _n(f"{_BP}:BlockPool.get_new_blocks", 'self', 'num_blocks', fp=("4b0fc9dc5c4cf82e",), use="replaced"),
+    _n(f"{_BP}:BlockPool.touch", 'self', 'blocks', fp=("9b2bd2b42fe426d1",), use="replaced"),
+    _n(f"{_BP}:BlockPool.free_blocks", 'self', 'ordered_blocks', fp=("6644c0be8fd3622e",), use="replaced"),
+    _n(f"{_BP}:BlockPool.unpin_blocks", 'self', 'blocks', 'on_reuse', fp=("640aa817f449b2a7",), use="replaced"),
+    _n(f"{_BP}:BlockPool._notify_reuse", 'self', 'blocks', fp=("d4fb5c649b8c5f97",), use="replaced"),
+    _n(f"{_BP}:BlockPool._maybe_evict_cached_block", 'self', 'block', fp=("38134b1632e83780",), use="replaced"),
+    _n(f"{_BP}:BlockPool._insert_block_hash", 'self', 'block_hash_with_group_id', 'block', 'num_tokens', fp=("29610decbb687a0d",), use="replaced"),
+    _n(f"{_BP}:BlockPool._remove_cached_block_hashes", 'self', 'block', fp=("2c1eb6c998f16c1c",), use="borrowed"),
+    _n(f"{_BP}:BlockPool.evict_blocks", 'self', 'block_ids', fp=("4e2fa1ea0ee7bc4f",), use="replaced"),
+    _n(f"{_BP}:BlockPool.reset_prefix_cache", 'self', fp=("370db751132705c8",), use="replaced"),
+    _n(f"{_BP}:BlockPool.get_num_free_blocks", 'self', fp=("0f3938274139b325",), use="replaced"),
+    _n(f"{_BP}:BlockPool.get_usage", 'self', fp=("a85da63d3960a71d",), use="replaced"),
+    _n(f"{_BP}:BlockPool.is_block_writable", 'self', 'block', fp=("7b038e005a83fee4",), use="replaced"),
+    _n(f"{_BP}:BlockPool.take_events", 'self', fp=("7276bc809ee5bac5",), use="replaced"),
+    _n(f"{_BP}:BlockPool.emit_cached_block_events", 'self', 'request', 'num_cached_blocks', 'block_size', 'kv_cache_group_id', fp=("2291ee685e9d22c6",), use="borrowed"),
+    _n(f"{_BP}:BlockPool._get_partial_block_hash", 'self', 'request', 'num_tokens', fp=("9bbd0cf8ce66be27",), use="borrowed"),
+    _n(f"{_BP}:BlockPool._get_partial_block_parent_hash_and_start", 'self', 'request', 'num_tokens', fp=("b1077769e7f0c9d4",), use="borrowed"),
+    _n(f"{_BP}:BlockPool._emit_block_removed_events", 'self', 'block_hashes', fp=("ea9d8b3515952d80",), use="borrowed"),
+    _n(f"{_BP}:BlockHashToBlockMap", '__init__', '__len__', '_unexpected_blocks_type', 'contain', 'get_one_block', 'insert', 'pop', use="members"),
+    _n(f"{_UTILS}:KVCacheBlock", '__eq__', '__init__', '__repr__', 'block_hash', 'block_hash_num_tokens', 'reset_hash', 'set_block_hash', use="members"),
+    _n(f"{_UTILS}:FreeKVCacheBlockQueue", '__init__', 'append', 'append_n', 'get_all_free_blocks', 'iter_blocks_after', 'popleft', 'popleft_n', 'prepend_n', 'remove', use="members"),
+    _n(f"{_UTILS}:make_block_hash_with_group_id", 'block_hash', 'group_id', use="borrowed"),
+    _n(f"{_UTILS}:resolve_block_hashes", 'block_hashes', 'hash_block_size', 'block_size', 'supports_fine_grained_hash_lookup', 'alignment_tokens', use="borrowed"),
+    _n(f"{_UTILS}:maybe_convert_block_hash", 'hash_bytes', use="borrowed"),
+    _n(f"{_UTILS}:generate_block_hash_extra_keys", 'request', 'start_token_idx', 'end_token_idx', 'start_mm_idx', use="borrowed"),
+    _n('vllm.v1.core.kv_cache_coordinator:BlockPool'),
+    _n('vllm.distributed.kv_events:MEDIUM_GPU'),
+    _n('vllm.distributed.kv_events:AllBlocksCleared'),
+    _n('vllm.distributed.kv_events:KVCacheEvent'),
+    _n('vllm.multimodal.utils:get_mm_features_in_window', 'mm_features', 'start', 'end', use="borrowed"),
+    _n(f"{_SCHED}:Scheduler.__init__", 'self', 'vllm_config', 'kv_cache_config', 'structured_output_manager', 'block_size', 'hash_block_size', 'mm_registry', 'include_finished_set', 'log_stats', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.schedule", 'self', 'throttle_prefills', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', use="wrapped"),
+    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', use="wrapped"),
+    _n(f"{_BASE}:KVConnectorBase_V1.bind_connector_metadata", 'self', 'connector_metadata', use="wrapped"),
+    _n(f"{_BASE}:KVConnectorBase_V1.bind_gpu_block_pool", 'self', 'gpu_block_pool', use="wrapped"),
+    _n(f"{_V2}:ActiveKVConnector.post_forward", 'self', 'finished_req_ids', use="wrapped"),
+    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin._get_kv_connector_output", 'scheduler_output', 'defer_finalize', use="wrapped"),
+    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin.finalize_kv_connector", use="wrapped"),
+    _n(f"{_MIXIN}:has_kv_transfer_group"),
+    _n(f"{_MIXIN}:get_kv_transfer_group"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("ca4c2f4892d5ac82",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("e69ab5087a2f8380",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.update_connector_output", 'self', 'connector_output', fp=("d254be99c5247f89",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_W}:MooncakeStoreWorker.wait_for_save", 'self', 'metadata', fp=("3cc967d6118c7bd9",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._handle_request", 'self', 'req_meta', fp=("3750f3c99d7e065e",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread.finish_store_job", 'self', 'req_meta', fp=("a99457c4ac716926",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_OFFLOAD}:OffloadingConnector.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("36e91e17b6e93b72",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("eace7e2e380dd8c0",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.update_connector_output", 'self', 'connector_output', fp=("bd7652774ed007c1",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_W}:OffloadingConnectorWorker.prepare_store_kv", 'self', 'metadata', fp=("8c23977f2dce31e3",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_W}:OffloadingConnectorWorker.start_kv_transfers", 'self', 'metadata', fp=("5477f719fe5cf381",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_W}:OffloadingConnectorWorker.handle_preemptions", 'self', 'kv_connector_metadata', fp=("3948e8cba6be742c",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_G}:SingleDirectionOffloadingHandler.transfer_async", 'self', 'job_id', 'src_spec', 'dst_spec', fp=("0ba31dc604c3b292",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("ca4c2f4892d5ac82",), connector=SIMPLE, use="wrapped"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("65ac902ac80d9029",), connector=SIMPLE, use="wrapped"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler.update_connector_output", 'self', 'connector_output', fp=("f820b6bb35ddaa3b",), connector=SIMPLE, use="wrapped"),
+    _n(f"{_NIXL_C}:NixlBaseConnector.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("36e91e17b6e93b72",), connector=NIXL, use="wrapped"),
+    _n(f"{_NIXL_S}:NixlBaseConnectorScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("3e806cb82525955a",), connector=NIXL, use="wrapped"),
+    _n(f"{_NIXL_W}:NixlPullConnectorWorker._read_blocks_for_req", 'self', 'req_id', 'meta', fp=("34ba39252dd0c963",), connector=NIXL, use="wrapped"),
+    _n(f"{_NIXL_W}:NixlPullConnectorWorker.start_load_kv", 'self', 'metadata', fp=("788cda9715142780",), connector=NIXL, use="wrapped"),
+)
+
+_MARKERS_033 = (
+    _n(f"{_BP}:BlockPool._generate_event_extra_keys", 'self', 'request', 'start', 'end', 'start_mm_idx', fp=("467fe54fa5b323ec",), use="marker"),
+    _n(f"{_BP}:BlockPool._lookahead_token_ids", 'self', 'request', 'block_end', fp=("8618a8e5d36a96e8",), use="marker"),
+)
+_NAMES_033 = (
+    _n(f"{_BP}:BlockPool", '__init__', '_build_block_stored_event', '_emit_block_removed_events', '_generate_event_extra_keys', '_get_partial_block_hash', '_get_partial_block_parent_hash_and_start', '_insert_block_hash', '_lookahead_token_ids', '_maybe_evict_cached_block', '_notify_reuse', '_remove_cached_block_hashes', 'cache_full_blocks', 'cache_partial_block', 'emit_cached_block_events', 'evict_blocks', 'free_blocks', 'get_cached_block', 'get_new_blocks', 'get_num_free_blocks', 'get_usage', 'is_block_writable', 'move_block_hashes', 'reset_prefix_cache', 'take_events', 'touch', 'unpin_blocks', use="members"),
+    _n(f"{_BP}:BlockPool.__init__", 'self', 'num_gpu_blocks', 'enable_caching', 'hash_block_size', 'enable_kv_cache_events', 'metrics_collector', 'num_hash_lookahead_tokens', 'medium', fp=("fc317efbf6234df8",), use="replaced"),
+    _n(f"{_BP}:BlockPool.get_cached_block", 'self', 'block_hash', 'kv_cache_group_ids', fp=("de1e3e8b42ddd5d1",), use="replaced"),
+    _n(f"{_BP}:BlockPool.cache_full_blocks", 'self', 'request', 'blocks', 'num_cached_blocks', 'num_full_blocks', 'block_size', 'kv_cache_group_id', 'block_mask', fp=("47a332f43abaf880",), use="replaced"),
+    _n(f"{_BP}:BlockPool.cache_partial_block", 'self', 'request', 'block', 'num_tokens', 'kv_cache_group_id', 'block_size', 'replace_existing_hashes', fp=("ebcb0bb27f660872",), use="replaced"),
+    _n(f"{_BP}:BlockPool.move_block_hashes", 'self', 'src_block', 'dst_block', fp=("e4e86dfd60be9c9e",), use="replaced"),
+    _n(f"{_BP}:BlockPool.get_new_blocks", 'self', 'num_blocks', fp=("4b0fc9dc5c4cf82e",), use="replaced"),
+    _n(f"{_BP}:BlockPool.touch", 'self', 'blocks', fp=("d32cef0e56cf75a8",), use="replaced"),
+    _n(f"{_BP}:BlockPool.free_blocks", 'self', 'ordered_blocks', fp=("542e366ba81c97e2",), use="replaced"),
+    _n(f"{_BP}:BlockPool.unpin_blocks", 'self', 'blocks', 'on_reuse', fp=("640aa817f449b2a7",), use="replaced"),
+    _n(f"{_BP}:BlockPool._notify_reuse", 'self', 'blocks', fp=("d4fb5c649b8c5f97",), use="replaced"),
+    _n(f"{_BP}:BlockPool._maybe_evict_cached_block", 'self', 'block', fp=("38134b1632e83780",), use="replaced"),
+    _n(f"{_BP}:BlockPool._insert_block_hash", 'self', 'block_hash_with_group_id', 'block', 'num_tokens', fp=("29610decbb687a0d",), use="replaced"),
+    _n(f"{_BP}:BlockPool._remove_cached_block_hashes", 'self', 'block', fp=("2c1eb6c998f16c1c",), use="borrowed"),
+    _n(f"{_BP}:BlockPool.evict_blocks", 'self', 'block_ids', fp=("4e2fa1ea0ee7bc4f",), use="replaced"),
+    _n(f"{_BP}:BlockPool.reset_prefix_cache", 'self', fp=("370db751132705c8",), use="replaced"),
+    _n(f"{_BP}:BlockPool.get_num_free_blocks", 'self', fp=("0f3938274139b325",), use="replaced"),
+    _n(f"{_BP}:BlockPool.get_usage", 'self', fp=("a85da63d3960a71d",), use="replaced"),
+    _n(f"{_BP}:BlockPool.is_block_writable", 'self', 'block', fp=("7b038e005a83fee4",), use="replaced"),
+    _n(f"{_BP}:BlockPool.take_events", 'self', fp=("7276bc809ee5bac5",), use="replaced"),
+    _n(f"{_BP}:BlockPool.emit_cached_block_events", 'self', 'request', 'num_cached_blocks', 'block_size', 'kv_cache_group_id', fp=("118749cb764ade41",), use="borrowed"),
+    _n(f"{_BP}:BlockPool._build_block_stored_event", 'self', 'request', 'block_hashes', 'parent_block_hash', 'start_token_idx', 'end_token_idx', 'block_size', 'kv_cache_group_id', 'extra_keys_list', 'lookahead_token_ids', fp=("57c61e53c5f59685",), use="borrowed"),
+    _n(f"{_BP}:BlockPool._get_partial_block_hash", 'self', 'request', 'num_tokens', fp=("9bbd0cf8ce66be27",), use="borrowed"),
+    _n(f"{_BP}:BlockPool._get_partial_block_parent_hash_and_start", 'self', 'request', 'num_tokens', fp=("b1077769e7f0c9d4",), use="borrowed"),
+    _n(f"{_BP}:BlockPool._emit_block_removed_events", 'self', 'block_hashes', fp=("ea9d8b3515952d80",), use="borrowed"),
+    _n(f"{_BP}:BlockHashToBlockMap", '__init__', '__len__', '_unexpected_blocks_type', 'contain', 'get_one_block', 'insert', 'pop', use="members"),
+    _n(f"{_UTILS}:KVCacheBlock", '__eq__', '__init__', '__repr__', 'block_hash', 'block_hash_num_tokens', 'reset_hash', 'set_block_hash', use="members"),
+    _n(f"{_UTILS}:FreeKVCacheBlockQueue", '__init__', 'append', 'append_n', 'get_all_free_blocks', 'iter_blocks_after', 'popleft', 'popleft_n', 'prepend_n', 'remove', use="members"),
+    _n(f"{_UTILS}:make_block_hash_with_group_id", 'block_hash', 'group_id', use="borrowed"),
+    _n(f"{_UTILS}:resolve_block_hashes", 'block_hashes', 'hash_block_size', 'block_size', 'supports_fine_grained_hash_lookup', 'alignment_tokens', use="borrowed"),
+    _n(f"{_UTILS}:maybe_convert_block_hash", 'hash_bytes', use="borrowed"),
+    _n(f"{_UTILS}:generate_block_hash_extra_keys", 'request', 'start_token_idx', 'end_token_idx', 'start_mm_idx', use="borrowed"),
+    _n('vllm.v1.core.kv_cache_coordinator:BlockPool'),
+    _n('vllm.distributed.kv_events:MEDIUM_GPU'),
+    _n('vllm.distributed.kv_events:AllBlocksCleared'),
+    _n('vllm.distributed.kv_events:KVCacheEvent'),
+    _n('vllm.multimodal.utils:get_mm_features_in_window', 'mm_features', 'start', 'end', use="borrowed"),
+    _n(f"{_SCHED}:Scheduler.__init__", 'self', 'vllm_config', 'kv_cache_config', 'structured_output_manager', 'block_size', 'hash_block_size', 'mm_registry', 'include_finished_set', 'log_stats', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.schedule", 'self', 'throttle_prefills', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', use="wrapped"),
+    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', use="wrapped"),
+    _n(f"{_BASE}:KVConnectorBase_V1.bind_connector_metadata", 'self', 'connector_metadata', use="wrapped"),
+    _n(f"{_BASE}:KVConnectorBase_V1.bind_gpu_block_pool", 'self', 'gpu_block_pool', use="wrapped"),
+    _n(f"{_V2}:ActiveKVConnector.post_forward", 'self', 'finished_req_ids', 'defer_finalize', use="wrapped"),
+    _n(f"{_V2}:ActiveKVConnector.finalize_step", 'self', use="wrapped"),
+    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin._get_kv_connector_output", 'scheduler_output', 'defer_finalize', use="wrapped"),
+    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin.finalize_kv_connector", use="wrapped"),
+    _n(f"{_MIXIN}:has_kv_transfer_group"),
+    _n(f"{_MIXIN}:get_kv_transfer_group"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("ca4c2f4892d5ac82",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("5730ac619503740b",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.update_connector_output", 'self', 'connector_output', fp=("d254be99c5247f89",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_W}:MooncakeStoreWorker.wait_for_save", 'self', 'metadata', fp=("3cc967d6118c7bd9",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._handle_request", 'self', 'req_meta', fp=("3750f3c99d7e065e",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread.finish_store_job", 'self', 'req_meta', fp=("a99457c4ac716926",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_OFFLOAD}:OffloadingConnector.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("36e91e17b6e93b72",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("bb449517240a5fca",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.update_connector_output", 'self', 'connector_output', fp=("a4641f3bddf5988d",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_W}:OffloadingConnectorWorker.prepare_store_kv", 'self', 'metadata', fp=("8c23977f2dce31e3",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_W}:OffloadingConnectorWorker.start_kv_transfers", 'self', 'metadata', fp=("b5bc037f472c249f",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_W}:OffloadingConnectorWorker.handle_preemptions", 'self', 'kv_connector_metadata', fp=("3948e8cba6be742c",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_G}:SingleDirectionOffloadingHandler.transfer_async", 'self', 'job_id', 'src_spec', 'dst_spec', fp=("0ba31dc604c3b292",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("ca4c2f4892d5ac82",), connector=SIMPLE, use="wrapped"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("65ac902ac80d9029",), connector=SIMPLE, use="wrapped"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler.update_connector_output", 'self', 'connector_output', fp=("f820b6bb35ddaa3b",), connector=SIMPLE, use="wrapped"),
+    _n(f"{_NIXL_C}:NixlBaseConnector.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("36e91e17b6e93b72",), connector=NIXL, use="wrapped"),
+    _n(f"{_NIXL_S}:NixlBaseConnectorScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("3e806cb82525955a",), connector=NIXL, use="wrapped"),
+    _n(f"{_NIXL_W}:NixlPullConnectorWorker._read_blocks_for_req", 'self', 'req_id', 'meta', fp=("09422f641d0382dc",), connector=NIXL, use="wrapped"),
+    _n(f"{_NIXL_W}:NixlPullConnectorWorker.start_load_kv", 'self', 'metadata', fp=("788cda9715142780",), connector=NIXL, use="wrapped"),
+)
+
+_MARKERS_034 = (
+    _n(f"{_BP}:BlockPool.free_blocks", 'self', 'ordered_blocks', 'evict_first', fp=("7a4577e6de63b30a",), use="marker"),
+    _n(f"{_BP}:BlockPool.generate_event_extra_keys", 'self', 'request', 'start', 'end', 'start_mm_idx', fp=("b01e3a90f2564d70",), use="marker"),
+    _n(f"{_BP}:BlockPool.get_lookahead_token_ids", 'self', 'request', 'block_end', fp=("50d458a614065f1c",), use="marker"),
+)
+_NAMES_034 = (
+    _n(f"{_BP}:BlockPool", '__init__', '_build_block_stored_event', '_emit_block_removed_events', '_get_partial_block_hash', '_get_partial_block_parent_hash_and_start', '_insert_block_hash', '_maybe_evict_cached_block', '_notify_reuse', '_remove_cached_block_hashes', 'cache_full_blocks', 'cache_partial_block', 'emit_cached_block_events', 'evict_blocks', 'free_blocks', 'generate_event_extra_keys', 'get_cached_block', 'get_lookahead_token_ids', 'get_new_blocks', 'get_num_free_blocks', 'get_usage', 'is_block_writable', 'move_block_hashes', 'reset_prefix_cache', 'take_events', 'touch', 'unpin_blocks', use="members"),
+    _n(f"{_BP}:BlockPool.__init__", 'self', 'num_gpu_blocks', 'enable_caching', 'hash_block_size', 'enable_kv_cache_events', 'metrics_collector', 'num_hash_lookahead_tokens', 'medium', fp=("448ea9998c8f186b",), use="replaced"),
+    _n(f"{_BP}:BlockPool.get_cached_block", 'self', 'block_hash', 'kv_cache_group_ids', fp=("de1e3e8b42ddd5d1",), use="replaced"),
+    _n(f"{_BP}:BlockPool.cache_full_blocks", 'self', 'request', 'blocks', 'num_cached_blocks', 'num_full_blocks', 'block_size', 'kv_cache_group_id', 'block_mask', fp=("d0d34ef1559b67aa",), use="replaced"),
+    _n(f"{_BP}:BlockPool.cache_partial_block", 'self', 'request', 'block', 'num_tokens', 'kv_cache_group_id', 'block_size', 'replace_existing_hashes', fp=("4f2bea79a1c3bb76",), use="replaced"),
+    _n(f"{_BP}:BlockPool.move_block_hashes", 'self', 'src_block', 'dst_block', fp=("e4e86dfd60be9c9e",), use="replaced"),
+    _n(f"{_BP}:BlockPool.get_new_blocks", 'self', 'num_blocks', fp=("e6401d853861ae79",), use="replaced"),
+    _n(f"{_BP}:BlockPool.touch", 'self', 'blocks', fp=("d32cef0e56cf75a8",), use="replaced"),
+    _n(f"{_BP}:BlockPool.unpin_blocks", 'self', 'blocks', 'on_reuse', fp=("640aa817f449b2a7",), use="replaced"),
+    _n(f"{_BP}:BlockPool._notify_reuse", 'self', 'blocks', fp=("d4fb5c649b8c5f97",), use="replaced"),
+    _n(f"{_BP}:BlockPool._maybe_evict_cached_block", 'self', 'block', fp=("38134b1632e83780",), use="replaced"),
+    _n(f"{_BP}:BlockPool._insert_block_hash", 'self', 'block_hash_with_group_id', 'block', 'num_tokens', fp=("796306a5db5de74c",), use="replaced"),
+    _n(f"{_BP}:BlockPool._remove_cached_block_hashes", 'self', 'block', fp=("82216b0804ab682e",), use="borrowed"),
+    _n(f"{_BP}:BlockPool.evict_blocks", 'self', 'block_ids', fp=("4e2fa1ea0ee7bc4f",), use="replaced"),
+    _n(f"{_BP}:BlockPool.reset_prefix_cache", 'self', fp=("a0184a93e0886a07",), use="replaced"),
+    _n(f"{_BP}:BlockPool.get_num_free_blocks", 'self', fp=("0f3938274139b325",), use="replaced"),
+    _n(f"{_BP}:BlockPool.get_usage", 'self', fp=("a85da63d3960a71d",), use="replaced"),
+    _n(f"{_BP}:BlockPool.is_block_writable", 'self', 'block', fp=("7b038e005a83fee4",), use="replaced"),
+    _n(f"{_BP}:BlockPool.take_events", 'self', fp=("7276bc809ee5bac5",), use="replaced"),
+    _n(f"{_BP}:BlockPool.emit_cached_block_events", 'self', 'request', 'num_cached_blocks', 'block_size', 'kv_cache_group_id', fp=("a816d9eaab44064a",), use="borrowed"),
+    _n(f"{_BP}:BlockPool._build_block_stored_event", 'self', 'request', 'block_hashes', 'parent_block_hash', 'start_token_idx', 'end_token_idx', 'block_size', 'kv_cache_group_id', 'extra_keys_list', 'lookahead_token_ids', fp=("57c61e53c5f59685",), use="borrowed"),
+    _n(f"{_BP}:BlockPool._get_partial_block_hash", 'self', 'request', 'num_tokens', fp=("9bbd0cf8ce66be27",), use="borrowed"),
+    _n(f"{_BP}:BlockPool._get_partial_block_parent_hash_and_start", 'self', 'request', 'num_tokens', fp=("b1077769e7f0c9d4",), use="borrowed"),
+    _n(f"{_BP}:BlockPool._emit_block_removed_events", 'self', 'block_hashes', fp=("ea9d8b3515952d80",), use="borrowed"),
+    _n(f"{_BP}:BlockHashToBlockMap", '__init__', '__len__', 'clear', 'contain', 'get_one_block', 'insert', 'pop', use="members"),
+    _n(f"{_UTILS}:KVCacheBlock", '__eq__', '__init__', '__repr__', 'reset_hash', 'set_block_hash', use="members"),
+    _n(f"{_UTILS}:FreeKVCacheBlockQueue", '__init__', 'append', 'append_n', 'get_all_free_blocks', 'iter_blocks_after', 'popleft', 'popleft_n', 'prepend_n', 'remove', use="members"),
+    _n(f"{_UTILS}:make_block_hash_with_group_id", 'block_hash', 'group_id', use="borrowed"),
+    _n(f"{_UTILS}:resolve_block_hashes", 'block_hashes', 'hash_block_size', 'block_size', 'supports_fine_grained_hash_lookup', 'alignment_tokens', use="borrowed"),
+    _n(f"{_UTILS}:maybe_convert_block_hash", 'hash_bytes', use="borrowed"),
+    _n(f"{_UTILS}:generate_block_hash_extra_keys", 'request', 'start_token_idx', 'end_token_idx', 'start_mm_idx', use="borrowed"),
+    _n('vllm.v1.core.kv_cache_coordinator:BlockPool'),
+    _n('vllm.distributed.kv_events:MEDIUM_GPU'),
+    _n('vllm.distributed.kv_events:AllBlocksCleared'),
+    _n('vllm.distributed.kv_events:KVCacheEvent'),
+    _n('vllm.multimodal.utils:get_mm_features_in_window', 'mm_features', 'start', 'end', use="borrowed"),
+    _n(f"{_SCHED}:Scheduler.__init__", 'self', 'vllm_config', 'kv_cache_config', 'structured_output_manager', 'block_size', 'hash_block_size', 'mm_registry', 'include_finished_set', 'log_stats', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.schedule", 'self', 'throttle_prefills', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', use="wrapped"),
+    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', use="wrapped"),
+    _n(f"{_BASE}:KVConnectorBase_V1.bind_connector_metadata", 'self', 'connector_metadata', use="wrapped"),
+    _n(f"{_BASE}:KVConnectorBase_V1.bind_gpu_block_pool", 'self', 'gpu_block_pool', use="wrapped"),
+    _n(f"{_V2}:ActiveKVConnector.post_forward", 'self', 'finished_req_ids', 'defer_finalize', use="wrapped"),
+    _n(f"{_V2}:ActiveKVConnector.finalize_step", 'self', use="wrapped"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("ca4c2f4892d5ac82",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("886c4b176dbf48e5",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.update_connector_output", 'self', 'connector_output', fp=("d254be99c5247f89",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_W}:MooncakeStoreWorker.wait_for_save", 'self', 'metadata', fp=("3cc967d6118c7bd9",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._handle_request", 'self', 'req_meta', fp=("58c0dd832f14e5cb",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread.finish_store_job", 'self', 'req_meta', fp=("a99457c4ac716926",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_OFFLOAD}:OffloadingConnector.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("36e91e17b6e93b72",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("bb449517240a5fca",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.update_connector_output", 'self', 'connector_output', fp=("a4641f3bddf5988d",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_W}:OffloadingConnectorWorker.prepare_store_kv", 'self', 'metadata', fp=("8c23977f2dce31e3",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_W}:OffloadingConnectorWorker.start_kv_transfers", 'self', 'metadata', fp=("49c5c32f4e50c850",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_W}:OffloadingConnectorWorker.handle_preemptions", 'self', 'kv_connector_metadata', fp=("d9ac12066d1cfd5f",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_OFFLOAD_G}:SingleDirectionOffloadingHandler.transfer_async", 'self', 'job_id', 'device_ptrs', 'cpu_spec', fp=("72c78c053398e29f",), connector=OFFLOADING, use="wrapped"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("ca4c2f4892d5ac82",), connector=SIMPLE, use="wrapped"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("65ac902ac80d9029",), connector=SIMPLE, use="wrapped"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler.update_connector_output", 'self', 'connector_output', fp=("f820b6bb35ddaa3b",), connector=SIMPLE, use="wrapped"),
+    _n(f"{_NIXL_C}:NixlBaseConnector.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("36e91e17b6e93b72",), connector=NIXL, use="wrapped"),
+    _n(f"{_NIXL_S}:NixlBaseConnectorScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("3e806cb82525955a",), connector=NIXL, use="wrapped"),
+    _n(f"{_NIXL_W}:NixlPullConnectorWorker._read_blocks_for_req", 'self', 'req_id', 'meta', fp=("cb2d7ff8a36f593b",), connector=NIXL, use="wrapped"),
+    _n(f"{_NIXL_W}:NixlPullConnectorWorker.start_load_kv", 'self', 'metadata', fp=("788cda9715142780",), connector=NIXL, use="wrapped"),
+)
+
+SURFACES: dict[str, Surface] = {
+    "0.32": Surface(
+        "0.32",
+        _MARKERS_032,
+        _NAMES_032,
+        event_extra_keys=None,
+        lookahead_token_ids=None,
+        access_hook_on_null=True,
+        weak_pool_ref=False,
+        evict_first=False,
+        v1_model_runner=True,
+        offloading_failed_jobs=False,
+        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL),
+    ),
+    "0.33": Surface(
+        "0.33",
+        _MARKERS_033,
+        _NAMES_033,
+        event_extra_keys="_generate_event_extra_keys",
+        lookahead_token_ids="_lookahead_token_ids",
+        access_hook_on_null=False,
+        weak_pool_ref=False,
+        evict_first=False,
+        v1_model_runner=True,
+        offloading_failed_jobs=False,
+        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL),
+    ),
+    "0.34": Surface(
+        "0.34",
+        _MARKERS_034,
+        _NAMES_034,
+        event_extra_keys="generate_event_extra_keys",
+        lookahead_token_ids="get_lookahead_token_ids",
+        access_hook_on_null=False,
+        weak_pool_ref=True,
+        evict_first=True,
+        v1_model_runner=False,
+        offloading_failed_jobs=True,
+        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL),
+    ),
+}
+"""The declared release lines, oldest first."""
+
+_ACTIVE: Surface | None = None
+
+
+def set_active(surface: Surface | None) -> None:
+    """Make ``surface`` the process's active surface (``register()`` does;
+    ``None`` forgets it). O(1)."""
+    global _ACTIVE
+    _ACTIVE = surface
+
+
+def select(version: str | None, *, any_version: bool = False) -> Surface:
+    """The declared surface for the running vLLM.
+
+    The line of ``version`` (``"0.34.0"``: ``"0.34"``) when declared, if
+    its markers are present; otherwise, with ``any_version``, the newest
+    declared line whose markers are all present. Imports the markers'
+    modules. O(lines * markers).
+
+    Raises:
+        SurfaceError: the version's line is declared but its markers are
+            not present (a doctored or mislabelled vLLM), or (with
+            ``any_version``) no line's markers are all present, or
+            (without) the version's line is not declared.
+    """
+    from blockpool.integrations.vllm import release_line
+
+    rl = release_line(version)
+    line = None if rl is None else f"{rl[0]}.{rl[1]}"
+    if line in SURFACES:
+        surface = SURFACES[line]
+        bad = [d for d in check(surface, surface.markers) if not d.ok]
+        if bad:
+            raise SurfaceError(
+                f"vLLM {version} lacks the names of its release line {line}: "
+                + "; ".join(f"{d.name.target} ({d.status}: {d.found})" for d in bad)
+            )
+        return surface
+    if not any_version:
+        raise SurfaceError(f"vLLM {version or '(version unknown)'}: no declared surface (lines: {', '.join(SURFACES)})")
+    for surface in sorted(SURFACES.values(), key=lambda s: tuple(map(int, s.line.split("."))), reverse=True):
+        if all(d.ok for d in check(surface, surface.markers)):
+            return surface
+    raise SurfaceError(f"vLLM {version or '(version unknown)'}: no declared line's names are present")
+
+
+def active() -> Surface:
+    """The process's surface: the one ``register()`` chose, else (a pool
+    built without the plugin, in tests) :func:`select` of the installed
+    vLLM's version, remembered. O(1) once chosen.
+
+    Raises:
+        SurfaceError: as :func:`select`, when none was chosen yet.
+    """
+    global _ACTIVE
+    if _ACTIVE is None:
+        from blockpool.integrations.vllm import vllm_version
+
+        _ACTIVE = select(vllm_version(), any_version=True)
+    return _ACTIVE
