@@ -249,6 +249,10 @@ CONNECTOR_IGNORES=(
   tests/v1/kv_offload/cpu/test_gpu_worker.py
   tests/v1/kv_offload/cpu/test_swap_blocks_triton.py
 )
+# 0.34: end-to-end inference on a real model through the vllm_runner
+# fixture of tests/conftest.py (weights, kernels), like
+# test_hybrid_prefix_cache_hit_rate.py above.
+[[ "$VLLM_VERSION" != 0.34.0 ]] || CONNECTOR_IGNORES+=(tests/v1/kv_offload/tiering/test_p2p_lifecycle_e2e.py)
 IGNORE_ARGS=()
 if [[ "$WITH_CONNECTORS" == 1 ]]; then
   TEST_PATHS+=("${CONNECTOR_PATHS[@]}")
@@ -538,22 +542,27 @@ KNOWN_ENV_FAILURE_MESSAGES=(
 )
 ;;
 *)
-# vLLM 0.34.0 (and 0.32.0, whose only pass, "own", reads none of these).
+# vLLM 0.34.0 (0.32.0's only pass, "own", reads none of these). 0.33's
+# pipeline-parallel async scheduling test passes here (0.34 has only Model
+# Runner V2).
 KNOWN_ENV_FAILURES=(
-  # Async scheduling with pipeline parallelism needs Model Runner V2 (Triton):
-  # "not supported by the V1 model runner with pipeline parallelism".
-  tests/v1/core/test_scheduler.py::test_async_scheduling_pp_allows_rescheduling_with_output_placeholders
-  # These build a real LLM (model weights, vLLM's compiled _C ops).
+  # These build a real LLM: model weights not in the shared hf/ configs
+  # (LocalEntryNotFoundError: no cached snapshot, HF_HUB_OFFLINE=1) ...
   tests/v1/kv_connector/unit/test_offloading_connector.py::test_tiering_offloading
   tests/v1/kv_connector/unit/test_offloading_connector.py::test_fs_tiering_offloading
-  tests/v1/kv_connector/unit/test_offloading_connector.py::test_tiering_cache_reset_resumes_promotions_on_idle_engine
-  tests/v1/kv_connector/unit/test_nixl_connector.py::test_abort_timeout_on_prefiller
   tests/v1/kv_connector/unit/test_multi_connector.py::test_multi_example_connector_consistency
+  # ... or vLLM's compiled CPU kernels, which the CUDA wheel lacks
+  # ("'_C' object has no attribute 'init_cpu_memory_env'"); the [ray] case
+  # of test_abort_timeout_on_prefiller fails earlier, on ray's import of
+  # click (not installed: ray's CLI is not what these tests are about).
+  tests/v1/kv_connector/unit/test_offloading_connector.py::test_tiering_cache_reset_resumes_promotions_on_idle_engine
+  tests/v1/kv_connector/unit/test_offloading_connector.py::test_p2p_cache_reset_with_absent_decoder
+  tests/v1/kv_connector/unit/test_nixl_connector.py::test_abort_timeout_on_prefiller
+  # A real LLM with sleep mode: "Sleep mode is not supported on current
+  # platform" (needs an accelerator).
+  tests/v1/kv_connector/unit/test_offloading_connector.py::test_sleep_keeps_offloaded_blocks_unless_reset
 )
-# ...and by failure message (a Python regex on the junit failure message):
-# the llava-hf/llava-1.5-7b-hf tests of test_scheduler.py need transformers'
-# Pixtral image processor, which imports torchvision, and no CPU build of
-# torchvision 0.28 is on this machine's indexes.
+# The llava-hf/llava-1.5-7b-hf tests of test_scheduler.py, as for 0.33.
 KNOWN_ENV_FAILURE_MESSAGES=(
   "Model architectures \\['LlavaForConditionalGeneration'\\] failed to be inspected"
 )
