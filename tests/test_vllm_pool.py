@@ -7,6 +7,8 @@ defines it, by driving both with the same calls.
 
 from __future__ import annotations
 
+import weakref
+
 import random
 from typing import Any
 
@@ -61,8 +63,12 @@ def pools(n: int = 10, **kw: Any) -> tuple[Any, VllmBlockPool]:
 
 def state(pool: Any) -> tuple[object, ...]:
     """Everything vLLM exposes about a pool, comparable across classes."""
+    # Block ids per key: vLLM 0.34's map holds one id per key plus the ids of
+    # keys cached by several blocks (``_dup_ids``); ours, and vLLM's before,
+    # a block or a {block_id: block} dict.
+    dups = getattr(pool.cached_block_hash_to_block, "_dup_ids", {})
     cache = {
-        k: sorted(v) if isinstance(v, dict) else v.block_id
+        k: sorted(dups[k]) if k in dups else sorted(v) if isinstance(v, dict) else [v if isinstance(v, int) else v.block_id]
         for k, v in pool.cached_block_hash_to_block._cache.items()
     }
     return (
@@ -78,8 +84,14 @@ def state(pool: Any) -> tuple[object, ...]:
 def test_blocks_are_core_records_with_vllms_surface_owned_by_the_adapter() -> None:
     """The adapter's blocks are the core's record class (what the compiled
     core reads natively), each with vLLM's names over the core's fields."""
-    _, ours = pools()
-    assert all(isinstance(b, CoreKVCacheBlock) and b.pool is ours for b in ours.blocks)
+    theirs, ours = pools()
+    assert all(isinstance(b, CoreKVCacheBlock) and b.pool is ours._pool_ref for b in ours.blocks)
+    # block.pool as vLLM's own blocks hold it: a weak reference to the pool
+    # on vLLM 0.34, the pool itself before.
+    if isinstance(theirs.blocks[1].pool, weakref.ref):
+        assert ours._pool_ref is ours._weak_self and ours.blocks[1].pool() is ours
+    else:
+        assert theirs.blocks[1].pool is theirs and ours._pool_ref is ours
     assert ours.null_block is ours.blocks[0] and ours.null_block.is_null
     assert type(ours.null_block) is VllmNullBlock
     assert not any(b.is_null for b in ours.blocks[1:])

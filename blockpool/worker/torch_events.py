@@ -67,8 +67,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-import torch
-
 from blockpool.core.completions import CompletionReport
 from blockpool.core.errors import BlockPoolError, FenceFailedError, InvalidArgumentError
 from blockpool.core.hazards import StreamKind, Token
@@ -155,6 +153,8 @@ class BackendUnavailableError(BlockPoolError, RuntimeError):
 
 
 def _default_device_type() -> str:
+    import torch
+
     acc = getattr(torch, "accelerator", None)
     if acc is not None and hasattr(acc, "current_accelerator"):
         cur = acc.current_accelerator()
@@ -189,6 +189,8 @@ def event_factory(device: str | torch.device | None = None, *, enable_timing: bo
             events), not available in this build or machine, or torch is too
             old to have ``torch.Event``.
     """
+    import torch
+
     if device is None:
         device = _default_device_type()
     try:

@@ -202,3 +202,10 @@ class VllmEvents:
     _get_partial_block_hash = VLLM_BLOCK_POOL._get_partial_block_hash
     _get_partial_block_parent_hash_and_start = VLLM_BLOCK_POOL._get_partial_block_parent_hash_and_start
     _emit_block_removed_events = VLLM_BLOCK_POOL._emit_block_removed_events
+
+
+# The same helpers under this line's own names, which vLLM's code calls on
+# its pool (0.34's cache_full_blocks calls self.generate_event_extra_keys).
+for _helper in (_SURFACE.event_extra_keys, _SURFACE.lookahead_token_ids):
+    if _helper is not None and _helper not in VllmEvents.__dict__:
+        setattr(VllmEvents, _helper, getattr(VLLM_BLOCK_POOL, _helper))
