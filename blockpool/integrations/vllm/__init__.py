@@ -313,11 +313,18 @@ def register() -> None:
                 "; ".join(f"{d.name.target}: {d.status}, expected {d.expected}, found {d.found}" for d in refusing),
             )
             return
-        drifted: dict[str, list[str]] = {}
+        drifted: dict[str, list[str]] = {}  # group (a connector, or the shared worker hooks) -> drifted names
+        unavailable: set[str] = set()  # connectors whose third-party package is missing here
         for d in drifts:
-            drifted.setdefault(d.name.connector or "", []).append(f"{d.name.target} ({d.status})")
+            if d.status == "unavailable" and d.name.connector:
+                unavailable.add(d.name.connector)
+            else:
+                drifted.setdefault(d.name.connector or "", []).append(f"{d.name.target} ({d.status})")
+        for name in sorted(unavailable - set(drifted)):
+            logger.debug("blockpool: %s not available in this environment (a package it needs is missing)", name)
+            drifted[name] = []
         for name in sorted(set(vllm_surface.CONNECTOR_NAMES) - set(chosen.connectors)):
-            drifted.setdefault(name, []).append(f"not reviewed for vLLM {chosen.line}")
+            drifted.setdefault(name, []).append(f"its wiring is not reviewed for vLLM {chosen.line}")
         _STATE.surface = chosen
         vllm_surface.set_active(chosen)
         try:
@@ -672,16 +679,24 @@ def _wire_connectors(drifted: dict[str, list[str]]) -> None:
     line), with one warning naming the drifted names."""
     from blockpool.integrations.vllm import connectors as vllm_connectors
 
+    from blockpool.integrations.vllm.surface import WORKER_HALF, WORKER_HOOKS
+
     errors: dict[str, str] = {}
-    for name, what in sorted(drifted.items()):
-        errors[name] = "vLLM surface drift: " + ", ".join(what)
+    skip: set[str] = set()
+    for group, what in sorted(drifted.items()):
+        affected = list(WORKER_HALF) if group == WORKER_HOOKS else [group]
+        skip.update(affected)
+        if not what:  # not available here (register() logged it at debug level)
+            continue
+        for name in affected:
+            errors[name] = "vLLM surface drift: " + ", ".join(what)
         logger.warning(
-            "blockpool: KV connector %s left unwired: %s; it runs as vLLM built it (its own waits, its "
-            "transfers not fenced) until its wiring is reviewed for this vLLM",
-            name,
+            "blockpool: KV connector %s left unwired: %s; it runs as vLLM built it, its transfers are not "
+            "fenced, until its wiring is reviewed for this vLLM",
+            ", ".join(affected),
             ", ".join(what),
         )
-    names = vllm_connectors.wire(_patch, errors, skip=drifted)
+    names = vllm_connectors.wire(_patch, errors, skip=skip)
     try:
         from blockpool.integrations.vllm import worker as vllm_worker
     except ImportError as exc:  # no torch: a scheduler-only process

@@ -52,6 +52,8 @@ from blockpool.core.errors import BlockPoolError
 
 __all__ = [
     "CONNECTOR_NAMES",
+    "WORKER_HALF",
+    "WORKER_HOOKS",
     "SURFACES",
     "Drift",
     "Name",
@@ -85,8 +87,9 @@ class Name:
         fingerprints: The accepted :func:`fingerprint` s of its body; empty:
             the body is not checked.
         connector: The KV connector this name belongs to (a drift leaves
-            that connector unwired), or ``None`` (a drift refuses the
-            install).
+            that connector unwired), :data:`WORKER_HOOKS` (a drift leaves
+            every connector with a worker half unwired), or ``None`` (a
+            drift refuses the install).
         use: How the plugin uses it: ``replaced`` (re-implemented by
             ``VllmBlockPool``), ``wrapped``, ``borrowed`` (called as
             vLLM's own), ``members`` (a class whose surface the plugin's
@@ -175,8 +178,9 @@ class Drift:
     Attributes:
         name: The declared name.
         status: ``"ok"``, ``"missing"`` (not importable or no such
-            attribute), ``"signature"`` (other parameters) or ``"body"``
-            (an unknown fingerprint).
+            attribute), ``"unavailable"`` (its module needs a third-party
+            package that is not installed), ``"signature"`` (other
+            parameters or members) or ``"body"`` (an unknown fingerprint).
         expected: What the declaration says (parameters or fingerprints).
         found: What the running vLLM has.
     """
@@ -270,6 +274,12 @@ def fingerprint(obj: Any) -> str | None:
 def _check_one(name: Name) -> Drift:
     try:
         obj = resolve(name.target)
+    except ModuleNotFoundError as exc:
+        # A third-party package a connector needs is not installed: that
+        # connector cannot run here at all (not a drift of vLLM's).
+        third_party = exc.name is not None and exc.name.split(".")[0] != "vllm"
+        status = "unavailable" if third_party else "missing"
+        return Drift(name, status, _expected(name), f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # noqa: BLE001  (any failure to find it is a drift)
         return Drift(name, "missing", _expected(name), f"{type(exc).__name__}: {exc}")
     if name.use == "members":
@@ -332,6 +342,13 @@ _NIXL_W = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
 MOONCAKE, OFFLOADING, SIMPLE, NIXL = "mooncake_store", "offloading", "simple_cpu_offload", "nixl"
 CONNECTOR_NAMES: tuple[str, ...] = (MOONCAKE, OFFLOADING, SIMPLE, NIXL)
 """Every KV connector the plugin can wire (``blockpool.integrations.vllm.connectors``' names)."""
+WORKER_HOOKS = "worker hooks"
+"""The :attr:`Name.connector` of the model runners' hooks every worker half
+shares (the step record on ``bind_connector_metadata``, ``eN`` after the
+forward): a drift there leaves every connector of :data:`WORKER_HALF` unwired."""
+WORKER_HALF: tuple[str, ...] = (MOONCAKE, OFFLOADING, NIXL)
+"""The connectors with a worker half (SimpleCPUOffload's wiring is the
+scheduler's alone)."""
 
 
 def _n(target: str, *params: str, fp: tuple[str, ...] = (), connector: str | None = None, use: str = "read") -> Name:
@@ -390,13 +407,13 @@ _NAMES_032 = (
     _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', use="wrapped"),
     _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', use="wrapped"),
     _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', use="wrapped"),
-    _n(f"{_BASE}:KVConnectorBase_V1.bind_connector_metadata", 'self', 'connector_metadata', use="wrapped"),
+    _n(f"{_BASE}:KVConnectorBase_V1.bind_connector_metadata", 'self', 'connector_metadata', connector=WORKER_HOOKS, use="wrapped"),
     _n(f"{_BASE}:KVConnectorBase_V1.bind_gpu_block_pool", 'self', 'gpu_block_pool', use="wrapped"),
-    _n(f"{_V2}:ActiveKVConnector.post_forward", 'self', 'finished_req_ids', use="wrapped"),
-    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin._get_kv_connector_output", 'scheduler_output', 'defer_finalize', use="wrapped"),
-    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin.finalize_kv_connector", use="wrapped"),
-    _n(f"{_MIXIN}:has_kv_transfer_group"),
-    _n(f"{_MIXIN}:get_kv_transfer_group"),
+    _n(f"{_V2}:ActiveKVConnector.post_forward", 'self', 'finished_req_ids', connector=WORKER_HOOKS, use="wrapped"),
+    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin._get_kv_connector_output", 'scheduler_output', 'defer_finalize', connector=WORKER_HOOKS, use="wrapped"),
+    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin.finalize_kv_connector", connector=WORKER_HOOKS, use="wrapped"),
+    _n(f"{_MIXIN}:has_kv_transfer_group", connector=WORKER_HOOKS, use="borrowed"),
+    _n(f"{_MIXIN}:get_kv_transfer_group", connector=WORKER_HOOKS, use="borrowed"),
     _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("ca4c2f4892d5ac82",), connector=MOONCAKE, use="wrapped"),
     _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("e69ab5087a2f8380",), connector=MOONCAKE, use="wrapped"),
     _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.update_connector_output", 'self', 'connector_output', fp=("d254be99c5247f89",), connector=MOONCAKE, use="wrapped"),
@@ -466,14 +483,14 @@ _NAMES_033 = (
     _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', use="wrapped"),
     _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', use="wrapped"),
     _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', use="wrapped"),
-    _n(f"{_BASE}:KVConnectorBase_V1.bind_connector_metadata", 'self', 'connector_metadata', use="wrapped"),
+    _n(f"{_BASE}:KVConnectorBase_V1.bind_connector_metadata", 'self', 'connector_metadata', connector=WORKER_HOOKS, use="wrapped"),
     _n(f"{_BASE}:KVConnectorBase_V1.bind_gpu_block_pool", 'self', 'gpu_block_pool', use="wrapped"),
-    _n(f"{_V2}:ActiveKVConnector.post_forward", 'self', 'finished_req_ids', 'defer_finalize', use="wrapped"),
-    _n(f"{_V2}:ActiveKVConnector.finalize_step", 'self', use="wrapped"),
-    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin._get_kv_connector_output", 'scheduler_output', 'defer_finalize', use="wrapped"),
-    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin.finalize_kv_connector", use="wrapped"),
-    _n(f"{_MIXIN}:has_kv_transfer_group"),
-    _n(f"{_MIXIN}:get_kv_transfer_group"),
+    _n(f"{_V2}:ActiveKVConnector.post_forward", 'self', 'finished_req_ids', 'defer_finalize', connector=WORKER_HOOKS, use="wrapped"),
+    _n(f"{_V2}:ActiveKVConnector.finalize_step", 'self', connector=WORKER_HOOKS, use="wrapped"),
+    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin._get_kv_connector_output", 'scheduler_output', 'defer_finalize', connector=WORKER_HOOKS, use="wrapped"),
+    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin.finalize_kv_connector", connector=WORKER_HOOKS, use="wrapped"),
+    _n(f"{_MIXIN}:has_kv_transfer_group", connector=WORKER_HOOKS, use="borrowed"),
+    _n(f"{_MIXIN}:get_kv_transfer_group", connector=WORKER_HOOKS, use="borrowed"),
     _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("ca4c2f4892d5ac82",), connector=MOONCAKE, use="wrapped"),
     _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("5730ac619503740b",), connector=MOONCAKE, use="wrapped"),
     _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.update_connector_output", 'self', 'connector_output', fp=("d254be99c5247f89",), connector=MOONCAKE, use="wrapped"),
@@ -543,10 +560,10 @@ _NAMES_034 = (
     _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', use="wrapped"),
     _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', use="wrapped"),
     _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', use="wrapped"),
-    _n(f"{_BASE}:KVConnectorBase_V1.bind_connector_metadata", 'self', 'connector_metadata', use="wrapped"),
+    _n(f"{_BASE}:KVConnectorBase_V1.bind_connector_metadata", 'self', 'connector_metadata', connector=WORKER_HOOKS, use="wrapped"),
     _n(f"{_BASE}:KVConnectorBase_V1.bind_gpu_block_pool", 'self', 'gpu_block_pool', use="wrapped"),
-    _n(f"{_V2}:ActiveKVConnector.post_forward", 'self', 'finished_req_ids', 'defer_finalize', use="wrapped"),
-    _n(f"{_V2}:ActiveKVConnector.finalize_step", 'self', use="wrapped"),
+    _n(f"{_V2}:ActiveKVConnector.post_forward", 'self', 'finished_req_ids', 'defer_finalize', connector=WORKER_HOOKS, use="wrapped"),
+    _n(f"{_V2}:ActiveKVConnector.finalize_step", 'self', connector=WORKER_HOOKS, use="wrapped"),
     _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("ca4c2f4892d5ac82",), connector=MOONCAKE, use="wrapped"),
     _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("886c4b176dbf48e5",), connector=MOONCAKE, use="wrapped"),
     _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler.update_connector_output", 'self', 'connector_output', fp=("d254be99c5247f89",), connector=MOONCAKE, use="wrapped"),
