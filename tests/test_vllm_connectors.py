@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 from unittest.mock import MagicMock, patch
@@ -68,6 +69,44 @@ def make_scheduler(
     ``block_size`` is the KV cache spec's (the scheduler's is ``block_size
     * dcp``, as vLLM's engine resolves it); ``async_scheduling`` builds
     vLLM's ``AsyncScheduler``."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)
+    with _triton_gate_passed():
+        return _build_scheduler(
+            connector, extra, num_blocks, role, kv, block_size, dcp, pcp, max_num_batched_tokens, async_scheduling
+        )
+
+
+@contextmanager
+def _triton_gate_passed() -> Iterator[None]:
+    """Test-only: vLLM 0.34's venv resolves the CPU platform, which refuses
+    to build a config on an x86 CPU without triton-cpu
+    (``CpuPlatform.check_and_update_config``; not on the package index).
+    These tests run no model, so that one check sees Triton as present
+    while the scheduler is built, as on a machine with triton-cpu."""
+    try:
+        import vllm.triton_utils as tu
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    with patch.object(tu, "HAS_TRITON", True):
+        yield
+
+
+def _build_scheduler(
+    connector: str | None,
+    extra: dict[str, Any] | None,
+    num_blocks: int,
+    role: str,
+    kv: Any,
+    block_size: int,
+    dcp: int,
+    pcp: int,
+    max_num_batched_tokens: int,
+    async_scheduling: bool,
+) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -77,12 +116,9 @@ def make_scheduler(
         VllmConfig,
         set_current_vllm_config,
     )
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    init_none_hash(sha256)
     model = ModelConfig(model="facebook/opt-125m", trust_remote_code=True, dtype="float16", seed=42)
     sched = SchedulerConfig(
         max_num_seqs=16,
@@ -149,17 +185,22 @@ def make_request(rid: str, tokens: list[int], max_tokens: int = 64, transfer: di
 
 
 def model_output(scheduler_output: Any, **connector: Any) -> Any:
+    import dataclasses
+
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     ids = list(scheduler_output.num_scheduled_tokens)
+    extra: dict[str, Any] = {}
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # 0.32, 0.33
+        extra["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
     return ModelRunnerOutput(
         req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
         sampled_token_ids=[[7] for _ in ids],
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=None,
         kv_connector_output=KVConnectorOutput(**connector) if connector else None,
+        **extra,
     )
 
 
@@ -607,9 +648,12 @@ def test_deferred_frees_are_not_tagged_with_a_later_step_so_a_nixl_read_does_not
     s.update_from_output(out3, model_output(out3))
 
 
-def test_the_step_token_is_recorded_after_the_forward_before_the_async_loads() -> None:
-    from contextlib import contextmanager
+V1_RUNNER = "vllm.v1.worker.kv_connector_model_runner_mixin"
+NO_V1_RUNNER = "this vLLM has no Model Runner V1 (0.34 removed it): V2's hooks are tested for it"
 
+
+def test_the_step_token_is_recorded_after_the_forward_before_the_async_loads() -> None:
+    pytest.importorskip(V1_RUNNER, reason=NO_V1_RUNNER)
     dev = StandInDevice()
     compute = dev.new_stream("compute")
     wh = worker(dev, compute)
@@ -632,6 +676,40 @@ def test_the_step_token_is_recorded_after_the_forward_before_the_async_loads() -
             assert wh.ledger.event_of(step.forward) is None
         assert order == ["bind", "forward", "start_load_kv", "wait_for_save"]
         assert wh.ledger.event_of(step.forward) is not None
+    finally:
+        vw.install(None)
+
+
+def test_model_runner_v2_records_the_step_token_after_the_forward_before_the_async_loads() -> None:
+    """Model Runner V2 (the only runner of vLLM 0.34) starts the async loads
+    in ``ActiveKVConnector.post_forward``, after the forward was launched:
+    eN is recorded on the compute stream before they start (a load may wait
+    on it), and before ``wait_for_save``."""
+    v2 = pytest.importorskip("vllm.v1.worker.gpu.kv_connector")
+    dev = StandInDevice()
+    compute = dev.new_stream("compute")
+    wh = worker(dev, compute)
+    step = StepRecord(1, Token("compute", 1))
+    meta = SimpleNamespace()
+    setattr(meta, vc.META_STEP, (step.to_wire(), Fence().to_wire()))
+    order: list[tuple[str, bool]] = []
+
+    def seen(what: str) -> None:
+        order.append((what, wh.ledger.event_of(step.forward) is not None))
+
+    connector = MagicMock()
+    connector._connector_metadata = SimpleNamespace(metadata=(SimpleNamespace(), meta))  # MultiConnector's
+    connector.wait_for_save.side_effect = lambda: seen("wait_for_save")
+    runner = object.__new__(v2.ActiveKVConnector)  # vLLM's own post_forward, on a stand-in connector
+    runner.kv_connector = connector
+    runner._disabled = False
+    runner._pending_load_kwargs = {}
+    runner._start_load_kv = lambda: seen("start_load_kv")
+    post_forward = wrapper(vw._wire_runner, "ActiveKVConnector", "post_forward", v2.ActiveKVConnector.post_forward)
+    try:
+        post_forward(runner, set())
+        assert order == [("start_load_kv", True), ("wait_for_save", True)]
+        assert wh.unrecorded({"compute": 1}) == {}
     finally:
         vw.install(None)
 

@@ -31,7 +31,9 @@ from blockpool.integrations.vllm.hazards import StepRecord, Transfer
 from blockpool.worker.standins import StandInDevice
 from blockpool.worker.torch_events import EventLedger
 from tests.test_vllm_connectors import (
+    NO_V1_RUNNER,
     OFFLOAD,
+    V1_RUNNER,
     lookup,
     make_request,
     make_scheduler,
@@ -234,8 +236,7 @@ def test_with_spec_decode_the_step_token_is_recorded_after_the_draft_model(regis
     """vLLM's V1 runner with a speculative config defers ``wait_for_save``
     to ``finalize_kv_connector`` (after the draft model, whose KV is saved
     too); eN must be recorded there, not when the target forward ends."""
-    from vllm.v1.worker import kv_connector_model_runner_mixin as mixin
-
+    mixin = pytest.importorskip(V1_RUNNER, reason=NO_V1_RUNNER)
     order: list[str] = []
 
     @contextmanager
@@ -663,7 +664,7 @@ def test_with_pipeline_parallelism_a_rank_that_does_not_draft_records_the_step_t
     """With spec decode, vLLM's V1 runner defers ``wait_for_save`` on every
     rank, but only the last pipeline stage drafts and finalizes; the others
     must record eN when the forward ends, or it is never recorded."""
-    from vllm.v1.worker import kv_connector_model_runner_mixin  # noqa: F401  (the module wrapped)
+    pytest.importorskip(V1_RUNNER, reason=NO_V1_RUNNER)  # the module wrapped
 
     @contextmanager
     def vllm_lifecycle(scheduler_output: Any, defer_finalize: bool = False) -> Iterator[None]:
