@@ -527,6 +527,92 @@ def test_offload_load_into_untouched_blocks_has_an_empty_fence(registered: bool)
     assert load.fence.tokens == ()
 
 
+def offload_load_of_a_stored_prefix(scheduler: Any) -> tuple[Any, int, Transfer]:
+    """Store A's 40-token prompt to the CPU tier, drop it from the GPU
+    prefix cache, then schedule B with the same prefix: B waits for the
+    asynchronous load of its two full blocks. Returns that step's output,
+    the load's job id and its transfer."""
+    scheduler.add_request(make_request("A", list(range(1, 41)), max_tokens=1))
+    out1 = scheduler.schedule()
+    ((store_job, _),) = out1.kv_connector_metadata.store_jobs.items()
+    offload_step(scheduler, out1)
+    out2 = scheduler.schedule()
+    offload_step(scheduler, out2, completed={store_job: 1})
+    assert scheduler.kv_cache_manager.reset_prefix_cache()
+    scheduler.add_request(make_request("B", list(range(1, 41)) + [9] * 8))
+    out3 = scheduler.schedule()
+    ((job_id, job),) = out3.kv_connector_metadata.load_jobs.items()
+    assert not getattr(job, "sync", False)
+    return out3, job_id, Transfer.from_wire(getattr(job, vc.META_LOAD))
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+@pytest.mark.parametrize("failed", [True, False], ids=["failed", "completed"])
+def test_a_failed_offload_copy_fails_its_token_and_its_blocks_are_not_published(
+    registered: bool, failed: bool
+) -> None:
+    """vLLM 0.34's Offloading workers name a copy that did not run to its
+    end in ``failed_jobs`` (with the job's completion count, and the
+    request in ``failed_recving``): the load's token fails, so its blocks
+    lose their keys and are never published; a load reported without a
+    failure completes and its blocks are published as vLLM caches them."""
+    from blockpool.core.hazards import TokenStatus
+    from blockpool.integrations.vllm.surface import active
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+    if not active().offloading_failed_jobs:
+        pytest.skip("this vLLM's Offloading connector reports no failed copies (no failed_jobs)")
+    scheduler = make_scheduler("OffloadingConnector", OFFLOAD)
+    out3, job_id, load = offload_load_of_a_stored_prefix(scheduler)
+    core = scheduler.kv_cache_manager.block_pool.core
+    assert core.token_status(load.token) is TokenStatus.PENDING
+    worker_meta = OffloadingWorkerMetadata()
+    worker_meta.mark_completed(job_id, success=not failed)  # what the worker's get_finished reports
+    failed_recving = {"B"} if failed else set()
+    scheduler.update_from_output(
+        out3,
+        model_output(
+            out3, finished_recving={"B"}, failed_recving=failed_recving, kv_connector_worker_meta=worker_meta
+        ),
+    )
+    assert core.token_status(load.token) is (TokenStatus.FAILED if failed else TokenStatus.COMPLETED)
+    scheduler.schedule()  # B resumes: vLLM caches what its load brought (or frees its blocks)
+    hashed = {bid for bid in load.block_ids if core.blocks[bid].block_hash is not None}
+    assert hashed == (set() if failed else set(load.block_ids))
+    cs = scheduler.connector.connector_scheduler
+    assert job_id not in cs._jobs  # vLLM's own bookkeeping ended the job too
+    assert vc.wiring_of(cs).failed_reports == set() and (vc.OFFLOADING, job_id) not in vc.wiring_of(cs).pending
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_an_offload_job_one_rank_reports_failed_fails_only_once_every_rank_reported(registered: bool) -> None:
+    """With two workers, a job one of them reported failed is still running
+    on the other: its token stays pending (its blocks held) until the other
+    reports, then fails, whatever the other rank said."""
+    from blockpool.core.hazards import TokenStatus
+    from blockpool.integrations.vllm.surface import active
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
+    if not active().offloading_failed_jobs:
+        pytest.skip("this vLLM's Offloading connector reports no failed copies (no failed_jobs)")
+    scheduler = make_scheduler("OffloadingConnector", OFFLOAD)
+    cs = scheduler.connector.connector_scheduler
+    out3, job_id, load = offload_load_of_a_stored_prefix(scheduler)
+    core = scheduler.kv_cache_manager.block_pool.core
+    w = vc.wiring_of(cs)
+    cs.config = cs.config._replace(num_workers=2)  # as vLLM sizes it for two ranks
+    cs._jobs[job_id].pending_count = 2
+    first = OffloadingWorkerMetadata()
+    first.mark_completed(job_id, success=False)
+    cs.update_connector_output(SimpleNamespace(kv_connector_worker_meta=first))
+    assert core.token_status(load.token) is TokenStatus.PENDING
+    second = OffloadingWorkerMetadata()
+    second.mark_completed(job_id)
+    cs.update_connector_output(SimpleNamespace(kv_connector_worker_meta=second))
+    assert core.token_status(load.token) is TokenStatus.FAILED
+    assert w.failed_reports == set() and w.pending == set()
+
+
 # ----------------------------------------------------------------------
 # NIXL (remote reads into decode blocks) and SimpleCPUOffload
 # ----------------------------------------------------------------------

@@ -27,9 +27,12 @@ What a wired connector does on the scheduler, each step:
    ``invalid_block_ids`` (by request id, through
    :meth:`StepHazards.on_connector_output`), and the job-completion counts
    in ``kv_connector_worker_meta`` (MooncakeStore's ``completed_saves``,
-   Offloading's ``completed_jobs``) once every rank reported a job.
+   Offloading's ``completed_jobs``) once every rank reported a job; from
+   vLLM 0.34 Offloading also names the jobs a worker reported failed
+   (``failed_jobs``): such a job's transfers end failed (a failed load's
+   blocks lose their keys, never published).
 
-Wired connectors (vLLM 0.33), their stream or engine and its kind:
+Wired connectors (vLLM 0.32 to 0.34), their stream or engine and its kind:
 
 ============================  =========================================  ======
 connector                     stream / engine                            kind
@@ -127,6 +130,8 @@ class ConnectorWiring:
             (:func:`on_scheduler_built`).
         pending: Keys of transfers begun and not ended (job-keyed connectors).
         reports: Completion reports counted so far per job key.
+        failed_reports: Job keys some worker reported failed, until every
+            rank reported them (:meth:`report`).
         stock_waits: The wiring cannot show this scheduler's fences exact
             (:func:`stock_waits_reason`), so the workers keep vLLM's own
             waits and add the fences on top (:data:`META_STOCK` on every
@@ -143,6 +148,7 @@ class ConnectorWiring:
     block_sizes: tuple[int, ...]
     pending: set[Hashable] = attrs.field(factory=set)
     reports: dict[Hashable, int] = attrs.field(factory=dict)
+    failed_reports: set[Hashable] = attrs.field(factory=set)
     stock_waits: bool = True
     faults: int = 0
 
@@ -170,21 +176,27 @@ class ConnectorWiring:
         """End the transfers begun under ``key``; see :meth:`StepHazards.finish`."""
         self.pending.discard(key)
         self.reports.pop(key, None)
+        self.failed_reports.discard(key)
         return self.hazards.finish(key, failed=failed)
 
-    def report(self, key: Hashable, count: int, needed: int) -> int:
+    def report(self, key: Hashable, count: int, needed: int, *, failed: bool = False) -> int:
         """Count ``count`` workers' completion reports of the job under
-        ``key``; once ``needed`` (every rank) reported, end its transfers.
+        ``key``; once ``needed`` (every rank) reported, end its transfers:
+        failed when any report said the job failed (``failed``, on this
+        call or an earlier one), else completed. Never before every rank
+        reported: a rank whose copy still runs may still touch the blocks.
         Counted here, not read from the connector's own job table (which a
         cache reset clears while the jobs still run). Returns the number of
         transfers ended. O(1)."""
         if key not in self.pending:
             return 0
+        if failed:
+            self.failed_reports.add(key)
         n = self.reports.get(key, 0) + count
         if n < needed:
             self.reports[key] = n
             return 0
-        return self.finish(key)
+        return self.finish(key, failed=key in self.failed_reports)
 
     def _begin(
         self,
@@ -380,19 +392,33 @@ def _planner(plan: Callable[[Any, ConnectorWiring, Any, Any], None], before: Cal
     return make
 
 
-def _reporter(field: str, on_reports: Callable[[Any, ConnectorWiring, dict[Any, int]], None]) -> Any:
+def _reporter(field: str, on_reports: Callable[[Any, ConnectorWiring, dict[Any, int], Any], None]) -> Any:
     """Wrap ``update_connector_output``: before vLLM's code (which may free
     or release a finished job's blocks: a block freed with its transfer
     still pending would be held back), hand the per-job completion counts
-    of ``kv_connector_worker_meta.<field>`` to ``on_reports``."""
+    of ``kv_connector_worker_meta.<field>`` to ``on_reports(self, wiring,
+    counts, worker_meta)`` (the whole ``kv_connector_worker_meta``, for
+    the failures it reports). A wiring fault is counted in the wiring and
+    logged once, never raised into vLLM's scheduler."""
 
     def make(orig: Any) -> Any:
         @functools.wraps(orig)
         def update_connector_output(self: Any, connector_output: Any) -> None:
             w = wiring_of(self)
-            counts = getattr(getattr(connector_output, "kv_connector_worker_meta", None), field, None)
+            worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            counts = getattr(worker_meta, field, None)
             if w is not None and counts:
-                on_reports(self, w, counts)
+                try:
+                    on_reports(self, w, counts, worker_meta)
+                except Exception as exc:  # noqa: BLE001  (never out of vLLM's scheduler)
+                    w.faults += 1
+                    if w.faults == 1:
+                        logger.error(
+                            "blockpool: %s: ending the reported jobs' transfers failed (%r); they stay "
+                            "pending in the pool (further faults are counted in the wiring, not logged)",
+                            w.name,
+                            exc,
+                        )
             return orig(self, connector_output)
 
         return update_connector_output
@@ -428,7 +454,7 @@ def _plan_mooncake(sched: Any, w: ConnectorWiring, meta: Any, pinned_before: set
             _put(rm, META_STORE, w.store(rm.req_id, reads, MOONCAKE, key=(MOONCAKE, job)))
 
 
-def _mooncake_saves_done(sched: Any, w: ConnectorWiring, saves: dict[int, int]) -> None:
+def _mooncake_saves_done(sched: Any, w: ConnectorWiring, saves: dict[int, int], _: Any) -> None:
     for job, count in saves.items():
         pinned = sched._pinned_saves.get(job)
         if pinned is not None and pinned[1] - count <= 0:
@@ -487,11 +513,18 @@ def _plan_offloading(sched: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
         _put(job, META_STORE, w.store(job.req_id, _spec_block_ids(job.src_spec), OFFLOAD_D2H, key=(OFFLOADING, job_id)))
 
 
-def _offload_jobs_done(sched: Any, w: ConnectorWiring, jobs: dict[int, int]) -> None:
+def _offload_jobs_done(sched: Any, w: ConnectorWiring, jobs: dict[int, int], worker_meta: Any) -> None:
     # Counted by the wiring: a cache reset clears vLLM's own job table while
-    # the jobs still run on the workers.
+    # the jobs still run on the workers. A job any worker reported failed
+    # (vLLM 0.34's failed_jobs: a copy that did not run to its end) fails
+    # its token once every worker reported it: a failed load's blocks lose
+    # their keys and are never published; a failed store ends as a failed
+    # read of its blocks.
+    from blockpool.integrations.vllm.surface import active
+
+    failed = (getattr(worker_meta, "failed_jobs", None) or ()) if active().offloading_failed_jobs else ()
     for job_id, count in jobs.items():
-        w.report((OFFLOADING, job_id), count, sched.config.num_workers)
+        w.report((OFFLOADING, job_id), count, sched.config.num_workers, failed=job_id in failed)
 
 
 def _patch_offloading(mod: Any, patch: Patcher) -> None:
@@ -527,7 +560,7 @@ def _plan_simple(sched: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
         _put(meta, META_STORE, w.store("", meta.store_gpu_blocks, SIMPLE_D2H, key=(SIMPLE, meta.store_event)))
 
 
-def _simple_stores_done(sched: Any, w: ConnectorWiring, events: dict[int, int]) -> None:
+def _simple_stores_done(sched: Any, w: ConnectorWiring, events: dict[int, int], _: Any) -> None:
     for event, count in events.items():
         if sched._store_event_pending_counts.get(event, 0) + count >= sched._expected_worker_count:
             w.finish((SIMPLE, event))
