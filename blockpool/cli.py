@@ -81,7 +81,8 @@ _EXIT_STATUS_SWEEP = """exit status:
 _EXIT_STATUS_TOP = """exit status (replay, sweep):
   0 done; 1 the exact policy showed a race; 2 bad usage or input;
   3 the run failed or an output could not be written; 130 interrupted (Ctrl-C);
-  143 terminated (SIGTERM). check-vllm: 0 identical, 1 a difference, 2 setup error.
+  143 terminated (SIGTERM). check-vllm: 0 identical, 1 a difference, 2 setup error
+  (--surface: 0 every name as declared, 1 a drift, 2 no vLLM or no declared line).
   See 'blockpool COMMAND --help'."""
 
 
@@ -204,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     add_check_vllm_arguments(c)
+    c.add_argument(
+        "--surface", action="store_true",
+        help="print the vLLM names the plugin depends on, declared for this vLLM's release line, against "
+        "the installed vLLM (name, expected, found), and serve nothing; exit 0 all as declared, 1 a drift, "
+        "2 no vLLM or no declared line",
+    )  # fmt: skip
     return parser
 
 
@@ -548,7 +555,14 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _check_vllm(args: argparse.Namespace) -> int:
-    """``blockpool check-vllm``: :func:`blockpool.integrations.vllm.engine_check.run`."""
+    """``blockpool check-vllm``: :func:`blockpool.integrations.vllm.engine_check.run`;
+    with ``--surface``, :func:`blockpool.integrations.vllm.surface.report`."""
+    if args.surface:
+        from blockpool.integrations.vllm.surface import report
+
+        status, lines = report()
+        print("\n".join(lines))
+        return status
     from blockpool.integrations.vllm.engine_check import run
 
     return run(args)

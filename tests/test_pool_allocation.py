@@ -97,3 +97,29 @@ def test_free_of_null_placeholder_table_frees_only_data_blocks(pool: HazardAware
     assert pool.get_num_free_blocks() == 9
     assert pool.null_block.ref_cnt == 0
     pool.check()
+
+
+def test_evict_first_frees_cached_blocks_to_the_front_in_listed_order_keeping_their_keys() -> None:
+    """vLLM 0.34's ``free_blocks(..., evict_first=True)``: blocks whose
+    content another tier holds go to the front of the free queue (evicted
+    before older cached blocks), in the listed order, still cached until
+    reused."""
+    pool = HazardAwareBlockPool(6)
+    old, a, b = pool.get_new_blocks(1)[0], *pool.get_new_blocks(2)
+    pool.publish_full_blocks([old], [b"old"], 0, 1, 16)
+    pool.publish_full_blocks([a, b], [b"a", b"b"], 0, 2, 16)
+    pool.free_blocks([old])  # an older cached block: at the back, LRU
+    pool.free_blocks([b, a], evict_first=True)
+    assert ids(pool.free_block_queue)[:2] == [b.block_id, a.block_id]
+    assert ids(pool.free_block_queue)[-1] == old.block_id
+    assert pool.get_cached_block(b"a") is a and pool.get_cached_block(b"b") is b
+    assert pool.get_new_blocks(1) == [b]  # evicted first, before `old`
+    assert pool.get_cached_block(b"b") is None and pool.get_cached_block(b"old") is old
+
+
+def test_evict_first_false_keeps_lru_order_for_cached_blocks() -> None:
+    pool = HazardAwareBlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    pool.publish_full_blocks([a], [b"a"], 0, 1, 16)
+    pool.free_blocks([a, b], evict_first=False)
+    assert ids(pool.free_block_queue)[0] == b.block_id and ids(pool.free_block_queue)[-1] == a.block_id

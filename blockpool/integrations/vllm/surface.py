@@ -52,6 +52,7 @@ from blockpool.core.errors import BlockPoolError
 
 __all__ = [
     "CONNECTOR_NAMES",
+    "report",
     "WORKER_HALF",
     "WORKER_HOOKS",
     "SURFACES",
@@ -716,3 +717,44 @@ def active() -> Surface:
 
         _ACTIVE = select(vllm_version(), any_version=True)
     return _ACTIVE
+
+
+def report(version: str | None = None) -> tuple[int, list[str]]:
+    """The surface table of the installed vLLM (``blockpool check-vllm
+    --surface``): the line chosen for ``version`` (default: the installed
+    vLLM's, as :func:`select` with ``any_version``), then one row per
+    declared name: status, use, connector, name, expected, found. Imports
+    the declared modules; changes nothing in vLLM. O(names).
+
+    Returns ``(status, lines)``: 0 every name as declared, 1 a drift
+    (:func:`check`: the install would be refused or a connector left
+    unwired), 2 no vLLM installed or no declared line fits.
+    """
+    from blockpool.integrations.vllm import vllm_version
+
+    version = version if version is not None else vllm_version()
+    if version is None:
+        return 2, ["vLLM is not installed here"]
+    try:
+        surface = select(version, any_version=True)
+    except SurfaceError as exc:
+        return 2, [str(exc)]
+    rows = check(surface)
+    marked = {n.target for n in surface.markers}
+    lines = [f"vLLM {version}: declared surface of vLLM {surface.line} ({len(rows)} names)"]
+    lines.append("status       use       connector       name | expected | found")
+    for d in rows:
+        use = "marker" if d.name.target in marked else d.name.use
+        lines.append(
+            f"{d.status:<12} {use:<9} {d.name.connector or '-':<15} {d.name.target} | {d.expected} | {d.found}"
+        )
+    bad = [d for d in rows if not d.ok]
+    refusing = [d for d in bad if d.refuses_install]
+    if not bad:
+        lines.append("every name as declared: the plugin installs with every reviewed connector wired")
+    elif refusing:
+        lines.append(f"{len(refusing)} drifted core names: the plugin refuses to install on this vLLM")
+    else:
+        groups = sorted({d.name.connector or "" for d in bad})
+        lines.append(f"drifted names of {', '.join(groups)}: left unwired, the rest installs")
+    return (1 if bad else 0), lines

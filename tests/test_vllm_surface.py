@@ -1,0 +1,300 @@
+"""The vLLM surface: one declaration per release line, chosen by the line's
+own names, checked at ``register()`` and by ``blockpool check-vllm
+--surface``; a doctored vLLM is refused whole or has the connector left
+unwired, and is left exactly as it was."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from blockpool import BlockPoolError
+from blockpool.cli import main as cli_main
+from blockpool.integrations import vllm as plugin
+from blockpool.integrations.vllm import surface as vs
+
+LOGGER = "vllm.plugins.blockpool"
+
+# ----------------------------------------------------------------------
+# the declarations (no vLLM needed)
+# ----------------------------------------------------------------------
+
+
+def test_each_supported_line_has_one_declaration_and_the_plugin_supports_exactly_those() -> None:
+    assert list(vs.SURFACES) == ["0.32", "0.33", "0.34"]
+    assert plugin.SUPPORTED_VLLM_LINES == tuple(vs.SURFACES)
+    assert all(s.line == line for line, s in vs.SURFACES.items())
+
+
+@pytest.mark.parametrize("line", ["0.32", "0.33", "0.34"])
+def test_a_line_declares_each_name_once(line: str) -> None:
+    targets = [n.target for n in vs.SURFACES[line].all_names()]
+    assert len(targets) == len(set(targets))
+
+
+@pytest.mark.parametrize("line", ["0.32", "0.33", "0.34"])
+def test_a_line_is_recognised_by_its_own_markers_not_by_another_lines(line: str) -> None:
+    """Every marker of a line is a name (with its signature) that no other
+    line declares the same way: present in its release, so no other line's
+    markers can all match it."""
+    mine = {(n.target, n.params) for n in vs.SURFACES[line].markers}
+    assert mine
+    for other, surface in vs.SURFACES.items():
+        if other != line:
+            theirs = {(n.target, n.params) for n in surface.all_names()}
+            assert not mine <= theirs, other
+
+
+def test_the_lines_differ_where_vllm_changed() -> None:
+    s32, s33, s34 = (vs.SURFACES[x] for x in ("0.32", "0.33", "0.34"))
+    assert (s32.event_extra_keys, s33.event_extra_keys, s34.event_extra_keys) == (
+        None,
+        "_generate_event_extra_keys",
+        "generate_event_extra_keys",
+    )
+    assert (s32.lookahead_token_ids, s33.lookahead_token_ids, s34.lookahead_token_ids) == (
+        None,
+        "_lookahead_token_ids",
+        "get_lookahead_token_ids",
+    )
+    assert [s.weak_pool_ref for s in (s32, s33, s34)] == [False, False, True]
+    assert [s.evict_first for s in (s32, s33, s34)] == [False, False, True]
+    assert [s.v1_model_runner for s in (s32, s33, s34)] == [True, True, False]
+    assert [s.access_hook_on_null for s in (s32, s33, s34)] == [True, False, False]
+    assert [s.offloading_failed_jobs for s in (s32, s33, s34)] == [False, False, True]
+
+
+def test_every_connector_function_the_wiring_wraps_has_a_body_fingerprint() -> None:
+    for surface in vs.SURFACES.values():
+        for n in surface.names:
+            if n.connector in vs.CONNECTOR_NAMES and ".bind_gpu_block_pool" not in n.target:
+                assert n.fingerprints, (surface.line, n.target)
+
+
+def _function(source: str) -> Any:
+    ns: dict[str, Any] = {}
+    exec(compile(source, "<doctored>", "exec"), ns)  # noqa: S102  (test input)
+    return ns["f"]
+
+
+def test_fingerprint_ignores_comments_docstrings_and_layout_but_not_the_body() -> None:
+    a = _function('def f(x):\n    """Doc."""\n    return x + 1  # a comment\n')
+    b = _function("def f(x):\n\n    return (x +\n            1)\n")
+    c = _function("def f(x):\n    return x + 2\n")
+    # getsource needs a file: fingerprint the same sources through linecache
+    import linecache
+
+    for i, fn in enumerate((a, b, c)):
+        name = f"<doctored {i}>"
+        src = {0: 'def f(x):\n    """Doc."""\n    return x + 1  # a comment\n', 1: "def f(x):\n\n    return (x +\n            1)\n", 2: "def f(x):\n    return x + 2\n"}[i]
+        linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+        fn.__code__ = fn.__code__.replace(co_filename=name)
+    try:
+        assert vs.fingerprint(a) == vs.fingerprint(b) != vs.fingerprint(c)
+        assert len(vs.fingerprint(a) or "") == 16
+    finally:
+        for i in range(3):
+            linecache.cache.pop(f"<doctored {i}>", None)
+    assert vs.fingerprint(len) is None  # no Python source
+
+
+def test_resolve_names_an_attribute_path_and_raises_for_a_missing_one() -> None:
+    assert vs.resolve("blockpool.integrations.vllm.surface:Surface.declares") is vs.Surface.declares
+    with pytest.raises(AttributeError):
+        vs.resolve("blockpool.integrations.vllm.surface:Surface.nope")
+    with pytest.raises(ImportError):
+        vs.resolve("blockpool.no_such_module:x")
+
+
+def test_select_refuses_an_undeclared_line_unless_asked_to_try() -> None:
+    with pytest.raises(vs.SurfaceError, match="no declared surface"):
+        vs.select("0.35.0")
+    assert issubclass(vs.SurfaceError, BlockPoolError)
+
+
+def test_surface_report_without_vllm_says_so_with_status_2(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    monkeypatch.setattr(plugin, "vllm_version", lambda: None)
+    assert cli_main(["check-vllm", "--surface"]) == 2
+    assert capsys.readouterr().out == "vLLM is not installed here\n"
+
+
+# ----------------------------------------------------------------------
+# against the installed vLLM
+# ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def vllm_installed() -> str:
+    pytest.importorskip("vllm.v1.core.block_pool")
+    pytest.importorskip("torch")
+    version = plugin.vllm_version()
+    if not plugin.is_supported_vllm_version(version):
+        pytest.skip(f"vLLM {version} is not a supported version")
+    assert version is not None
+    return version
+
+
+@pytest.fixture
+def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in (plugin.ENV_PLUGIN, plugin.ENV_HAZARDS, plugin.ENV_ANY_VERSION, "BLOCKPOOL_VLLM_UNWIRED"):
+        monkeypatch.delenv(name, raising=False)
+    plugin.unregister()
+    yield
+    plugin.unregister()
+
+
+@pytest.fixture
+def log() -> Iterator[list[tuple[str, str]]]:
+    got: list[tuple[str, str]] = []
+
+    class H(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append((record.levelname, record.getMessage()))
+
+    lg, h = logging.getLogger(LOGGER), H(logging.DEBUG)
+    level = lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+    try:
+        yield got
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(level)
+
+
+def test_the_installed_vllm_matches_its_lines_declaration(vllm_installed: str) -> None:
+    surface = vs.select(vllm_installed)
+    assert surface.line == ".".join(vllm_installed.split(".")[:2])
+    assert [d for d in vs.check(surface) if not d.ok] == []
+
+
+def test_check_vllm_surface_prints_the_table_with_status_0(vllm_installed: str, capsys: Any) -> None:
+    assert cli_main(["check-vllm", "--surface"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    surface = vs.select(vllm_installed)
+    assert out[0] == f"vLLM {vllm_installed}: declared surface of vLLM {surface.line} ({len(surface.all_names())} names)"
+    assert len(out) == len(surface.all_names()) + 3
+    assert all(row.startswith("ok ") for row in out[2:-1])
+
+
+def _snapshot() -> dict[Any, Any]:
+    """Every vLLM module's BlockPool binding, and every class attribute the
+    plugin may wrap (by identity)."""
+    snap: dict[Any, Any] = {
+        name: mod.__dict__.get("BlockPool") for name, mod in list(sys.modules.items()) if name.startswith("vllm")
+    }
+    for n in vs.active().names:
+        module, _, qualname = n.target.partition(":")
+        owner_path, _, attr = qualname.rpartition(".")
+        if owner_path and module in sys.modules:
+            try:
+                owner = vs.resolve(f"{module}:{owner_path}")
+            except Exception:  # noqa: BLE001
+                continue
+            snap[n.target] = getattr(owner, "__dict__", {}).get(attr)
+    return snap
+
+
+def _doctor(monkeypatch: pytest.MonkeyPatch, target: str, fn: Any) -> None:
+    module, _, qualname = target.partition(":")
+    owner_path, _, attr = qualname.rpartition(".")
+    monkeypatch.setattr(vs.resolve(f"{module}:{owner_path}"), attr, fn)
+
+
+def test_a_resignatured_core_name_refuses_the_install_whole_naming_it(
+    monkeypatch: pytest.MonkeyPatch, clean: None, log: list[tuple[str, str]], vllm_installed: str
+) -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    def get_new_blocks(self: Any, num_blocks: int, group: int = 0) -> list[Any]:  # a new argument
+        return []
+
+    plugin.register()  # choose the line's surface first, as a process would; then start afresh
+    plugin.unregister()
+    log.clear()
+    _doctor(monkeypatch, "vllm.v1.core.block_pool:BlockPool.get_new_blocks", get_new_blocks)
+    before = _snapshot()
+    plugin.register()
+    assert _snapshot() == before
+    state = plugin.install_state()
+    assert (state.installed, state.refused, state.patched) == (False, "surface", [])
+    assert BlockPool.get_new_blocks is get_new_blocks
+    errors = [m for lvl, m in log if lvl == "ERROR"]
+    assert len(errors) == 1 and len(log) == 1
+    assert "vllm.v1.core.block_pool:BlockPool.get_new_blocks: signature" in errors[0]
+    assert "found (self, num_blocks, group)" in errors[0]
+
+
+def test_a_renamed_core_name_refuses_the_install_whole(
+    monkeypatch: pytest.MonkeyPatch, clean: None, log: list[tuple[str, str]], vllm_installed: str
+) -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    monkeypatch.setattr(BlockPool, "get_usage_fraction", BlockPool.get_usage, raising=False)
+    monkeypatch.delattr(BlockPool, "get_usage")
+    before = _snapshot()
+    plugin.register()
+    assert _snapshot() == before
+    assert plugin.install_state().refused == "surface" and not plugin.is_installed()
+    (line,) = [m for lvl, m in log if lvl == "ERROR"]
+    assert "BlockPool.get_usage: missing" in line and "get_usage_fraction" in line  # members: the new name shown
+
+
+def test_a_changed_body_of_a_borrowed_core_helper_refuses_the_install(
+    monkeypatch: pytest.MonkeyPatch, clean: None, log: list[tuple[str, str]], vllm_installed: str
+) -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    orig = BlockPool._emit_block_removed_events
+
+    def _emit_block_removed_events(self: Any, block_hashes: Any) -> None:
+        orig(self, list(block_hashes)[:1])  # same parameters, another body
+
+    _doctor(monkeypatch, "vllm.v1.core.block_pool:BlockPool._emit_block_removed_events", _emit_block_removed_events)
+    plugin.register()
+    assert plugin.install_state().refused == "surface"
+    (line,) = [m for lvl, m in log if lvl == "ERROR"]
+    assert "BlockPool._emit_block_removed_events: body" in line
+
+
+def test_a_changed_body_of_a_connector_function_leaves_that_connector_unwired_and_untouched(
+    monkeypatch: pytest.MonkeyPatch, clean: None, log: list[tuple[str, str]], vllm_installed: str
+) -> None:
+    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker")
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import worker
+
+    def wait_for_save(self: Any, metadata: Any) -> None:
+        return None  # same parameters, another body
+
+    monkeypatch.setattr(worker.MooncakeStoreWorker, "wait_for_save", wait_for_save)
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import scheduler
+
+    sched_before = dict(scheduler.MooncakeStoreScheduler.__dict__)
+    plugin.register()
+    state = plugin.install_state()
+    assert plugin.is_installed()
+    assert "mooncake_store" not in state.connectors and "mooncake_store" in state.unwired
+    assert "wait_for_save (body)" in state.unwired["mooncake_store"]
+    assert worker.MooncakeStoreWorker.__dict__["wait_for_save"] is wait_for_save
+    assert dict(scheduler.MooncakeStoreScheduler.__dict__) == sched_before
+    warnings = [m for lvl, m in log if lvl == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith("blockpool: KV connector mooncake_store left unwired: ")
+
+
+def test_the_plugin_wraps_no_name_its_line_does_not_declare(
+    monkeypatch: pytest.MonkeyPatch, clean: None, vllm_installed: str
+) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    plugin.register()
+    assert plugin.is_installed()
+    surface = plugin.install_state().surface
+    for owner, attr, _ in plugin.install_state().patched:
+        assert surface.declares(owner.__module__, f"{owner.__qualname__}.{attr}"), (owner, attr)
+    with pytest.raises(AttributeError, match="is not declared in the surface of vLLM"):
+        plugin._patch(Scheduler, "add_request", lambda orig: orig)
+    assert "__blockpool_wrapped__" not in vars(Scheduler.__dict__["add_request"])
