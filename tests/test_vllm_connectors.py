@@ -661,10 +661,16 @@ def nixl_worker_wrappers() -> tuple[Any, Any]:
     class PullWorker:  # the two methods the wrappers wrap
         def __init__(self) -> None:
             self._recv_failures: set[str] = set()
+            self.transport_failures = 0
 
-        def _handle_failed_transfer(self, req_id: str, handle: Any, failed: set[str]) -> bool:
+        def _handle_failed_transfer(  # vLLM's signature (0.32 to 0.34)
+            self, req_id: str, handle: Any, failed_req_ids: set[str] | None = None, record_failed_transfer: bool = True
+        ) -> bool:
             posted.append(f"failed {req_id}")
-            return False
+            self.transport_failures += record_failed_transfer
+            if failed_req_ids is not None:
+                failed_req_ids.add(req_id)
+            return handle is None
 
     PullWorker._read_blocks_for_req = made["_read_blocks_for_req"](lambda self, r, m: posted.append(f"READ {r}"))
     PullWorker.start_load_kv = made["start_load_kv"](lambda self, *a: posted.append("start_load_kv"))
@@ -704,6 +710,36 @@ def test_nixl_read_with_an_ended_fence_is_posted_at_once() -> None:
         pull, posted = nixl_worker_wrappers()
         pull._read_blocks_for_req("B", meta)
         assert posted == ["READ B"] and wh.deferred == 0
+    finally:
+        vw.install(None)
+
+
+def test_nixl_read_whose_fence_never_ends_is_failed_never_posted() -> None:
+    """A deferred read whose fence has not ended by the wiring's deadline is
+    waited for once more, then reported failed as vLLM reports a read it
+    declines (the request lands in ``_recv_failures``, so the scheduler fails
+    its token and the request recomputes), never posted into blocks an
+    earlier access may still write, and not counted against the remote
+    engine as a transport failure."""
+    import time
+
+    dev = StandInDevice()
+    wh = worker(dev, dev.new_stream("compute"))
+    wh.timeout = 0.05
+    try:
+        earlier = Token("nixl", 1, StreamKind.HOST)  # an earlier read still writing the blocks
+        meta = SimpleNamespace()
+        load = Transfer("B", "load", Token("nixl", 2, StreamKind.HOST), Fence([earlier]), (3, 4))
+        setattr(meta, vc.META_LOAD, load.to_wire())
+        pull, posted = nixl_worker_wrappers()
+        pull._read_blocks_for_req("B", meta)
+        assert posted == [] and wh.deferred == 1
+        time.sleep(0.06)  # past the deadline
+        pull.start_load_kv(None)
+        assert posted == ["failed B", "start_load_kv"]
+        assert pull._recv_failures == {"B"} and pull.transport_failures == 0
+        pull.start_load_kv(None)
+        assert posted == ["failed B", "start_load_kv", "start_load_kv"]  # not retried
     finally:
         vw.install(None)
 
@@ -847,6 +883,54 @@ def test_simple_cpu_offload_store_begins_on_the_pool_and_ends_when_every_worker_
     done = SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
     scheduler.update_from_output(out2, model_output(out2, kv_connector_worker_meta=done))
     assert core.is_ended(store.token)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_simple_cpu_offload_lazy_store_ends_before_its_blocks_return_to_the_eviction_end(registered: bool) -> None:
+    """vLLM 0.34's SimpleCPUOffload in lazy mode stores cached blocks near
+    the eviction end of the free queue and, once every worker reported the
+    store, frees them back there (``free_blocks(..., evict_first=True)``):
+    the store's token has ended by then (the wiring ends it before vLLM's
+    code frees), so the blocks are handed out first, as in stock vLLM, and
+    a later write into them is not fenced on the store."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+    from blockpool.core.hazards import TokenStatus
+    from blockpool.integrations.vllm.surface import active
+
+    if not active().evict_first:
+        pytest.skip("this vLLM's free_blocks has no evict_first (lazy stores are freed to the tail)")
+    n = 16
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    page = spec.page_size_bytes
+    kv = KVCacheConfig(
+        num_blocks=n,
+        kv_cache_tensors=[KVCacheTensor(size=page * n, layers=["layer"], layer_stride=page * n, block_stride=page)],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    s = make_scheduler("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": page * 8, "lazy_offload": True}, kv=kv,
+                       num_blocks=n)  # fmt: skip
+    pool = s.kv_cache_manager.block_pool
+    core = pool.core
+    s.add_request(make_request("A", list(range(1, 41)), max_tokens=1))
+    out1 = s.schedule()
+    s.update_from_output(out1, model_output(out1))  # A finished: its two full blocks are cached and free
+    out2 = s.schedule()  # the lazy store walks the free queue from its eviction end
+    meta = out2.kv_connector_metadata
+    store = Transfer.from_wire(getattr(meta, vc.META_STORE))
+    stored = list(meta.store_gpu_blocks)
+    assert len(stored) == 2 and list(store.block_ids) == stored
+    assert all(pool.blocks[b].ref_cnt == 1 for b in stored)  # vLLM holds them while they are copied
+    s.update_from_output(out2, model_output(out2))
+    out3 = s.schedule()
+    done = SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
+    s.update_from_output(out3, model_output(out3, kv_connector_worker_meta=done))
+    assert core.token_status(store.token) is TokenStatus.COMPLETED
+    head = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()][:2]
+    assert sorted(head) == sorted(stored)  # returned to the eviction end
+    assert all(pool.blocks[b].block_hash is not None for b in stored)  # still cached
+    assert {b.block_id for b in pool.get_new_blocks(2)} == set(stored)  # handed out first, not held back
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)

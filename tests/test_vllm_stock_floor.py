@@ -642,6 +642,92 @@ def test_an_offload_job_with_no_copy_kernels_is_still_ordered_after_its_fence() 
         assert waits == [("wait_event", "copy", rank.wh.ledger.event_of(E).name)]
 
 
+def vllm_copy_handler(rank: Rank, swap: Any) -> tuple[Any, Any]:
+    """vLLM 0.34's own ``SingleDirectionOffloadingHandler`` (CPU to GPU, one
+    group, a block per chunk) on the rank's stand-ins: its copy stream is
+    ``rank.copy``, ``current_platform``'s current stream and stream context
+    are the rank's, and ``swap`` stands for the copy kernels. Returns the
+    handler and the patch of the module's platform (a context manager)."""
+    from collections import deque
+
+    gmod = pytest.importorskip("vllm.v1.kv_offload.cpu.gpu_worker")
+
+    @contextmanager
+    def stream_ctx(stream: Any) -> Iterator[None]:
+        saved, rank.current = rank.current, stream
+        try:
+            yield
+        finally:
+            rank.current = saved
+
+    platform = SimpleNamespace(
+        current_stream=lambda: rank.current, stream=stream_ctx, Stream=rank.dev.new_stream, is_xpu=lambda: False
+    )
+    h = object.__new__(gmod.SingleDirectionOffloadingHandler)
+    h.gpu_to_cpu, h.blocks_per_chunk, h.layer_refs_per_group = False, 1, [[None]]
+    h._canonical_copy_plans = None
+    h._fill_group_ops = lambda g_idx, **k: (k["op_idx"] + k["group_size"], 64 * k["group_size"])
+    h._swap_blocks_batch = swap
+    h._transfer_events, h._transfers, h._buffer_pool = {}, deque(), []
+    h._stream_pool, h._event_pool = [rank.copy], [rank.dev.new_event(), rank.dev.new_event()]
+    return h, patch.multiple(gmod, current_platform=platform, _clear_pending_device_error=lambda: None)
+
+
+def device_ptrs(n: int) -> Any:
+    import numpy as np
+    from vllm.v1.kv_offload.base import DevicePointers
+
+    return DevicePointers(np.zeros(n, np.uint64), np.full(n, 64, np.uint64), (n,), (1,), (0,))
+
+
+@pytest.mark.parametrize("copy_fails", [False, True], ids=["copied", "copy-failed"])
+def test_vllm_034_offload_copy_waits_on_exactly_its_fence_before_its_kernels(copy_fails: bool) -> None:
+    """vLLM 0.34's ``transfer_async(job_id, device_ptrs, cpu_spec)``, its
+    own body: the job's copy stream waits on the job's fence (a store still
+    reading the destination) after vLLM's own ``wait_stream(compute)`` and
+    before the copy kernels, and the job's token is recorded after them. A
+    copy that raises (vLLM marks the job failed and reports it in
+    ``failed_jobs``) still records the token, after the fence: nothing of
+    ours raises into vLLM, and waits on the token end."""
+    import inspect
+
+    import numpy as np
+
+    gmod = pytest.importorskip("vllm.v1.kv_offload.cpu.gpu_worker")
+    if "device_ptrs" not in inspect.signature(gmod.SingleDirectionOffloadingHandler.transfer_async).parameters:
+        pytest.skip("this vLLM's transfer_async takes GPU and CPU specs (before 0.34): stand-in handlers cover it")
+    ran: list[str] = []
+    with Rank() as rank:
+        d2h = rank.dev.new_stream("d2h")
+        store = Token("offload_d2h", 1)
+        d2h.enqueue(lambda: ran.append("store reads"), "store")
+        rank.wh.record(store, d2h)
+        load = Token("offload_h2d", 1)
+        rank.wh.jobs[("offloading", 4)] = Transfer("B", "load", load, Fence([store]), (3, 4))
+
+        def swap(*args: Any, **kwargs: Any) -> None:
+            assert rank.current is rank.copy  # vLLM runs the kernels with the copy stream current
+            if copy_fails:
+                raise RuntimeError("copy failed")
+            rank.copy.enqueue(lambda: ran.append("load writes"), "h2d copy")
+
+        handler, platform = vllm_copy_handler(rank, swap)
+        with platform:
+            ok = vw.offload_transfer_async(gmod.SingleDirectionOffloadingHandler.transfer_async)(
+                handler, 4, device_ptrs(2), SimpleNamespace(block_ids=np.array([7, 8]))
+            )
+        assert ok is True and handler._transfers[-1].failed is copy_fails
+        ops = [op for op in rank.dev.log if op[1] == "copy"]
+        fence_wait = ("wait_event", "copy", rank.wh.ledger.event_of(store).name)
+        assert fence_wait in ops and ops.index(fence_wait) > 0  # after vLLM's own wait_stream(compute)
+        assert rank.wh.ledger.event_of(load) is not None and rank.wh.stock_fallbacks == 0
+        assert ("offloading", 4) not in rank.wh.jobs
+        rank.copy.run()
+        assert ran == []  # the copy stream waits for the store
+        rank.dev.run()
+        assert ran == (["store reads"] if copy_fails else ["store reads", "load writes"])
+
+
 @pytest.mark.parametrize("registered", [True], indirect=True)
 def test_a_fault_in_fence_planning_never_reaches_vllms_scheduler(registered: bool) -> None:
     """Whatever goes wrong while the wiring plans a step's fences, vLLM's

@@ -840,8 +840,11 @@ def _wire_nixl(patch: Patcher) -> None:
             try:
                 wh.wait(transfer)
             except Exception:
+                # Reported as vLLM reports a read it declines (the request's
+                # load fails; the scheduler fails its token): not counted as a
+                # transport failure of the remote engine, which did nothing wrong.
                 logger.exception("blockpool: NIXL read of %s not posted: its fence did not end", req_id)
-                return self._handle_failed_transfer(req_id, None, self._recv_failures)
+                return self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
         return orig(self, req_id, meta)
 
     def wrap_read(orig: Any) -> Any:
