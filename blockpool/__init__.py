@@ -12,13 +12,21 @@ Layout (``docs/architecture.md``):
 - :mod:`blockpool.sim`: the stream simulator and its cost model;
 - :mod:`blockpool.replay`: trace replay, sweeps;
 - :mod:`blockpool.integrations`: vLLM (plugin, pool adapter, connectors).
+
+The top level holds what an engine author uses (``docs/api.md``, "The
+top-level namespace"): the pool, its value types, its events, the block
+record and statistics it hands out, and every error the pool, its tokens
+and the worker's event ledger raise, so that ``except
+blockpool.NoFreeBlocksError`` works without knowing where it is defined. Errors only the replay tooling raises
+(``MissingDependencyError``, ``ClusterUnavailableError``) and the free
+queue, an adapter's seam (``FreeBlockQueue``), stay in their modules
+(:mod:`blockpool.core.errors`, :mod:`blockpool.core.block`).
 """
 
-from blockpool.core.block import FreeBlockQueue, KVCacheBlock
+from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import (
     BlockNotAllocatedError,
     BlockPoolError,
-    ClusterUnavailableError,
     FenceFailedError,
     ForeignBlockError,
     ForeignTokenError,
@@ -28,7 +36,6 @@ from blockpool.core.errors import (
     InvalidTokenError,
     InvariantError,
     LeaseExpiredWarning,
-    MissingDependencyError,
     NoFreeBlocksError,
     NullBlockError,
     RefCountError,
@@ -82,13 +89,11 @@ __all__ = [
     "BlockPoolError",
     "BlockRemoved",
     "BlockStored",
-    "ClusterUnavailableError",
     "Fence",
     "FenceFailedError",
     "FenceReason",
     "ForeignBlockError",
     "ForeignTokenError",
-    "FreeBlockQueue",
     "FreeTag",
     "HashConflictError",
     "HazardAwareBlockPool",
@@ -99,7 +104,6 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheEvent",
     "LeaseExpiredWarning",
-    "MissingDependencyError",
     "NoFreeBlocksError",
     "NullBlockError",
     "PoolSnapshot",

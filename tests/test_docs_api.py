@@ -82,3 +82,37 @@ def test_public_name_is_documented_and_its_methods_state_their_complexity(name: 
 @pytest.mark.parametrize("name", ["EMPTY_FENCE", "LAST_STEP", "KVCacheEvent", "__compiled__"])
 def test_public_values_are_in_api_md(name: str) -> None:
     assert f"`{name}`" in API_MD.read_text()
+
+
+def _namespace_table() -> set[str]:
+    """The names in the rows of api.md's "The top-level namespace" table."""
+    section = API_MD.read_text().split("## The top-level namespace", 1)[1].split("\n## ", 1)[0]
+    rows = [x for x in section.splitlines() if x.startswith("| `")]
+    return {n for row in rows for n in re.findall(r"`(\w+)`", row.split(" | ")[0])}
+
+
+def test_api_md_lists_exactly_the_top_level_names() -> None:
+    assert _namespace_table() == set(blockpool.__all__)
+
+
+def test_every_top_level_error_is_importable_from_core_errors_too() -> None:
+    from blockpool.core import errors
+
+    for name in blockpool.__all__:
+        if name.endswith(("Error", "Warning")):
+            assert getattr(errors, name) is getattr(blockpool, name)
+
+
+@pytest.mark.parametrize(
+    ("name", "module"),
+    [
+        ("ClusterUnavailableError", "blockpool.core.errors"),
+        ("MissingDependencyError", "blockpool.core.errors"),
+        ("FreeBlockQueue", "blockpool.core.block"),
+    ],
+)
+def test_tooling_errors_and_adapter_seams_live_in_their_modules_only(name: str, module: str) -> None:
+    import importlib
+
+    assert name not in blockpool.__all__ and not hasattr(blockpool, name)
+    assert inspect.isclass(getattr(importlib.import_module(module), name))
