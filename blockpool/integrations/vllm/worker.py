@@ -741,11 +741,18 @@ def _failed_of(thread: Any) -> Iterable[str]:
 
 def offload_transfer_async(orig: Any) -> Any:
     """Wrap vLLM's ``SingleDirectionOffloadingHandler.transfer_async(job_id,
-    ...)``: when the rank's :class:`WorkerHazards` holds a transfer for the
-    job, the job's copy stream waits on exactly its fence right before the
-    copy kernels (``_swap_blocks_batch`` runs with that stream current) and
-    the job's token is recorded on that stream after them; otherwise vLLM's
-    code runs unchanged. Importable without vLLM (the GPU check uses it)."""
+    ...)`` (``src_spec, dst_spec`` up to 0.33; ``device_ptrs, cpu_spec`` from
+    0.34; the arguments after ``job_id`` pass through untouched): when the
+    rank's :class:`WorkerHazards` holds a transfer for the job, the job's
+    copy stream waits on exactly its fence right before the copy kernels
+    (``_swap_blocks_batch`` runs with that stream current, after vLLM's own
+    ``wait_stream`` of the compute stream) and the job's token is recorded on
+    that stream after them -- also when vLLM caught a failed copy and
+    queued the job as failed (0.34: the scheduler then fails the token
+    through ``failed_jobs``); otherwise vLLM's code runs unchanged.
+    Importable without vLLM (the GPU check uses it). Raises nothing of its
+    own: a fence this rank cannot wait on leaves the job to vLLM's waits
+    (:meth:`WorkerHazards.wait_device_or_stock`)."""
 
     @functools.wraps(orig)
     def transfer_async(self: Any, job_id: int, *args: Any, **kwargs: Any) -> bool:
