@@ -286,9 +286,7 @@ def run_parity_sh(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     temp paths (nothing of the checkout's is built or touched)."""
     shared = tmp_path / "shared"
     shared.mkdir(exist_ok=True)
-    base = {
-        k: v for k, v in os.environ.items() if not k.startswith(("VLLM_PARITY_", "VLLM_VENV"))
-    }
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_PARITY_", "VLLM_VENV"))}
     full = {
         **base,
         "VLLM_PARITY_SHARED": str(shared),
@@ -315,7 +313,9 @@ def test_parity_sh_refuses_an_unknown_version(tmp_path: Path) -> None:
         ("0.33.0", "freeze list not found: {shared}/vllm-0.33.0-cpu-freeze.txt"),
     ],
 )
-def test_parity_sh_reads_each_versions_requirements(tmp_path: Path, version: str | None, missing: str) -> None:
+def test_parity_sh_reads_each_versions_requirements(
+    tmp_path: Path, version: str | None, missing: str
+) -> None:
     """0.34.0 is the default; each version reads its own requirements from
     the shared dir (and stops, here, where they are missing)."""
     env = {"VLLM_PARITY_VERSION": version} if version else {}
@@ -329,7 +329,7 @@ def test_parity_sh_reads_each_versions_requirements(tmp_path: Path, version: str
 def test_parity_sh_runs_only_our_tests_on_032(tmp_path: Path) -> None:
     proc = run_parity_sh(tmp_path, VLLM_PARITY_VERSION="0.32.0", VLLM_PARITY_PASSES="off on own")
     assert proc.returncode == 2
-    assert "vLLM 0.32.0 runs only the \"own\" pass" in proc.stderr
+    assert 'vLLM 0.32.0 runs only the "own" pass' in proc.stderr
 
 
 def test_parity_sh_keeps_the_033_venv_from_an_unversioned_run(tmp_path: Path) -> None:
