@@ -6,10 +6,98 @@ The CLI's behaviour (outputs, progress, interrupts, the table) is pinned in
 
 from __future__ import annotations
 
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from blockpool import AccessKind, BlockRemoved, BlockStored, HazardAwareBlockPool, InvalidArgumentError
 from tests.conftest import make_pool
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _section(title: str) -> str:
+    return README.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+# The README, read first ----------------------------------------------------
+
+
+def test_readme_trace_example_creates_the_folders_it_writes_into() -> None:
+    cmd = next(x for x in README.splitlines() if x.startswith("mkdir -p ") and "blockpool replay" in x)
+    made: set[str] = set()
+    for part in cmd.split("&&"):
+        words = shlex.split(part)
+        if words[:2] == ["mkdir", "-p"]:
+            made.update(w.rstrip("/") for w in words[2:])
+        else:
+            outs = [words[i + 1] for i, w in enumerate(words) if w in ("--json", "--plot", "--events")]
+            assert outs and all(str(Path(o).parent) in made for o in outs), cmd
+
+
+def test_readme_states_how_long_the_replay_the_trace_example_and_the_tests_take() -> None:
+    setup = _section("Set-up (two commands)")
+    assert "about 40 s on 2 busy cores" in setup
+    assert "a few minutes" in setup and "about 5 minutes on 2 cores" in setup
+
+
+def test_readme_explains_every_column_of_the_replay_table() -> None:
+    setup = _section("Set-up (two commands)")
+    table = setup.split("<!-- figures:readme-table -->", 1)[1].split("<!-- /figures:readme-table -->", 1)[0]
+    header = table.splitlines()[2]  # the fence's first line, then the header
+    columns = re.split(r"\s{2,}", header.strip())
+    assert columns[:3] == ["policy", "races", "loads"]
+    prose = setup.split("<!-- /figures:readme-table -->", 1)[1]
+    for col in [*columns[1:], "wall s", "sim", "count"]:
+        assert f"`{col}`" in prose, col
+    for policy in ("exact", "step-event", "device-sync", "blind"):
+        assert f"`{policy}`" in prose, policy
+
+
+def test_readme_lists_why_tests_are_skipped() -> None:
+    skipped = _section("Set-up (two commands)").split("Skipped tests, and why:", 1)[1].split("\n\n", 1)[0]
+    mods = set()
+    for f in (ROOT / "tests").glob("test_*.py"):
+        mods.update(m.split(".")[0] for m in re.findall(r'importorskip\("([\w.]+)"', f.read_text(encoding="utf-8")))
+    optional = mods - {"torch", "matplotlib", "setuptools"}  # installed by the README's test set-up
+    assert optional >= {"vllm", "ray", "msgspec"}
+    for mod in optional:
+        assert {"vllm": "vLLM", "ray": "`ray`"}.get(mod, f"`{mod}`") in skipped, mod
+    assert "CUDA" in skipped and "BLOCKPOOL_DOC_FIGURES=1" in skipped
+
+
+def test_readme_says_where_to_run_the_usage_example_and_it_runs_there() -> None:
+    usage = _section("Usage")
+    assert "from the checkout's root" in usage and "(unknown location)" in usage
+    code = (
+        "import doctest, sys; r = doctest.testfile('README.md', module_relative=False); "
+        "sys.exit(1 if r.failed or not r.attempted else 0)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_worker_doc_example_runs_without_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None; import doctest; "
+        "r = doctest.testfile('docs/worker.md', module_relative=False); "
+        "sys.exit(1 if r.failed or not r.attempted else 0)"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_readme_installs_the_vllm_plugin_from_a_checkout_as_the_plugin_page_does() -> None:
+    plugin = (ROOT / "docs" / "vllm-plugin.md").read_text(encoding="utf-8")
+    for doc in (README, plugin):
+        assert "pip wheel . --no-deps -w dist" in doc and "pip install /path/to/this/checkout" in doc
+        assert "pip install blockpool" not in doc
+    assert "0.32.x, 0.33.x" in README and "0.34.x" in README
 
 # 8. Bad prefix-cache arguments are typed errors that change nothing ----------
 
