@@ -64,7 +64,8 @@ _EXIT_STATUS_REPLAY = """exit status:
   1    the exact policy showed a race
   2    bad usage or input, checked before the replay: unreadable trace, bad line,
        unknown policy, a pool too small for any request, --plot without matplotlib,
-       an output that cannot be written (a directory, a socket, no such directory)
+       an output that cannot be written (a directory, a socket, no such directory),
+       a --plot name not ending in .png
   3    the replay failed (stalled, leaked blocks) or an output could not be written
   130  interrupted (SIGINT, Ctrl-C)
   143  terminated (SIGTERM)"""
@@ -142,7 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
         "ready_first_runs",
     )
     p.add_argument("--json", metavar="OUT", help="write the JSON report here")
-    p.add_argument("--plot", metavar="OUT.png", help="write a PNG of load-start delays and a stream timeline")
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="write a PNG of the cumulative load-start delays per policy (nothing when no policy made loads)",
+    )
     p.add_argument("--events", metavar="OUT.jsonl", help="write every issue, wait, access and completion here")
     p.add_argument("--skip-bad-lines", action="store_true", help="skip bad trace lines (counted) instead of failing")
     p.add_argument("--jobs", type=int, default=None, help="policies run in parallel (default: min(policies, CPUs))")
@@ -431,7 +436,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
             continue
         d = os.path.dirname(full)
         if not os.path.isdir(d):
-            raise ValueError(f"cannot write {opt} {out}: no such directory")
+            raise ValueError(f"cannot write {opt} {out}: no such directory {d} (create it first: mkdir -p {d})")
         if os.path.exists(full) and not os.access(full, os.W_OK):
             raise ValueError(f"cannot write {opt} {out}: permission denied")
         try:
@@ -440,6 +445,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise ValueError(f"cannot write {opt} {out}: cannot create a file in {d}: {e.strerror or e}") from None
         os.close(fd)
         os.remove(probe)
+        if opt == "--plot" and os.path.splitext(full)[1].lower() != ".png":
+            raise ValueError(f"cannot write --plot {out}: the plot is a PNG; give a name ending in .png")
 
 
 def _names(spec: str | None, what: str) -> list[str] | None:
@@ -536,7 +543,9 @@ def _replay(args: argparse.Namespace) -> int:
                     f.write("\n")
 
             write_atomic(args.json, write_json)
-        if args.plot:
+        if args.plot and not any(r.load_delays_ms for r in report.results):
+            print(f"blockpool replay: --plot: no loads: nothing to plot ({args.plot} not written)", file=sys.stderr)
+        elif args.plot:
             from blockpool.replay.plot import PlotUnavailableError, plot_report
 
             try:

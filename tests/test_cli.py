@@ -761,3 +761,66 @@ def test_an_events_file_is_a_fraction_of_the_old_size(tmp_path: Path) -> None:
     ids = sum(len(decode_runs(e["blocks"])) for e in body if "blocks" in e)
     items = sum(len(e["blocks"]) for e in body if "blocks" in e)
     assert items * 4 < ids  # runs: far fewer items than ids
+
+
+# The first hour: --help, --plot names and empty plots, traces named for the other format ----
+
+
+def test_replay_help_promises_only_what_the_plot_draws() -> None:
+    from blockpool.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")  # type: ignore[attr-defined]
+    text = " ".join(sub.choices["replay"].format_help().split())  # type: ignore[union-attr]
+    assert "timeline" not in text and "cumulative load-start delays per policy" in text
+
+
+def test_plot_named_other_than_png_is_refused_before_the_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import blockpool.replay.run as run_mod
+
+    monkeypatch.setattr(run_mod, "replay", lambda *a, **k: pytest.fail("the replay started"))
+    out = tmp_path / "out.jpg"
+    assert main(["replay", *SMALL, "--plot", str(out)]) == 2
+    assert f"cannot write --plot {out}: the plot is a PNG; give a name ending in .png" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_of_a_run_without_loads_writes_nothing_says_so_and_warns_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import warnings
+
+    out = tmp_path / "r.png"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["replay", "--limit", "3", "--jobs", "1", "--quiet", "--plot", str(out)]) == 0
+    assert f"--plot: no loads: nothing to plot ({out} not written)" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_jsonl_trace_named_csv_is_refused_naming_what_it_looks_like(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = tmp_path / "t.csv"
+    p.write_text(_trace(tmp_path).read_text())
+    assert main(["replay", str(p), *SMALL]) == 2
+    assert "it looks like a Mooncake JSONL trace; rename it .jsonl" in capsys.readouterr().err
+
+
+def test_csv_trace_named_jsonl_is_refused_naming_what_it_looks_like(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n")
+    assert main(["replay", str(p), *SMALL]) == 2
+    assert "it looks like an Azure CSV trace; rename it .csv" in capsys.readouterr().err
+
+
+def test_output_in_a_missing_directory_says_how_to_create_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out" / "trace.json"
+    assert main(["replay", *SMALL, "--json", str(out)]) == 2
+    assert f"(create it first: mkdir -p {tmp_path / 'out'})" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -11,11 +11,7 @@ import os
 from blockpool.core.errors import BlockPoolError
 from blockpool.replay.report import NEGATIVE_CONTROL, ReplayReport, plural
 
-__all__ = ["TIMELINE_SPAN_S", "ZERO_LINTHRESH_MS", "PlotUnavailableError", "figure", "plot_report", "require_matplotlib"]
-
-TIMELINE_SPAN_S = 0.6
-"""Kept for callers of the old two-panel figure (the streams panel is gone: it
-could not show the waits)."""
+__all__ = ["ZERO_LINTHRESH_MS", "PlotUnavailableError", "figure", "plot_report", "require_matplotlib"]
 
 ZERO_LINTHRESH_MS = 0.01
 """Below this delay (ms) the x axis is linear, so 0 ms is a point on it."""
@@ -44,7 +40,7 @@ def require_matplotlib() -> None:
 
 
 def plot_report(report: ReplayReport, path: str | os.PathLike[str]) -> None:
-    """Write a PNG (:func:`figure`). O(loads + timeline works).
+    """Write a PNG (:func:`figure`). O(loads).
 
     Raises:
         PlotUnavailableError: matplotlib cannot be imported.
@@ -66,8 +62,7 @@ def figure(report: ReplayReport):  # type: ignore[no-untyped-def]
     every policy that made loads, labelled with its races (the negative
     control named as such). A caption says why the step at 0 ms need not be
     the table's empty-fence share, with the figures where they differ.
-    (The streams panel of earlier versions is gone: it could not show which
-    token each work waited on.) The legend sits outside the plotting area
+    The legend sits outside the plotting area
     and lists only series that are drawn. O(loads).
 
     Raises:

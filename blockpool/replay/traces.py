@@ -359,25 +359,56 @@ def read_trace(
 ) -> Trace:
     """Read a trace, telling the format by the file name (``.jsonl``/``.json``:
     Mooncake, ``.csv``: Azure) or else by its first non-blank character
-    (``{``: Mooncake, anything else: Azure CSV).
+    (``{``: Mooncake, anything else: Azure CSV). A regular file whose name
+    and first line disagree (a JSON object in a ``.csv``, a comma-separated
+    line in a ``.jsonl``) is refused with an error naming what it looks like.
 
     Raises:
         TraceNotFoundError, TraceFormatError, InvalidArgumentError: as for
-            :func:`read_mooncake` / :func:`read_azure`.
+            :func:`read_mooncake` / :func:`read_azure`; TraceFormatError
+            also for a name that contradicts the content.
 
     Runtime complexity: that of the reader.
     """
     p = Path(path)
     suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".json", ".csv") and p.is_file():
+        _check_name_matches_content(p, suffix)
     if suffix in (".jsonl", ".json"):
         return read_mooncake(p, limit=limit, skip_bad_lines=skip_bad_lines)
     if suffix == ".csv":
         return read_azure(p, limit=limit, skip_bad_lines=skip_bad_lines)
-    first = ""
-    for raw in _open(p):
-        if raw.strip():
-            first = raw.strip()[0]
-            break
+    first = _first_line(p)[:1]
     if first == "{":
         return read_mooncake(p, limit=limit, skip_bad_lines=skip_bad_lines)
     return read_azure(p, limit=limit, skip_bad_lines=skip_bad_lines)
+
+
+def _first_line(p: Path) -> str:
+    """The first non-blank line of ``p``, stripped (``""`` for a blank file). O(that line)."""
+    for raw in _open(p):
+        if raw.strip():
+            return raw.strip()
+    return ""
+
+
+def _check_name_matches_content(p: Path, suffix: str) -> None:
+    """Refuse a trace whose name says one format and whose first line
+    another: a JSON object in a ``.csv`` (a Mooncake trace), or a line of
+    comma-separated fields in a ``.jsonl``/``.json`` (an Azure CSV).
+    O(the first line).
+
+    Raises:
+        TraceFormatError: naming the format the content looks like.
+    """
+    first = _first_line(p)
+    if suffix == ".csv" and first.startswith("{"):
+        raise TraceFormatError(
+            str(p), None, "named .csv (Azure CSV) but its first line is a JSON object: it looks like a "
+            "Mooncake JSONL trace; rename it .jsonl",
+        )  # fmt: skip
+    if suffix != ".csv" and first and first[0] not in "{[" and "," in first:
+        raise TraceFormatError(
+            str(p), None, f"named {suffix} (Mooncake JSONL) but its first line is comma-separated fields: "
+            "it looks like an Azure CSV trace; rename it .csv",
+        )  # fmt: skip
