@@ -1,4 +1,4 @@
-"""One source, two builds (#21): ``blockpool.__compiled__`` tells them
+"""One source, two builds: ``blockpool.__compiled__`` tells them
 apart, and the build switch ``BLOCKPOOL_MYPYC`` is read as documented."""
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ def test_output_in_a_missing_directory_is_refused_before_the_replay(tmp_path, ca
     assert "no such directory" in capsys.readouterr().err
 
 
-# Issue #13: outputs checked before the replay, interrupts, progress lines ----
+# Outputs checked before the replay, interrupts, progress lines -----------------
 
 
 @pytest.mark.parametrize("opt", ["--json", "--plot", "--events"])
@@ -350,7 +350,7 @@ def test_interrupt_exits_with_the_conventional_status_and_leaves_nothing(
     assert [k for k in kids if _alive(k)] == []
 
 
-# The table and the plot (#13 point 6) -----------------------------------------
+# The table and the plot -------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -404,7 +404,7 @@ def test_plot_shows_blind_races_keeps_the_legend_off_the_curves_and_skips_empty_
         plt.close(fig)
 
 
-# Issue #22 point 11: the plot says it is cumulative, shows 0 ms, explains the 0 ms step ------
+# The plot says it is cumulative, shows 0 ms, explains the 0 ms step ------------
 
 
 def test_plot_is_cumulative_shows_zero_delay_and_explains_the_zero_step(small_report) -> None:  # type: ignore[no-untyped-def]
@@ -431,7 +431,7 @@ def test_plot_is_cumulative_shows_zero_delay_and_explains_the_zero_step(small_re
         plt.close(fig)
 
 
-# Issue #22 point 5: never clobber what is not a regular file ------------------
+# Never clobber what is not a regular file -------------------------------------
 
 
 def _kind(path: Path) -> str:
@@ -537,7 +537,7 @@ def test_write_atomic_refuses_what_output_kind_refuses(tmp_path: Path) -> None:
     assert output_kind(tmp_path / "new") == (str(tmp_path / "new"), OUTPUT_FILE)
 
 
-# Issue #22 point 6: --version, exit statuses in --help, --quiet, sweep's interrupt line ----
+# --version, exit statuses in --help, --quiet, sweep's interrupt line ----------
 
 
 def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -608,7 +608,7 @@ def test_ctrl_c_during_sweep_says_blockpool_sweep_interrupted(tmp_path: Path) ->
     assert out == ""
 
 
-# Issue #22 point 7: a pool too small for any request -----------------------------
+# A pool too small for any request ----------------------------------------------
 
 
 def test_pool_too_small_for_any_request_exits_two_before_the_replay(
@@ -650,7 +650,7 @@ def test_check_fits_refuses_only_when_no_request_fits() -> None:
         check_fits(reqs, ReplayConfig(num_blocks=3))
 
 
-# Issue #22 point 8: --plot without matplotlib is found before the replay --------------
+# --plot without matplotlib is found before the replay -------------------------
 
 
 def test_plot_without_matplotlib_is_refused_before_the_replay_and_writes_nothing(
@@ -667,7 +667,7 @@ def test_plot_without_matplotlib_is_refused_before_the_replay_and_writes_nothing
     assert list(tmp_path.iterdir()) == []  # no JSON written either
 
 
-# Issue #22 point 9: sweep checks a trace like replay does --------------------------
+# sweep checks a trace like replay does -----------------------------------------
 
 
 def test_sweep_refuses_a_bad_line_past_the_first_before_any_cell(
@@ -692,7 +692,7 @@ def test_sweep_skip_bad_lines_replays_and_counts_them_per_row(tmp_path: Path) ->
     assert doc["grid"]["skip_bad_lines"] is True
 
 
-# Issue #22 point 10: a verdict line, 100 columns, progress in requests, plurals ----------
+# A verdict line, 100 columns, progress in requests, plurals --------------------
 
 
 def test_the_report_ends_with_a_verdict_line_and_the_table_fits_100_columns(small_report) -> None:  # type: ignore[no-untyped-def]
@@ -738,7 +738,7 @@ def test_progress_lines_count_requests_as_the_summary_does() -> None:
     assert buf.getvalue().startswith("replay: 216/400 requests x 4 runs (54%), ")
 
 
-# Issue #22 point 12: block lists as runs ------------------------------------------------
+# Block lists as runs ----------------------------------------------------------
 
 
 def test_event_block_lists_are_written_as_runs_and_read_back_exactly() -> None:

@@ -36,7 +36,7 @@ def _held(name: str) -> str | None:
 
 def test_the_synthetic_default_figures_in_docs_replay_md_are_what_the_replay_prints(synthetic: str) -> None:
     assert _held("synthetic") == synthetic, "stale: run python -m blockpool.replay.docfigures"
-    assert "blind 10,378" in synthetic  # the count the issue measured, not the stale 10,352
+    assert "blind 10,378" in synthetic  # the negative control's races at the defaults
 
 
 def test_the_replay_table_in_the_readme_is_what_blockpool_replay_prints(synthetic: str) -> None:

@@ -1,4 +1,4 @@
-"""Every ```python block of the README and docs runs (issue #13).
+"""Every ```python block of the README and docs runs.
 
 Blocks written as doctests (starting with ``>>>``) already run through
 pytest's ``--doctest-glob=*.md`` (``pyproject.toml``); this module runs the
@@ -66,7 +66,7 @@ def test_plain_python_block_runs(body: str) -> None:
                 kwargs["blockpool_harness"].assert_no_races()  # type: ignore[attr-defined]
 
 
-# 9. complete() raises what docs/api.md says --------------------------------
+# complete() raises what docs/api.md says ----------------------------------
 
 
 def test_complete_of_a_token_never_issued_raises_unknown_token() -> None:

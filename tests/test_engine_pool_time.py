@@ -1,5 +1,6 @@
 """``benchmarks/engine_pool_time.py``'s statistics (no engine): the rounds'
-mode order and the paired ratios the #21 engine figure is read from."""
+mode order and the paired ratios the engine figure of ``docs/performance.md``
+is read from."""
 
 from __future__ import annotations
 

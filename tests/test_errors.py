@@ -242,7 +242,7 @@ def test_every_exception_class_of_the_package_is_rooted_in_block_pool_error() ->
     assert [c.__qualname__ for c in found if not issubclass(c, BlockPoolError)] == []
 
 
-# Issue #22 point 16: a failed call applies the completions queued before it, and changes nothing else
+# A failed call applies the completions queued before it, and changes nothing else
 
 
 def _pool_with_queued_completions() -> tuple[HazardAwareBlockPool, list[object]]:

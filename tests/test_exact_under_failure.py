@@ -1,4 +1,4 @@
-"""Issue #11, "exact under failure": each test pins one behaviour."""
+"""Fences stay exact when transfers fail: each test pins one behaviour."""
 
 from __future__ import annotations
 
@@ -321,7 +321,7 @@ def test_check_catches_saved_shadows_of_an_ended_write(pool: HazardAwareBlockPoo
         pool.check()
 
 
-# -- writes recorded after their token ended (field report, session 5) --------
+# -- writes recorded after their token ended ------------------------------------
 
 
 @pytest.mark.parametrize("how", ["tag", "free"])

@@ -1,4 +1,4 @@
-"""Tried as a new user would (issue #13): one test per expected behaviour.
+"""Tried as a new user would: one test per expected behaviour.
 
 The CLI's behaviour (outputs, progress, interrupts, the table) is pinned in
 ``tests/test_cli.py``; packaging in ``tests/test_packaging.py``.
@@ -99,7 +99,7 @@ def test_readme_installs_the_vllm_plugin_from_a_checkout_as_the_plugin_page_does
         assert "pip install blockpool" not in doc
     assert "0.32.x, 0.33.x" in README and "0.34.x" in README
 
-# 8. Bad prefix-cache arguments are typed errors that change nothing ----------
+# Bad prefix-cache arguments are typed errors that change nothing ----------
 
 
 def test_cache_full_blocks_with_more_cached_than_full_is_an_error_and_changes_nothing() -> None:
@@ -158,7 +158,7 @@ def test_partial_key_with_a_bad_token_count_is_an_error_and_changes_nothing(bad:
     assert pool.snapshot() == before
 
 
-# 10. A key retired by promotion stays retired for its block --------------------
+# A key retired by promotion stays retired for its block --------------------
 
 
 def _promoted(pool: HazardAwareBlockPool):  # type: ignore[no-untyped-def]
@@ -222,7 +222,7 @@ def test_retired_keys_move_with_move_block_hashes() -> None:
     pool.check()
 
 
-# 11. A removal event only when the last block holding the key goes ----------
+# A removal event only when the last block holding the key goes ----------
 
 
 def _two_blocks_under_h3(pool: HazardAwareBlockPool):  # type: ignore[no-untyped-def]
@@ -257,7 +257,7 @@ def test_reusing_one_of_two_blocks_under_a_key_sends_no_removal() -> None:
     assert pool.take_events() == [BlockRemoved(("H3",))]
 
 
-# 2. A free without a token is safe by default --------------------------------
+# A free without a token is safe by default --------------------------------
 
 
 def test_free_without_token_tags_the_last_compute_step() -> None:
@@ -322,7 +322,7 @@ def test_free_without_token_on_a_pool_without_hazards_or_compute_stream_records_
     assert not other.allocate_for(2, "gpu")[1]
 
 
-# 12. Reset while running, removal reasons, "allocatable if freed" ------------
+# Reset while running, removal reasons, "allocatable if freed" ------------
 
 
 def test_reset_while_running_withdraws_every_key_and_keeps_in_use_blocks() -> None:

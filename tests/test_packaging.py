@@ -1,4 +1,4 @@
-"""Packaging (issue #13): the wheel the README tells vLLM users to build
+"""Packaging: the wheel the README tells vLLM users to build
 declares the vLLM plugin, the pytest plugin and the console script, and the
 README gives no install command that needs a package index."""
 

@@ -1,7 +1,6 @@
 """Allocation and free in the pool (``blockpool/core/pool.py``): a block listed
 twice in one free, a failed allocation leaves no trace, the null block is
-never data. Faults reported from the field (issue #4): one test per
-behaviour.
+never data. One test per behaviour.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The fences the pool computes (``blockpool/core/_fences.py``): loads wait on
 the readers of the blocks they overwrite (WAR), stores on the last writer
 (RAW), and frees under async scheduling are tagged with the last enqueued
-step. Faults reported from the field (issue #4): one test per behaviour.
+step. One test per behaviour.
 
 ``eN`` is the token of step N on ``compute``; ``h2d``/``d2h`` are DMA
 streams, ``rdma`` a host-driven engine.
@@ -238,7 +238,7 @@ def test_a_load_write_recorded_again_after_the_forward_ordered_after_it_is_refus
 
 
 def test_a_token_ordered_after_its_fence_is_also_after_the_streams_earlier_waits() -> None:
-    # Found by the review's fuzzer: the stream had waited on the store after
+    # The stream had waited on the store after
     # e1 was issued, so e1's own fence is empty; e1 still runs after that wait.
     pool = make_pool(8)
     (a,) = pool.get_new_blocks(1)
@@ -253,7 +253,7 @@ def test_a_token_ordered_after_its_fence_is_also_after_the_streams_earlier_waits
 
 
 def test_a_host_engine_token_may_write_a_block_it_read_though_tokens_were_issued_since() -> None:
-    # Review 3: a host token's own clock covers itself; its own read is not
+    # A host token's own clock covers itself; its own read is not
     # an access ordered after it.
     pool = make_pool(8)
     (b,) = pool.get_new_blocks(1)

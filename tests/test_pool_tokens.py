@@ -1,7 +1,6 @@
 """Completions, failures, leases and abandon (``blockpool/core/_tokens.py``):
 blocks of an aborted load are held until their transfer ends and released
-exactly once; a failed load publishes nothing. Faults reported from the
-field (issue #4): one test per behaviour.
+exactly once; a failed load publishes nothing. One test per behaviour.
 """
 
 from __future__ import annotations
@@ -116,7 +115,7 @@ def test_failed_load_never_publishes_block_hashes(pool: HazardAwareBlockPool) ->
 def test_a_touched_held_block_leaves_no_list_behind_when_its_token_ends() -> None:
     """A held block a prefix hit takes back stays listed under its pending
     host token until the token ends; the end must drop the list even when
-    nothing is held any more (it used to stay for ever: one entry per
+    nothing is held any more (else one entry would stay for ever per
     offloaded block hit again)."""
     from blockpool import HazardAwareBlockPool, StreamKind
 

@@ -1,6 +1,6 @@
 """The prefix cache (``blockpool/core/prefix_cache.py``, ``blockpool/core/_caching.py``):
 one block with several keys, reset and eviction order with transfers in
-flight. Faults reported from the field (issue #4): one test per behaviour.
+flight. One test per behaviour.
 """
 
 from __future__ import annotations
@@ -105,14 +105,14 @@ def test_eviction_takes_chain_tail_first_and_keeps_prefix_hits() -> None:
 
 
 def test_a_block_listed_twice_in_one_cache_full_blocks_call_keeps_the_longer_prefix_as_vllm_does() -> None:
-    # Field report (review, session 5): the two-pass publish gave the block
-    # both full keys; vLLM's one-by-one loop promotes it at the second entry.
+    # vLLM's one-by-one loop promotes the block at the second entry, so it
+    # ends with the longer key only (a two-pass publish would give it both).
     pool = make_pool(4)
     (b,) = pool.get_new_blocks(1)
     pool.cache_full_blocks([b, b], ["n0", "n1"], 0, 2, 16)
     assert pool.get_cached_block("n0") is None and pool.get_cached_block("n1") is b
     assert (b.block_hash, b.block_hash_num_tokens, pool.prefix_cache.keys_of(b)) == ("n1", 32, ["n1"])
-    # The events describe the cache after the call (#22 point 1): n0 was never
+    # The events describe the cache after the call: n0 was never
     # announced, so it is neither stored nor removed (vLLM 0.33 sends
     # BlockRemoved(n0) then BlockStored((n0, n1)): a router would keep n0).
     assert pool.take_events() == [BlockStored(("n1",), "n0", 16, (1,), "GPU")]

@@ -306,7 +306,7 @@ def test_plugin_teardown_reports_races_found_after_the_test_body(pytester: pytes
     result.stdout.fnmatch_lines(["*RAW race on block 1*"])
 
 
-# -- races that point at the line (#22 point 14) -------------------------------------
+# -- races that point at the line ------------------------------------------------
 
 
 def test_a_race_names_the_file_and_line_of_both_accesses_and_the_fence_that_fixes_it() -> None:

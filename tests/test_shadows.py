@@ -104,7 +104,7 @@ def test_the_fence_after_a_failed_grouped_write_names_each_blocks_restored_reade
     assert toks(pool.fence_for([y], "rdma")) == {str(store)}
 
 
-# -- a token that wrote a block twice, another write in between (review) ----
+# -- a token that wrote a block twice, another write in between -------------
 
 HB_STREAMS = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "nic": StreamKind.HOST}
 
@@ -171,7 +171,7 @@ def test_a_failed_write_handed_on_from_a_group_of_several_blocks_keeps_the_later
     pool.check()
 
 
-# -- a write recorded after accesses ordered after it (review, session 5) ----
+# -- a write recorded after accesses ordered after it --------------------------
 
 
 def test_a_write_recorded_again_keeps_the_read_of_a_stream_that_waited_on_it() -> None:

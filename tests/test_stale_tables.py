@@ -1,4 +1,4 @@
-"""Stale block tables (#11, item 7): a table kept past the scheduler's frees
+"""Stale block tables: a table kept past the scheduler's frees
 names blocks that were freed and allocated again; with the table's
 ``generations`` the transfer and publishing calls refuse it
 (:class:`StaleBlockError`) and change nothing."""
@@ -28,7 +28,7 @@ KEYS = [f"k{i}" for i in range(6)]
 
 
 def window_freed_and_reused(pool: HazardAwareBlockPool | None = None):  # type: ignore[no-untyped-def]
-    """The field report: a request's table ``t`` of 6 blocks, its
+    """The scenario: a request's table ``t`` of 6 blocks, its
     generations taken when it was built; the scheduler frees the sliding
     window's middle ``t[3:5]`` and another request gets those blocks (``y``)."""
     pool = pool or make_pool(16)
@@ -52,7 +52,7 @@ def assert_refused(pool: HazardAwareBlockPool, call: Callable[[], object], block
     return info.value
 
 
-# -- the field report -----------------------------------------------------------
+# -- the scenario --------------------------------------------------------------
 
 
 def test_a_kept_copy_of_a_table_whose_window_middle_was_reallocated_cannot_store_or_publish() -> None:

@@ -92,8 +92,8 @@ class PoolMachine(RuleBasedStateMachine):
                 self.held.add(b)
 
     def refusal(self, kind: str, groups: list[tuple[list[int], AccessKind]]) -> type[Exception] | None:
-        """The error the pool must refuse this transfer with (#22 points 2
-        and 3), or None: a write (load, copy destination) into a cached
+        """The error the pool must refuse this transfer with
+        (``tests/test_unsafe_transfers.py``), or None: a write (load, copy destination) into a cached
         block (it holds a key) more than one holder holds; a read that carries content a failed write
         left bad (store, copy source). Writes are checked first."""
         writes = [b for ids_, access in groups if access is WRITE for b in ids_]

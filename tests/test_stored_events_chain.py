@@ -1,4 +1,4 @@
-"""Stored events chain (#22 point 1; vLLM #44451 / PR #44488, vllm-ascend
+"""Stored events chain (vLLM #44451 / PR #44488, vllm-ascend
 #12002): each ``BlockStored`` of ``cache_full_blocks`` covers one run of
 consecutive newly published positions, and its parent is the key of the
 position just before the run, so a router can rebuild the prefix tree."""

@@ -1,5 +1,5 @@
 """The package layout: sub-packages re-export their public names lazily; the
-old pre-release module paths and deprecated aliases are gone (#22 point 17)."""
+old pre-release module paths and deprecated aliases are gone."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``token_status``: a consumer can tell a failed token from a completed one
-(#22 point 4); ``is_ended`` is true for both."""
+``is_ended`` is true for both."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Transfers no fence can make safe are refused, nothing changed (#22 points 2
-and 3): a write into a block another holder still reads (LMCache #2206 /
+"""Transfers no fence can make safe are refused, nothing changed: a write into a block another holder still reads (LMCache #2206 /
 PRs #2207, #2263), a read that would carry content known bad to another
 tier (vLLM PR #35092 / #34526)."""
 
@@ -46,7 +45,7 @@ def _shared_prefix(pool: HazardAwareBlockPool):  # type: ignore[no-untyped-def]
     return a, new
 
 
-# -- point 2: a write into a block someone else holds ---------------------------
+# -- a write into a block someone else holds -----------------------------------
 
 
 def test_a_load_into_a_prefix_hit_block_a_running_request_holds_is_refused() -> None:
@@ -127,7 +126,7 @@ def test_unsafe_transfer_errors_pickle_with_their_attributes() -> None:
     assert (type(e2), str(e2), e2.block_id) == (InvalidContentError, "n", 5)
 
 
-# -- point 3: a store of blocks whose content is known bad ----------------------
+# -- a store of blocks whose content is known bad ------------------------------
 
 
 def test_a_store_of_blocks_whose_load_failed_is_refused_until_they_are_written_again() -> None:
