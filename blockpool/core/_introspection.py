@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from blockpool.core._base import _HOST, PoolBase
+from blockpool.core._base import _HOST, PoolBase, _as_list
 from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import (
@@ -19,7 +19,7 @@ from blockpool.core.shadows import _UNSET, shadow_ready, shadow_tokens
 from blockpool.core.stats import PoolSnapshot, PoolStats
 
 if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
-    from blockpool.core._args import ArgBlock, ArgStr
+    from blockpool.core._args import ArgBlock, ArgStr, ArgToken
 
 __all__ = ["IntrospectionOps"]
 
@@ -164,6 +164,101 @@ class IntrospectionOps(PoolBase):
         """Blocks held back for pending host-engine accesses, sorted. O(h log h)."""
         self._apply_completions()
         return self.holdback.held_ids()
+
+    def reclaimable_after(self, tokens: ArgToken | Iterable[ArgToken]) -> int:
+        """How many held blocks would come back to the free queue once
+        ``tokens`` complete: ``get_num_free_blocks()`` would rise by exactly
+        this much if ``complete`` were reported for each of them and for
+        nothing else. ``tokens``: one token or an iterable of them (a
+        :class:`Fence` will do); any stream, any pool token not of another
+        pool.
+
+        A block is held while a host-engine access on it has not ended
+        (:meth:`held_block_ids`), and it is released only when **every**
+        such access has ended: a block that two transfers touch (a store
+        and a load of the same block on two engines) comes back only when
+        both have ended, so it counts here only when ``tokens`` end both. A
+        completion ends what the completed work had waited on, so a token
+        also releases the blocks held on the host tokens it waited on (a
+        load that waited on an earlier load of the same blocks; a step
+        whose forward host-waited on a load: ``fence_for(...,
+        token=eN)``). A token that has ended releases nothing more (0). A
+        *failure* (:meth:`fail`, :meth:`abandon`) ends the token alone, so
+        it releases at most this many: only the blocks whose sole pending
+        access is the token's own.
+
+        A scheduler that would preempt requests to make room can ask how
+        many blocks the transfers it is about to see end will bring back
+        (vLLM #49674: frees parked behind in-flight work made the free count
+        look permanently short, and preemption cascaded). Changes nothing
+        (queued completions are applied first, as by every call).
+        O(len(tokens) + host tokens they waited on + blocks held on those
+        tokens); the decision is made once per run of blocks held together.
+
+        >>> from blockpool import HazardAwareBlockPool, StreamKind
+        >>> pool = HazardAwareBlockPool(8, streams={"compute": StreamKind.DEVICE, "rdma": StreamKind.HOST})
+        >>> blocks = pool.get_new_blocks(3)
+        >>> store, _ = pool.begin_store(blocks, "rdma")   # a NIC still reads them...
+        >>> pool.free_blocks(blocks)                     # ...when the request ends
+        >>> pool.get_num_free_blocks(), pool.reclaimable_after(store)
+        (4, 3)
+        >>> pool.complete(store); pool.get_num_free_blocks()
+        7
+
+        Raises:
+            InvalidArgumentError: ``tokens`` is neither a token nor an
+                iterable of tokens, or a token's kind is not its stream's.
+            UnknownStreamError, UnknownTokenError: the pool never issued a token.
+            ForeignTokenError: a token of another pool.
+        """
+        self._apply_completions()
+        if isinstance(tokens, Token):
+            listed: list[Token] = [tokens]
+        else:
+            listed = _as_list(tokens, "tokens")
+        tracker = self.tracker
+        for t in listed:
+            tracker.validate(t)
+        ends: set[Token] = set()
+        for t in listed:
+            ends |= tracker.completion_ends(t)
+        if not ends or not len(self.holdback):
+            return 0
+        return self.holdback.released_by(ends, tracker.is_ended)
+
+    def held_until(self) -> dict[Token, int]:
+        """For each host-engine token some held block waits on, how many
+        held blocks its completion alone would bring back to the free queue
+        (:meth:`reclaimable_after` of that token), in order of stream and
+        seq. A block that several tokens hold is released only when all of
+        them have ended: it counts under a token only when that token's
+        completion ends the others too (they are tokens it waited on), so a
+        token may map to 0 (every block it holds is held by another as
+        well), a block may count under several tokens (a load and the
+        earlier load of the same blocks it waited on), and the values need
+        not add up to the blocks held (``stats().held``,
+        :meth:`held_block_ids`); to ask about several tokens ending
+        together, pass them all to :meth:`reclaimable_after`. ``{}`` when
+        nothing is held. Changes nothing (queued completions are applied
+        first). O(Σ over the tokens of the blocks held on what each
+        ends): O(held blocks + tokens log tokens) when no host token waited
+        on another.
+
+        >>> from blockpool import HazardAwareBlockPool, StreamKind
+        >>> pool = HazardAwareBlockPool(8, streams={"compute": StreamKind.DEVICE, "rdma": StreamKind.HOST})
+        >>> a, b = pool.get_new_blocks(2), pool.get_new_blocks(3)
+        >>> sa, _ = pool.begin_store(a, "rdma"); sb, _ = pool.begin_store(b, "rdma")
+        >>> pool.free_blocks(a + b)
+        >>> {str(t): n for t, n in pool.held_until().items()}
+        {'rdma:1': 2, 'rdma:2': 3}
+        """
+        self._apply_completions()
+        hb = self.holdback
+        if not len(hb):
+            return {}
+        tracker = self.tracker
+        is_ended = tracker.is_ended
+        return {t: hb.released_by(tracker.completion_ends(t), is_ended) for t in hb.pending_tokens()}
 
     def expired_leases(self) -> list[int]:
         """Held blocks whose lease expired (still quarantined), sorted.

@@ -94,6 +94,59 @@ class HoldBack:
         """
         return set(self._held[block_id])
 
+    def pending_tokens(self) -> list[Token]:
+        """The host tokens some held block waits on, sorted by stream and
+        seq. O(listed blocks + t log t)."""
+        held = self._held
+        out = []
+        for t, blocks in self._held_by.items():
+            for b in blocks:
+                pending = held.get(b.block_id)
+                if pending is not None and t in pending:
+                    out.append(t)
+                    break
+        out.sort(key=lambda t: (t.stream, t.seq))
+        return out
+
+    def released_by(self, ends: set[Token], ended: Callable[[Token], bool]) -> int:
+        """How many held blocks would leave the held set for the free queue
+        if the host tokens ``ends`` ended now and nothing else did: those
+        every pending token of which is in ``ends``, and whose shadow has
+        no host token pending besides (freeing one would hold it again, as
+        :meth:`hold_back` would). ``ended`` tells which tokens have ended
+        already. Changes nothing. O(blocks listed under ``ends``); the
+        decision is made once per distinct pending set and shadow."""
+        held, held_by = self._held, self._held_by
+        seen: set[int] = set()
+
+        def gone(t: Token) -> bool:
+            return t in ends or ended(t)
+
+        count = 0
+        last: object = None  # blocks held together share their pending set
+        covered = False
+        lw: object = _UNSET  # ... and, freed together, their shadow objects
+        lr: object = _UNSET
+        free = False
+        for t in ends:
+            for b in held_by.get(t, ()):
+                bid = b.block_id
+                pending = held.get(bid)
+                if pending is None or bid in seen:
+                    continue  # released already (a touch took it), or counted
+                if pending is not last:
+                    last = pending
+                    covered = pending <= ends
+                if not covered or t not in pending:
+                    continue  # another token holds it too (or it was held anew since)
+                seen.add(bid)
+                w, r = b.writer, b.readers
+                if w is not lw or r is not lr:
+                    lw, lr = w, r
+                    free = pending_host(w, r, gone) is None
+                count += free
+        return count
+
     def hold_back(self, blocks: list[KVCacheBlock], ended: Callable[[Token], bool]) -> list[KVCacheBlock]:
         """Blocks that just reached ref count 0: hold those whose shadow has
         a host token that has not ended (``ended`` tells), starting their

@@ -358,6 +358,25 @@ class HazardTracker:
         """Whether a failure (``fail``, ``abandon``) was applied for ``token``. O(1)."""
         return token.seq in self.streams[token.stream].failed_seqs
 
+    def completion_ends(self, token: Token) -> set[Token]:
+        """The HOST-engine tokens, not ended yet, that ``token``'s
+        completion would end (as :meth:`end` with ``failed=False`` would):
+        ``token`` itself when it is a host engine's, and the host tokens of
+        its issue-time clock (what it waited on). Empty when ``token`` has
+        ended. Changes nothing. O(host tokens in its clock)."""
+        st = self.streams[token.stream]
+        if st.is_ended(token.seq):
+            return set()
+        out: set[Token] = set()
+        if st.kind is _HOST:
+            out.add(token)
+        clock = st.token_clocks.get(token.seq)
+        if clock is not None:
+            for h in clock.host:
+                if not self.is_ended(h):
+                    out.add(h)
+        return out
+
     def host_pending(self) -> bool:
         """Whether some HOST-engine token may not have ended (one was issued
         above its engine's mark). False lets the pool skip looking for host
