@@ -335,18 +335,19 @@ class PoolBase:
         a mark is not known, and a mark only withholds publication (the
         safe side). O(len(blocks))."""
         if self.tracker.has_failed(token):
-            self._unwritten(blocks)
+            self._unwritten(blocks, token)
         elif self.track_hazards:
             self.tracker.wrote(token)
             settle(blocks, token, self.null_block, self.tracker.is_ended)
 
-    def _unwritten(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """A write recorded after its token had failed: it never happened,
-        so the blocks' content is not what their keys name: withdraw the
-        keys and mark the content invalid (no shadow changes). O(len(blocks))."""
+    def _unwritten(self, blocks: Iterable[KVCacheBlock], token: Token) -> None:
+        """A write by ``token`` recorded after ``token`` had failed: it
+        never happened, so the blocks' content is not what their keys name:
+        withdraw the keys and mark the content invalid (no shadow changes).
+        O(len(blocks))."""
         null = self.null_block
         data = [b for b in blocks if b is not null]
-        self.writes.mark_invalid(data)
+        self.writes.mark_invalid(data, token)
         for b in data:
             self._drop_keys(b)
 

@@ -260,6 +260,58 @@ class IntrospectionOps(PoolBase):
         is_ended = tracker.is_ended
         return {t: hb.released_by(tracker.completion_ends(t), is_ended) for t in hb.pending_tokens()}
 
+    def invalid_block_ids(self, token: ArgToken | None = None) -> list[int]:
+        """Blocks whose content is known bad, sorted: a write into them (a
+        load, a copy's destination, a step's write with ``tag(...,
+        WRITE)``) failed, whether reported on time or after the token had
+        ended, or a write was recorded after its token had failed; and
+        nothing has written them since. These are the blocks
+        :meth:`begin_store` and :meth:`begin_copy` (as a source) refuse with
+        :class:`InvalidContentError` and ``cache_full_blocks`` /
+        ``cache_partial_block`` do not publish: the ones an engine must
+        rewrite, recompute or zero (vLLM's ``invalid_block_ids`` recovery).
+
+        A block leaves the list when it is written again: a write begun on
+        it by a token that has not ended (:meth:`begin_load`, a copy's
+        destination, :meth:`tag` or a free with ``WRITE``; if that write
+        fails too, the block is listed again), when an allocation hands it
+        out again (its old content is gone for its new owner), or by
+        :meth:`reset_prefix_cache` with every block free. A write recorded
+        after its token had completed does not clear it (whether it ran
+        before or after the failed write is unknown; the mark only
+        withholds publication, the safe side). Free blocks are listed too
+        until they are handed out.
+
+        ``token``: only the blocks whose mark that token's failure left (a
+        block failed by several writes in turn carries the latest); ``[]``
+        for a token that did not fail.
+
+        Changes nothing (queued completions are applied first, as by every
+        call: a failure reported since the last call is applied and its
+        blocks listed). O(m log m), m = blocks marked.
+
+        >>> from blockpool import HazardAwareBlockPool, StreamKind
+        >>> pool = HazardAwareBlockPool(8, streams={"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE})
+        >>> blocks = pool.get_new_blocks(2)
+        >>> load, _ = pool.begin_load(blocks, "h2d")
+        >>> pool.fail(load)
+        >>> pool.invalid_block_ids(), pool.invalid_block_ids(load)
+        ([1, 2], [1, 2])
+        >>> _ = pool.begin_load(blocks[:1], "h2d")   # a new load rewrites block 1
+        >>> pool.invalid_block_ids()
+        [2]
+
+        Raises:
+            InvalidArgumentError: ``token`` is not a Token, or its kind is
+                not its stream's.
+            UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+            ForeignTokenError: ``token`` was issued by another pool.
+        """
+        self._apply_completions()
+        if token is not None:
+            self.tracker.validate(token)
+        return self.writes.invalid_ids(token)
+
     def expired_leases(self) -> list[int]:
         """Held blocks whose lease expired (still quarantined), sorted.
         O(h log h), h = expired held blocks."""

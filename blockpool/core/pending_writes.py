@@ -43,15 +43,15 @@ write that directly followed it on a block (:meth:`PendingWrites._resave`)."""
 class PendingWrites:
     """Owns the writes in flight (stream -> seq -> :data:`Saved`: what
     each write replaced, kept until its token ends) and the invalid marks
-    (block ids whose content a failed write left invalid, until
-    rewritten), with the undo of failed writes. Every method is O(blocks
+    (block id -> the failed token whose write left the block's content
+    invalid, until rewritten), with the undo of failed writes. Every method is O(blocks
     touched) unless it says otherwise."""
 
     __slots__ = ("_invalid", "_serial", "_writes")
 
     def __init__(self) -> None:
         self._writes: dict[str, dict[int, Saved]] = {}
-        self._invalid: set[int] = set()
+        self._invalid: dict[int, Token] = {}  # block id -> the failed write's token
         self._serial = 0  # writes saved so far: orders them across tokens
 
     # -- invalid marks -------------------------------------------------------
@@ -68,18 +68,28 @@ class PendingWrites:
         """Blocks marked invalid. O(1)."""
         return len(self._invalid)
 
-    def mark_invalid(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """A write to ``blocks`` by a token that had already failed: it
+    def invalid_ids(self, token: Token | None = None) -> list[int]:
+        """The block ids marked invalid, sorted; with ``token``, only those
+        whose mark that token's failure left (the latest failure marks a
+        block). O(m log m), m = marks."""
+        if token is None:
+            return sorted(self._invalid)
+        stream, seq = token.stream, token.seq
+        return sorted(bid for bid, t in self._invalid.items() if t.seq == seq and t.stream == stream)
+
+    def mark_invalid(self, blocks: Iterable[KVCacheBlock], token: Token) -> None:
+        """A write to ``blocks`` by ``token``, which had already failed: it
         never happened, their content is invalid. O(len(blocks))."""
-        self._invalid.update(b.block_id for b in blocks)
+        self._invalid.update({b.block_id: token for b in blocks})
 
     def rewritten(self, blocks: Iterable[KVCacheBlock]) -> None:
         """``blocks`` get new content (a write, or they are handed out):
         their invalid marks go. O(len(blocks)), nothing when none is marked."""
         invalid = self._invalid
         if invalid:
+            pop = invalid.pop
             for b in blocks:
-                invalid.discard(b.block_id)
+                pop(b.block_id, None)
 
     def clear_invalid(self) -> None:
         """Forget every invalid mark (every block is free: each is rewritten
@@ -155,7 +165,7 @@ class PendingWrites:
                         self._resave(b, token, serial, writer, readers, is_ended)
                         continue
                     restore(b, writer, readers, is_ended)
-                    self._invalid.add(b.block_id)
+                    self._invalid[b.block_id] = token
                     if b.block_id not in done:  # returned once, if restored twice
                         done.add(b.block_id)
                         out.append(b)
@@ -210,7 +220,7 @@ class PendingWrites:
         for b in blocks:
             w = b.writer
             if w is not None and w.seq == seq and w.stream == stream:
-                self._invalid.add(b.block_id)
+                self._invalid[b.block_id] = token
                 out.append(b)
         return out
 
@@ -245,7 +255,9 @@ class PendingWrites:
                         for b in group:
                             if not 0 <= b.block_id < len(blocks) or blocks[b.block_id] is not b or b.is_null:
                                 raise InvariantError(f"{stream}:{seq} saved the shadow of a foreign or null block")
-        for bid in self._invalid:
+        for bid, t in self._invalid.items():
             if not (isinstance(bid, int) and 0 < bid < len(blocks)):
                 raise InvariantError(f"invalid mark on {bid!r}, not a data block")
+            if t.stream not in tracker.streams or not tracker.has_failed(t):
+                raise InvariantError(f"block {bid} is marked invalid by {t}, which did not fail")
 
