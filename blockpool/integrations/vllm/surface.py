@@ -615,11 +615,21 @@ _NAMES_034 = (
     _n(f"{_NIXL_W}:NixlPullConnectorWorker.start_load_kv", 'self', 'metadata', fp=("788cda9715142780",), connector=NIXL, use="wrapped"),
 )
 
+# vLLM methods the connector wrappers call on vLLM's own objects (to report
+# a load the wiring declined as vLLM reports a failed one), declared on the
+# class that defines them, the same in every declared line.
+_CALLED_BY_CONNECTORS = (
+    _n("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker._handle_failed_transfer", 'self', 'req_id', 'handle', 'failed_req_ids', 'record_failed_transfer', connector=NIXL, use="borrowed"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._report_load_error", 'self', 'req_id', 'block_ids', connector=MOONCAKE, use="borrowed"),
+    _n(f"{_MOONCAKE_W}:KVTransferThread.set_finished_request", 'self', 'req_id', connector=MOONCAKE, use="borrowed"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread.add_request", 'self', 'request', connector=MOONCAKE, use="borrowed"),
+)
+
 SURFACES: dict[str, Surface] = {
     "0.32": Surface(
         "0.32",
         _MARKERS_032,
-        _NAMES_032,
+        _NAMES_032 + _CALLED_BY_CONNECTORS,
         event_extra_keys=None,
         lookahead_token_ids=None,
         access_hook_on_null=True,
@@ -632,7 +642,7 @@ SURFACES: dict[str, Surface] = {
     "0.33": Surface(
         "0.33",
         _MARKERS_033,
-        _NAMES_033,
+        _NAMES_033 + _CALLED_BY_CONNECTORS,
         event_extra_keys="_generate_event_extra_keys",
         lookahead_token_ids="_lookahead_token_ids",
         access_hook_on_null=False,
@@ -645,7 +655,7 @@ SURFACES: dict[str, Surface] = {
     "0.34": Surface(
         "0.34",
         _MARKERS_034,
-        _NAMES_034,
+        _NAMES_034 + _CALLED_BY_CONNECTORS,
         event_extra_keys="generate_event_extra_keys",
         lookahead_token_ids="get_lookahead_token_ids",
         access_hook_on_null=False,
