@@ -97,7 +97,8 @@ def test_a_step_that_waited_on_a_load_brings_back_the_loads_blocks(pool: HazardA
     blocks = pool.get_new_blocks(2)
     load, _ = pool.begin_load(blocks, "rdma")
     step = pool.issue("compute")
-    pool.fence_for(blocks, "compute", AccessKind.READ, token=step)  # the forward host-waits on the load
+    fence = pool.fence_for(blocks, "compute", AccessKind.READ, token=step)  # the forward host-waits on the load
+    assert list(fence) == [load]
     pool.tag(blocks, step, AccessKind.READ)
     pool.free_blocks(blocks)
     assert pool.reclaimable_after(step) == 2

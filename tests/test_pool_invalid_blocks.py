@@ -121,6 +121,7 @@ def test_free_blocks_stay_listed_until_handed_out(pool: HazardAwareBlockPool) ->
 def test_the_listed_blocks_are_the_ones_a_store_refuses(pool: HazardAwareBlockPool) -> None:
     blocks, _ = failed_load(pool)
     (good,) = pool.get_new_blocks(1)
+    assert pool.invalid_block_ids() == ids(blocks)
     for bid in pool.invalid_block_ids():
         with pytest.raises(InvalidContentError):
             pool.begin_store([pool.blocks[bid]], "d2h")
