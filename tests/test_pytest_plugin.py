@@ -119,7 +119,7 @@ def test_harness_step_waiting_on_an_unrecorded_token_raises_and_changes_nothing(
     assert h.pool.snapshot() == before
 
 
-def test_assert_no_races_lists_every_violation(h: RaceHarness) -> None:
+def test_assert_no_races_lists_a_race_on_several_blocks_once_naming_the_blocks(h: RaceHarness) -> None:
     blocks, _ = h.allocate_for(2, "h2d")
     h.load(blocks, "h2d")
     h.step(reads=blocks)
@@ -127,7 +127,27 @@ def test_assert_no_races_lists_every_violation(h: RaceHarness) -> None:
         h.assert_no_races()
     lines = str(info.value).splitlines()
     assert lines[0] == "blockpool race oracle: 2 race(s)"
-    assert lines[1::3] == [f"  {v}" for v in h.violations]
+    assert lines[1::3] == ["  RAW race on blocks 1-2: forward (read) by compute:1 is not ordered after load (write) by h2d:1"]
+
+
+def test_assert_no_races_lists_each_access_pair_apart(h: RaceHarness) -> None:
+    blocks, _ = h.allocate_for(2, "h2d")
+    h.load(blocks[:1], "h2d")
+    h.load(blocks[1:], "h2d")
+    h.step(reads=blocks)
+    with pytest.raises(AssertionError) as info:
+        h.assert_no_races()
+    assert str(info.value).splitlines()[1::3] == [f"  {v}" for v in h.violations]  # h2d:1 and h2d:2
+
+
+def test_a_groups_blocks_are_named_as_runs() -> None:
+    h = RaceHarness(num_gpu_blocks=16, record_sites=False)
+    e1, load = Token("compute", 1), Token("h2d", 1)
+    races = [RaceViolation(b, "WAR", e1, R, "forward", load, W, "load") for b in (9, 1, 2, 4, 3, 7)]
+    assert h.explain(races).splitlines() == [
+        "blockpool race oracle: 6 race(s)",
+        "  WAR race on blocks 1-4, 7, 9: load (write) by h2d:1 is not ordered after forward (read) by compute:1",
+    ]
 
 
 def test_expect_races_silences_the_automatic_check(h: RaceHarness) -> None:
@@ -349,15 +369,74 @@ def test_sites_are_off_on_request_and_the_message_is_the_plain_one() -> None:
 
 
 def test_plugin_shows_the_tests_own_lines_for_a_race(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(DROPS_FENCE)
+    pytester.makepyfile(DROPS_FENCE)  # line 4: the step's read; 5: the free; 6: the fence; 7: the load
     result = pytester.runpytest(*PLUGIN)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
             (
                 "*load by h2d:1 at test_plugin_shows_the_tests_own_lines_for_a_race.py:7; "
-                "forward by compute:1 at test_plugin_shows_the_tests_own_lines_for_a_race.py:5*"
+                "forward by compute:1 at test_plugin_shows_the_tests_own_lines_for_a_race.py:4*"
             ),
             "*fix: pass `waits=fence` from `allocate_for` at test_plugin_shows_the_tests_own_lines_for_a_race.py:6*",
         ]
     )
+
+
+def test_a_race_on_a_steps_read_names_the_steps_line_not_the_frees() -> None:
+    h = RaceHarness(num_gpu_blocks=8)
+    blocks, fence = h.allocate_for(1, "compute")
+    step_line = sys._getframe().f_lineno + 1
+    e1 = h.step(reads=blocks, waits=fence)
+    h.free(blocks, e1)  # reports the step's block-table read; not where it was made
+    again, _ = h.allocate_for(1, "h2d")
+    h.load(again, "h2d")  # forgot waits=fence
+    (v,) = h.violations
+    assert (v.prior_token, v.prior_kind) == (e1, R)
+    site = h.site_of(e1, v.block_id, R)
+    assert site is not None and site.endswith(f":{step_line}")
+
+
+def test_a_block_table_read_the_step_did_not_make_itself_names_the_steps_line() -> None:
+    h = RaceHarness(num_gpu_blocks=8)
+    (a, b), _ = h.allocate_for(2, "compute")
+    step_line = sys._getframe().f_lineno + 1
+    e1 = h.step(reads=[a])
+    h.free([a, b], e1)  # the step's table held b too: its read of b is the step's
+    again, _ = h.allocate_for(2, "h2d")
+    h.load(again, "h2d")
+    assert {h.site_of(e1, v.block_id, R) for v in h.violations} == {h.site_of(e1, a.block_id, R)}
+    assert h.site_of(e1, b.block_id, R).endswith(f":{step_line}")  # type: ignore[union-attr]
+
+
+def test_a_free_of_a_token_the_harness_did_not_issue_names_the_frees_line() -> None:
+    h = RaceHarness(num_gpu_blocks=8)
+    blocks, _ = h.allocate_for(1, "compute")
+    e1 = h.pool.issue("compute")  # the step issued by the code under test, not the harness
+    h.oracle.record(e1)
+    free_line = sys._getframe().f_lineno + 1
+    h.free(blocks, e1)
+    again, _ = h.allocate_for(1, "h2d")
+    h.load(again, "h2d")
+    (v,) = h.violations
+    assert h.site_of(e1, v.block_id, R).endswith(f":{free_line}")  # type: ignore[union-attr]
+
+
+DROPS_FENCE_ON_FOUR = DROPS_FENCE.replace("allocate_for(1,", "allocate_for(4,")
+
+
+def test_plugin_names_a_race_on_several_blocks_once(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(DROPS_FENCE_ON_FOUR)
+    result = pytester.runpytest(*PLUGIN)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*blockpool race oracle: 4 race(s)",
+            "*WAR race on blocks 1-4: load (write) by h2d:1 is not ordered after forward (read) by compute:1",
+            (
+                "*load by h2d:1 at test_plugin_names_a_race_on_several_blocks_once.py:7; "
+                "forward by compute:1 at test_plugin_names_a_race_on_several_blocks_once.py:4"
+            ),
+        ]
+    )
+    assert "race on block " not in result.stdout.str()

@@ -10,7 +10,15 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from blockpool.checking.race_oracle import RaceOracle, RaceViolation, RecordOrderError, UnrecordedTokenError
+from blockpool.checking.race_oracle import (
+    RaceOracle,
+    RaceViolation,
+    RecordOrderError,
+    UnrecordedTokenError,
+    block_ranges,
+    describe_group,
+    group_by_access_pair,
+)
 from blockpool.core.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
 from blockpool.core.hazards import AccessKind, StreamKind, Token
 
@@ -388,3 +396,48 @@ def test_ordered_write_clears_what_the_racy_write_raced_with(oracle: RaceOracle)
     run(oracle, "h2d:1", [1], W)  # races
     assert run(oracle, "d2h:1", [1], W, after=("h2d:1", "compute:1")) == []
     assert run(oracle, "d2h:2", [1], W) == []
+
+
+# -- one race on several blocks: grouped by access pair ------------------------------------
+
+
+def test_races_of_one_access_pair_on_several_blocks_form_one_group(oracle: RaceOracle) -> None:
+    run(oracle, "compute:1", [3, 1, 2, 4], R, "forward")
+    found = run(oracle, "h2d:1", [3, 1, 2, 4], W)
+    ((v, ids),) = group_by_access_pair(found)
+    assert ids == [3, 1, 2, 4] and v == found[0]
+    assert describe_group(v, ids) == (
+        "WAR race on blocks 1-4: load (write) by h2d:1 is not ordered after forward (read) by compute:1"
+    )
+
+
+def test_races_of_different_access_pairs_stay_apart_in_the_order_found(oracle: RaceOracle) -> None:
+    run(oracle, "compute:1", [1, 2], W, "forward")
+    run(oracle, "compute:2", [1, 2], R, "forward")
+    found = run(oracle, "h2d:1", [1, 2], W)
+    groups = group_by_access_pair(found)
+    assert [(v.hazard, v.prior_token, ids) for v, ids in groups] == [
+        ("WAW", tok("compute:1"), [1, 2]),
+        ("WAR", tok("compute:2"), [1, 2]),
+    ]
+
+
+def test_a_key_splits_a_group(oracle: RaceOracle) -> None:
+    run(oracle, "compute:1", [1, 2, 3], R, "forward")
+    found = run(oracle, "h2d:1", [1, 2, 3], W)
+    assert [ids for _, ids in group_by_access_pair(found, key=lambda v: v.block_id == 2)] == [[1, 3], [2]]
+
+
+def test_a_violation_on_one_block_reads_as_one_block(oracle: RaceOracle) -> None:
+    run(oracle, "compute:1", [7], R, "forward")
+    (v,) = run(oracle, "h2d:1", [7], W)
+    assert str(v) == describe_group(v, [7]) == (
+        "WAR race on block 7: load (write) by h2d:1 is not ordered after forward (read) by compute:1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("ids", "text"), [([5], "5"), ([2, 1], "1-2"), ([1, 2, 3, 5, 7, 8], "1-3, 5, 7-8"), ([4, 4, 3], "3-4")]
+)
+def test_block_ranges_writes_sorted_runs(ids: list[int], text: str) -> None:
+    assert block_ranges(ids) == text

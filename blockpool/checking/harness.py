@@ -18,6 +18,8 @@ pytest; :mod:`blockpool.checking.pytest_plugin` wraps it in fixtures.
 >>> print(h.report())
 WAW race on block 1: load (write) by h2d:1 is not ordered after forward (write) by compute:1
 WAW race on block 2: load (write) by h2d:1 is not ordered after forward (write) by compute:1
+>>> print(h.explain(h.violations).splitlines()[1])  # the test's message: one entry per access pair
+  WAW race on blocks 1-2: load (write) by h2d:1 is not ordered after forward (write) by compute:1
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 
-from blockpool.checking.race_oracle import RaceOracle, RaceViolation
+from blockpool.checking.race_oracle import RaceOracle, RaceViolation, describe_group, group_by_access_pair
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import ForeignBlockError, InvalidArgumentError
 from blockpool.core.hazards import AccessKind, Fence, StreamKind, Token
@@ -67,8 +69,13 @@ class RaceHarness:
             first stack frame outside :mod:`blockpool`: the test's own
             ``file:line``, as the CUDA stream sanitizer keeps a stack per
             access), so a race names both accesses' lines and the fence
-            that would fix it. On by default (one frame walk per call, in
-            the harness only; the pool's own calls never pay it).
+            that would fix it. An access is made where its work was
+            issued: the :meth:`step`, :meth:`load`, :meth:`store` or
+            :meth:`copy` call; the block-table read a :meth:`free` reports
+            for a step is that step's, so it keeps the step's line (the
+            free's own line only for a token the harness did not issue).
+            On by default (one frame walk per call, in the harness only;
+            the pool's own calls never pay it).
 
     Raises:
         InvalidArgumentError: a stream is registered with different kinds in
@@ -95,8 +102,10 @@ class RaceHarness:
         self.last_fence = Fence()
         self._reported = 0
         self.record_sites = record_sites
-        # (token, block id, access kind) -> "file:line" of the call that recorded it
+        # (token, block id, access kind) -> "file:line" where the access was made
         self._sites: dict[tuple[Token, int, AccessKind], str] = {}
+        # token -> "file:line" of the call that issued (or began) its work here
+        self._issued_at: dict[Token, str] = {}
         # fences handed out, in order: (call, site, stream, fence, block ids, honoured)
         self._fences: list[tuple[str, str, str, Fence, frozenset[int], bool]] = []
 
@@ -120,11 +129,18 @@ class RaceHarness:
         self.oracle.record(token, [*fence, *waits] if honour_fence else waits)
 
     def _mark(self, token: Token, ids: Iterable[int], kind: AccessKind, site: str | None) -> None:
-        """Remember where ``token``'s ``kind`` access to ``ids`` was made. O(len(ids))."""
+        """Remember where ``token``'s ``kind`` access to ``ids`` was made;
+        a site already known for one of them stays (the first report of an
+        access is where it was made). O(len(ids))."""
         if site is not None:
             sites = self._sites
             for bid in ids:
-                sites[(token, bid, kind)] = site
+                sites.setdefault((token, bid, kind), site)
+
+    def _issued(self, token: Token, site: str | None) -> None:
+        """``token``'s work was issued (or begun) at ``site``. O(1)."""
+        if site is not None:
+            self._issued_at[token] = site
 
     def _fence_made(self, call: str, site: str | None, stream: str, fence: Fence, ids: Iterable[int], honoured: bool) -> None:
         if site is not None and fence.tokens:
@@ -200,6 +216,7 @@ class RaceHarness:
         self.oracle.tag(token, rids, _READ, what)
         self.oracle.tag(token, wids, _WRITE, what)
         site = self._where()
+        self._issued(token, site)
         self._mark(token, rids, _READ, site)
         self._mark(token, wids, _WRITE, site)
         return token
@@ -231,6 +248,7 @@ class RaceHarness:
         self._begun(token, fence, honour_fence, waits)
         self.oracle.tag(token, ids, _WRITE, what)
         site = self._where()
+        self._issued(token, site)
         self._mark(token, ids, _WRITE, site)
         self._fence_made("load", site, stream, fence, ids, honour_fence)
         return token
@@ -257,6 +275,7 @@ class RaceHarness:
         self._begun(token, fence, honour_fence, waits)
         self.oracle.tag(token, ids, _READ, what)
         site = self._where()
+        self._issued(token, site)
         self._mark(token, ids, _READ, site)
         self._fence_made("store", site, stream, fence, ids, honour_fence)
         return token
@@ -284,6 +303,7 @@ class RaceHarness:
         self.oracle.tag(token, src_ids, _READ, what)
         self.oracle.tag(token, dst_ids, _WRITE, what)
         site = self._where()
+        self._issued(token, site)
         self._mark(token, src_ids, _READ, site)
         self._mark(token, dst_ids, _WRITE, site)
         self._fence_made("copy", site, stream, fence, [*src_ids, *dst_ids], honour_fence)
@@ -294,8 +314,10 @@ class RaceHarness:
     ) -> None:
         """:meth:`HazardAwareBlockPool.free_blocks` with ``token`` = the last
         step that used the blocks, and the oracle's one read of the block
-        table by that step (made now, judged by happens-before).
-        O(len(blocks)).
+        table by that step (reported now, judged by happens-before). The
+        read is the step's: a race on it names the line of the step that
+        made it (:meth:`step`), or this call's line when the harness did not
+        issue ``token``. O(len(blocks)).
 
         Raises:
             The pool's errors (nothing changes); UnrecordedTokenError when the
@@ -308,7 +330,8 @@ class RaceHarness:
         self.pool.free_blocks(blocks, token=token)
         if token is not None:
             self.oracle.tag(token, ids, _READ, what)
-            self._mark(token, ids, _READ, self._where())
+            if self.record_sites:
+                self._mark(token, ids, _READ, self._issued_at.get(token) or self._where())
 
     def complete(self, token: Token) -> None:
         """``token`` ended: tell the pool and the oracle. O(#streams).
@@ -413,20 +436,31 @@ class RaceHarness:
         return f"take `fence_for(blocks, {stream!r}, AccessKind.{v.kind.name})` before the access and pass it as `waits=`"
 
     def explain(self, violations: Sequence[RaceViolation]) -> str:
-        """The message of :meth:`assert_no_races`: one line per violation,
-        then, where sites were recorded, the ``file:line`` of both accesses
-        and the fix (:meth:`fix_for`). O(len(violations) x fences)."""
+        """The message of :meth:`assert_no_races`: a header counting the
+        violations (one per block), then one entry per access pair (the same
+        hazard between the same two accesses, made at the same lines, with
+        the same fix), naming its blocks as runs (``blocks 1-4``), in the
+        order found; under it, where sites were recorded, the
+        ``file:line`` of both accesses and the fix (:meth:`fix_for`).
+        O(len(violations) x fences)."""
         out = [f"blockpool race oracle: {len(violations)} race(s)"]
-        for v in violations:
-            out.append(f"  {v}")
+
+        def where(v: RaceViolation) -> tuple[str | None, str | None, str | None]:
             here = self.site_of(v.token, v.block_id, v.kind)
             there = self.site_of(v.prior_token, v.block_id, v.prior_kind)
             if here is None and there is None:
+                return None, None, None
+            return here, there, self.fix_for(v)
+
+        for v, ids in group_by_access_pair(violations, where):
+            out.append(f"  {describe_group(v, ids)}")
+            here, there, fix = where(v)
+            if fix is None:
                 continue
             out.append(
                 f"    {v.what} by {v.token} at {here or '?'}; {v.prior_what} by {v.prior_token} at {there or '?'}"
             )
-            out.append(f"    fix: {self.fix_for(v)}")
+            out.append(f"    fix: {fix}")
         return "\n".join(out)
 
     def take_unreported(self) -> list[RaceViolation]:

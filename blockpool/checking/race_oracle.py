@@ -32,14 +32,22 @@ order of the work, not of the calls.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 
 from blockpool.core.errors import BlockPoolError, InvalidArgumentError, UnknownStreamError, UnknownTokenError
 from blockpool.core.hazards import AccessKind, StreamKind, Token
 
-__all__ = ["RaceOracle", "RaceViolation", "RecordOrderError", "UnrecordedTokenError"]
+__all__ = [
+    "RaceOracle",
+    "RaceViolation",
+    "RecordOrderError",
+    "UnrecordedTokenError",
+    "block_ranges",
+    "describe_group",
+    "group_by_access_pair",
+]
 
 _DEVICE, _HOST = StreamKind.DEVICE, StreamKind.HOST
 _READ, _WRITE = AccessKind.READ, AccessKind.WRITE
@@ -83,11 +91,73 @@ class RaceViolation:
             raise InvalidArgumentError(f"hazard must be 'RAW', 'WAR' or 'WAW', got {value!r}")
 
     def __str__(self) -> str:
-        return (
-            f"{self.hazard} race on block {self.block_id}: {self.what} ({self.kind.value}) by "
-            f"{self.token} is not ordered after {self.prior_what} ({self.prior_kind.value}) "
-            f"by {self.prior_token}"
-        )
+        return describe_group(self, (self.block_id,))
+
+    @property
+    def access_pair(self) -> tuple[str, Token, AccessKind, str, Token, AccessKind, str]:
+        """What makes two violations the same race on different blocks: the
+        hazard and both accesses (token, kind, agent), without the block.
+        O(1)."""
+        return (self.hazard, self.prior_token, self.prior_kind, self.prior_what, self.token, self.kind, self.what)
+
+
+def block_ranges(block_ids: Iterable[int]) -> str:
+    """Block ids as sorted runs: ``"1-4, 7"`` (duplicates dropped).
+    O(n log n).
+
+    >>> block_ranges([4, 2, 3, 1, 7, 9, 10])
+    '1-4, 7, 9-10'
+    """
+    ids = sorted(set(block_ids))
+    out: list[str] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def describe_group(v: RaceViolation, block_ids: Iterable[int]) -> str:
+    """The message of ``v``'s access pair (:attr:`RaceViolation.access_pair`)
+    over ``block_ids``: ``"WAR race on blocks 1-4: load (write) by h2d:1 is
+    not ordered after forward (read) by compute:1"`` (``block 1`` for one
+    block). O(n log n).
+    """
+    ids = sorted(set(block_ids))
+    where = f"block {ids[0]}" if len(ids) == 1 else f"blocks {block_ranges(ids)}"
+    return (
+        f"{v.hazard} race on {where}: {v.what} ({v.kind.value}) by {v.token} is not ordered after "
+        f"{v.prior_what} ({v.prior_kind.value}) by {v.prior_token}"
+    )
+
+
+def group_by_access_pair(
+    violations: Iterable[RaceViolation], key: Callable[[RaceViolation], object] | None = None
+) -> list[tuple[RaceViolation, list[int]]]:
+    """Violations of the same access pair (:attr:`RaceViolation.access_pair`,
+    and ``key(v)`` when given: e.g. where each access was made) as one
+    group: its first violation and the block ids of all of them, in the
+    order found; the groups in the order their first violation was found.
+    O(len(violations)).
+
+    >>> from blockpool.core.hazards import AccessKind, Token
+    >>> e1, load = Token("compute", 1), Token("h2d", 1)
+    >>> vs = [RaceViolation(b, "WAR", e1, AccessKind.READ, "forward", load, AccessKind.WRITE, "load") for b in (1, 2, 3, 4)]
+    >>> [describe_group(v, ids) for v, ids in group_by_access_pair(vs)]
+    ['WAR race on blocks 1-4: load (write) by h2d:1 is not ordered after forward (read) by compute:1']
+    """
+    groups: dict[object, tuple[RaceViolation, list[int]]] = {}
+    for v in violations:
+        k = v.access_pair if key is None else (v.access_pair, key(v))
+        g = groups.get(k)
+        if g is None:
+            groups[k] = (v, [v.block_id])
+        else:
+            g[1].append(v.block_id)
+    return list(groups.values())
 
 
 class _HostPart:
