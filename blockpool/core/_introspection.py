@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from blockpool.core._base import _HOST, PoolBase, _as_list
 from blockpool.core._mypyc import mypyc_attr
@@ -212,16 +212,15 @@ class IntrospectionOps(PoolBase):
             ForeignTokenError: a token of another pool.
         """
         self._apply_completions()
-        if isinstance(tokens, Token):
-            listed: list[Token] = [tokens]
-        else:
-            listed = _as_list(tokens, "tokens")
+        # Items typed object until validated: the compiled build would
+        # otherwise refuse a non-token with its own TypeError.
+        listed: list[object] = [tokens] if isinstance(tokens, Token) else _as_list(tokens, "tokens")
         tracker = self.tracker
         for t in listed:
             tracker.validate(t)
         ends: set[Token] = set()
         for t in listed:
-            ends |= tracker.completion_ends(t)
+            ends |= tracker.completion_ends(cast(Token, t))
         if not ends or not len(self.holdback):
             return 0
         return self.holdback.released_by(ends, tracker.is_ended)
