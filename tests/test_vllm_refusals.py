@@ -1,4 +1,4 @@
-"""The vLLM wiring under the pool's refusals (#22 points 2 and 3): a load or
+"""The vLLM wiring under the pool's refusals: a load or
 store the pool refuses (``UnsafeTransferError``) is not begun, leaves the
 pool unchanged, is logged, and gets no wire form, so the worker keeps vLLM's
 own path for it (its own waits, as stock); no exception reaches vLLM's

@@ -8,7 +8,7 @@ vLLM's code and tests read ``block.pool`` and ``_block_hash``, call
 builds its blocks as :class:`VllmKVCacheBlock` (one subclass per pool, for
 the fast own-block check) and :class:`VllmNullBlock`, its free queue as
 :class:`VllmFreeBlockQueue`, and vLLM's map view wraps the core's key dict
-(``docs/vllm-plugin.md``, "Design"). The blocks are the core's record
+(``docs/vllm-design.md``, "Design"). The blocks are the core's record
 class with vLLM's names added, not vLLM's dataclass: the compiled core
 reads its records natively and takes no other class. The core's keys are
 vLLM's ``BlockHashWithGroupId`` bytes as they are.
@@ -117,7 +117,7 @@ class VllmKVCacheBlock(_VllmBlockSurface, KVCacheBlock):
     vLLM or the core does).
 
     It is the core's class, not vLLM's, so that the compiled (mypyc) core's
-    native block access takes it (``docs/vllm-plugin.md``, "Design"):
+    native block access takes it (``docs/vllm-design.md``, "Design"):
     ``isinstance(b, vllm.v1.core.kv_cache_utils.KVCacheBlock)`` is false
     (nothing in vLLM 0.32/0.33 tests it but ``BlockHashToBlockMap``, which
     :class:`HashMapView` overrides), and ``==`` is identity (vLLM's

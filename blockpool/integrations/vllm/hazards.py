@@ -11,7 +11,7 @@ wires it into ``Scheduler.schedule``, ``Scheduler.update_from_output`` and
 (:mod:`blockpool.integrations.vllm.pool`) tags every free with
 :meth:`StepHazards.free_token`.
 
-Where each token comes from (``docs/vllm-plugin.md``, "Hazard wiring"):
+Where each token comes from (``docs/vllm-design.md``, "Hazard wiring (scheduler side)"):
 
 - every non-empty scheduled step issues one "forward done" token ``eN`` on
   ``compute``; async scheduling and pipeline parallelism only mean several

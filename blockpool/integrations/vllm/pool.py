@@ -12,7 +12,7 @@ free-queue and key-map types (:mod:`~blockpool.integrations.vllm.blocks`),
 vLLM's events, with token ids, from the core's
 (:mod:`~blockpool.integrations.vllm.events`), and the process-wide
 :data:`SERVED` counters (:mod:`~blockpool.integrations.vllm.served`). Why
-composition and vLLM's own block type: ``docs/vllm-plugin.md``, "Design".
+composition and vLLM's own block type: ``docs/vllm-design.md``, "Design".
 
 Blocks of no pool (``block.pool is None``), which only vLLM's unit tests
 make, are refused here like any other pool's (``ForeignBlockError``); the
