@@ -595,6 +595,22 @@ KNOWN_FLAKY=(
   tests/v1/kv_offload/cpu/test_shared_offload_region.py::test_mp_barrier_unlinks_file_and_survives_sigkill
 )
 
+# Deliberate differences of our pool from vLLM's, each documented with its
+# reason in docs/vllm-differences.md: a plugin-on failure of these tests is
+# listed as such, not judged (any other regression is).
+case "$VLLM_VERSION" in
+0.34.0)
+DOCUMENTED_DIFFERENCES=(
+  # vLLM 0.34's prefix-cache map holds block ids in a dict the garbage
+  # collector does not track; ours is the core's key map (keys to blocks),
+  # which it tracks ("The prefix-cache map and the garbage collector").
+  tests/v1/core/test_prefix_caching.py::test_maybe_evict_cached_block
+  tests/v1/core/test_prefix_caching.py::test_reset_prefix_cache
+)
+;;
+*) DOCUMENTED_DIFFERENCES=() ;;
+esac
+
 declare -A PASS_RC=()   # pass name -> 0 ok / 1 failed
 # 0.34: a temp dir holding the Triton gate as sitecustomize.py, on the off
 # and on passes' PYTHONPATH (set up in main, removed at exit); "" otherwise.
@@ -848,6 +864,17 @@ compare_passes() {
     mv "$report.tmp" "$report"
     log "plugin-on: $(wc -l <"$flaky_report") known timing-flaky tests passed with plugin off but not on (not judged):"
     cat "$flaky_report" >&2
+  fi
+  local diff_report="$RESULTS_DIR/plugin-documented-differences.txt"
+  : >"$diff_report"
+  if [[ ${#DOCUMENTED_DIFFERENCES[@]} -gt 0 ]]; then
+    { grep -F -f <(printf '%s\t\n' "${DOCUMENTED_DIFFERENCES[@]}") "$report" || true; } >"$diff_report"
+    if [[ -s "$diff_report" ]]; then
+      { grep -v -F -f <(printf '%s\t\n' "${DOCUMENTED_DIFFERENCES[@]}") "$report" || true; } >"$report.tmp"
+      mv "$report.tmp" "$report"
+      log "plugin-on: $(wc -l <"$diff_report") tests differ as docs/vllm-differences.md documents (not judged):"
+      cat "$diff_report" >&2
+    fi
   fi
   local n; n=$(wc -l <"$report")
   local gained

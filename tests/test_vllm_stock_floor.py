@@ -670,7 +670,11 @@ def vllm_copy_handler(rank: Rank, swap: Any) -> tuple[Any, Any]:
     h._swap_blocks_batch = swap
     h._transfer_events, h._transfers, h._buffer_pool = {}, deque(), []
     h._stream_pool, h._event_pool = [rank.copy], [rank.dev.new_event(), rank.dev.new_event()]
-    return h, patch.multiple(gmod, current_platform=platform, _clear_pending_device_error=lambda: None)
+    # No pinned host memory without an accelerator: the descriptor buffers
+    # vLLM allocates are plain CPU tensors here.
+    return h, patch.multiple(
+        gmod, current_platform=platform, _clear_pending_device_error=lambda: None, PIN_MEMORY=False
+    )
 
 
 def device_ptrs(n: int) -> Any:

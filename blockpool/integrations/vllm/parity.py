@@ -36,12 +36,16 @@ logger = logging.getLogger("vllm.plugins.blockpool")
 LOOSE_BLOCKS = {"ignored": 0}
 """Blocks of no pool that ``free_blocks`` left alone, in this process."""
 
-_TRACKED: list[ParityBlockPool] | None = None
+_TRACKED: list[Any] | None = None
 
 
-def track_new_pools(on: bool = True) -> list[ParityBlockPool]:
-    """Start (or stop) keeping every :class:`ParityBlockPool` built from
-    now on; returns those kept since the last call. O(1)."""
+def track_new_pools(on: bool = True) -> list[Any]:
+    """Start (or stop) keeping the core (:class:`~blockpool.HazardAwareBlockPool`)
+    of every :class:`ParityBlockPool` built from now on; returns those kept
+    since the last call. The cores, not the pools: a test may check that a
+    pool and what it references are collected once dropped (vLLM 0.34's
+    HiSparse teardown test), and the pool's blocks hold only a weak
+    reference to it there. O(1)."""
     global _TRACKED
     kept = _TRACKED or []
     _TRACKED = [] if on else None
@@ -75,7 +79,7 @@ class ParityBlockPool(VllmBlockPool):
         # compiled core reads the map's values as its own records.
         self._loose_keys = False
         if _TRACKED is not None:
-            _TRACKED.append(self)
+            _TRACKED.append(self.core)
 
     def _foreign(self, *blocks: Any) -> bool:
         return any(b.pool is not self._pool_ref and not b.is_null for b in blocks)

@@ -105,10 +105,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         pools = _parity.track_new_pools(False)
         if pools:
             _CHECKS["tests_checked"] += 1
-        for p in pools:
+        for core in pools:
             _CHECKS["pools_checked"] += 1
             try:
-                p.core.check()
+                core.check()
             except AssertionError as exc:  # InvariantError is an AssertionError
                 _CHECKS["broken"].setdefault(item.nodeid, str(exc))
 
