@@ -338,9 +338,12 @@ def _expected(name: Name) -> str:
 def check(surface: Surface, names: Iterable[Name] | None = None) -> list[Drift]:
     """Check every declared name of ``surface`` (or ``names``) against the
     running vLLM: one :class:`Drift` per name, in declaration order.
-    Imports the declared modules; changes nothing. A connector's module
-    that does not import for want of a third-party package counts as
-    missing. O(names) imports and signature reads.
+    Imports the declared modules; changes nothing. A module that does not
+    import for want of a third-party package gives ``"unavailable"`` (a
+    connector that cannot run here; ``register()`` skips it quietly).
+    O(names) imports, signature reads and, for fingerprinted names, source
+    parses (about 45 ms for vLLM 0.34's table once its modules are
+    imported).
     """
     return [_check_one(n) for n in (surface.all_names() if names is None else names)]
 
