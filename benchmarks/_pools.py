@@ -1,10 +1,12 @@
 """The three pools the benchmarks compare, built the same way.
 
 ``on``: :class:`~blockpool.HazardAwareBlockPool` tracking hazards (the
-default); ``off``: the same with ``track_hazards=False``; ``vllm``: vLLM
-0.33.0's ``vllm.v1.core.block_pool.BlockPool``, imported lazily (importing
-it pulls in torch) and only when it imports; otherwise those benchmarks are
-skipped with the import error as the reason.
+default); ``off``: the same with ``track_hazards=False``; ``vllm``: the
+installed vLLM's ``vllm.v1.core.block_pool.BlockPool`` (a release of a line
+the plugin supports, :data:`blockpool.integrations.vllm.SUPPORTED_VLLM_LINES`;
+``vllm_line()`` names it for the reports), imported lazily (importing it
+pulls in torch) and only when it imports; otherwise those benchmarks are
+skipped with the reason.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from blockpool import HazardAwareBlockPool, StreamKind
 
-__all__ = ["KINDS", "STREAMS", "Request", "hashes", "keys36", "make_pool", "vllm_missing"]
+__all__ = ["KINDS", "STREAMS", "Request", "hashes", "keys36", "make_pool", "vllm_line", "vllm_missing"]
 
 KINDS = ("on", "off", "vllm")
 """Pool kinds, in report order."""
@@ -41,10 +43,23 @@ def vllm_missing() -> str | None:
         import vllm
         from vllm.v1.core.block_pool import BlockPool  # noqa: F401
     except Exception as exc:  # noqa: BLE001  (ImportError, or any error of a broken install)
-        return f"vLLM is not importable here ({type(exc).__name__}: {exc}); run with .venv-vllm"
-    if getattr(vllm, "__version__", "") != "0.33.0":
-        return f"vLLM {vllm.__version__} is installed; the comparison is against 0.33.0"
+        return f"vLLM is not importable here ({type(exc).__name__}: {exc}); run with .venv-vllm034"
+    from blockpool.integrations.vllm import is_supported_vllm_version, supported_vllm_range
+
+    version = getattr(vllm, "__version__", "")
+    if not is_supported_vllm_version(version):
+        return f"vLLM {version} is installed; the comparison is against a supported line ({supported_vllm_range()})"
     return None
+
+
+def vllm_line() -> str:
+    """The vLLM the ``vllm`` rows measure (``"vLLM 0.34.0"``), or why none."""
+    reason = vllm_missing()
+    if reason is not None:
+        return f"no vLLM ({reason})"
+    import vllm
+
+    return f"vLLM {vllm.__version__}"
 
 
 def vllm_block_pool() -> Any:

@@ -12,7 +12,8 @@ run. The pure build is this checkout.
 Each round runs, for each build in turn, one process that validates the
 replay against the recording (block ids of every allocation and lookup,
 free counts) and then times one pass per pool (``on``, ``off``, and
-``vllm`` when vLLM 0.33.0 imports: run it with ``.venv-vllm/bin/python``),
+``vllm`` when a supported vLLM imports: run it with ``.venv-vllm034/bin/python``
+for the newest line, or another line's venv; the output names the vLLM),
 process time. Prints each round's seconds and ratios, then the medians.
 Record the log first with the pure build (the recorder subclasses the
 pool, which the compiled build does not allow)::
@@ -38,10 +39,10 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 import blockpool, _oplog
 from _oplog import OpLog, build_replay, compile_calls, run_calls, validate
-from _pools import make_pool, vllm_missing
+from _pools import make_pool, vllm_line, vllm_missing
 log = _oplog.load(Path(sys.argv[1]))
 kinds = ["on", "off"] + ([] if vllm_missing() else ["vllm"])
-out = {"compiled": blockpool.__compiled__, "file": blockpool.__file__}
+out = {"compiled": blockpool.__compiled__, "file": blockpool.__file__, "vllm_line": vllm_line()}
 for kind in kinds:
     pool = make_pool(kind, log.num_blocks)
     calls, checks = compile_calls(log, kind, pool)
@@ -59,6 +60,14 @@ print(json.dumps(out))
 """
 
 
+def _measured_vllm() -> str:
+    """The vLLM this interpreter measures (``vLLM 0.34.0``), or why none."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from _pools import vllm_line
+
+    return vllm_line()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--oplog", type=Path, required=True)
@@ -70,6 +79,7 @@ def main() -> int:
         name, _, path = spec.rpartition("=")
         builds[name or ("compiled" if len(args.compiled) == 1 else path)] = Path(path).resolve()
     rows: dict[str, list[dict[str, float]]] = {b: [] for b in builds}
+    print(f"against {_measured_vllm()}", flush=True)
     for r in range(args.rounds):
         for name, root in builds.items():
             env = dict(os.environ, PYTHONPATH=str(root))

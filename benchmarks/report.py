@@ -90,12 +90,18 @@ def machine_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _vllm_name(data: dict[str, Any]) -> str:
+    """``vLLM X.Y.Z``, the version the run measured (``machine_info``), or ``vLLM``."""
+    version = (data.get("machine_info") or {}).get("blockpool_bench", {}).get("vllm")
+    return f"vLLM {version}" if version else "vLLM"
+
+
 def build(data: dict[str, Any], rows: dict[tuple[str, str], dict[str, Any]], order: list[str]) -> tuple[str, list[tuple[str, float | None, float | None, float | None]]]:
     def med(scen: str, kind: str) -> float | None:
         r = rows.get((scen, kind))
         return None if r is None else r["median"]
 
-    out = ["# blockpool vs vLLM 0.33.0 `BlockPool`: benchmark report", ""]
+    out = [f"# blockpool vs {_vllm_name(data)} `BlockPool`: benchmark report", ""]
     out += machine_lines(data)
     out += [
         "",
@@ -295,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     md, chart = build(data, rows, order)
     md_path = args.md or args.json.with_name("report.md")
     png_path = args.png or args.json.with_name("ratios.png")
-    note = chart_png(chart, png_path, "blockpool vs vLLM 0.33.0 BlockPool (medians, same run)")
+    note = chart_png(chart, png_path, f"blockpool vs {_vllm_name(data)} BlockPool (medians, same run)")
     if note is None:
         md += f"\n![ratios]({png_path.name})\n"
     else:

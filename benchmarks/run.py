@@ -7,13 +7,16 @@ Usage, from the repository root::
     python benchmarks/run.py -k trace         # only the trace op log
     python benchmarks/run.py --out out/bench --timer perf_counter
 
-The suite runs under ``.venv-vllm/bin/python`` when that venv exists (built
-by ``scripts/vllm_parity.sh``; vLLM 0.33.0 importable there, so its
-``BlockPool`` is measured side by side), else under this interpreter (the
-vLLM rows are then skipped, with the reason). The interpreter needs
-``pytest-benchmark`` (``pip install pytest-benchmark``; for the venv:
-``.venv-vllm/bin/pip install pytest-benchmark``) and ``blockpool``
-importable (the venv's editable install, or the repo root on the path).
+The suite runs under the venv of the newest supported vLLM line that exists
+(``.venv-vllm034``, built by ``bash scripts/vllm_parity.sh``; else
+``.venv-vllm``, vLLM 0.33.0, built by ``VLLM_PARITY_VERSION=0.33.0 bash
+scripts/vllm_parity.sh``), so vLLM's ``BlockPool`` is measured side by
+side; ``--python`` picks another (e.g. ``.venv-vllm/bin/python`` for the
+0.33 line); without one, under this interpreter (the vLLM rows are then
+skipped, with the reason). The report names the vLLM measured. The
+interpreter needs ``pytest-benchmark`` (``.venv-vllm034/bin/pip install
+pytest-benchmark``) and ``blockpool`` importable (the venv's editable
+install, or the repo root on the path).
 
 Writes ``OUT/bench.json`` (pytest-benchmark's JSON), then, with this
 interpreter (which needs matplotlib for the chart), ``OUT/report.md`` and
@@ -43,14 +46,17 @@ BENCH = REPO / "benchmarks"
 def _interpreter(explicit: str | None) -> str:
     if explicit:
         return explicit
-    venv = REPO / ".venv-vllm" / "bin" / "python"
-    return str(venv) if venv.exists() else sys.executable
+    for name in (".venv-vllm034", ".venv-vllm"):  # newest supported line first
+        venv = REPO / name / "bin" / "python"
+        if venv.exists():
+            return str(venv)
+    return sys.executable
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "out" / "bench"), help="output directory (default out/bench)")
-    ap.add_argument("--python", help="interpreter for the suite (default .venv-vllm/bin/python if present)")
+    ap.add_argument("--python", help="interpreter for the suite (default: .venv-vllm034/bin/python, else .venv-vllm/bin/python, if present)")
     ap.add_argument("--timer", default="process_time", choices=["process_time", "perf_counter"])
     ap.add_argument("-k", dest="keyword", help="pytest -k expression (run part of the suite)")
     ap.add_argument("--no-report", action="store_true", help="only run the suite")
