@@ -181,10 +181,10 @@ class _RecordingPool(HazardAwareBlockPool):
         finally:
             log.in_apply_completions = False
 
-    def _enqueue_free(self, blocks: list[Any], to_tail: bool = False) -> None:
+    def _enqueue_free(self, blocks: list[Any], to_tail: bool = False, evict_first: bool = False) -> None:
         log = _LOG
         assert log is not None
-        super()._enqueue_free(blocks, to_tail)
+        super()._enqueue_free(blocks, to_tail, evict_first)
         if log.in_apply_completions and log.depth:
             assert not any(b.block_id in self.holdback for b in blocks)
             log.pre.append(("release", _ids(blocks)))
