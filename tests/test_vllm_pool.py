@@ -610,3 +610,62 @@ def test_the_cores_removals_and_resets_moved_together_keep_their_order() -> None
     assert [e.block_hashes for e in events if isinstance(e, BlockRemoved)] == [
         [maybe_convert_block_hash(h)] for h in (r.block_hashes[0], r.block_hashes[1], r.block_hashes[0])
     ]
+
+
+@pytest.mark.parametrize("cls", [VllmBlockPool, ParityBlockPool], ids=lambda c: c.__name__)
+def test_every_method_of_vllms_pool_has_vllms_parameters_on_ours(cls: type) -> None:
+    """vLLM's code calls its pool by keyword too (0.34's SimpleCPUOffload:
+    ``free_blocks(blocks, evict_first=...)``): every method vLLM's
+    ``BlockPool`` defines is on ours with vLLM's parameter names, in order
+    (ours may add optional ones after them)."""
+    import inspect
+
+    checked = 0
+    for name, fn in vars(VLLM_BLOCK_POOL).items():
+        if not inspect.isfunction(fn):
+            continue
+        if name.startswith("_") and not hasattr(cls, name):
+            continue  # a private helper of vLLM's own methods, which ours replace
+        theirs = [p for p in inspect.signature(fn).parameters]
+        params = inspect.signature(getattr(cls, name)).parameters.values()
+        if name == "__init__" and "num_hash_lookahead_tokens" not in theirs:
+            # vLLM 0.32: no lookahead argument; its medium, passed in that
+            # place, is taken as the medium
+            assert cls(4, True, BS, False, None, "CPU_TIER").medium == "CPU_TIER"
+            continue
+        if [p.kind for p in params][1:] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]:
+            continue  # passed through unchanged (ParityBlockPool.__init__)
+        positional = [p for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        mine = [p.name for p in positional]
+        assert mine[: len(theirs)] == theirs, (name, mine, theirs)
+        # anything more (evict_first before vLLM 0.34) is optional
+        assert all(p.default is not inspect.Parameter.empty for p in positional[len(theirs) :]), name
+        checked += 1
+    assert checked >= 20  # vLLM's public methods at least
+
+
+def test_evict_first_frees_as_vllms_pool_where_vllm_has_it_and_is_refused_unchanged_elsewhere() -> None:
+    import inspect
+
+    from blockpool import InvalidArgumentError
+
+    theirs, ours = pools()
+    has = "evict_first" in inspect.signature(VLLM_BLOCK_POOL.free_blocks).parameters
+    for p in (theirs, ours) if has else (ours,):
+        r = request("a", list(range(3 * BS)))
+        blocks = p.get_new_blocks(3)
+        p.cache_full_blocks(r, blocks, 0, 3, BS, 0)
+        old = p.get_new_blocks(1)
+        p.free_blocks(old)
+        if has:
+            p.free_blocks(blocks[::-1], evict_first=True)
+    if has:
+        assert state(ours) == state(theirs)
+        assert ours.take_events() == theirs.take_events()
+        assert [b.block_id for b in ours.free_block_queue.get_all_free_blocks()][:3] == [3, 2, 1]
+    else:
+        before = state(ours)
+        blocks = [ours.blocks[i] for i in (1, 2, 3)]
+        with pytest.raises(InvalidArgumentError, match="evict_first"):
+            ours.free_blocks(blocks, evict_first=True)
+        assert state(ours) == before

@@ -93,9 +93,10 @@ class ParityBlockPool(VllmBlockPool):
             return VLLM_BLOCK_POOL.get_cached_block(self, block_hash, kv_cache_group_ids)  # type: ignore[no-any-return]
         return super().get_cached_block(block_hash, kv_cache_group_ids)
 
-    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
-        """As :meth:`VllmBlockPool.free_blocks`, blocks of no pool left
-        alone (counted in :data:`LOOSE_BLOCKS`, one warning per pool)."""
+    def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
+        """As :meth:`VllmBlockPool.free_blocks` (``evict_first`` too), blocks
+        of no pool left alone (counted in :data:`LOOSE_BLOCKS`, one warning
+        per pool)."""
         blocks = list(ordered_blocks)
         kept = [b for b in blocks if b.pool is not None or b.is_null]
         if len(kept) < len(blocks):
@@ -104,7 +105,7 @@ class ParityBlockPool(VllmBlockPool):
             if not self._warned_loose:
                 self._warned_loose = True
                 logger.warning("blockpool: free_blocks ignored %d block(s) that belong to no pool", n)
-        super().free_blocks(kept)
+        super().free_blocks(kept, evict_first)
 
     def cache_full_blocks(
         self,

@@ -123,6 +123,10 @@ class VllmBlockPool(VllmEvents):
         track_hazards: bool | None = None,
         streams: dict[str, StreamKind] | None = None,
     ) -> None:
+        if not HAS_LOOKAHEAD and isinstance(num_hash_lookahead_tokens, str):
+            # vLLM 0.32's BlockPool has no lookahead argument: its sixth
+            # positional argument is the medium.
+            medium, num_hash_lookahead_tokens = num_hash_lookahead_tokens, 0
         if num_hash_lookahead_tokens and not HAS_LOOKAHEAD:
             raise InvalidArgumentError(
                 f"num_hash_lookahead_tokens={num_hash_lookahead_tokens}: this vLLM has no lookahead hashing"
