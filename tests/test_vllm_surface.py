@@ -75,30 +75,26 @@ def test_every_connector_function_the_wiring_wraps_has_a_body_fingerprint() -> N
                 assert n.fingerprints, (surface.line, n.target)
 
 
-def _function(source: str) -> Any:
-    ns: dict[str, Any] = {}
-    exec(compile(source, "<doctored>", "exec"), ns)  # noqa: S102  (test input)
-    return ns["f"]
+def _function(tmp_path: Any, name: str, source: str) -> Any:
+    """``f`` of a module written from ``source`` (``inspect.getsource``
+    needs a file)."""
+    import importlib.util
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.f
 
 
-def test_fingerprint_ignores_comments_docstrings_and_layout_but_not_the_body() -> None:
-    a = _function('def f(x):\n    """Doc."""\n    return x + 1  # a comment\n')
-    b = _function("def f(x):\n\n    return (x +\n            1)\n")
-    c = _function("def f(x):\n    return x + 2\n")
-    # getsource needs a file: fingerprint the same sources through linecache
-    import linecache
-
-    for i, fn in enumerate((a, b, c)):
-        name = f"<doctored {i}>"
-        src = {0: 'def f(x):\n    """Doc."""\n    return x + 1  # a comment\n', 1: "def f(x):\n\n    return (x +\n            1)\n", 2: "def f(x):\n    return x + 2\n"}[i]
-        linecache.cache[name] = (len(src), None, src.splitlines(True), name)
-        fn.__code__ = fn.__code__.replace(co_filename=name)
-    try:
-        assert vs.fingerprint(a) == vs.fingerprint(b) != vs.fingerprint(c)
-        assert len(vs.fingerprint(a) or "") == 16
-    finally:
-        for i in range(3):
-            linecache.cache.pop(f"<doctored {i}>", None)
+def test_fingerprint_ignores_comments_docstrings_and_layout_but_not_the_body(tmp_path: Any) -> None:
+    a = _function(tmp_path, "a", 'def f(x):\n    """Doc."""\n    return x + 1  # a comment\n')
+    b = _function(tmp_path, "b", "def f(x):\n\n    return (x +\n            1)\n")
+    c = _function(tmp_path, "c", "def f(x):\n    return x + 2\n")
+    assert vs.fingerprint(a) == vs.fingerprint(b) != vs.fingerprint(c)
+    assert len(vs.fingerprint(a) or "") == 16
     assert vs.fingerprint(len) is None  # no Python source
 
 
