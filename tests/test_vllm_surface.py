@@ -189,7 +189,7 @@ def _snapshot() -> dict[Any, Any]:
         if owner_path and module in sys.modules:
             try:
                 owner = vs.resolve(f"{module}:{owner_path}")
-            except Exception:  # noqa: BLE001
+            except (ImportError, AttributeError):  # a name this vLLM lacks: nothing to snapshot
                 continue
             snap[n.target] = getattr(owner, "__dict__", {}).get(attr)
     return snap

@@ -52,10 +52,9 @@ from blockpool.core.errors import BlockPoolError
 
 __all__ = [
     "CONNECTOR_NAMES",
-    "report",
+    "SURFACES",
     "WORKER_HALF",
     "WORKER_HOOKS",
-    "SURFACES",
     "Drift",
     "Name",
     "Surface",
@@ -63,6 +62,7 @@ __all__ = [
     "active",
     "check",
     "fingerprint",
+    "report",
     "resolve",
     "select",
     "set_active",
