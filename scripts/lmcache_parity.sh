@@ -240,15 +240,20 @@ EOF
 # Re-cloned when the parity venv changes (its requirements stamp, or its
 # site-packages' entries) or the pins do. Nothing in the clone is written in
 # place (pip replaces files), so the parity venv's files stay as they are.
+clone_stamp() {
+  [[ -x "$BASE_VENV/bin/python" ]] || { echo none; return 0; }
+  printf '%s %s %s\n' "$(cat "$BASE_VENV/.freeze-sha256" 2>/dev/null || echo none)" \
+    "$(stat -c %Y "$(site_packages "$BASE_VENV")")" "$(printf '%s\n' "${LMCACHE_PINS[@]}" | sha256sum | cut -d' ' -f1)"
+}
+
 build_venv() {
-  ensure_base_venv
-  local stamp
-  stamp="$(cat "$BASE_VENV/.freeze-sha256" 2>/dev/null || echo none) $(stat -c %Y "$(site_packages "$BASE_VENV")")"
-  stamp+=" $(printf '%s\n' "${LMCACHE_PINS[@]}" | sha256sum | cut -d' ' -f1)"
-  if [[ "$(cat "$VENV/.lmcache-clone-stamp" 2>/dev/null)" == "$stamp" ]] && venv_imports_ok; then
+  local stamp; stamp="$(clone_stamp)"
+  if [[ $stamp != none && "$(cat "$VENV/.lmcache-clone-stamp" 2>/dev/null)" == "$stamp" ]] && venv_imports_ok; then
     log "venv $VENV (a clone of $BASE_VENV with lmcache $LMCACHE_VERSION) is ready"
     return 0
   fi
+  ensure_base_venv
+  stamp="$(clone_stamp)"
   log "cloning $BASE_VENV into $VENV (hard links)"
   rm -rf "$VENV"
   cp -al "$BASE_VENV" "$VENV" 2>/dev/null || { rm -rf "$VENV"; cp -a "$BASE_VENV" "$VENV"; } \
