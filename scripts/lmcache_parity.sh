@@ -62,8 +62,9 @@
 #        built. LMCache 0.5.6's adapter tests build none: they drive the
 #        adapters with stub pools (MagicMock), so the on pass proves that
 #        our install and the connector wiring it adds leave LMCache's
-#        adapters behaving as LMCache's tests expect; the wired connectors
-#        are listed.
+#        adapters behaving as LMCache's tests expect; every connector the
+#        plugin declares (blockpool.integrations.vllm.connectors.CONNECTORS)
+#        must be wired, none left unwired by a failed wrapper.
 #
 # Output: "lmcache-plugin-off: N passed, N failed" (and -on), the probe's
 # findings, and last one line:
@@ -406,6 +407,11 @@ else:
             bad.append("our pool was not bound in vLLM")
         if not bp["hazards"]:
             bad.append("hazard tracking was off")
+        # Every connector the plugin declares imports in this venv (LMCache's
+        # too, once declared), so every one must be wired.
+        missing = sorted(set(bp["declared"]) - set(bp["connectors"]))
+        if missing:
+            bad.append(f"connectors declared but not wired: {', '.join(missing)}")
         if os.path.dirname(bp["file"]) != checkout:
             bad.append(f"blockpool came from {bp['file']}, not {checkout}")
     if r["pool_class"].startswith("vllm.") or r["pool_class"] != r["coordinator_pool_class"]:

@@ -20,7 +20,9 @@ When the session ends it writes, to the file named by
      "pools_built": n, "vllm_pools_built": m,
      "blockpool": null | {"file": path of blockpool/__init__.py,
                           "installed": bool, "hazards": bool,
-                          "connectors": [names wired], "unwired": [names],
+                          "declared": [connectors the plugin can wire],
+                          "connectors": [names wired], "unwired": [names
+                          whose wrappers failed],
                           "pools", "allocations", "transfers_fenced",
                           "fences_nonempty": what our pool served}}
 
@@ -83,6 +85,7 @@ def _blockpool_state() -> dict[str, Any] | None:
     plugin = sys.modules.get("blockpool.integrations.vllm")
     if plugin is None:
         return None
+    from blockpool.integrations.vllm.connectors import CONNECTORS
     from blockpool.integrations.vllm.served import SERVED
 
     state = plugin.install_state()
@@ -91,6 +94,7 @@ def _blockpool_state() -> dict[str, Any] | None:
         "file": sys.modules["blockpool"].__file__,
         "installed": plugin.is_installed(),
         "hazards": bool(state.hazards),
+        "declared": sorted(CONNECTORS),
         "connectors": sorted(state.connectors),
         "unwired": sorted(state.unwired),
         **{k: served[k] for k in ("pools", "allocations", "transfers_fenced", "fences_nonempty")},
