@@ -678,6 +678,7 @@ class StepHazards:
         known: set[int] = set()
         for token in failed:
             known.update(self.pool.invalid_block_ids(token))
+        num_reported = len(reported)
         vllm_only = {b for b in reported if b not in known}
         added = known.difference(reported)
         if added:
@@ -694,7 +695,7 @@ class StepHazards:
                     "belong to left %d block(s) bad in the pool: %d only the pool knew were added to "
                     "vLLM's recovery (recomputed), %d only the connector reported were left to it as "
                     "reported (further disagreements are counted in invalid_reports_disagreeing)",
-                    len(reported), len(failed), len(known), len(added), len(vllm_only),
+                    num_reported, len(failed), len(known), len(added), len(vllm_only),
                 )  # fmt: skip
 
     def blocks_on_their_way(self) -> int:
