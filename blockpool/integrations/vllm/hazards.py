@@ -705,8 +705,12 @@ class StepHazards:
         connector reports it finished or failed, which no preemption can
         hasten. The scheduler wiring answers vLLM's
         ``has_pending_block_frees()`` with it (``docs/vllm-plugin.md``,
-        "Preemption and blocks held back"). O(1)."""
-        return len(self.pool.holdback)
+        "Preemption, bad blocks and new blocks"). Completions reported
+        since the pool's last call are applied first (as by
+        ``get_num_free_blocks``). O(1) plus those completions."""
+        pool = self.pool
+        pool.get_num_free_blocks()  # applies queued completions (they may release held blocks)
+        return len(pool.holdback)
 
     def pending_transfers(self) -> list[Transfer]:
         """Transfers begun and not yet ended, loads first."""
