@@ -35,14 +35,20 @@ registered = tc.registered  # the plugin installed, hazards on or off (request.p
 def zeroing_kv_cache() -> Any:
     """One full-attention group of 64 blocks whose new blocks vLLM zeroes
     (as it resolves ``needs_kv_cache_zeroing`` for a model with Mamba
-    layers or a mixed-precision KV cache)."""
+    layers or a mixed-precision KV cache: a field on vLLM 0.34, a property
+    of the layers on 0.32 and 0.33)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     spec = FullAttentionSpec(block_size=tc.BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv = KVCacheConfig(
-        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    derived = isinstance(getattr(KVCacheConfig, "needs_kv_cache_zeroing", None), property)
+    cls = (
+        type("ZeroingKVCacheConfig", (KVCacheConfig,), {"needs_kv_cache_zeroing": True})
+        if derived
+        else KVCacheConfig
     )
-    kv.needs_kv_cache_zeroing = True
+    kv = cls(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    if not derived:
+        kv.needs_kv_cache_zeroing = True
     return kv
 
 

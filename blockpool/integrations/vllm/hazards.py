@@ -352,8 +352,9 @@ class StepHazards:
 
         The step's zeroing of newly allocated blocks
         (``new_block_ids_to_zero``, vLLM 0.32 to 0.34: enqueued on the
-        compute stream by the model runner's ``_update_states``, before the
-        block copies, before the connector binds the step) is begun here as
+        compute stream by the model runner's state update, V1
+        ``_update_states`` and V2 ``update_requests``, before the block
+        copies and before the connector binds the step) is begun here as
         a write of those blocks by the record's ``copies`` token (issued for
         it when the step has no copies): the worker records that token when
         the connector binds the step, after the zeroing, so a connector's

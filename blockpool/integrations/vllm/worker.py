@@ -211,8 +211,9 @@ class WorkerHazards:
         self.record(record.copies)
         copy_fence = self.waitable(record.copy_fence)
         if copy_fence:
-            # vLLM's runner enqueued the copies already (_update_states, before
-            # the bind): nothing can order them now. vLLM keeps copy endpoints
+            # vLLM's runner enqueued the zeroing and the copies already
+            # (_update_states / update_requests, before the bind): nothing
+            # can order them now. vLLM keeps copy endpoints
             # free of other-stream accesses (flushes, pins, hold-backs); count
             # any fence that says otherwise.
             if self.audit is not None:
@@ -221,8 +222,9 @@ class WorkerHazards:
                 self.copy_fences_unwaited += 1
                 if self.copy_fences_unwaited == 1:
                     logger.warning(
-                        "blockpool: block copies of step %d had a fence (%s) that no wait can order: vLLM "
-                        "enqueues them before the connector binds the step (counted in copy_fences_unwaited)",
+                        "blockpool: block copies of step %d (or its zeroing of new blocks) had a fence (%s) "
+                        "that no wait can order: vLLM enqueues them before the connector binds the step "
+                        "(counted in copy_fences_unwaited)",
                         record.index,
                         ", ".join(map(str, copy_fence)),
                     )
