@@ -612,7 +612,7 @@ class StepHazards:
         because they wrote one of ``invalid_block_ids``."""
         pool = self.pool
         n = 0
-        failed = set(failed_recving or ())
+        failed: set[Hashable] = set(failed_recving or ())
         bad = set(invalid_block_ids or ())
         by_invalid: set[Hashable] = set()
         if bad:
