@@ -67,6 +67,7 @@ first applies vLLM's own default logging configuration (unless
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -125,6 +126,7 @@ _BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
 _COORDINATOR_MODULE = "vllm.v1.core.kv_cache_coordinator"
 _ORIGINAL_ATTR = "_blockpool_vllm_BlockPool"
 _HOOK_BASE = ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1")
+_HAZARDS_ATTR = "_blockpool_step_hazards"  # on a scheduler's connectors: its pool's StepHazards
 _FALSY = {"0", "false", "off", "no"}
 _TRUTHY = {"1", "true", "on", "yes"}
 _LINE = re.compile(r"v?(\d+)\.(\d+)")
@@ -638,9 +640,12 @@ def _wire_scheduler() -> None:
                 return
             connector = getattr(self, "connector", None)
             if connector is not None:
-                from blockpool.integrations.vllm.connectors import on_scheduler_built
+                from blockpool.integrations.vllm.connectors import leaf_connectors, on_scheduler_built
 
                 on_scheduler_built(self)
+                for c in (connector, *leaf_connectors(connector)):
+                    with contextlib.suppress(AttributeError, TypeError):  # a slotted or frozen connector
+                        setattr(c, _HAZARDS_ATTR, hz)
             # Its connectors are bound (their streams registered): with the
             # compute stream alone, no step token could be waited on.
             hz.step_tokens = hz.has_other_streams()
@@ -658,6 +663,30 @@ def _wire_scheduler() -> None:
 
         return _drain_deferred_frees
 
+    def wrap_pending_frees(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def has_pending_block_frees(self: Any) -> bool:
+            if orig(self):
+                return True
+            hz = getattr(self, _HAZARDS_ATTR, None)
+            if hz is None:
+                return False
+            held = hz.blocks_on_their_way()
+            if not held:
+                return False
+            hz.preemptions_deferred += 1
+            SERVED.preemptions_deferred += 1
+            if SERVED.preemptions_deferred == 1:
+                logger.info(
+                    "blockpool: a request did not fit while %d block(s) were held back for KV transfers "
+                    "in flight: it waits for them instead of preempting another request (once per "
+                    "process; counted in SERVED.preemptions_deferred)",
+                    held,
+                )
+            return True
+
+        return has_pending_block_frees
+
     # vLLM's own methods of these classes (_patch refuses an inherited one,
     # e.g. the abstract SchedulerInterface.schedule).
     _patch(Scheduler, "__init__", wrap_init)
@@ -667,6 +696,12 @@ def _wire_scheduler() -> None:
     _patch(Scheduler, "schedule", wrap_schedule)
     _patch(Scheduler, "update_from_output", wrap_update)
     _patch(KVCacheManager, "take_kv_cache_block_copies", wrap_take_copies)
+    if surface is None or surface.declares(_HOOK_BASE[0], f"{_HOOK_BASE[1]}.has_pending_block_frees"):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+        # Blocks held back for transfers in flight come back without a
+        # preemption: the scheduler waits for them (StepHazards.blocks_on_their_way).
+        _patch(KVConnectorBase_V1, "has_pending_block_frees", wrap_pending_frees)
 
 
 def _wire_connectors(drifted: dict[str, list[str]]) -> None:

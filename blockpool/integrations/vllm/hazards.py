@@ -19,6 +19,11 @@ Where each token comes from (``docs/vllm-design.md``, "Hazard wiring (scheduler 
 - the step's block copies (``SchedulerOutput.kv_cache_block_copies``) begin
   as one copy on ``compute`` (a read of each source, a write of each
   destination) when the scheduler drains them, before ``eN``;
+- the zeroing of the step's newly allocated blocks
+  (``SchedulerOutput.new_block_ids_to_zero``), which vLLM's model runner
+  enqueues on ``compute`` just before those copies, is a write of each
+  such block by the same token (one is issued for it when the step has no
+  copies): a connector's write into a zeroed block waits on it;
 - a free is tagged with the newest token issued on ``compute`` (the last
   enqueued step, which with async scheduling may be step N+1);
 - step N's model output reaching ``update_from_output`` ends ``eN`` (and,
@@ -27,7 +32,12 @@ Where each token comes from (``docs/vllm-design.md``, "Hazard wiring (scheduler 
   :meth:`StepHazards.begin_store`) and ships :meth:`Transfer.to_wire` to its
   workers; its ``finished_recving`` / ``finished_sending`` end them, and
   ``failed_recving`` / ``invalid_block_ids`` fail the loads (their blocks'
-  hashes are dropped, never published).
+  hashes are dropped, never published), and the blocks the pool marks bad
+  for the loads ``invalid_block_ids`` failed join that set, so vLLM's
+  recovery recomputes them too (:meth:`StepHazards.on_connector_output`);
+- blocks the pool holds back for a host engine's transfer in flight come
+  back when it ends: :meth:`StepHazards.blocks_on_their_way` tells the
+  scheduler not to preempt for room that is coming.
 
 Example (doctest; the fakes stand for vLLM's outputs)::
 
@@ -201,6 +211,11 @@ class StepHazards:
         self._stores: dict[Hashable, list[Transfer]] = {}
         self._step_writes: tuple[int, Fence] = (0, EMPTY_FENCE)
         self._frees_after_steps = 0
+        self.blocks_zeroed = 0
+        self.zeroings_untagged = 0
+        self.preemptions_deferred = 0
+        self.invalid_blocks_added = 0
+        self.invalid_reports_disagreeing = 0
         self.step_tokens = True
         """Whether the scheduler wiring issues step tokens and begins block
         copies (this class's own methods always do when called). The plugin
@@ -293,6 +308,35 @@ class StepHazards:
         self._pending_copy = (token, fence)
         return token, fence
 
+    def _begin_zeroing(self, block_ids: Iterable[int]) -> None:
+        """Record the zeroing of ``block_ids`` (the step's newly allocated
+        blocks) as a write on the compute stream that runs before the
+        step's block copies: by the pending copy token, or by a token
+        issued for it, which becomes the step record's ``copies`` (the
+        worker records it after both). Where the pending copy token cannot
+        be ordered after the zeroing's fence any more (something is ordered
+        after it already), nothing is tagged (``zeroings_untagged``): a
+        connector's write into those blocks keeps only the waits it had
+        without the tag. O(len(block_ids))."""
+        blocks = self.blocks_of(block_ids)
+        if not blocks:
+            return
+        pool = self.pool
+        pending = self._pending_copy
+        if pending is None:
+            fence = pool.fence_for(blocks, self.stream, AccessKind.WRITE)
+            token = pool.issue(self.stream)  # ordered after the fence
+            earlier = EMPTY_FENCE
+        else:
+            token, earlier = pending
+            if pool.tracker.unorderable(token) is not None:
+                self.zeroings_untagged += 1
+                return
+            fence = pool.fence_for(blocks, self.stream, AccessKind.WRITE, token=token)
+        pool.tag(blocks, token, AccessKind.WRITE)
+        self._pending_copy = (token, earlier.merge(fence))
+        self.blocks_zeroed += len(blocks)
+
     def step_record(self, scheduler_output: object) -> StepRecord | None:
         """The record of a scheduled step, issuing its tokens on first call;
         ``None`` for an empty step (``total_num_scheduled_tokens == 0``: no
@@ -304,7 +348,19 @@ class StepHazards:
         forward) from it; without a record nothing would record them.
         Idempotent per output object, so a connector may call it from
         ``build_connector_meta`` to ship the step's tokens, before the wiring
-        calls it when ``schedule()`` returns. O(1).
+        calls it when ``schedule()`` returns.
+
+        The step's zeroing of newly allocated blocks
+        (``new_block_ids_to_zero``, vLLM 0.32 to 0.34: enqueued on the
+        compute stream by the model runner's state update, V1
+        ``_update_states`` and V2 ``update_requests``, before the block
+        copies and before the connector binds the step) is begun here as
+        a write of those blocks by the record's ``copies`` token (issued for
+        it when the step has no copies): the worker records that token when
+        the connector binds the step, after the zeroing, so a connector's
+        later write into a zeroed block (a GET, a NIXL read) has it in its
+        fence (WAW), and a block a failed load left bad counts as written
+        again. O(1), plus O(blocks zeroed) on the first call.
         """
         if not getattr(scheduler_output, "total_num_scheduled_tokens", 0) and self._pending_copy is None:
             return None
@@ -312,6 +368,9 @@ class StepHazards:
         entry = self._steps.get(key)
         if entry is not None and entry[0]() is scheduler_output:
             return entry[1]
+        zero_ids = getattr(scheduler_output, "new_block_ids_to_zero", None)
+        if zero_ids:
+            self._begin_zeroing(zero_ids)
         copies, copy_fence = self._pending_copy if self._pending_copy is not None else (None, EMPTY_FENCE)
         self._pending_copy = None
         self.steps_issued += 1
@@ -540,18 +599,34 @@ class StepHazards:
         request ids are ignored. Returns the number of transfers ended.
         O(reported ids + pending loads when blocks are invalid).
         """
+        return self._end_transfers(finished_recving, finished_sending, failed_recving, invalid_block_ids)[0]
+
+    def _end_transfers(
+        self,
+        finished_recving: Iterable[str] | None,
+        finished_sending: Iterable[str] | None,
+        failed_recving: Iterable[str] | None,
+        invalid_block_ids: Iterable[int] | None,
+    ) -> tuple[int, list[Token]]:
+        """:meth:`end_transfers`, and the tokens of the loads it failed
+        because they wrote one of ``invalid_block_ids``."""
         pool = self.pool
         n = 0
-        failed = set(failed_recving or ())
+        failed: set[Hashable] = set(failed_recving or ())
         bad = set(invalid_block_ids or ())
+        by_invalid: set[Hashable] = set()
         if bad:
             for req, loads in self._loads.items():
                 if any(bad.intersection(t.block_ids) for t in loads):
-                    failed.add(req)
+                    by_invalid.add(req)
+            failed |= by_invalid
+        tokens: list[Token] = []
         for req in failed:
             for t in self._loads.pop(req, ()):
                 pool.fail(t.token)
                 n += 1
+                if req in by_invalid:
+                    tokens.append(t.token)
         for req in finished_recving or ():
             for t in self._loads.pop(req, ()):
                 pool.complete(t.token)
@@ -560,20 +635,83 @@ class StepHazards:
             for t in self._stores.pop(req, ()):
                 pool.complete(t.token)
                 n += 1
-        return n
+        return n, tokens
 
     def on_connector_output(self, kv_connector_output: object) -> int:
         """:meth:`end_transfers` with the fields of a vLLM
-        ``KVConnectorOutput`` (``None`` is allowed). Returns the count ended."""
+        ``KVConnectorOutput`` (``None`` is allowed), then hand vLLM's
+        recovery what the pool knows is bad. Returns the count ended.
+
+        When the output reports ``invalid_block_ids`` (vLLM then truncates
+        each affected request's computed tokens at its first invalid block
+        and recomputes from there, ``Scheduler._handle_invalid_blocks``),
+        every block the pool marks bad for the loads those ids failed
+        (:meth:`HazardAwareBlockPool.invalid_block_ids` of each load's
+        token: a failed load leaves all its destination blocks bad, where a
+        connector may name only the blocks whose transfer failed) is added
+        to the output's set, in place, before vLLM reads it: vLLM then
+        recomputes those blocks too instead of computing on content nothing
+        rewrote. Nothing is added to an output without invalid blocks
+        (vLLM then recovers whole requests through ``failed_recving``; and
+        a KV cache with several groups refuses block-level reports).
+        Where the two sets differ, one WARNING (the first time, with the
+        counts; later ones are counted in ``invalid_reports_disagreeing``;
+        blocks added in ``invalid_blocks_added``). O(reported ids + pending
+        loads + blocks marked bad).
+        """
         if kv_connector_output is None:
             return 0
         get = getattr
-        return self.end_transfers(
+        reported = get(kv_connector_output, "invalid_block_ids", None)
+        n, failed = self._end_transfers(
             get(kv_connector_output, "finished_recving", None),
             get(kv_connector_output, "finished_sending", None),
             get(kv_connector_output, "failed_recving", None),
-            get(kv_connector_output, "invalid_block_ids", None),
+            reported,
         )
+        if failed and reported:
+            self._add_known_invalid(kv_connector_output, reported, failed)
+        return n
+
+    def _add_known_invalid(self, kv_connector_output: object, reported: Any, failed: list[Token]) -> None:
+        """Add the pool's bad blocks of the ``failed`` loads to the output's
+        ``invalid_block_ids`` (``reported``); warn once where the sets differ."""
+        known: set[int] = set()
+        for token in failed:
+            known.update(self.pool.invalid_block_ids(token))
+        num_reported = len(reported)
+        vllm_only = {b for b in reported if b not in known}
+        added = known.difference(reported)
+        if added:
+            if isinstance(reported, set):
+                reported.update(added)
+            else:
+                setattr(kv_connector_output, "invalid_block_ids", set(reported) | added)  # noqa: B010
+            self.invalid_blocks_added += len(added)
+        if added or vllm_only:
+            self.invalid_reports_disagreeing += 1
+            if self.invalid_reports_disagreeing == 1:
+                logger.warning(
+                    "blockpool: the connector reported %d invalid block(s); the %d failed load(s) they "
+                    "belong to left %d block(s) bad in the pool: %d only the pool knew were added to "
+                    "vLLM's recovery (recomputed), %d only the connector reported were left to it as "
+                    "reported (further disagreements are counted in invalid_reports_disagreeing)",
+                    num_reported, len(failed), len(known), len(added), len(vllm_only),
+                )  # fmt: skip
+
+    def blocks_on_their_way(self) -> int:
+        """Blocks the pool holds back (neither free nor allocatable,
+        ``get_num_free_blocks()`` excludes them) until a host engine's
+        transfer on them ends: they return to the free queue when the
+        connector reports it finished or failed, which no preemption can
+        hasten. The scheduler wiring answers vLLM's
+        ``has_pending_block_frees()`` with it (``docs/vllm-plugin.md``,
+        "Preemption, bad blocks and new blocks"). Completions reported
+        since the pool's last call are applied first (as by
+        ``get_num_free_blocks``). O(1) plus those completions."""
+        pool = self.pool
+        pool.get_num_free_blocks()  # applies queued completions (they may release held blocks)
+        return len(pool.holdback)
 
     def pending_transfers(self) -> list[Transfer]:
         """Transfers begun and not yet ended, loads first."""

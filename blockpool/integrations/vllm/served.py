@@ -23,8 +23,10 @@ class Served:
     core in this process (the proof that the core, not vLLM's pool, served
     vLLM's calls), and by the scheduler wiring (steps issued and ended, steps
     seen without a token because nothing could wait on one, copy batches
-    begun) and by the connector wiring (transfers begun with a
-    fence, and how many of those fences were non-empty)."""
+    begun, preemptions the scheduler did not make because blocks held back
+    for transfers in flight were coming back) and by the connector wiring
+    (transfers begun with a fence, and how many of those fences were
+    non-empty)."""
 
     pools: int = 0
     allocations: int = 0
@@ -37,6 +39,7 @@ class Served:
     steps_untokened: int = 0
     steps_ended: int = 0
     copy_batches: int = 0
+    preemptions_deferred: int = 0
     transfers_fenced: int = 0
     fences_nonempty: int = 0
 

@@ -10,9 +10,10 @@ worker reads. Here, in every worker process, a :class:`WorkerHazards`
 rank) turns them into waits:
 
 - when a connector binds a step's metadata (before the forward, after the
-  step's block copies were enqueued on the compute stream), the copy token
-  is recorded on the compute stream and the compute stream waits on the
-  forward's fence (usually empty);
+  zeroing of the step's new blocks and its block copies were enqueued on
+  the compute stream), the copy token (which stands for both) is recorded
+  on the compute stream and the compute stream waits on the forward's
+  fence (usually empty);
 - after the step's last KV write, the forward token ``eN`` is recorded on
   the compute stream, whichever connectors are wired: right after the
   forward was launched, before the connectors' async loads start
@@ -31,9 +32,10 @@ rank) turns them into waits:
   runs unchanged;
 - **Offloading**: a job's copy stream waits on the job's fence
   (``stream.wait_event`` per token, no host block) right before its copy
-  kernels, after vLLM's own ``wait_stream(compute)`` barrier (kept: it also
-  orders the zeroing of new blocks, which the pool does not track), and the
-  job's token is recorded on that stream after them;
+  kernels, after vLLM's own ``wait_stream(compute)`` barrier (kept: never
+  weaker than stock; it also orders the zeroing of new blocks, which the
+  pool tracks too where the scheduler saw it), and the job's token is
+  recorded on that stream after them;
 - **NIXL** (pull mode): the worker posts READs from its main thread, which
   must not block; a read whose fence has not ended is deferred and posted
   by the first later ``start_load_kv`` that finds the fence ended.
@@ -209,8 +211,9 @@ class WorkerHazards:
         self.record(record.copies)
         copy_fence = self.waitable(record.copy_fence)
         if copy_fence:
-            # vLLM's runner enqueued the copies already (_update_states, before
-            # the bind): nothing can order them now. vLLM keeps copy endpoints
+            # vLLM's runner enqueued the zeroing and the copies already
+            # (_update_states / update_requests, before the bind): nothing
+            # can order them now. vLLM keeps copy endpoints
             # free of other-stream accesses (flushes, pins, hold-backs); count
             # any fence that says otherwise.
             if self.audit is not None:
@@ -219,8 +222,9 @@ class WorkerHazards:
                 self.copy_fences_unwaited += 1
                 if self.copy_fences_unwaited == 1:
                     logger.warning(
-                        "blockpool: block copies of step %d had a fence (%s) that no wait can order: vLLM "
-                        "enqueues them before the connector binds the step (counted in copy_fences_unwaited)",
+                        "blockpool: block copies of step %d (or its zeroing of new blocks) had a fence (%s) "
+                        "that no wait can order: vLLM enqueues them before the connector binds the step "
+                        "(counted in copy_fences_unwaited)",
                         record.index,
                         ", ".join(map(str, copy_fence)),
                     )
