@@ -35,20 +35,13 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("lmcache") is None:
     pytest.skip("LMCache is not installed", allow_module_level=True)
 
-from tests.test_vllm_connectors import (  # noqa: E402  (skips first)
-    make_request,
-    make_scheduler,
-    model_output,
-    registered,  # noqa: F401  (a fixture)
-    worker,
-)
-
-from blockpool.core.hazards import Token, TokenStatus  # noqa: E402
-from blockpool.integrations.vllm import connectors as vc  # noqa: E402
-from blockpool.integrations.vllm import lmcache as lw  # noqa: E402
-from blockpool.integrations.vllm import worker as vw  # noqa: E402
-from blockpool.integrations.vllm.hazards import StepRecord, Transfer  # noqa: E402
-from blockpool.worker.standins import StandInDevice  # noqa: E402
+from blockpool.core.hazards import Token, TokenStatus
+from blockpool.integrations.vllm import connectors as vc
+from blockpool.integrations.vllm import lmcache as lw
+from blockpool.integrations.vllm import worker as vw
+from blockpool.integrations.vllm.hazards import StepRecord, Transfer
+from blockpool.worker.standins import StandInDevice
+from tests.test_vllm_connectors import make_request, make_scheduler, model_output, worker
 
 # Modules LMCache imports that need a compiled package absent here; none
 # of them runs in these tests.
@@ -82,7 +75,6 @@ def _import_adapter() -> Any:
 adapter = _import_adapter()
 
 
-
 @pytest.fixture(autouse=True)
 def _resumed_req_ids() -> Iterator[None]:
     """LMCache 0.5.6's ``build_connector_meta`` reads
@@ -102,6 +94,24 @@ def _resumed_req_ids() -> Iterator[None]:
 BS = 16
 CHUNK = 32
 CONNECTOR = "LMCacheConnectorV1"
+
+
+@pytest.fixture
+def registered(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The plugin installed in this process, hazards on or off
+    (``request.param``), undone afterwards."""
+    import os
+
+    from blockpool.integrations import vllm as plugin
+
+    hazards = getattr(request, "param", True)
+    plugin.unregister()
+    with patch.dict(os.environ, {plugin.ENV_PLUGIN: "1", plugin.ENV_HAZARDS: "1" if hazards else "0"}):
+        plugin.register()
+    try:
+        yield hazards
+    finally:
+        plugin.unregister()
 
 
 class FakeLookup:
@@ -361,7 +371,9 @@ class FakeEngine:
     the GPU connector's load and store streams (stand-ins)."""
 
     def __init__(self, dev: StandInDevice) -> None:
-        self.gpu_connector = SimpleNamespace(load_stream=dev.new_stream("load"), store_stream=dev.new_stream("store"))
+        self.gpu_connector = SimpleNamespace(
+            load_stream=dev.new_stream("load"), store_stream=dev.new_stream("store")
+        )
         self.kv: dict[str, str] = {}
         self.log: list[str] = []
 
@@ -370,7 +382,9 @@ class FakeEngine:
         self.gpu_connector.load_stream.enqueue(lambda: self.log.append(f"load {req}"), f"load {req}")
         return torch.ones(len(tokens), dtype=torch.bool)
 
-    def store(self, tokens: Any, hashes: Any = None, offsets: Any = None, mask: Any = None, **kwargs: Any) -> None:
+    def store(
+        self, tokens: Any, hashes: Any = None, offsets: Any = None, mask: Any = None, **kwargs: Any
+    ) -> None:
         req = kwargs["req_id"]
         self.gpu_connector.store_stream.enqueue(lambda: self.log.append(f"store {req}"), f"store {req}")
 
@@ -388,14 +402,24 @@ def worker_connector(scheduler: Any, engine: FakeEngine) -> Any:
     return conn
 
 
-@pytest.mark.parametrize("registered", [True], indirect=True)
-def test_the_load_stream_waits_on_the_loads_fence_before_lmcache_copies(registered: bool) -> None:
+@contextmanager
+def load_on_worker(audit: Any = None) -> Iterator[tuple[Any, Any, Any, FakeEngine]]:
+    """The load scenario (:func:`load_into_blocks_a_running_step_reads`)
+    on the worker, stand-ins: step 2's forward (it reads A's blocks) is
+    enqueued on the compute stream, not run, and ``e2`` recorded after it;
+    then LMCache's ``start_load_kv`` runs step 3's load through the
+    plugin's wrapper. Yields ``(worker hazards, step 3's output, the
+    compute stream, the engine)``."""
+    from blockpool.worker.torch_events import EventLedger
+
     lookup = FakeLookup()
     scheduler = lmcache_scheduler(lookup, num_blocks=5)
     out2, out3 = load_into_blocks_a_running_step_reads(scheduler, lookup)
     dev = StandInDevice()
     compute = dev.new_stream("compute")
-    wh = worker(dev, compute)
+    ledger = EventLedger(dev.new_event, streams={"compute": compute})
+    wh = vw.WorkerHazards(ledger, lambda: compute, timeout=5.0, audit=audit)
+    vw.install(wh)
     try:
         engine = FakeEngine(dev)
         conn = worker_connector(scheduler, engine)
@@ -404,16 +428,34 @@ def test_the_load_stream_waits_on_the_loads_fence_before_lmcache_copies(register
         wh.record(step_of(out2).forward)  # e2 after step 2's forward
         conn.bind_connector_metadata(out3.kv_connector_metadata)
         conn.start_load_kv(SimpleNamespace(attn_metadata=object()))
+        yield wh, out3, compute, engine
+    finally:
+        vw.install(None)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_the_load_stream_waits_on_the_loads_fence_before_lmcache_copies(registered: bool) -> None:
+    with load_on_worker() as (wh, out3, compute, engine):
         load = engine.gpu_connector.load_stream
         assert load.run() == 0 and engine.log == []  # held at its wait on e2
         compute.run()
         load.run()
         assert engine.log == ["step 2 reads A's blocks", "load B"]
         assert wh.waits == 1 and wh.stock_fallbacks == 0
-        token = Transfer.from_wire(getattr(req_meta(out3, "B"), vc.META_LOAD)).token
-        assert wh.was_recorded(token)
-    finally:
-        vw.install(None)
+        assert wh.was_recorded(Transfer.from_wire(getattr(req_meta(out3, "B"), vc.META_LOAD)).token)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_audit_mode_counts_a_load_that_starts_while_its_fence_runs_and_adds_no_wait(registered: bool) -> None:
+    from blockpool.integrations.vllm.audit import Audit
+
+    audit = Audit()
+    with load_on_worker(audit) as (wh, _, _, engine):
+        assert engine.gpu_connector.load_stream.run() == 1  # no wait added: LMCache's copy runs as stock
+        assert engine.log == ["load B"]
+        assert audit.to_json()["by_connector_and_kind"]["lmcache/load"]["raced"] == 1
+        (example,) = audit.examples
+        assert example.running == (Token("compute", 2),) and wh.waits == 0
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)

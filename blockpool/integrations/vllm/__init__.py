@@ -686,8 +686,9 @@ def _wire_connectors(drifted: dict[str, list[str]]) -> None:
 
     errors: dict[str, str] = {}
     skip: set[str] = set()
+    absent = {name for name, what in drifted.items() if not what}  # cannot run here
     for group, what in sorted(drifted.items()):
-        affected = list(WORKER_HALF) if group == WORKER_HOOKS else [group]
+        affected = [n for n in WORKER_HALF if n not in absent] if group == WORKER_HOOKS else [group]
         skip.update(affected)
         if not what:  # not available here (register() logged it at debug level)
             continue
