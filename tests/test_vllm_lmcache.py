@@ -278,6 +278,8 @@ def test_a_refused_load_is_not_run_and_comes_back_to_vllm_as_a_failed_load(regis
     assert not hasattr(rm, vc.META_LOAD) and not rm.load_spec.can_load  # not begun, not run
     assert not rm.save_spec.can_save  # nothing the step computes on the unloaded tokens is stored
     assert getattr(rm, lw.META_REFUSED) == b[3:6]  # what vLLM counted as loaded: tokens [48, 96)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert [pool.blocks[i].block_hash is None for i in b[2:6]] == [False, True, True, True]  # never published
     assert hazards(scheduler).pending_transfers() == []
 
     # The worker reports those blocks through LMCache's failed-load record ...

@@ -25,8 +25,9 @@ adds:
 - **refusal**: a load the pool refuses (a write into a published block a
   second request holds, say a whole-chunk load over a prefix hit) is not
   begun and not run: its ``can_load`` and the request's ``can_save`` of
-  that step are turned off, and the blocks vLLM counted as loaded go on
-  the ``ReqMeta`` (:data:`META_REFUSED`); the worker reports them through
+  that step are turned off, and the blocks vLLM counted as loaded lose
+  their prefix-cache keys and go on the ``ReqMeta``
+  (:data:`META_REFUSED`); the worker reports them through
   LMCache's own failed-load record (``get_block_ids_with_load_errors``),
   so vLLM recomputes those tokens, as for a load that failed;
 - **worker** (:func:`wire_worker`): in ``start_load_kv``, right before each
@@ -185,7 +186,7 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
                 try:
                     t = hz.begin_load(rm.req_id, blocks, LOAD_STREAM, key=key)
                 except UnsafeTransferError as exc:
-                    _refuse(rm, bs, exc, w.name)
+                    _refuse(rm, bs, exc, w)
                 else:
                     begun = True
                     SERVED.transfers_fenced += 1
@@ -214,21 +215,23 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
         hz.end_with_step(key)
 
 
-def _refuse(rm: Any, block_size: int, exc: Exception, name: str) -> None:
-    """A load the pool refused: not run, and the blocks vLLM counted as
-    loaded (from ``vllm_cached_tokens`` on: the prefix hits keep their
-    content) are reported failed by the worker, so vLLM recomputes them.
-    The request's store of this step is dropped (its forward reads the
-    unloaded tokens)."""
+def _refuse(rm: Any, block_size: int, exc: Exception, w: ConnectorWiring) -> None:
+    """A load the pool refused: not run, as a failed load. The blocks vLLM
+    counted as loaded (from ``vllm_cached_tokens`` on: the prefix hits
+    keep their content) lose their prefix-cache keys (vLLM published them
+    when it allocated them; they hold no valid content) and are reported
+    failed by the worker, so vLLM recomputes them. The request's store of
+    this step is dropped (its forward reads the unloaded tokens)."""
     ls = rm.load_spec
-    start, end = int(ls.vllm_cached_tokens), int(ls.lmcache_cached_tokens)
+    ids = _block_ids(rm.slot_mapping, int(ls.vllm_cached_tokens), int(ls.lmcache_cached_tokens), block_size)
     ls.can_load = False
     if rm.save_spec is not None:
         rm.save_spec.can_save = False
-    setattr(rm, META_REFUSED, _block_ids(rm.slot_mapping, start, end, block_size))
+    w.hazards.pool.evict_blocks([b.block_id for b in w.hazards.blocks_of(ids)])
+    setattr(rm, META_REFUSED, ids)
     logger.warning(
         "blockpool: %s: load of request %r refused, reported to vLLM as a failed load (recomputed): %s",
-        name, rm.req_id, exc,
+        w.name, rm.req_id, exc,
     )  # fmt: skip
 
 
