@@ -175,9 +175,11 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
     config = impl.config
     whole_chunks = bool(getattr(config, "use_layerwise", False) or getattr(config, "enable_blending", False))
     role = getattr(impl, "kv_role", None)
-    key = (LMCACHE, hz.steps_issued)
-    begun = False
+    begun = []
     for rm in requests:
+        # One key per request and step: a failure LMCache reports for one
+        # request's blocks fails that request's load alone.
+        key = (LMCACHE, hz.steps_issued, rm.req_id)
         ls = rm.load_spec
         if ls is not None and ls.can_load:
             start, end = load_tokens(ls, chunk, whole_chunks)
@@ -188,7 +190,7 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
                 except UnsafeTransferError as exc:
                     _refuse(rm, bs, exc, w)
                 else:
-                    begun = True
+                    begun.append(key)
                     SERVED.transfers_fenced += 1
                     SERVED.fences_nonempty += bool(t.fence.tokens)
                     setattr(rm, META_LOAD, t.to_wire())
@@ -207,11 +209,11 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
             if ss is not None:
                 ss.can_save = False
             continue
-        begun = True
+        begun.append(key)
         SERVED.transfers_fenced += 1
         SERVED.fences_nonempty += bool(t.fence.tokens)
         setattr(rm, META_STORE, t.to_wire())
-    if begun:
+    for key in dict.fromkeys(begun):
         hz.end_with_step(key)
 
 
