@@ -475,6 +475,9 @@ def test_the_store_stream_waits_on_the_stores_fence_before_lmcache_copies(regist
         conn.bind_connector_metadata(out1.kv_connector_metadata)
         compute.enqueue(lambda: engine.log.append("forward 1 writes C"), "forward 1")
         wh.record(step_of(out1).forward)
+        # vLLM calls save_kv_layer for every layer; LMCache's paged (not
+        # layerwise) store runs in wait_for_save and waits on its fence there.
+        conn.save_kv_layer("layer", torch.zeros(1), object())
         with patch.object(adapter, "get_pp_group", lambda: SimpleNamespace(is_last_rank=True)):
             conn.wait_for_save()
         store = engine.gpu_connector.store_stream

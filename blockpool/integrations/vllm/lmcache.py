@@ -271,14 +271,23 @@ def _transfers(meta: Any, attr: str) -> dict[str, Any]:
 
 @contextmanager
 def _fenced(
-    engine: Any, methods: Iterable[str], transfers: dict[str, Any], stream_attr: str, what: str
+    engine: Any,
+    methods: Iterable[str],
+    transfers: dict[str, Any],
+    stream_attr: str,
+    what: str,
+    *,
+    record_rest: bool,
 ) -> Iterator[None]:
     """While inside: each of ``engine``'s ``methods`` called for a request
     with a transfer in ``transfers`` (by its ``req_id`` keyword) first
     orders the GPU connector's ``stream_attr`` stream after the transfer's
-    fence, and records the transfer's token on that stream once it
-    returns. Transfers not run inside are recorded on leaving (their
-    points are then)."""
+    fence; the transfer's token is recorded on that stream once the call
+    returns (``retrieve``, ``store``: their copies are enqueued by then),
+    or, for the layerwise ``*_layer`` calls (their copies run layer by
+    layer), by the step's last call (``wait_for_save``). With
+    ``record_rest``, the transfers not begun inside and not recorded
+    before are recorded on leaving (their points are then)."""
     from blockpool.integrations.vllm import worker as vw
 
     wh = vw.current()
@@ -287,12 +296,11 @@ def _fenced(
         return
     gpu = getattr(engine, "gpu_connector", None)
     stream = getattr(gpu, stream_attr, None) or wh.current_stream()
-    # Not those run already (a layerwise store begins at the first layer).
     pending = {r: t for r, t in transfers.items() if not wh.was_recorded(t.token)}
     methods = [m for m in methods if callable(getattr(engine, m, None))]
     saved = {m: engine.__dict__.get(m) for m in methods}
 
-    def wrap(orig: Any) -> Any:
+    def wrap(orig: Any, layerwise: bool) -> Any:
         @functools.wraps(orig)
         def fenced(*args: Any, **kwargs: Any) -> Any:
             t = pending.pop(kwargs.get("req_id"), None)
@@ -305,12 +313,13 @@ def _fenced(
             try:
                 return orig(*args, **kwargs)
             finally:
-                wh.record(t.token, stream)
+                if not layerwise:
+                    wh.record(t.token, stream)
 
         return fenced
 
     for m in methods:
-        setattr(engine, m, wrap(getattr(engine, m)))
+        setattr(engine, m, wrap(getattr(engine, m), m.endswith("_layer")))
     try:
         yield
     finally:
@@ -319,8 +328,9 @@ def _fenced(
                 engine.__dict__.pop(m, None)
             else:
                 setattr(engine, m, own)
-        for t in sorted(pending.values(), key=lambda t: t.token.seq):
-            wh.record(t.token, stream)
+        if record_rest:
+            for t in sorted(pending.values(), key=lambda t: t.token.seq):
+                wh.record(t.token, stream)
 
 
 def _engine(conn: Any) -> Any:
@@ -348,27 +358,47 @@ def wire_worker(patch: Patcher) -> None:
             ]
             if refused:
                 self._lmcache_engine._invalid_block_ids.update(refused)
+            loads = _transfers(meta, META_LOAD)
             with _fenced(
                 _engine(self),
                 ("retrieve", "retrieve_layer"),
-                _transfers(meta, META_LOAD),
+                loads,
                 "load_stream",
                 "an LMCache load",
+                record_rest=True,
             ):
                 return orig(self, forward_context, **kwargs)
 
         return start_load_kv
 
-    def store_wrapper(orig: Any) -> Any:
+    def wrap_save_layer(orig: Any) -> Any:
         @functools.wraps(orig)
-        def saving(self: Any, *args: Any, **kwargs: Any) -> None:
-            meta = getattr(self, "_connector_metadata", None)
-            stores = _transfers(meta, META_STORE)
-            with _fenced(_engine(self), ("store", "store_layer"), stores, "store_stream", "an LMCache store"):
+        def save_kv_layer(self: Any, *args: Any, **kwargs: Any) -> None:
+            stores = _transfers(getattr(self, "_connector_metadata", None), META_STORE)
+            with _fenced(
+                _engine(self), ("store_layer",), stores, "store_stream", "an LMCache store", record_rest=False
+            ):
                 return orig(self, *args, **kwargs)
 
-        return saving
+        return save_kv_layer
+
+    def wrap_wait_for_save(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def wait_for_save(self: Any) -> None:
+            meta = getattr(self, "_connector_metadata", None)
+            engine = _engine(self)
+            loads, stores = _transfers(meta, META_LOAD), _transfers(meta, META_STORE)
+            # The step's last call: its layerwise loads and stores ran to
+            # their last layer; their tokens (and those of stores not run)
+            # are recorded when it returns.
+            with (
+                _fenced(engine, (), loads, "load_stream", "an LMCache load", record_rest=True),
+                _fenced(engine, ("store",), stores, "store_stream", "an LMCache store", record_rest=True),
+            ):
+                return orig(self)
+
+        return wait_for_save
 
     patch(cls, "start_load_kv", wrap_start)
-    patch(cls, "save_kv_layer", store_wrapper)
-    patch(cls, "wait_for_save", store_wrapper)
+    patch(cls, "save_kv_layer", wrap_save_layer)
+    patch(cls, "wait_for_save", wrap_wait_for_save)
