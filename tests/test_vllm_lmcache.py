@@ -390,15 +390,27 @@ class FakeEngine:
         req = kwargs["req_id"]
         self.gpu_connector.store_stream.enqueue(lambda: self.log.append(f"store {req}"), f"store {req}")
 
+    def store_layer(self, tokens: Any, mask: Any = None, **kwargs: Any) -> Iterator[None]:
+        req = kwargs["req_id"]
+
+        def layers() -> Iterator[None]:
+            for layer in range(2):
+                self.gpu_connector.store_stream.enqueue(
+                    lambda layer=layer: self.log.append(f"store {req} layer {layer}"), f"store {req}"
+                )
+                yield
+
+        return layers()
+
     def lookup_unpin(self, req_id: str) -> None:
         pass
 
 
-def worker_connector(scheduler: Any, engine: FakeEngine) -> Any:
+def worker_connector(scheduler: Any, engine: FakeEngine, layerwise: bool = False) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
-    with lmcache_built(engine=engine):
+    with lmcache_built(engine=engine, layerwise=layerwise):
         conn = LMCacheConnectorV1(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
     conn._lmcache_engine.kv_caches = {"layer": torch.zeros(1)}
     return conn
@@ -487,6 +499,35 @@ def test_the_store_stream_waits_on_the_stores_fence_before_lmcache_copies(regist
         assert engine.log == ["forward 1 writes C", "store C"]
         token = Transfer.from_wire(getattr(req_meta(out1, "C"), vc.META_STORE)).token
         assert wh.was_recorded(token) and wh.stock_fallbacks == 0
+    finally:
+        vw.install(None)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_layerwise_store_waits_at_its_first_layer_and_is_recorded_after_its_last(registered: bool) -> None:
+    lookup = FakeLookup()
+    scheduler = lmcache_scheduler(lookup, layerwise=True)
+    scheduler.add_request(make_request("C", list(range(1, 65))))
+    out1 = scheduler.schedule()
+    token = Transfer.from_wire(getattr(req_meta(out1, "C"), vc.META_STORE)).token
+    dev = StandInDevice()
+    compute = dev.new_stream("compute")
+    wh = worker(dev, compute)
+    try:
+        engine = FakeEngine(dev)
+        conn = worker_connector(scheduler, engine, layerwise=True)
+        conn.bind_connector_metadata(out1.kv_connector_metadata)
+        compute.enqueue(lambda: engine.log.append("forward 1 writes C"), "forward 1")
+        wh.record(step_of(out1).forward)
+        conn.save_kv_layer("layer", torch.zeros(1), object())  # the first layer creates the storer
+        assert not wh.was_recorded(token)  # its copies run layer by layer
+        conn.wait_for_save()  # the last layer
+        assert wh.was_recorded(token) and wh.waits == 1
+        store = engine.gpu_connector.store_stream
+        assert store.run() == 0  # held at its wait on e1
+        compute.run()
+        store.run()
+        assert engine.log == ["forward 1 writes C", "store C layer 0", "store C layer 1"]
     finally:
         vw.install(None)
 
