@@ -6,8 +6,8 @@ streams wait on exactly those fences.
 vLLM's ``LMCacheConnectorV1`` (vLLM 0.32 to 0.34, the same module in each)
 drives LMCache's adapter ``lmcache.integration.vllm.vllm_v1_adapter``
 (``use_native`` in the connector's extra config selects vLLM's vendored
-copy of it instead, same shape). What one step does, and what this wiring
-adds:
+copy of it instead: not wired, one warning). What one step does, and what
+this wiring adds:
 
 - **scheduler** (``build_connector_meta``): LMCache plans one ``ReqMeta``
   per request, with ``token_ids`` and a ``slot_mapping`` (``block_id *
@@ -33,10 +33,13 @@ adds:
 - **worker** (:func:`wire_worker`): in ``start_load_kv``, right before each
   request's ``retrieve`` (whose ``batched_to_gpu`` runs on LMCache's
   ``load_stream``), the load stream waits on the load's fence; in
-  ``wait_for_save`` (and ``save_kv_layer``), right before each ``store``
-  (whose ``from_gpu`` runs on the ``store_stream``), the store stream waits
-  on the store's fence; each transfer's token is recorded on its stream
-  after it. LMCache's own synchronisation (``load_stream.synchronize()``
+  ``wait_for_save``, right before each ``store`` (whose ``from_gpu`` runs
+  on the ``store_stream``), the store stream waits on the store's fence;
+  each transfer's token is recorded on its stream after it. The layerwise
+  path waits the same way before ``retrieve_layer`` / ``store_layer``
+  (``save_kv_layer`` at the first layer) and records the tokens when
+  ``wait_for_save`` returns, after the last layer. LMCache's own
+  synchronisation (``load_stream.synchronize()``
   after every batch, the store stream's ``synchronize()``, the layerwise
   ``wait_stream``) is untouched: the fence is added on top;
 - **ending**: LMCache runs a step's loads and stores to their end inside
