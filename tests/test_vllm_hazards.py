@@ -306,3 +306,33 @@ def test_frees_after_their_steps_are_tagged_with_nothing() -> None:
     with hz.frees_after_their_steps():
         assert hz.free_token() is None
     assert hz.free_token() == Token("compute", 1)
+
+
+def test_transfers_that_end_with_their_step_end_when_its_output_comes_back_not_before() -> None:
+    pool, hz = make()
+    s1, s2 = Out(), Out()
+    hz.step_record(s1)
+    load = hz.begin_load("r1", pool.get_new_blocks(1), "h2d", key=("lmcache", 1))
+    store = hz.begin_store("r1", pool.get_new_blocks(1), "d2h", key=("lmcache", 1))
+    hz.end_with_step(("lmcache", 1))
+    hz.step_record(s2)
+    later = hz.begin_store("r2", pool.get_new_blocks(1), "d2h", key=("lmcache", 2))
+    hz.end_with_step(("lmcache", 2))
+    assert [pool.token_status(t.token).value for t in (load, store, later)] == ["pending"] * 3
+    hz.end_step(s1)
+    assert [pool.token_status(t.token).value for t in (load, store, later)] == ["completed", "completed", "pending"]
+    assert hz.pending_transfers() == [later]
+
+
+def test_a_load_its_steps_output_reports_failed_fails_before_the_step_ends_the_rest() -> None:
+    pool, hz = make()
+    s1 = Out()
+    hz.step_record(s1)
+    bad, good = pool.get_new_blocks(1), pool.get_new_blocks(1)
+    failed = hz.begin_load("r1", bad, "h2d", key=("lmcache", 1, "r1"))
+    ok = hz.begin_load("r2", good, "h2d", key=("lmcache", 1, "r2"))
+    hz.end_with_step(("lmcache", 1, "r1"))
+    hz.end_with_step(("lmcache", 1, "r2"))
+    hz.on_connector_output(ConnOut(invalid_block_ids={bad[0].block_id}))
+    hz.end_step(s1)
+    assert [pool.token_status(t.token).value for t in (failed, ok)] == ["failed", "completed"]

@@ -30,8 +30,21 @@ from blockpool.integrations import vllm as plugin
 from blockpool.integrations.vllm import surface as vllm_surface
 
 LOGGER = "vllm.plugins.blockpool"
-CONNECTORS = ("mooncake_store", "offloading", "simple_cpu_offload", "nixl")
-WORKER_HALF = ("mooncake_store", "offloading", "nixl")
+
+
+def _lmcache_runs() -> bool:
+    """LMCache's adapter imports here (LMCache installed, its compute
+    backend loaded or stood in for): the plugin wires it then."""
+    try:
+        importlib.import_module("lmcache.integration.vllm.vllm_v1_adapter")
+    except ImportError:
+        return False
+    return True
+
+
+_LMCACHE = ("lmcache",) if _lmcache_runs() else ()
+CONNECTORS = ("mooncake_store", "offloading", "simple_cpu_offload", "nixl", *_LMCACHE)
+WORKER_HALF = ("mooncake_store", "offloading", "nixl", *_LMCACHE)
 
 
 class Records(logging.Handler):

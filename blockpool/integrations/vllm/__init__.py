@@ -606,11 +606,14 @@ def _wire_scheduler() -> None:
         ) -> Any:
             hz = hazards_of_scheduler(self)
             if hz is not None:
-                if hz.end_step(scheduler_output) is not None:
-                    SERVED.steps_ended += 1
+                # The connector's failures first: a load the step's output
+                # reports failed fails before the step's end completes what
+                # ends with it (StepHazards.end_with_step).
                 connector_output = getattr(model_runner_output, "kv_connector_output", None)
                 if connector_output is not None:
                     hz.on_connector_output(connector_output)
+                if hz.end_step(scheduler_output) is not None:
+                    SERVED.steps_ended += 1
             return orig(self, scheduler_output, model_runner_output, *a, **k)
 
         return update_from_output
@@ -718,8 +721,9 @@ def _wire_connectors(drifted: dict[str, list[str]]) -> None:
 
     errors: dict[str, str] = {}
     skip: set[str] = set()
+    absent = {name for name, what in drifted.items() if not what}  # cannot run here
     for group, what in sorted(drifted.items()):
-        affected = list(WORKER_HALF) if group == WORKER_HOOKS else [group]
+        affected = [n for n in WORKER_HALF if n not in absent] if group == WORKER_HOOKS else [group]
         skip.update(affected)
         if not what:  # not available here (register() logged it at debug level)
             continue

@@ -6,7 +6,8 @@ With ``BLOCKPOOL_VLLM_HAZARDS=audit`` the plugin installs our pool and the
 scheduler wiring as with hazards on (every fence is computed, every token
 issued and recorded), but the worker adds **no** wait: vLLM's own waits run
 exactly as stock (MooncakeStore's ``current_event``, Offloading's
-``wait_stream(compute)``, NIXL posting at once). At the moment each wired
+``wait_stream(compute)``, NIXL posting at once, LMCache's copies on its
+load and store streams, which wait on no ``compute`` work). At the moment each wired
 transfer is about to touch GPU memory, the worker asks, without blocking,
 whether every token of its fence has ended (:meth:`Audit.observe`): a
 device token's event is queried (``Event.query()``, through the ledger's
@@ -27,7 +28,8 @@ fence was non-empty, and those that started while a fence token was still
 running, with the first :attr:`Audit.max_examples` of the last in full
 (request, block ids, the transfer's token, the tokens still running: their
 stream says what work it is, ``compute`` a forward or block copy,
-``offload_d2h`` an offload store, ``mooncake_store`` a GET or PUT, ...).
+``offload_d2h`` an offload store, ``mooncake_store`` a GET or PUT,
+``lmcache_load`` / ``lmcache_store`` an LMCache load or store, ...).
 Logged as one line every :data:`ENV_AUDIT_INTERVAL` seconds (default 60)
 when counts changed and once at exit, and written as JSON to
 :data:`ENV_AUDIT_FILE` when set (a file per rank: ``{rank}`` in the name is

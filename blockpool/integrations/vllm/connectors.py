@@ -43,6 +43,9 @@ connector                     stream / engine                            kind
 ``SimpleCPUOffloadConnector`` ``simple_cpu_h2d``, ``simple_cpu_d2h``      DEVICE
                               (scheduler side only)
 ``NixlConnector`` (pull/push) ``nixl`` (remote reads into decode blocks)  HOST
+``LMCacheConnectorV1``        ``lmcache_load``, ``lmcache_store``         DEVICE
+                              (LMCache's copy streams; see
+                              :mod:`~blockpool.integrations.vllm.lmcache`)
 ============================  =========================================  ======
 
 Any other connector logs one line when a scheduler binds it to our pool:
@@ -66,6 +69,7 @@ from typing import Any
 import attrs
 
 from blockpool.core.hazards import StreamKind
+from blockpool.integrations.vllm import lmcache as _lmcache
 from blockpool.integrations.vllm.hazards import StepHazards, Transfer
 
 __all__ = [
@@ -615,6 +619,7 @@ CONNECTORS: dict[str, ConnectorSpec] = {
         {NIXL: StreamKind.HOST},
         _patch_nixl,
     ),
+    _lmcache.LMCACHE: ConnectorSpec(_lmcache.MODULE, _lmcache.STREAMS, _lmcache.patch_scheduler),
 }
 """Every connector this module can wire, by name."""
 

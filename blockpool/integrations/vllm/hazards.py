@@ -210,6 +210,7 @@ class StepHazards:
         self._loads: dict[Hashable, list[Transfer]] = {}
         self._stores: dict[Hashable, list[Transfer]] = {}
         self._step_writes: tuple[int, Fence] = (0, EMPTY_FENCE)
+        self._ends_with_step: dict[int, list[Hashable]] = {}
         self._frees_after_steps = 0
         self.blocks_zeroed = 0
         self.zeroings_untagged = 0
@@ -467,7 +468,22 @@ class StepHazards:
         record = entry[1]
         self.pool.complete(record.forward)
         self.steps_ended += 1
+        if self._ends_with_step:
+            for index in [i for i in self._ends_with_step if i <= record.index]:
+                for k in self._ends_with_step.pop(index):
+                    self.finish(k)
         return record
+
+    def end_with_step(self, key: Hashable) -> None:
+        """The transfers begun (and to be begun) under ``key`` end, completed,
+        when the output of the newest issued step comes back
+        (:meth:`end_step`), or of any later step: for a connector whose
+        workers run a step's transfers to their end inside that step (they
+        report nothing of their own; vLLM returns a step's output once every
+        rank ran it). A failure reported with that output
+        (:meth:`on_connector_output`, which the scheduler wiring calls
+        first) fails a load before. O(1)."""
+        self._ends_with_step.setdefault(self.steps_issued, []).append(key)
 
     def outstanding_steps(self) -> list[StepRecord]:
         """Records of issued steps whose output has not come back, oldest first."""

@@ -306,6 +306,11 @@ def _check_one(name: Name) -> Drift:
         third_party = exc.name is not None and exc.name.split(".")[0] != "vllm"
         status = "unavailable" if third_party else "missing"
         return Drift(name, status, _expected(name), f"{type(exc).__name__}: {exc}")
+    except ImportError as exc:
+        # A connector's own third-party package that does not import here
+        # (LMCache without its compute backend): it cannot run here either.
+        status = "missing" if name.module.split(".")[0] == "vllm" else "unavailable"
+        return Drift(name, status, _expected(name), f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # noqa: BLE001  (any failure to find it is a drift)
         return Drift(name, "missing", _expected(name), f"{type(exc).__name__}: {exc}")
     inherited = _inherited_from(name)
@@ -372,13 +377,14 @@ _NIXL_W = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
 
 # Connector names (as blockpool.integrations.vllm.connectors names them).
 MOONCAKE, OFFLOADING, SIMPLE, NIXL = "mooncake_store", "offloading", "simple_cpu_offload", "nixl"
-CONNECTOR_NAMES: tuple[str, ...] = (MOONCAKE, OFFLOADING, SIMPLE, NIXL)
+LMCACHE = "lmcache"
+CONNECTOR_NAMES: tuple[str, ...] = (MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE)
 """Every KV connector the plugin can wire (``blockpool.integrations.vllm.connectors``' names)."""
 WORKER_HOOKS = "worker hooks"
 """The :attr:`Name.connector` of the model runners' hooks every worker half
 shares (the step record on ``bind_connector_metadata``, ``eN`` after the
 forward): a drift there leaves every connector of :data:`WORKER_HALF` unwired."""
-WORKER_HALF: tuple[str, ...] = (MOONCAKE, OFFLOADING, NIXL)
+WORKER_HALF: tuple[str, ...] = (MOONCAKE, OFFLOADING, NIXL, LMCACHE)
 """The connectors with a worker half (SimpleCPUOffload's wiring is the
 scheduler's alone)."""
 
@@ -637,11 +643,39 @@ _CALLED_BY_CONNECTORS = (
     _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread.add_request", 'self', 'request', connector=MOONCAKE, use="borrowed"),
 )
 
+# LMCache's in-process connector: vLLM's LMCacheConnectorV1 (the same module
+# in 0.32, 0.33 and 0.34) and the names of LMCache's own adapter the wiring
+# reads (lmcache 0.5.6; "unavailable" where LMCache is not installed).
+_LMC = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
+_LMC_A = "lmcache.integration.vllm.vllm_v1_adapter"
+_LMC_G = "lmcache.v1.gpu_connector.gpu_connectors"
+_LMC_E = "lmcache.v1.cache_engine"
+_LMCACHE = (
+    _n(f"{_LMC}:LMCacheConnectorV1.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("36e91e17b6e93b72",), connector=LMCACHE, use="wrapped"),
+    _n(f"{_LMC}:LMCacheConnectorV1.build_connector_meta", 'self', 'scheduler_output', fp=("94dd6b634b34adb7",), connector=LMCACHE, use="wrapped"),
+    _n(f"{_LMC}:LMCacheConnectorV1.start_load_kv", 'self', 'forward_context', 'kwargs', fp=("c57cffb60a9cd174",), connector=LMCACHE, use="wrapped"),
+    _n(f"{_LMC}:LMCacheConnectorV1.save_kv_layer", 'self', 'layer_name', 'kv_layer', 'attn_metadata', 'kwargs', fp=("0dce499015c55c33",), connector=LMCACHE, use="wrapped"),
+    _n(f"{_LMC}:LMCacheConnectorV1.wait_for_save", 'self', fp=("f252ae9f9347efbc",), connector=LMCACHE, use="wrapped"),
+    _n(f"{_LMC}:LMCacheConnectorV1.get_block_ids_with_load_errors", 'self', fp=("9402bb21703d56b7",), connector=LMCACHE),
+    _n(f"{_LMC_A}:LMCacheConnectorV1Impl.build_connector_meta", 'self', 'scheduler_output', fp=("261050ea1784932e",), connector=LMCACHE),
+    _n(f"{_LMC_A}:LMCacheConnectorV1Impl.start_load_kv", 'self', 'forward_context', 'kwargs', fp=("cc08572a4a047b92",), connector=LMCACHE),
+    _n(f"{_LMC_A}:LMCacheConnectorV1Impl.save_kv_layer", 'self', 'layer_name', 'kv_layer', 'attn_metadata', 'kwargs', fp=("061473ba3aedde0a",), connector=LMCACHE),
+    _n(f"{_LMC_A}:LMCacheConnectorV1Impl.wait_for_save", 'self', fp=("e582cbeb2706b8a4",), connector=LMCACHE),
+    _n(f"{_LMC_A}:LMCacheConnectorV1Impl.get_block_ids_with_load_errors", 'self', fp=("1ced966fd707c01b",), connector=LMCACHE),
+    _n(f"{_LMC_A}:ReqMeta.from_request_tracker", 'tracker', 'block_size', 'lmcache_chunk_size', 'load_spec', 'discard_partial_chunks', 'save_decode_cache', fp=("ec84d264a1412faf",), connector=LMCACHE),
+    _n(f"{_LMC_G}:VLLMPagedMemGPUConnectorV2.to_gpu", 'self', 'memory_obj', 'start', 'end', 'kwargs', fp=("c1e349de06b0aba9",), connector=LMCACHE),
+    _n(f"{_LMC_G}:VLLMPagedMemGPUConnectorV3.to_gpu", 'self', 'memory_obj', 'start', 'end', 'kwargs', fp=("89b388286d9631a9",), connector=LMCACHE),
+    _n(f"{_LMC_E}:LMCacheEngine.retrieve", 'self', 'tokens', 'mask', 'kwargs', connector=LMCACHE),
+    _n(f"{_LMC_E}:LMCacheEngine.retrieve_layer", 'self', 'tokens', 'mask', 'kwargs', connector=LMCACHE),
+    _n(f"{_LMC_E}:LMCacheEngine.store", 'self', 'tokens', 'hashes', 'offsets', 'mask', 'kwargs', connector=LMCACHE),
+    _n(f"{_LMC_E}:LMCacheEngine.store_layer", 'self', 'tokens', 'mask', 'kwargs', connector=LMCACHE),
+)
+
 SURFACES: dict[str, Surface] = {
     "0.32": Surface(
         "0.32",
         _MARKERS_032,
-        _NAMES_032 + _CALLED_BY_CONNECTORS,
+        _NAMES_032 + _CALLED_BY_CONNECTORS + _LMCACHE,
         event_extra_keys=None,
         lookahead_token_ids=None,
         access_hook_on_null=True,
@@ -649,12 +683,12 @@ SURFACES: dict[str, Surface] = {
         evict_first=False,
         v1_model_runner=True,
         offloading_failed_jobs=False,
-        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL),
+        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE),
     ),
     "0.33": Surface(
         "0.33",
         _MARKERS_033,
-        _NAMES_033 + _CALLED_BY_CONNECTORS,
+        _NAMES_033 + _CALLED_BY_CONNECTORS + _LMCACHE,
         event_extra_keys="_generate_event_extra_keys",
         lookahead_token_ids="_lookahead_token_ids",
         access_hook_on_null=False,
@@ -662,12 +696,12 @@ SURFACES: dict[str, Surface] = {
         evict_first=False,
         v1_model_runner=True,
         offloading_failed_jobs=False,
-        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL),
+        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE),
     ),
     "0.34": Surface(
         "0.34",
         _MARKERS_034,
-        _NAMES_034 + _CALLED_BY_CONNECTORS,
+        _NAMES_034 + _CALLED_BY_CONNECTORS + _LMCACHE,
         event_extra_keys="generate_event_extra_keys",
         lookahead_token_ids="get_lookahead_token_ids",
         access_hook_on_null=False,
@@ -675,7 +709,7 @@ SURFACES: dict[str, Surface] = {
         evict_first=True,
         v1_model_runner=False,
         offloading_failed_jobs=True,
-        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL),
+        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE),
     ),
 }
 """The declared release lines, oldest first."""
@@ -748,7 +782,9 @@ def report(version: str | None = None) -> tuple[int, list[str]]:
     declared name: status, use, connector, name, expected, found. Imports
     the declared modules; changes nothing in vLLM. O(names).
 
-    Returns ``(status, lines)``: 0 every name as declared, 1 a drift
+    Returns ``(status, lines)``: 0 every name as declared (a connector
+    whose third-party package is not installed here reads
+    ``unavailable``: it cannot run here, nothing drifted), 1 a drift
     (:func:`check`: the install would be refused or a connector left
     unwired), 2 no vLLM installed or no declared line fits.
     """
@@ -770,10 +806,14 @@ def report(version: str | None = None) -> tuple[int, list[str]]:
         lines.append(
             f"{d.status:<12} {use:<9} {d.name.connector or '-':<15} {d.name.target} | {d.expected} | {d.found}"
         )
-    bad = [d for d in rows if not d.ok]
+    bad = [d for d in rows if not d.ok and d.status != "unavailable"]
     refusing = [d for d in bad if d.refuses_install]
+    absent = sorted({d.name.connector or "" for d in rows if d.status == "unavailable"} - {""})
+    if absent:
+        lines.append(f"unavailable here (a package they need is not installed): {', '.join(absent)}")
     if not bad:
-        lines.append("every name as declared: the plugin installs with every reviewed connector wired")
+        wired = "every reviewed connector that can run here" if absent else "every reviewed connector"
+        lines.append(f"every name as declared: the plugin installs with {wired} wired")
     elif refusing:
         lines.append(f"{len(refusing)} drifted core names: the plugin refuses to install on this vLLM")
     else:

@@ -71,6 +71,7 @@ import torch
 from blockpool.core.errors import BlockPoolError
 from blockpool.core.hazards import Fence, StreamKind, Token
 from blockpool.integrations.vllm import ENV_HAZARDS
+from blockpool.integrations.vllm import lmcache as lmcache_wiring
 from blockpool.integrations.vllm.audit import MODE_AUDIT, Audit, device_covered_by
 from blockpool.integrations.vllm.connectors import (
     CONNECTORS,
@@ -83,6 +84,7 @@ from blockpool.integrations.vllm.connectors import (
     OFFLOADING,
 )
 from blockpool.integrations.vllm.hazards import StepRecord, Transfer
+from blockpool.integrations.vllm.lmcache import LMCACHE
 from blockpool.worker.torch_events import EventLedger, event_factory
 
 __all__ = [
@@ -181,6 +183,12 @@ class WorkerHazards:
                     )
         self.ledger.record(token, self.current_stream() if stream is None else stream)
         return True
+
+    def was_recorded(self, token: Token) -> bool:
+        """Whether ``token``, or a later token of its stream, was recorded
+        on this rank. O(1)."""
+        with self._lock:
+            return token.seq <= self._recorded.get(token.stream, 0)
 
     def unrecorded(self, last_issued: dict[str, int]) -> dict[str, list[int]]:
         """The ``DEVICE`` tokens the scheduler issued (every seq up to
@@ -908,6 +916,7 @@ _WORKER_WIRING: dict[str, Callable[[Patcher], None]] = {
     MOONCAKE: _wire_mooncake,
     OFFLOADING: _wire_offloading,
     NIXL: _wire_nixl,
+    LMCACHE: lmcache_wiring.wire_worker,
 }
 
 SCHEDULER_ONLY_STREAMS: frozenset[str] = frozenset(

@@ -1,0 +1,407 @@
+"""LMCache's in-process vLLM connector (``LMCacheConnectorV1``) on the pool:
+its loads and stores begin on the pool with the blocks they touch, their
+fences ride in LMCache's own per-request metadata, and LMCache's copy
+streams wait on exactly those fences.
+
+vLLM's ``LMCacheConnectorV1`` (vLLM 0.32 to 0.34, the same module in each)
+drives LMCache's adapter ``lmcache.integration.vllm.vllm_v1_adapter``
+(``use_native`` in the connector's extra config selects vLLM's vendored
+copy of it instead: not wired, one warning). What one step does, and what
+this wiring adds:
+
+- **scheduler** (``build_connector_meta``): LMCache plans one ``ReqMeta``
+  per request, with ``token_ids`` and a ``slot_mapping`` (``block_id *
+  block_size + offset`` per token). A load (``load_spec.can_load``) writes
+  tokens ``[vllm_cached_tokens, lmcache_cached_tokens)``: LMCache moves
+  256-token chunks, but its paged copy skips the tokens vLLM's prefix cache
+  already holds (``skip_prefix_n_tokens``); the layerwise and blending
+  paths rewrite whole chunks, from ``vllm_cached_tokens`` rounded down to
+  the chunk size. A store (``save_spec.can_save``; always for a
+  ``kv_producer``) reads tokens from ``skip_leading_tokens`` rounded down
+  to the chunk size up to the last token it saves. Each begins on the pool
+  (:data:`LOAD_STREAM`, :data:`STORE_STREAM`, both ``DEVICE``) with the
+  blocks of those tokens, and its :class:`Transfer` goes on the
+  ``ReqMeta`` (``META_LOAD`` / ``META_STORE``);
+- **refusal**: a load the pool refuses (a write into a published block a
+  second request holds, say a whole-chunk load over a prefix hit) is not
+  begun and not run: its ``can_load`` and the request's ``can_save`` of
+  that step are turned off, and the blocks vLLM counted as loaded lose
+  their prefix-cache keys and go on the ``ReqMeta``
+  (:data:`META_REFUSED`); the worker reports them through
+  LMCache's own failed-load record (``get_block_ids_with_load_errors``),
+  so vLLM recomputes those tokens, as for a load that failed;
+- **worker** (:func:`wire_worker`): in ``start_load_kv``, right before each
+  request's ``retrieve`` (whose ``batched_to_gpu`` runs on LMCache's
+  ``load_stream``), the load stream waits on the load's fence; in
+  ``wait_for_save``, right before each ``store`` (whose ``from_gpu`` runs
+  on the ``store_stream``), the store stream waits on the store's fence;
+  each transfer's token is recorded on its stream after it. The layerwise
+  path waits the same way before ``retrieve_layer`` / ``store_layer``
+  (``save_kv_layer`` at the first layer) and records the tokens when
+  ``wait_for_save`` returns, after the last layer. LMCache's own
+  synchronisation (``load_stream.synchronize()``
+  after every batch, the store stream's ``synchronize()``, the layerwise
+  ``wait_stream``) is untouched: the fence is added on top;
+- **ending**: LMCache runs a step's loads and stores to their end inside
+  that step (its ``get_finished`` reports nothing), and vLLM returns a
+  step's output only once every rank ran it, so the step's transfers end
+  with the step's output (:meth:`StepHazards.end_with_step`); loads of
+  blocks LMCache reports failed (``invalid_block_ids``) fail first, and
+  their blocks lose their keys.
+
+The scheduler half imports neither vLLM, LMCache nor torch at import time;
+the worker half (:func:`wire_worker`) is installed by
+:mod:`blockpool.integrations.vllm.worker`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from blockpool.core.hazards import StreamKind
+
+if TYPE_CHECKING:
+    from blockpool.integrations.vllm.connectors import ConnectorWiring, Patcher
+
+__all__ = [
+    "ADAPTER",
+    "LMCACHE",
+    "LOAD_STREAM",
+    "META_REFUSED",
+    "MODULE",
+    "STORE_STREAM",
+    "STREAMS",
+    "load_tokens",
+    "patch_scheduler",
+    "store_tokens",
+    "wire_worker",
+]
+
+logger = logging.getLogger("vllm.plugins.blockpool")
+
+LMCACHE = "lmcache"
+"""The connector's name in :data:`~blockpool.integrations.vllm.connectors.CONNECTORS`."""
+LOAD_STREAM = "lmcache_load"
+"""LMCache's ``load_stream`` (CUDA copy stream of its GPU connector)."""
+STORE_STREAM = "lmcache_store"
+"""LMCache's ``store_stream``."""
+STREAMS: dict[str, StreamKind] = {LOAD_STREAM: StreamKind.DEVICE, STORE_STREAM: StreamKind.DEVICE}
+MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
+"""vLLM's module holding ``LMCacheConnectorV1``."""
+ADAPTER = "lmcache.integration.vllm.vllm_v1_adapter"
+"""LMCache's adapter module, the one the wiring was reviewed against."""
+META_REFUSED = "blockpool_refused"
+"""Attribute of a ``ReqMeta`` whose load the pool refused: the block ids
+vLLM counted as loaded, for the worker to report as failed."""
+
+
+_NATIVE_LOGGED = False
+
+
+def load_tokens(load_spec: Any, chunk_size: int, whole_chunks: bool) -> tuple[int, int]:
+    """Tokens ``[start, end)`` a load with ``load_spec`` writes: from
+    ``vllm_cached_tokens`` (rounded down to ``chunk_size`` when LMCache
+    rewrites whole chunks: the layerwise and blending paths) to
+    ``lmcache_cached_tokens``. O(1).
+
+    >>> from types import SimpleNamespace as NS
+    >>> spec = NS(vllm_cached_tokens=320, lmcache_cached_tokens=768)
+    >>> load_tokens(spec, 256, False), load_tokens(spec, 256, True)
+    ((320, 768), (256, 768))
+    """
+    start = int(load_spec.vllm_cached_tokens)
+    if whole_chunks:
+        start = start // chunk_size * chunk_size
+    return start, int(load_spec.lmcache_cached_tokens)
+
+
+def store_tokens(req_meta: Any, chunk_size: int, producer: bool) -> tuple[int, int]:
+    """Tokens ``[start, end)`` a store of ``req_meta`` reads, as LMCache's
+    ``wait_for_save`` computes them: from ``save_spec.skip_leading_tokens``
+    (``0`` for a ``kv_producer``, a superset of its disaggregated sends)
+    rounded down to ``chunk_size``, to the end of ``token_ids`` (a partial
+    last chunk only on the request's last prefill). O(1).
+
+    >>> from types import SimpleNamespace as NS
+    >>> rm = NS(token_ids=list(range(600)), save_spec=NS(skip_leading_tokens=300), is_last_prefill=False)
+    >>> store_tokens(rm, 256, False)
+    (256, 512)
+    """
+    n = len(req_meta.token_ids)
+    skip = 0 if producer else int(req_meta.save_spec.skip_leading_tokens)
+    end = n if req_meta.is_last_prefill else n // chunk_size * chunk_size
+    return skip // chunk_size * chunk_size, end
+
+
+def _block_ids(slot_mapping: Any, start: int, end: int, block_size: int) -> list[int]:
+    """Distinct block ids of the slots of tokens ``[start, end)``, in order."""
+    if end <= start:
+        return []
+    slots = slot_mapping[start:end]
+    slots = slots.tolist() if hasattr(slots, "tolist") else list(slots)
+    return list(dict.fromkeys(int(s) // block_size for s in slots if s >= 0))
+
+
+# ----------------------------------------------------------------------
+# scheduler half
+# ----------------------------------------------------------------------
+
+
+def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
+    """Begin the loads and stores LMCache planned in ``meta`` (see the
+    module docstring); they end with the step's output."""
+    from blockpool.core.errors import UnsafeTransferError
+    from blockpool.integrations.vllm.connectors import META_LOAD, META_STORE
+    from blockpool.integrations.vllm.served import SERVED
+
+    impl = conn._lmcache_engine
+    requests = getattr(meta, "requests", None)
+    if not requests:
+        return
+    if type(impl).__module__ != ADAPTER:
+        # vLLM's vendored copy (``use_native``): not reviewed, left as it is.
+        global _NATIVE_LOGGED
+        if not _NATIVE_LOGGED:
+            _NATIVE_LOGGED = True
+            logger.warning(
+                "blockpool: %s: LMCache adapter %s is not wired: its transfers are not fenced",
+                w.name, type(impl).__module__,
+            )  # fmt: skip
+        return
+    hz = w.hazards
+    bs = int(impl._block_size)
+    chunk = int(impl._lmcache_chunk_size)
+    config = impl.config
+    whole_chunks = bool(getattr(config, "use_layerwise", False) or getattr(config, "enable_blending", False))
+    role = getattr(impl, "kv_role", None)
+    begun = []
+    for rm in requests:
+        # One key per request and step: a failure LMCache reports for one
+        # request's blocks fails that request's load alone.
+        key = (LMCACHE, hz.steps_issued, rm.req_id)
+        ls = rm.load_spec
+        if ls is not None and ls.can_load:
+            start, end = load_tokens(ls, chunk, whole_chunks)
+            blocks = hz.blocks_of(_block_ids(rm.slot_mapping, start, end, bs))
+            if blocks:
+                try:
+                    t = hz.begin_load(rm.req_id, blocks, LOAD_STREAM, key=key)
+                except UnsafeTransferError as exc:
+                    _refuse(rm, bs, exc, w)
+                else:
+                    begun.append(key)
+                    SERVED.transfers_fenced += 1
+                    SERVED.fences_nonempty += bool(t.fence.tokens)
+                    setattr(rm, META_LOAD, t.to_wire())
+        ss = rm.save_spec
+        if role == "kv_consumer" or not (role == "kv_producer" or (ss is not None and ss.can_save)):
+            continue
+        start, end = store_tokens(rm, chunk, role == "kv_producer")
+        blocks = hz.blocks_of(_block_ids(rm.slot_mapping, start, end, bs))
+        if not blocks:
+            continue
+        try:
+            t = hz.begin_store(rm.req_id, blocks, STORE_STREAM, key=key)
+        except UnsafeTransferError as exc:
+            # Content a failed load left bad: not carried into LMCache.
+            logger.warning("blockpool: %s: store of request %r not run: %s", w.name, rm.req_id, exc)
+            if ss is not None:
+                ss.can_save = False
+            continue
+        begun.append(key)
+        SERVED.transfers_fenced += 1
+        SERVED.fences_nonempty += bool(t.fence.tokens)
+        setattr(rm, META_STORE, t.to_wire())
+    for key in dict.fromkeys(begun):
+        hz.end_with_step(key)
+
+
+def _refuse(rm: Any, block_size: int, exc: Exception, w: ConnectorWiring) -> None:
+    """A load the pool refused: not run, as a failed load. The blocks vLLM
+    counted as loaded (from ``vllm_cached_tokens`` on: the prefix hits
+    keep their content) lose their prefix-cache keys (vLLM published them
+    when it allocated them; they hold no valid content) and are reported
+    failed by the worker, so vLLM recomputes them. The request's store of
+    this step is dropped (its forward reads the unloaded tokens)."""
+    ls = rm.load_spec
+    ids = _block_ids(rm.slot_mapping, int(ls.vllm_cached_tokens), int(ls.lmcache_cached_tokens), block_size)
+    ls.can_load = False
+    if rm.save_spec is not None:
+        rm.save_spec.can_save = False
+    w.hazards.pool.evict_blocks([b.block_id for b in w.hazards.blocks_of(ids)])
+    setattr(rm, META_REFUSED, ids)
+    logger.warning(
+        "blockpool: %s: load of request %r refused, reported to vLLM as a failed load (recomputed): %s",
+        w.name, rm.req_id, exc,
+    )  # fmt: skip
+
+
+def _block_size_of(conn: Any) -> int:
+    cache = getattr(getattr(conn, "_vllm_config", None), "cache_config", None)
+    return int(getattr(cache, "block_size", 0) or 16)
+
+
+def patch_scheduler(mod: Any, patch: Patcher) -> None:
+    """Install the scheduler half on vLLM's ``LMCacheConnectorV1`` (module
+    ``mod``): ``bind_gpu_block_pool`` attaches the wiring,
+    ``build_connector_meta`` begins the step's transfers."""
+    from blockpool.integrations.vllm.connectors import _binder, _planner
+
+    cls = mod.LMCacheConnectorV1
+    patch(cls, "bind_gpu_block_pool", _binder(LMCACHE, None, "_kv_cache_config", _block_size_of))
+    patch(cls, "build_connector_meta", _planner(_plan))
+
+
+# ----------------------------------------------------------------------
+# worker half
+# ----------------------------------------------------------------------
+
+
+def _transfers(meta: Any, attr: str) -> dict[str, Any]:
+    from blockpool.integrations.vllm.hazards import Transfer
+
+    out = {}
+    for rm in getattr(meta, "requests", None) or ():
+        wire_form = getattr(rm, attr, None)
+        if wire_form is not None:
+            out[rm.req_id] = Transfer.from_wire(wire_form)
+    return out
+
+
+@contextmanager
+def _fenced(
+    engine: Any,
+    methods: Iterable[str],
+    transfers: dict[str, Any],
+    stream_attr: str,
+    what: str,
+    *,
+    record_rest: bool,
+) -> Iterator[None]:
+    """While inside: each of ``engine``'s ``methods`` called for a request
+    with a transfer in ``transfers`` (by its ``req_id`` keyword) first
+    orders the GPU connector's ``stream_attr`` stream after the transfer's
+    fence; the transfer's token is recorded on that stream once the call
+    returns (``retrieve``, ``store``: their copies are enqueued by then),
+    or, for the layerwise ``*_layer`` calls (their copies run layer by
+    layer), by the step's last call (``wait_for_save``). With
+    ``record_rest``, the transfers not begun inside and not recorded
+    before are recorded on leaving (their points are then)."""
+    from blockpool.integrations.vllm import worker as vw
+
+    wh = vw.current()
+    if wh is None or not transfers or engine is None:
+        yield
+        return
+    gpu = getattr(engine, "gpu_connector", None)
+    stream = getattr(gpu, stream_attr, None) or wh.current_stream()
+    pending = {r: t for r, t in transfers.items() if not wh.was_recorded(t.token)}
+    methods = [m for m in methods if callable(getattr(engine, m, None))]
+    saved = {m: engine.__dict__.get(m) for m in methods}
+
+    def wrap(orig: Any, layerwise: bool) -> Any:
+        @functools.wraps(orig)
+        def fenced(*args: Any, **kwargs: Any) -> Any:
+            t = pending.pop(kwargs.get("req_id"), None)
+            if t is None:
+                return orig(*args, **kwargs)
+            if wh.audit is not None:
+                wh.observe_transfer(LMCACHE, t)
+            elif wh.wait_device_or_stock(wh.waitable(t.fence), stream, what):
+                wh.waits += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                if not layerwise:
+                    wh.record(t.token, stream)
+
+        return fenced
+
+    for m in methods:
+        setattr(engine, m, wrap(getattr(engine, m), m.endswith("_layer")))
+    try:
+        yield
+    finally:
+        for m, own in saved.items():
+            if own is None:
+                engine.__dict__.pop(m, None)
+            else:
+                setattr(engine, m, own)
+        if record_rest:
+            for t in sorted(pending.values(), key=lambda t: t.token.seq):
+                wh.record(t.token, stream)
+
+
+def _engine(conn: Any) -> Any:
+    impl = getattr(conn, "_lmcache_engine", None)
+    return getattr(impl, "lmcache_engine", None)
+
+
+def wire_worker(patch: Patcher) -> None:
+    """Install the worker half on vLLM's ``LMCacheConnectorV1``: the fence
+    waits around LMCache's ``retrieve`` / ``retrieve_layer`` (load stream)
+    and ``store`` / ``store_layer`` (store stream), and the report of
+    refused loads through LMCache's failed-load record."""
+    import importlib
+
+    from blockpool.integrations.vllm.connectors import META_LOAD, META_STORE
+
+    cls = importlib.import_module(MODULE).LMCacheConnectorV1
+
+    def wrap_start(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def start_load_kv(self: Any, forward_context: Any, **kwargs: Any) -> None:
+            meta = getattr(self, "_connector_metadata", None)
+            refused = [
+                b for rm in getattr(meta, "requests", None) or () for b in getattr(rm, META_REFUSED, ())
+            ]
+            if refused:
+                self._lmcache_engine._invalid_block_ids.update(refused)
+            loads = _transfers(meta, META_LOAD)
+            with _fenced(
+                _engine(self),
+                ("retrieve", "retrieve_layer"),
+                loads,
+                "load_stream",
+                "an LMCache load",
+                record_rest=True,
+            ):
+                return orig(self, forward_context, **kwargs)
+
+        return start_load_kv
+
+    def wrap_save_layer(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def save_kv_layer(self: Any, *args: Any, **kwargs: Any) -> None:
+            stores = _transfers(getattr(self, "_connector_metadata", None), META_STORE)
+            with _fenced(
+                _engine(self), ("store_layer",), stores, "store_stream", "an LMCache store", record_rest=False
+            ):
+                return orig(self, *args, **kwargs)
+
+        return save_kv_layer
+
+    def wrap_wait_for_save(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def wait_for_save(self: Any) -> None:
+            meta = getattr(self, "_connector_metadata", None)
+            engine = _engine(self)
+            loads, stores = _transfers(meta, META_LOAD), _transfers(meta, META_STORE)
+            # The step's last call: its layerwise loads and stores ran to
+            # their last layer; their tokens (and those of stores not run)
+            # are recorded when it returns.
+            with (
+                _fenced(engine, (), loads, "load_stream", "an LMCache load", record_rest=True),
+                _fenced(engine, ("store",), stores, "store_stream", "an LMCache store", record_rest=True),
+            ):
+                return orig(self)
+
+        return wait_for_save
+
+    patch(cls, "start_load_kv", wrap_start)
+    patch(cls, "save_kv_layer", wrap_save_layer)
+    patch(cls, "wait_for_save", wrap_wait_for_save)
