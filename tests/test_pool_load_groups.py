@@ -200,6 +200,17 @@ def test_links_are_forgotten_once_nothing_is_left_to_withdraw() -> None:
     assert pool.linked_loads(t) == [t]
 
 
+def test_check_catches_a_link_that_names_a_token_never_issued() -> None:
+    from blockpool import InvariantError
+
+    pool = make_pool(16)
+    _, loads = hybrid_request(pool, "rdma", "a")
+    pool.check()
+    pool.load_groups.link([loads["full"], Token("rdma", 99, StreamKind.HOST)])  # behind the pool's back
+    with pytest.raises(InvariantError, match="never issued"):
+        pool.check()
+
+
 # -- bad input -----------------------------------------------------------------------
 
 

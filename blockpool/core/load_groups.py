@@ -32,8 +32,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from blockpool.core.block import KVCacheBlock
+from blockpool.core.errors import InvariantError
 from blockpool.core.hazards import Token
 from blockpool.core.pending_writes import PendingWrites
+from blockpool.core.tracker import HazardTracker
 
 __all__ = ["LoadGroups", "withdraw_linked"]
 
@@ -106,6 +108,27 @@ class LoadGroups:
         for k in drop:
             del of[k]
         self._kept = len(of)
+
+    def _check(self, tracker: HazardTracker) -> None:
+        """Assert: every linked token was issued on a registered stream,
+        and each load's list holds its members once, each mapped to that
+        list. O(linked tokens).
+
+        Raises:
+            InvariantError: the first broken invariant.
+        """
+        for (stream, seq), group in self._of.items():
+            st = tracker.streams.get(stream)
+            if st is None or not 0 < seq <= st.last_seq:
+                raise InvariantError(f"linked token {stream}:{seq} was never issued")
+            keys = [_key(t) for t in group]
+            if (stream, seq) not in keys or len(set(keys)) != len(keys):
+                raise InvariantError(f"the load of {stream}:{seq} does not list it exactly once")
+            for k in keys:
+                if self._of.get(k) is not group:
+                    raise InvariantError(
+                        f"{k[0]}:{k[1]} is listed in the load of {stream}:{seq} but not linked to it"
+                    )
 
 
 def withdraw_linked(
