@@ -164,3 +164,18 @@ def test_failed_recving_fails_every_groups_part_of_the_request(manager: KVCacheM
     assert published(manager, req) == {FULL: 0, WINDOW: 0}
     manager.free(req)
     assert prefix_hit(manager, "b") == 0
+
+
+def test_the_engine_checks_hybrid_model_alternates_sliding_window_and_full_attention(tmp_path: Any) -> None:
+    import json
+
+    pytest.importorskip("transformers")
+    from blockpool.integrations.vllm.engine_check import WORKLOADS, ModelSpec, _ensure_model
+
+    w = WORKLOADS["hybrid"]
+    w.validate(ModelSpec())
+    _ensure_model(str(tmp_path / "m"), ModelSpec(sliding_window=w.sliding_window))
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma2ForCausalLM"]
+    assert cfg["sliding_window"] == w.sliding_window == 64
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
