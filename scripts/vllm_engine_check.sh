@@ -63,7 +63,7 @@
 #
 # Environment knobs (all optional):
 #   VLLM_ENGINE_VERSIONS   versions to check                     [0.32 0.33 0.34]
-#   VLLM_ENGINE_WORKLOADS  the check's --workload                [quick,timing]
+#   VLLM_ENGINE_WORKLOADS  the check's --workload                [quick,timing,hybrid]
 #   VLLM_ENGINE_CONNECTOR  1 = also the ExampleConnector run     [1]
 #   VLLM_ENGINE_ARGS       more options for the check (word-split), e.g. "--requests 2000"
 #   VLLM_ENGINE_RESULTS    reports, logs and the model            [.cache/vllm-engine]
@@ -96,7 +96,7 @@ UNINSTALL=(torchvision torchaudio torchcodec)
 KERNELS=(_C.abi3.so _C_AVX512.abi3.so _C_AVX2.abi3.so)
 
 VERSIONS="${VLLM_ENGINE_VERSIONS:-0.32 0.33 0.34}"
-WORKLOADS="${VLLM_ENGINE_WORKLOADS:-quick,timing}"
+WORKLOADS="${VLLM_ENGINE_WORKLOADS:-quick,timing,hybrid}"
 CONNECTOR="${VLLM_ENGINE_CONNECTOR:-1}"
 read -r -a EXTRA_ARGS <<<"${VLLM_ENGINE_ARGS:-}"
 BASE_PYTHON="${VLLM_ENGINE_PYTHON:-python3.11}"

@@ -214,6 +214,11 @@ TEST_PATHS=(
   tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py
   tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py
   tests/v1/core/prefix_cache/test_mamba_eagle_resume_checkpoint.py
+  # Hybrid layouts on vLLM's coordinators (sliding window, Mamba; the
+  # hybrid prefix-caching tests are in test_prefix_caching.py above).
+  tests/v1/core/test_swa_inflight_window_free.py
+  tests/v1/core/test_mamba_align_chunk_split.py
+  tests/v1/core/test_contiguous_kv_packing.py
 )
 if [[ "$WITH_SCHEDULER" == 1 ]]; then
   TEST_PATHS+=(tests/v1/core/test_scheduler.py)

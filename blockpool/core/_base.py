@@ -15,6 +15,8 @@ Who owns what (each changes its state only through its own methods):
   pending host tokens, leases.
 - :class:`~blockpool.core.pending_writes.PendingWrites` (``writes``): writes in
   flight, invalid marks, the undo of failed writes.
+- :class:`~blockpool.core.load_groups.LoadGroups` (``load_groups``): tokens
+  linked as one load (a failure of one withdraws the others' keys).
 - :class:`~blockpool.core.tracker.HazardTracker` (``tracker``): streams, tokens,
   clocks, completions.
 - :mod:`blockpool.core.shadows`: the blocks' ``writer``/``readers``.
@@ -45,6 +47,7 @@ from blockpool.core.events import AllBlocksCleared, BlockRemoved, BlockStored, K
 from blockpool.core.generations import Generations, check_fresh
 from blockpool.core.hazards import AccessKind, Fence, StreamKind, Token
 from blockpool.core.holdback import HoldBack
+from blockpool.core.load_groups import LoadGroups, withdraw_linked
 from blockpool.core.pending_writes import PendingWrites
 from blockpool.core.prefix_cache import PrefixCache
 from blockpool.core.shadows import _UNSET, clear, fence_of, settle, shadow_tokens, tag, write
@@ -111,6 +114,7 @@ class PoolBase:
     prefix_cache: PrefixCache
     holdback: HoldBack
     writes: PendingWrites
+    load_groups: LoadGroups
     tracker: HazardTracker
     kv_event_queue: list[KVCacheEvent]
     _counters: dict[str, int]
@@ -165,6 +169,8 @@ class PoolBase:
                 # Free again, but the restored accesses may need a hold.
                 self.free_block_queue.remove_n([b])
                 self._enqueue_free([b])
+        if failed and len(self.load_groups):
+            self._withdraw_linked(token)
         if self.holdback.tracking:
             for st, seqs in ended:
                 if st.kind is _HOST:
@@ -178,6 +184,21 @@ class PoolBase:
         write in effect is still ``token``'s loses its keys and is not
         published until rewritten. O(num_gpu_blocks); failures are rare."""
         for b in self.writes.late_failure(token, self.blocks):
+            self._drop_keys(b)
+        if len(self.load_groups):
+            self._withdraw_linked(token)
+
+    def _withdraw_linked(self, token: Token) -> None:
+        """``token`` failed: every block whose write in effect is another
+        token linked with it (:meth:`link_loads`) loses its keys and is not
+        published until rewritten (marked invalid by ``token``); its shadow,
+        holds and token stay. O(num_gpu_blocks) when ``token`` is linked,
+        O(1) otherwise; failures are rare."""
+        members = self.load_groups.members(token)
+        if not members:
+            return
+        others = [t for t in members if not (t.seq == token.seq and t.stream == token.stream)]
+        for b in withdraw_linked(token, others, self.writes, self.blocks):
             self._drop_keys(b)
 
     # ------------------------------------------------------------------

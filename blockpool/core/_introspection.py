@@ -400,6 +400,7 @@ class IntrospectionOps(PoolBase):
         self.prefix_cache._check(self.blocks)
         held._check(self.tracker, self.blocks, free_set)
         self.writes._check(self.tracker, self.blocks)
+        self.load_groups._check(self.tracker)
         self.tracker._check(self._writers())
         if self._gens is not None:
             self._gens._check(self.num_gpu_blocks)

@@ -4,10 +4,12 @@ writes undone, leases checked) is :meth:`PoolBase._apply_completions`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from blockpool.core._fences import FenceOps
 from blockpool.core._mypyc import mypyc_attr
+from blockpool.core.errors import InvalidArgumentError
 from blockpool.core.hazards import StreamKind, Token, TokenStatus
 
 if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
@@ -120,6 +122,98 @@ class TokenOps(FenceOps):
             InvalidArgumentError: ``token`` is not a Token, or its kind is not its stream's.
         """
         self.tracker.submit(token, True)
+
+    def link_loads(self, tokens: Iterable[ArgToken]) -> None:
+        """Declare ``tokens`` the parts of one load: on a hybrid model, a
+        request's load posted as one transfer per KV cache group (one
+        :meth:`begin_load` each). Once a failure of any part is applied
+        (:meth:`fail`, on time or late, or :meth:`abandon`; also one applied
+        before the link), every block whose write in effect is another
+        part's loses its prefix-cache keys (removed events, reason
+        ``load_failed``) and is not published until rewritten, as the
+        failed part's own blocks: the request's prefix is not there in
+        every group. Marked invalid by the failed part
+        (:meth:`invalid_block_ids` lists them under its token). The other
+        parts do not fail: their :meth:`token_status`, shadows, fences and
+        holds are unchanged (their transfers still write). Links add up: a
+        token linked twice joins both loads into one. Links are forgotten
+        once every linked token has ended and none is the write in effect
+        of a block (nothing is left to withdraw); a write recorded by a
+        linked token after that is its own. O(len(tokens) + the loads
+        merged), plus O(num_gpu_blocks) when a part already failed;
+        amortized O(1) more for forgetting old links. A linked token's
+        failure costs O(num_gpu_blocks) to apply.
+
+        >>> from blockpool import HazardAwareBlockPool, StreamKind
+        >>> pool = HazardAwareBlockPool(4, streams={"rdma": StreamKind.HOST})
+        >>> full, window = pool.get_new_blocks(1), pool.get_new_blocks(1)
+        >>> t_full, _ = pool.begin_load(full, "rdma")
+        >>> t_window, _ = pool.begin_load(window, "rdma")
+        >>> pool.link_loads([t_full, t_window])
+        >>> pool.cache_full_blocks(full, ["full-0"], 0, 1, 16)
+        >>> pool.cache_full_blocks(window, ["window-0"], 0, 1, 16)
+        >>> pool.fail(t_window)              # one group's part failed
+        >>> pool.get_cached_block("full-0"), pool.token_status(t_full).value
+        (None, 'pending')
+
+        Raises:
+            InvalidArgumentError: ``tokens`` is not an iterable of Tokens, is
+                empty, or a token's kind is not its stream's.
+            UnknownStreamError, UnknownTokenError: the pool never issued a token.
+            ForeignTokenError: a token was issued by another pool.
+        """
+        self._apply_completions()
+        try:
+            given: list[object] = list(tokens)
+        except TypeError:
+            raise InvalidArgumentError(f"tokens must be an iterable of Tokens, got {tokens!r}") from None
+        if not given:
+            raise InvalidArgumentError("link_loads needs at least one token")
+        tracker = self.tracker
+        toks: list[Token] = []
+        for t in given:
+            tracker.validate(t)  # raises unless t is a Token this pool issued
+            toks.append(t)  # type: ignore[arg-type]
+        groups = self.load_groups
+        if groups.prune_due(len(self.blocks)):
+            groups.prune(self._linkable())
+        members = groups.link(toks)
+        for t in members:
+            if tracker.has_failed(t):
+                self._withdraw_linked(t)
+                break
+
+    def _linkable(self) -> Callable[[Token], bool]:
+        """Whether a failure of a token could still withdraw keys through a
+        link: it has not ended, or it is the write in effect of a block, or
+        a pending write saved it (its undo may restore it). O(num_gpu_blocks
+        + pending writes)."""
+        writers: set[tuple[str, int]] = set()
+        for b in self.blocks:
+            w = b.writer
+            if w is not None:
+                writers.add((w.stream, w.seq))
+        for w in self.writes.saved_writers():
+            if w is not None:
+                writers.add((w.stream, w.seq))
+        ended = self.tracker.is_ended
+        return lambda t: (t.stream, t.seq) in writers or not ended(t)
+
+    def linked_loads(self, token: ArgToken) -> list[Token]:
+        """The tokens linked with ``token`` as one load (:meth:`link_loads`),
+        itself included, each once (a merge keeps the larger load's order
+        first); ``[token]`` when it is not linked (or its links were
+        forgotten). Applies queued completions first. O(linked tokens).
+
+        Raises:
+            UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+            ForeignTokenError: ``token`` was issued by another pool.
+            InvalidArgumentError: ``token`` is not a Token, or its kind is not its stream's.
+        """
+        self._apply_completions()
+        self.tracker.validate(token)
+        members = self.load_groups.members(token)
+        return list(members) if members else [token]
 
     def abandon(self, token: ArgToken) -> list[int]:
         """The operator's or connector's word that the engine behind ``token``

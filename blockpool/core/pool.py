@@ -46,6 +46,7 @@ from blockpool.core.events import MEDIUM_GPU, KVCacheEvent
 from blockpool.core.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError, make_free_queue
 from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind
 from blockpool.core.holdback import HoldBack
+from blockpool.core.load_groups import LoadGroups
 from blockpool.core.pending_writes import PendingWrites
 from blockpool.core.placement import PLACEMENTS
 from blockpool.core.prefix_cache import PrefixCache
@@ -253,6 +254,7 @@ class HazardAwareBlockPool(RefCountOps):
         self._hits = 0
         self.holdback = HoldBack(lease_timeout, clock)
         self.writes = PendingWrites()
+        self.load_groups = LoadGroups()
         # One list for the pool's lifetime (take_events empties it in
         # place): an adapter may bind it once and test it without a read
         # of this object's attribute.

@@ -147,7 +147,10 @@ _ENV_UNWIRED = "BLOCKPOOL_VLLM_UNWIRED"
 class ModelSpec:
     """The tiny Llama every run serves, built by ``transformers`` with random
     weights from ``seed`` (float32, saved as safetensors). Its shape suits
-    vLLM's CPU attention backend (head size 32)."""
+    vLLM's CPU attention backend (head size 32). With ``sliding_window``
+    (tokens, > 0) it is a tiny hybrid model instead: a Gemma 2 of the same
+    shape whose layers alternate sliding-window and full attention, which
+    vLLM serves with two KV cache groups (``HybridKVCacheCoordinator``)."""
 
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -158,6 +161,7 @@ class ModelSpec:
     vocab_size: int = 1000
     max_position_embeddings: int = 1024
     seed: int = 0
+    sliding_window: int = 0
 
 
 @attrs.frozen
@@ -185,6 +189,8 @@ class Workload:
         kv_connector: A KV connector every mode serves with
             (:data:`KV_CONNECTORS`: ``offloading``, ``simple_cpu_offload``;
             both need CUDA in vLLM 0.32 and 0.33), or ``None``.
+        sliding_window: Tokens; > 0 serves the tiny hybrid model
+            (:class:`ModelSpec` ``sliding_window``) instead of the Llama.
     """
 
     name: str
@@ -200,6 +206,7 @@ class Workload:
     max_model_len: int = 1024
     seed: int = 0
     kv_connector: str | None = None
+    sliding_window: int = 0
 
     def validate(self, model: ModelSpec) -> None:
         """Raise ValueError naming the first field that cannot work. O(1)."""
@@ -235,6 +242,7 @@ class Workload:
             f"generated each; {self.num_blocks} blocks of {self.block_size} tokens, "
             f"max_num_seqs {self.max_num_seqs}"
             + (f"; KV connector {KV_CONNECTORS[self.kv_connector]}" if self.kv_connector else "")
+            + (f"; tiny hybrid model, sliding window {self.sliding_window} tokens" if self.sliding_window else "")
         )
 
 
@@ -256,10 +264,16 @@ WORKLOADS: Mapping[str, Workload] = {
         name="timing", num_blocks=2048, requests=768, prefixes=16, prefix_blocks=16, suffix_tokens=96,
         max_tokens=32, waves=1, max_num_seqs=32,
     ),
+    "hybrid": Workload(
+        name="hybrid", num_blocks=96, requests=24, prefixes=6, prefix_blocks=6, suffix_tokens=40,
+        max_tokens=16, waves=3, max_num_seqs=8, sliding_window=64,
+    ),
 }  # fmt: skip
 """The built-in workloads: ``quick`` (correctness: hits and evictions in a
-48-block pool, about half a minute per mode) and ``timing`` (many steps on
-thousands of blocks, for the scheduler's time per step)."""
+48-block pool, about half a minute per mode), ``timing`` (many steps on
+thousands of blocks, for the scheduler's time per step) and ``hybrid``
+(``quick``'s prompts on the tiny hybrid model: a full-attention and a
+sliding-window KV cache group in one pool)."""
 
 _SIZE_FLAGS = ("num_blocks", "requests", "prefixes", "prefix_blocks", "suffix_tokens", "max_tokens",
                "waves", "max_num_seqs", "seed")  # fmt: skip
@@ -745,7 +759,7 @@ def format_report(report: Mapping[str, Any]) -> str:
 
 
 def _ensure_model(model_dir: str, spec: ModelSpec) -> None:
-    """Build and save the tiny Llama into ``model_dir`` unless it is there.
+    """Build and save the tiny model (:class:`ModelSpec`) into ``model_dir`` unless it is there.
     Written beside it and renamed, so a half-written model is never used."""
     if os.path.exists(os.path.join(model_dir, "config.json")):
         return
@@ -753,18 +767,27 @@ def _ensure_model(model_dir: str, spec: ModelSpec) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(spec.seed)
-    cfg = LlamaConfig(
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        vocab_size=spec.vocab_size,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    shape = {
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+    }
+    if spec.sliding_window:
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        layers = ["sliding_attention", "full_attention"] * spec.num_hidden_layers
+        cfg: Any = Gemma2Config(
+            **shape, sliding_window=spec.sliding_window, layer_types=layers[: spec.num_hidden_layers]
+        )
+        model: Any = Gemma2ForCausalLM(cfg)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    model = model.to(torch.float32).eval()
     parent = os.path.dirname(os.path.abspath(model_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".model-", dir=parent)
@@ -1005,6 +1028,9 @@ def _run_one(
     spec_path, out_path, log_path = (
         os.path.join(work, f"{tag}.{x}") for x in ("spec.json", "result.json", "log")
     )
+    if w.sliding_window:  # the tiny hybrid model, beside the Llama
+        model = attrs.evolve(model, sliding_window=w.sliding_window)
+        model_dir = f"{model_dir.rstrip(os.sep)}-hybrid-sw{w.sliding_window}"
     spec: dict[str, Any] = {"mode": mode, "workload": attrs.asdict(w), "model": attrs.asdict(model),
                             "model_dir": model_dir}  # fmt: skip
     if mode == CONNECTOR_MODE:

@@ -550,8 +550,12 @@ class StepHazards:
         load token becomes the blocks' writer: the step that reads them gets
         it in its fence (RAW); a failed load drops their hashes. ``key``
         (default: ``request_id``) is what :meth:`finish` ends it by; loads
-        are also ended by request id through :meth:`end_transfers`.
-        O(len(blocks)).
+        are also ended by request id through :meth:`end_transfers`. Loads
+        pending under one key are one load (a hybrid model's request loaded
+        as one transfer per KV cache group): each is linked with the others
+        (``HazardAwareBlockPool.link_loads``), so that a failure of any of
+        them, however it reaches the pool, withdraws every part's keys.
+        O(len(blocks)), plus O(loads pending under ``key``).
 
         Raises:
             UnknownStreamError: ``stream`` was not added.
@@ -560,7 +564,10 @@ class StepHazards:
         block_list = list(blocks)
         token, fence = self.pool.begin_load(block_list, stream)
         t = Transfer(request_id, "load", token, fence, tuple(b.block_id for b in block_list))
-        self._loads.setdefault(request_id if key is None else key, []).append(t)
+        parts = self._loads.setdefault(request_id if key is None else key, [])
+        parts.append(t)
+        if len(parts) > 1:
+            self.pool.link_loads([p.token for p in parts])
         self.transfers_begun += 1
         self.fences_nonempty += bool(fence.tokens)
         return t
