@@ -41,7 +41,7 @@ The call level (see ``docs/performance.md``): each recorded call becomes
 the call(s) that pool offers for the same work.
 
 =================== ============================= =====================================
-recorded call        blockpool (hazards on / off)  vLLM 0.33.0 ``BlockPool``
+recorded call        blockpool (hazards on / off)  vLLM's ``BlockPool`` (0.32-0.34)
 =================== ============================= =====================================
 get_cached_block(k)  ``get_cached_block(key36)``   ``get_cached_block(hash32, [0])``
 allocate_for(n, s,   ``allocate_for`` (one call)   ``touch(hits)`` if hits, then

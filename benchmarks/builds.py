@@ -12,9 +12,11 @@ run. The pure build is this checkout.
 Each round runs, for each build in turn, one process that validates the
 replay against the recording (block ids of every allocation and lookup,
 free counts) and then times one pass per pool (``on``, ``off``, and
-``vllm`` when a supported vLLM imports: run it with ``.venv-vllm034/bin/python``
-for the newest line, or another line's venv; the output names the vLLM),
-process time. Prints each round's seconds and ratios, then the medians.
+``vllm`` when a supported vLLM imports: run it with
+``.venv-vllm034/bin/python`` for the newest line, or another line's venv;
+the output names the vLLM), process time, in an order rotated from round
+to round so that no pool always takes a process's first timed pass.
+Prints each round's seconds and ratios, then the medians.
 Record the log first with the pure build (the recorder subclasses the
 pool, which the compiled build does not allow)::
 
@@ -42,6 +44,8 @@ from _oplog import OpLog, build_replay, compile_calls, run_calls, validate
 from _pools import make_pool, vllm_line, vllm_missing
 log = _oplog.load(Path(sys.argv[1]))
 kinds = ["on", "off"] + ([] if vllm_missing() else ["vllm"])
+k = int(sys.argv[3]) % len(kinds)
+kinds = kinds[k:] + kinds[:k]  # rotated by round: no pool always times first
 out = {"compiled": blockpool.__compiled__, "file": blockpool.__file__, "vllm_line": vllm_line()}
 for kind in kinds:
     pool = make_pool(kind, log.num_blocks)
@@ -84,7 +88,7 @@ def main() -> int:
         for name, root in builds.items():
             env = dict(os.environ, PYTHONPATH=str(root))
             res = subprocess.run(
-                [sys.executable, "-c", _CHILD, str(args.oplog.resolve()), str(REPO / "benchmarks")],
+                [sys.executable, "-c", _CHILD, str(args.oplog.resolve()), str(REPO / "benchmarks"), str(r)],
                 cwd=root, env=env, capture_output=True, text=True, check=True,
             )
             got = json.loads(res.stdout.strip().splitlines()[-1])

@@ -5,7 +5,9 @@ totals per method name. The timer adds about 0.1 µs a call to every pool
 alike, so read differences between pools (or between commits), not
 absolute figures; the headline figures are ``run.py -k trace``'s.
 
-Run from a checkout (the ``vllm`` column needs ``.venv-vllm``)::
+Run from a checkout (the ``vllm`` column needs a supported vLLM: run it
+with ``.venv-vllm034/bin/python`` for the newest line, another line's
+venv for that line; the output names the vLLM measured)::
 
     python benchmarks/per_call.py --oplog /tmp/oplog.pkl --pools on,off
 
@@ -29,7 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _oplog
-from _pools import make_pool
+from _pools import make_pool, vllm_line
+
+import blockpool
 
 
 def per_call(log: _oplog.OpLog, kind: str) -> tuple[dict[str, float], dict[str, int]]:
@@ -71,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         best[kind] = min(runs, key=lambda r: sum(r[0].values()))
     first = best[kinds[0]]
     names = sorted(set().union(*(b[0] for b in best.values())), key=lambda n: -first[0].get(n, 0.0))
+    build = "compiled (mypyc)" if blockpool.__compiled__ else "pure Python"
+    print(f"blockpool {build}, {blockpool.__file__}; against {vllm_line()}")
     print(f"{'method':<22} {'calls':>8} " + " ".join(f"{k:>9}" for k in kinds))
     for n in names:
         print(f"{n:<22} {first[1].get(n, 0):>8} " + " ".join(f"{best[k][0].get(n, 0.0):9.3f}" for k in kinds))

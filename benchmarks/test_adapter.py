@@ -13,9 +13,10 @@ queue (``get_new_blocks``, not timed) and times one ``free_blocks`` of them
 - ``vLLM adapter, identity check``: the same, with the core told nothing
   about the blocks' class (``blocks[b.block_id] is b`` per block: the check
   every adapter free took before the per-pool class).
-- ``vLLM``: vLLM 0.33's own ``BlockPool`` (no hazards).
+- ``vLLM``: the installed vLLM's own ``BlockPool`` (no hazards).
 
-The adapter rows need vLLM (``.venv-vllm``); they are skipped otherwise.
+The adapter rows need a supported vLLM (``.venv-vllm034``, or another
+line's venv); they are skipped otherwise.
 """
 
 from __future__ import annotations

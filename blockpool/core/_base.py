@@ -119,8 +119,8 @@ class PoolBase:
     kv_event_queue: list[KVCacheEvent]
     _counters: dict[str, int]
     _key_map: dict[Hashable, KVCacheBlock | dict[int, KVCacheBlock]]
-    _lookups: int
     _hits: int
+    _misses: int
     # Any, not object: mypyc's non-native class bodies cannot annotate with object.
     _inbox: Any
     _leases_on: bool

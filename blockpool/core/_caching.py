@@ -50,10 +50,10 @@ class CacheOps(IntrospectionOps):
             v = self._key_map.get(block_hash)
         except TypeError:
             raise InvalidArgumentError(f"block hash must be hashable, got {block_hash!r}") from None
-        self._lookups += 1
         if v is None:
+            self._misses += 1
             return None
-        self._hits += 1
+        self._hits += 1  # one counter per call: lookups = hits + misses (stats())
         return next(iter(v.values())) if type(v) is dict else v  # type: ignore[union-attr,return-value]
 
     def cache_full_blocks(

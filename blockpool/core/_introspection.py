@@ -321,7 +321,7 @@ class IntrospectionOps(PoolBase):
         pc = self.prefix_cache
         return {
             **self._counters,
-            "lookups": self._lookups,
+            "lookups": self._hits + self._misses,
             "hits": self._hits,
             "evictions": pc.evictions,
             "leases_expired": self.holdback.leases_expired,

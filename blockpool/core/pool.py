@@ -250,8 +250,8 @@ class HazardAwareBlockPool(RefCountOps):
 
         self.prefix_cache = PrefixCache(removal_each=removal_events == "each")
         self._key_map = self.prefix_cache.key_map  # read in place by get_cached_block (never replaced)
-        self._lookups = 0  # get_cached_block's counters (stats())
-        self._hits = 0
+        self._hits = 0  # get_cached_block's counters (stats(): lookups = hits + misses)
+        self._misses = 0
         self.holdback = HoldBack(lease_timeout, clock)
         self.writes = PendingWrites()
         self.load_groups = LoadGroups()

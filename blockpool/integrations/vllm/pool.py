@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 import weakref
-from itertools import repeat
 from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU
@@ -66,6 +65,21 @@ _ACCESS_HOOK_ON_NULL = _SURFACE.access_hook_on_null
 # evict_first.
 _WEAK_POOL_REF = _SURFACE.weak_pool_ref
 _EVICT_FIRST = _SURFACE.evict_first
+
+_GROUP_SUFFIX: dict[int, bytes] = {}
+"""``{group id: make_block_hash_with_group_id(b"", group id)}``: the 4 bytes
+every supported vLLM line appends to a block hash for its group, made once
+per group and appended per key (what vLLM 0.34's ``cache_full_blocks``
+does), instead of a call of vLLM's helper per key."""
+
+
+def _group_suffix(group_id: int) -> bytes:
+    """The bytes ``make_block_hash_with_group_id`` appends for ``group_id``
+    (the packed key is ``block_hash + _group_suffix(group_id)``). O(1)."""
+    suffix = _GROUP_SUFFIX.get(group_id)
+    if suffix is None:
+        suffix = _GROUP_SUFFIX[group_id] = make_block_hash_with_group_id(b"", group_id)  # type: ignore[arg-type]
+    return suffix
 
 
 class VllmBlockPool(VllmEvents):
@@ -375,9 +389,11 @@ class VllmBlockPool(VllmEvents):
         """The first cached block under ``block_hash`` for each group, or
         ``None`` if any group misses. O(len(kv_cache_group_ids))."""
         get = self._core_get_cached_block
+        suffixes = _GROUP_SUFFIX
         cached = []
         for group_id in kv_cache_group_ids:
-            b = get(make_block_hash_with_group_id(block_hash, group_id))  # type: ignore[arg-type]
+            suffix = suffixes.get(group_id)
+            b = get(block_hash + (suffix if suffix is not None else _group_suffix(group_id)))
             if b is None:
                 return None
             cached.append(b)
@@ -413,11 +429,12 @@ class VllmBlockPool(VllmEvents):
         assert block_mask is None or len(block_mask) == hi - lo
         block_hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
         # The new blocks' keys alone (hashes_offset=lo: the core reads
-        # position i's at keys[i - lo]), made in C loops: on the engine's
-        # cold caches a mapping by position, or a frame per key, cost more
-        # than the keys. Fewer than hi - lo (too few hashes): the core
-        # refuses the call.
-        keys = list(map(make_block_hash_with_group_id, block_hashes[lo:hi], repeat(kv_cache_group_id)))
+        # position i's at keys[i - lo]), the group's suffix appended to each
+        # hash: on the engine's cold caches a mapping by position, or a
+        # frame per key, cost more than the keys. Fewer than hi - lo (too
+        # few hashes): the core refuses the call.
+        suffix = _group_suffix(kv_cache_group_id)
+        keys = [h + suffix for h in block_hashes[lo:hi]]
         core = self.core
         published = core.publish_full_blocks(blocks, keys, lo, hi, block_size, block_mask, hashes_offset=lo)
         SERVED.blocks_cached += hi - lo
