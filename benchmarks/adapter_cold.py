@@ -4,7 +4,7 @@
 In a real engine the scheduler's code runs after the forward pass has
 evicted the caches, so a call costs several times what a hot loop says and
 what it costs is mostly the code and data it touches, not its work
-(``docs/performance.md``, "The engine's cold caches"). This script replays
+(``docs/performance.md``, "A real vLLM engine: scheduler time per step"). This script replays
 one step shape many times and evicts the caches (a 48 MiB buffer and 150,000
 small dicts walked) before every timed call, with the kinds of pool
 interleaved step by step so that they see the same machine:

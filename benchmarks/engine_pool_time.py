@@ -29,7 +29,7 @@ see the same stretch of it) and the per-method split (each method's median
 over runs).
 Why per-step cost in an engine is several
 times a hot loop's (the scheduler's code runs on caches the forward pass
-has just evicted): ``docs/performance.md``, "The engine's cold caches".
+has just evicted): ``docs/performance.md``, "A real vLLM engine: scheduler time per step".
 
 Run from a checkout, with a vLLM venv (``scripts/vllm_engine_check.sh``
 builds ``.venv-vllm032``)::

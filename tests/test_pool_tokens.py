@@ -148,7 +148,7 @@ def test_default_free_tag_carries_the_pools_identity() -> None:
 
 
 # The token path a real engine runs once a step (docs/performance.md,
-# "cold caches"): tokens built without attrs' __init__, the newest kept.
+# "A real vLLM engine"): tokens built without attrs' __init__, the newest kept.
 
 
 def test_issued_tokens_are_tokens_like_any_other() -> None:
