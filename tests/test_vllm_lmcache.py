@@ -226,14 +226,7 @@ def test_a_load_begins_at_the_first_token_vllm_does_not_hold(registered: bool) -
     on, not from the start of its first chunk."""
     lookup = FakeLookup()
     scheduler = lmcache_scheduler(lookup)
-    prompt = list(range(1, 49))
-    scheduler.add_request(make_request("A", prompt))
-    out1 = scheduler.schedule()
-    scheduler.update_from_output(out1, model_output(out1))
-    lookup.hits["B"] = 96
-    scheduler.add_request(make_request("B", prompt + list(range(600, 660))))
-    out2 = scheduler.schedule()
-    rm = req_meta(out2, "B")
+    _, rm = whole_chunk_load_over_a_shared_prefix(scheduler, lookup)  # the same two requests, paged here
     assert (rm.load_spec.vllm_cached_tokens, rm.load_spec.lmcache_cached_tokens) == (48, 96)
     load = Transfer.from_wire(getattr(rm, vc.META_LOAD))
     assert load.block_ids == tuple(table(scheduler, "B")[3:6])  # tokens [48, 96), not the shared block 2
