@@ -46,6 +46,9 @@ connector                     stream / engine                            kind
 ``LMCacheConnectorV1``        ``lmcache_load``, ``lmcache_store``         DEVICE
                               (LMCache's copy streams; see
                               :mod:`~blockpool.integrations.vllm.lmcache`)
+``LMCacheMPConnector``        ``lmcache_mp_load``, ``lmcache_mp_store``   HOST
+(LMCache's own class)         (the LMCache server's copies; see
+                              :mod:`~blockpool.integrations.vllm.lmcache_mp`)
 ============================  =========================================  ======
 
 Any other connector logs one line when a scheduler binds it to our pool:
@@ -70,6 +73,7 @@ import attrs
 
 from blockpool.core.hazards import StreamKind
 from blockpool.integrations.vllm import lmcache as _lmcache
+from blockpool.integrations.vllm import lmcache_mp as _lmcache_mp
 from blockpool.integrations.vllm.hazards import StepHazards, Transfer
 
 __all__ = [
@@ -620,6 +624,9 @@ CONNECTORS: dict[str, ConnectorSpec] = {
         _patch_nixl,
     ),
     _lmcache.LMCACHE: ConnectorSpec(_lmcache.MODULE, _lmcache.STREAMS, _lmcache.patch_scheduler),
+    _lmcache_mp.LMCACHE_MP: ConnectorSpec(
+        _lmcache_mp.MODULE, _lmcache_mp.STREAMS, _lmcache_mp.patch_scheduler
+    ),
 }
 """Every connector this module can wire, by name."""
 

@@ -377,14 +377,14 @@ _NIXL_W = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
 
 # Connector names (as blockpool.integrations.vllm.connectors names them).
 MOONCAKE, OFFLOADING, SIMPLE, NIXL = "mooncake_store", "offloading", "simple_cpu_offload", "nixl"
-LMCACHE = "lmcache"
-CONNECTOR_NAMES: tuple[str, ...] = (MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE)
+LMCACHE, LMCACHE_MP = "lmcache", "lmcache_mp"
+CONNECTOR_NAMES: tuple[str, ...] = (MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE, LMCACHE_MP)
 """Every KV connector the plugin can wire (``blockpool.integrations.vllm.connectors``' names)."""
 WORKER_HOOKS = "worker hooks"
 """The :attr:`Name.connector` of the model runners' hooks every worker half
 shares (the step record on ``bind_connector_metadata``, ``eN`` after the
 forward): a drift there leaves every connector of :data:`WORKER_HALF` unwired."""
-WORKER_HALF: tuple[str, ...] = (MOONCAKE, OFFLOADING, NIXL, LMCACHE)
+WORKER_HALF: tuple[str, ...] = (MOONCAKE, OFFLOADING, NIXL, LMCACHE, LMCACHE_MP)
 """The connectors with a worker half (SimpleCPUOffload's wiring is the
 scheduler's alone)."""
 
@@ -671,11 +671,40 @@ _LMCACHE = (
     _n(f"{_LMC_E}:LMCacheEngine.store_layer", 'self', 'tokens', 'mask', 'kwargs', connector=LMCACHE),
 )
 
+# LMCache's multi-process connector: LMCache's own LMCacheMPConnector (the
+# class vLLM's lmcache_mp_connector module resolves to when LMCache's module
+# imports; the same resolver in 0.32, 0.33 and 0.34) and the names of
+# LMCache's worker adapter and metadata the wiring reads (lmcache 0.5.6;
+# "unavailable" where LMCache is not installed).
+_LMP_V = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector"
+_LMP = "lmcache.integration.vllm.lmcache_mp_connector"
+_LMP_A = "lmcache.integration.vllm.vllm_multi_process_adapter"
+_LMP_M = "lmcache.integration.vllm.lmcache_mp_metadata"
+_LMCACHE_MP = (
+    _n(f"{_LMP_V}:_resolve_lmcache_mp_connector", fp=("7ff5105272ca46e4",), connector=LMCACHE_MP),
+    _n(f"{_LMP}:LMCacheMPConnector.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("9d12429363979d47",), connector=LMCACHE_MP, use="wrapped"),
+    _n(f"{_LMP}:LMCacheMPConnector.build_connector_meta", 'self', 'scheduler_output', fp=("032068cd8ff02e16",), connector=LMCACHE_MP, use="wrapped"),
+    _n(f"{_LMP}:LMCacheMPConnector.update_connector_output", 'self', 'connector_output', fp=("50ffa15f6539417d",), connector=LMCACHE_MP, use="wrapped"),
+    _n(f"{_LMP}:LMCacheMPConnector.start_load_kv", 'self', 'forward_context', 'kwargs', fp=("33d7f920110758d5",), connector=LMCACHE_MP, use="wrapped"),
+    _n(f"{_LMP}:LMCacheMPConnector.wait_for_save", 'self', fp=("e2a2c871ca9cd70b",), connector=LMCACHE_MP, use="wrapped"),
+    _n(f"{_LMP}:LMCacheMPConnector.build_connector_worker_meta", 'self', fp=("5d31dff0cb8cedb5",), connector=LMCACHE_MP, use="wrapped"),
+    _n(f"{_LMP}:LMCacheMPConnector.get_finished", 'self', 'finished_req_ids', fp=("69043433cd297f09",), connector=LMCACHE_MP),
+    _n(f"{_LMP_A}:LMCacheMPWorkerAdapter.create_recorded_event", 'self', fp=("b115e94a140ed019",), connector=LMCACHE_MP),
+    _n(f"{_LMP_A}:LMCacheMPWorkerAdapter.submit_store_request", 'self', 'request_id', 'op', 'event', 'cache_salt', 'request_configs', fp=("e6d866102ce8a049",), connector=LMCACHE_MP),
+    _n(f"{_LMP_A}:LMCacheMPWorkerAdapter.submit_retrieve_request", 'self', 'request_id', 'op', 'event', 'cache_salt', 'request_configs', fp=("397eb8c4823873dd",), connector=LMCACHE_MP),
+    _n(f"{_LMP_A}:LMCacheMPWorkerAdapter.batched_submit_store_requests", 'self', 'request_ids', 'ops', 'event', 'cache_salts', 'request_configs_list', fp=("9905b67f38926ba1",), connector=LMCACHE_MP),
+    _n(f"{_LMP_A}:LMCacheMPWorkerAdapter.get_finished", 'self', 'finished_req_ids_from_engine', fp=("440f0a0cace1872a",), connector=LMCACHE_MP),
+    _n(f"{_LMP_A}:LMCacheMPWorkerAdapter.get_block_ids_with_load_errors", 'self', fp=("f32e581af07bc329",), connector=LMCACHE_MP),
+    _n(f"{_LMP_M}:LMCacheMPRequestMetadata.GetRetrieveMetadata", 'tracker', 'lmcache_tokens_per_chunk', 'group_tokens_per_block', fp=("fc857529b712d3bb",), connector=LMCACHE_MP),
+    _n(f"{_LMP_M}:LMCacheMPRequestMetadata.GetStoreMetadata", 'tracker', 'lmcache_tokens_per_chunk', 'group_tokens_per_block', 'save_decode_cache', fp=("1b424374b3e67274",), connector=LMCACHE_MP),
+    _n(f"{_LMP_M}:LMCacheMPWorkerMetadata.aggregate", 'self', 'other', fp=("08c978f3605893fb",), connector=LMCACHE_MP),
+)
+
 SURFACES: dict[str, Surface] = {
     "0.32": Surface(
         "0.32",
         _MARKERS_032,
-        _NAMES_032 + _CALLED_BY_CONNECTORS + _LMCACHE,
+        _NAMES_032 + _CALLED_BY_CONNECTORS + _LMCACHE + _LMCACHE_MP,
         event_extra_keys=None,
         lookahead_token_ids=None,
         access_hook_on_null=True,
@@ -683,12 +712,12 @@ SURFACES: dict[str, Surface] = {
         evict_first=False,
         v1_model_runner=True,
         offloading_failed_jobs=False,
-        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE),
+        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE, LMCACHE_MP),
     ),
     "0.33": Surface(
         "0.33",
         _MARKERS_033,
-        _NAMES_033 + _CALLED_BY_CONNECTORS + _LMCACHE,
+        _NAMES_033 + _CALLED_BY_CONNECTORS + _LMCACHE + _LMCACHE_MP,
         event_extra_keys="_generate_event_extra_keys",
         lookahead_token_ids="_lookahead_token_ids",
         access_hook_on_null=False,
@@ -696,12 +725,12 @@ SURFACES: dict[str, Surface] = {
         evict_first=False,
         v1_model_runner=True,
         offloading_failed_jobs=False,
-        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE),
+        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE, LMCACHE_MP),
     ),
     "0.34": Surface(
         "0.34",
         _MARKERS_034,
-        _NAMES_034 + _CALLED_BY_CONNECTORS + _LMCACHE,
+        _NAMES_034 + _CALLED_BY_CONNECTORS + _LMCACHE + _LMCACHE_MP,
         event_extra_keys="generate_event_extra_keys",
         lookahead_token_ids="get_lookahead_token_ids",
         access_hook_on_null=False,
@@ -709,7 +738,7 @@ SURFACES: dict[str, Surface] = {
         evict_first=True,
         v1_model_runner=False,
         offloading_failed_jobs=True,
-        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE),
+        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE, LMCACHE_MP),
     ),
 }
 """The declared release lines, oldest first."""

@@ -72,6 +72,7 @@ from blockpool.core.errors import BlockPoolError
 from blockpool.core.hazards import Fence, StreamKind, Token
 from blockpool.integrations.vllm import ENV_HAZARDS
 from blockpool.integrations.vllm import lmcache as lmcache_wiring
+from blockpool.integrations.vllm import lmcache_mp as lmcache_mp_wiring
 from blockpool.integrations.vllm.audit import MODE_AUDIT, Audit, device_covered_by
 from blockpool.integrations.vllm.connectors import (
     CONNECTORS,
@@ -917,6 +918,7 @@ _WORKER_WIRING: dict[str, Callable[[Patcher], None]] = {
     OFFLOADING: _wire_offloading,
     NIXL: _wire_nixl,
     LMCACHE: lmcache_wiring.wire_worker,
+    lmcache_mp_wiring.LMCACHE_MP: lmcache_mp_wiring.wire_worker,
 }
 
 SCHEDULER_ONLY_STREAMS: frozenset[str] = frozenset(
