@@ -41,13 +41,13 @@ if importlib.util.find_spec("lmcache") is None:
     # (scripts/lmcache_parity.sh builds .venv-lmcache, where CI runs these).
     pytest.skip("this vLLM venv has no LMCache: run in .venv-lmcache", allow_module_level=True)
 
-from blockpool.core.hazards import Token
+from blockpool.core.hazards import Token, TokenStatus
 from blockpool.integrations.vllm import connectors as vc
 from blockpool.integrations.vllm import lmcache_mp as mp
 from blockpool.integrations.vllm import worker as vw
 from blockpool.integrations.vllm.hazards import StepRecord, Transfer
 from blockpool.worker.standins import StandInDevice
-from tests.test_vllm_connectors import make_request, make_scheduler, model_output
+from tests.test_vllm_connectors import make_request, make_scheduler, model_output, worker
 from tests.test_vllm_lmcache import _resumed_req_ids  # noqa: F401  (autouse: LMCache reads resumed_req_ids)
 
 _STOOD_IN = ("numba", "cryptography", "aiofile", "uvicorn")
@@ -359,3 +359,203 @@ def test_a_refused_retrieve_is_not_run_and_comes_back_to_vllm_as_a_failed_load(r
         assert scheduler.requests["B"].num_computed_tokens == 32  # back to its first bad block
         out3 = scheduler.schedule()
     assert out3.num_scheduled_tokens["B"] == 108 - 32  # recomputed, not loaded
+
+
+# ----------------------------------------------------------------------
+# the worker's fence wait
+# ----------------------------------------------------------------------
+
+
+@contextmanager
+def load_on_worker(audit: Any = None) -> Iterator[tuple[Any, Any, Any, SimpleNamespace]]:
+    """The load scenario (:func:`load_into_blocks_a_running_step_reads`) on
+    the worker, stand-ins: step 2's forward (it reads A's blocks) is
+    enqueued on the compute stream, not run, and ``e2`` recorded after it;
+    then LMCache's ``start_load_kv`` submits step 3's retrieve through the
+    plugin's wrapper. Yields ``(worker hazards, the worker connector, the
+    compute stream, the stubbed IPC boundary)``."""
+    from blockpool.worker.torch_events import EventLedger
+
+    dev = StandInDevice()
+    with lmcache_io(dev) as io:
+        scheduler = make_scheduler(CONNECTOR, num_blocks=6, role="kv_consumer")
+        out2, out3 = load_into_blocks_a_running_step_reads(scheduler, io)
+        compute = dev.new_stream("compute")
+        ledger = EventLedger(dev.new_event, streams={"compute": compute})
+        wh = vw.WorkerHazards(ledger, lambda: compute, timeout=5.0, audit=audit)
+        vw.install(wh)
+        try:
+            conn = worker_connector(scheduler)
+            wh.record(Token("compute", 1))
+            compute.enqueue(lambda: io.transfer.log.append("step 2 reads A's blocks"), "forward 2")
+            wh.record(step_of(out2).forward)  # e2 after step 2's forward
+            conn.bind_connector_metadata(out3.kv_connector_metadata)
+            conn.start_load_kv(SimpleNamespace())
+            yield wh, conn, compute, io
+        finally:
+            vw.install(None)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_the_servers_retrieve_waits_on_an_event_recorded_after_the_fence_on_a_side_stream(
+    registered: bool,
+) -> None:
+    with load_on_worker() as (wh, conn, compute, io):
+        server = io.transfer.server
+        assert server.run() == 0 and io.transfer.log == []  # held at its wait on the IPC event
+        assert wh.waits == 1 and wh.stock_fallbacks == 0  # the fence (e2) was waited on ...
+        assert conn._blockpool_side_stream.run() == 0  # ... by the side stream the event is recorded on
+        compute.run()
+        conn._blockpool_side_stream.run()
+        server.run()
+        assert io.transfer.log == ["step 2 reads A's blocks", "retrieve B"]
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_audit_mode_counts_a_retrieve_and_adds_no_wait(registered: bool) -> None:
+    """LMCache's own event is recorded on the compute stream, after e2: the
+    retrieve is fenced, and ordered by LMCache's own wait (not a race)."""
+    from blockpool.integrations.vllm.audit import Audit
+
+    audit = Audit()
+    with load_on_worker(audit) as (wh, conn, _, _):
+        counts = audit.to_json()["by_connector_and_kind"][f"{mp.LMCACHE_MP}/load"]
+        assert (counts["started"], counts["fenced"], counts["raced"]) == (1, 1, 0)
+        assert wh.waits == 0 and "_blockpool_side_stream" not in conn.__dict__
+
+
+# ----------------------------------------------------------------------
+# stores
+# ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_store_waits_on_the_step_that_wrote_its_blocks(registered: bool) -> None:
+    with lmcache_io():
+        scheduler = make_scheduler(CONNECTOR)
+        scheduler.add_request(make_request("C", list(range(1, 65))))
+        out1 = scheduler.schedule()
+    (rm,) = metas(out1, "C", "STORE")
+    store = transfer_of(rm, vc.META_STORE)
+    assert (store.token.stream, store.kind) == (mp.STORE_STREAM, "store")
+    assert store.block_ids == tuple(table(scheduler, "C")[:4])  # tokens [0, 64): two 32-token chunks
+    assert store.fence.tokens == (step_of(out1).forward,)  # e1 wrote them
+
+
+def run_step_on_worker(wh: Any, conn: Any, compute: Any, out: Any) -> None:
+    """One step on the worker: bind its metadata, its forward (recorded as
+    ``eN``), then ``wait_for_save`` submits its stores."""
+    conn.bind_connector_metadata(out.kv_connector_metadata)
+    compute.enqueue(lambda: None, "forward")
+    wh.record(step_of(out).forward)
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_two_store_ops_of_one_request_end_each_when_its_own_copy_ended(registered: bool) -> None:
+    """LMCache keeps one store future per request (the second op's replaces
+    the first's); each op still ends by its own."""
+    dev = StandInDevice()
+    compute = dev.new_stream("compute")
+    wh = worker(dev, compute)
+    try:
+        with lmcache_io(dev) as io:
+            scheduler = make_scheduler(CONNECTOR, max_num_batched_tokens=32)
+            scheduler.add_request(make_request("C", list(range(1, 65))))
+            conn = worker_connector(scheduler)
+            out1 = scheduler.schedule()  # tokens [0, 32): one chunk
+            run_step_on_worker(wh, conn, compute, out1)
+            scheduler.update_from_output(out1, model_output(out1))
+            out2 = scheduler.schedule()  # tokens [32, 64)
+            run_step_on_worker(wh, conn, compute, out2)
+            (op1,) = metas(out1, "C", "STORE")
+            (op2,) = metas(out2, "C", "STORE")
+            t1, t2 = transfer_of(op1, vc.META_STORE), transfer_of(op2, vc.META_STORE)
+            f1, f2 = io.transfer.futures
+            assert conn.worker_adapter.store_futures["C"] is f2
+
+            f1.done = True  # the first op's copy ended, not the second's
+            meta = conn.build_connector_worker_meta()
+            assert isinstance(meta, mp.MPWorkerMeta) and meta.inner is None
+            output = model_output(out2, kv_connector_worker_meta=meta)
+            scheduler.update_from_output(out2, output)
+            assert output.kv_connector_output.kv_connector_worker_meta is None  # LMCache saw its own
+            pool = core(scheduler)
+            assert (pool.token_status(t1.token), pool.token_status(t2.token)) == (
+                TokenStatus.COMPLETED,
+                TokenStatus.PENDING,
+            )
+
+            f2.done = True
+            out3 = scheduler.schedule()
+            scheduler.update_from_output(
+                out3, model_output(out3, kv_connector_worker_meta=conn.build_connector_worker_meta())
+            )
+            assert pool.token_status(t2.token) is TokenStatus.COMPLETED
+            assert hazards(scheduler).pending_transfers() == []
+    finally:
+        vw.install(None)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_preempted_requests_store_holds_its_blocks_until_every_rank_reported_it(registered: bool) -> None:
+    """C's store op runs on two ranks; C is preempted (its blocks freed)
+    while the copies run: its blocks are held back, not handed out, until
+    both ranks reported the op, and come back then."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    dev = StandInDevice()
+    compute = dev.new_stream("compute")
+    wh = worker(dev, compute)
+    try:
+        with lmcache_io(dev) as io:
+            scheduler = make_scheduler(CONNECTOR)
+            scheduler.vllm_config.parallel_config.world_size = 2
+            c = make_request("C", list(range(1, 65)))
+            scheduler.add_request(c)
+            conn = worker_connector(scheduler)
+            out1 = scheduler.schedule()
+            run_step_on_worker(wh, conn, compute, out1)
+            (op,) = metas(out1, "C", "STORE")
+            store = transfer_of(op, vc.META_STORE)
+            scheduler._preempt_request(c, 0.0)
+            scheduler.update_from_output(out1, model_output(out1))
+            hz, pool = hazards(scheduler), core(scheduler)
+            assert hz.blocks_on_their_way() == 4  # held back: the server still reads them
+
+            (future,) = io.transfer.futures
+            future.done = True
+            rank_report = conn.build_connector_worker_meta()  # this rank: its copy ended
+            # What vLLM's update_from_output hands the connector (C, preempted, is not scheduled).
+            scheduler.connector.update_connector_output(
+                KVConnectorOutput(kv_connector_worker_meta=rank_report)
+            )
+            assert hz.blocks_on_their_way() == 4 and pool.token_status(store.token) is TokenStatus.PENDING
+
+            other_rank = mp.MPWorkerMeta(None, dict(rank_report.done))
+            scheduler.connector.update_connector_output(
+                KVConnectorOutput(kv_connector_worker_meta=other_rank)
+            )
+            assert hz.blocks_on_their_way() == 0 and pool.token_status(store.token) is TokenStatus.COMPLETED
+    finally:
+        vw.install(None)
+
+
+def test_the_ranks_reports_sum_per_op_around_lmcaches_own_metadata() -> None:
+    lmc = connector_mod.LMCacheMPWorkerMetadata
+    a = mp.MPWorkerMeta(lmc({"C": 1}), {(1, "C", 0): 1})
+    b = mp.MPWorkerMeta(None, {(1, "C", 0): 1, (2, "C", 0): 1})
+    merged = a.aggregate(b).aggregate(lmc({"C": 1}))  # a rank whose wiring reported nothing
+    assert merged.done == {(1, "C", 0): 2, (2, "C", 0): 1}
+    assert merged.inner.completed_store_requests == {"C": 2}
+
+
+def test_lmcache_mp_is_among_the_wired_connectors_with_its_host_engines() -> None:
+    from blockpool.core.hazards import StreamKind
+
+    assert vc.CONNECTORS[mp.LMCACHE_MP].module == mp.MODULE
+    assert vc.CONNECTORS[mp.LMCACHE_MP].streams == {
+        mp.LOAD_STREAM: StreamKind.HOST,
+        mp.STORE_STREAM: StreamKind.HOST,
+    }
