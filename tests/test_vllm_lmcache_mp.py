@@ -559,3 +559,32 @@ def test_lmcache_mp_is_among_the_wired_connectors_with_its_host_engines() -> Non
         mp.LOAD_STREAM: StreamKind.HOST,
         mp.STORE_STREAM: StreamKind.HOST,
     }
+
+
+def test_the_declared_lmcache_names_match_the_installed_lmcache() -> None:
+    from blockpool.integrations.vllm import surface
+
+    names = [n for n in surface.active().all_names() if n.connector == mp.LMCACHE_MP]
+    drifts = [d for d in surface.check(surface.active(), names) if d.status != "ok"]
+    assert len(names) == 17 and drifts == []
+
+
+def test_the_registration_line_names_lmcache_mp_among_the_wired_connectors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+    import os
+
+    from blockpool.integrations import vllm as plugin
+
+    plugin.unregister()
+    try:
+        with (
+            patch.dict(os.environ, {plugin.ENV_PLUGIN: "1", plugin.ENV_HAZARDS: "1"}),
+            caplog.at_level(logging.INFO, logger="vllm.plugins.blockpool"),
+        ):
+            plugin.register()
+        (line,) = [r.getMessage() for r in caplog.records if "KV connectors wired:" in r.getMessage()]
+        assert mp.LMCACHE_MP in line.split("KV connectors wired: ")[1].split(";")[0].split(", ")
+    finally:
+        plugin.unregister()

@@ -7,7 +7,9 @@ scheduler wiring as with hazards on (every fence is computed, every token
 issued and recorded), but the worker adds **no** wait: vLLM's own waits run
 exactly as stock (MooncakeStore's ``current_event``, Offloading's
 ``wait_stream(compute)``, NIXL posting at once, LMCache's copies on its
-load and store streams, which wait on no ``compute`` work). At the moment each wired
+load and store streams, which wait on no ``compute`` work, the LMCache
+multi-process server's copies after one IPC event recorded on the compute
+stream). At the moment each wired
 transfer is about to touch GPU memory, the worker asks, without blocking,
 whether every token of its fence has ended (:meth:`Audit.observe`): a
 device token's event is queried (``Event.query()``, through the ledger's
@@ -20,7 +22,9 @@ What counts as ordered by vLLM's own wait: a device consumer enqueued after
 ``wait_stream(compute)`` (Offloading's copy streams) is ordered after every
 ``compute`` token recorded before it (``covered``); a host consumer that
 synchronized vLLM's event (MooncakeStore's send thread) is checked after
-that synchronize, so the forward it covers has ended by then. Everything
+that synchronize, so the forward it covers has ended by then; the LMCache
+multi-process server's copies wait on an event recorded on ``compute``, so
+they are ordered after the ``compute`` tokens recorded before it. Everything
 else must have ended by itself.
 
 The report: per ``(connector, kind)`` the transfers started, those whose
@@ -29,7 +33,9 @@ running, with the first :attr:`Audit.max_examples` of the last in full
 (request, block ids, the transfer's token, the tokens still running: their
 stream says what work it is, ``compute`` a forward or block copy,
 ``offload_d2h`` an offload store, ``mooncake_store`` a GET or PUT,
-``lmcache_load`` / ``lmcache_store`` an LMCache load or store, ...).
+``lmcache_load`` / ``lmcache_store`` an LMCache load or store,
+``lmcache_mp_load`` / ``lmcache_mp_store`` an LMCache server's retrieve or
+store, ...).
 Logged as one line every :data:`ENV_AUDIT_INTERVAL` seconds (default 60)
 when counts changed and once at exit, and written as JSON to
 :data:`ENV_AUDIT_FILE` when set (a file per rank: ``{rank}`` in the name is

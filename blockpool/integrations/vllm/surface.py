@@ -673,15 +673,15 @@ _LMCACHE = (
 
 # LMCache's multi-process connector: LMCache's own LMCacheMPConnector (the
 # class vLLM's lmcache_mp_connector module resolves to when LMCache's module
-# imports; the same resolver in 0.32, 0.33 and 0.34) and the names of
-# LMCache's worker adapter and metadata the wiring reads (lmcache 0.5.6;
-# "unavailable" where LMCache is not installed).
-_LMP_V = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector"
+# imports; the same resolver in 0.32, 0.33 and 0.34), the names of LMCache's
+# worker adapter and metadata the wiring reads (lmcache 0.5.6; "unavailable"
+# where LMCache is not installed), and vLLM's aggregation of the ranks'
+# worker metadata (0.33 and 0.34 share a body; 0.32's differs).
 _LMP = "lmcache.integration.vllm.lmcache_mp_connector"
 _LMP_A = "lmcache.integration.vllm.vllm_multi_process_adapter"
 _LMP_M = "lmcache.integration.vllm.lmcache_mp_metadata"
 _LMCACHE_MP = (
-    _n(f"{_LMP_V}:_resolve_lmcache_mp_connector", fp=("7ff5105272ca46e4",), connector=LMCACHE_MP),
+    _n("vllm.distributed.kv_transfer.kv_connector.utils:KVOutputAggregator.aggregate", 'self', 'outputs', 'output_rank', fp=("cee1e9e583b8e868", "cd11f4198cd8d6c1"), connector=LMCACHE_MP),
     _n(f"{_LMP}:LMCacheMPConnector.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("9d12429363979d47",), connector=LMCACHE_MP, use="wrapped"),
     _n(f"{_LMP}:LMCacheMPConnector.build_connector_meta", 'self', 'scheduler_output', fp=("032068cd8ff02e16",), connector=LMCACHE_MP, use="wrapped"),
     _n(f"{_LMP}:LMCacheMPConnector.update_connector_output", 'self', 'connector_output', fp=("50ffa15f6539417d",), connector=LMCACHE_MP, use="wrapped"),
