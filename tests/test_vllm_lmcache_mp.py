@@ -544,10 +544,10 @@ def test_a_preempted_requests_store_holds_its_blocks_until_every_rank_reported_i
 
 def test_the_ranks_reports_sum_per_op_around_lmcaches_own_metadata() -> None:
     lmc = connector_mod.LMCacheMPWorkerMetadata
-    a = mp.MPWorkerMeta(lmc({"C": 1}), {(1, "C", 0): 1})
-    b = mp.MPWorkerMeta(None, {(1, "C", 0): 1, (2, "C", 0): 1})
+    a = mp.MPWorkerMeta(lmc({"C": 1}), {(1, "C"): 1})
+    b = mp.MPWorkerMeta(None, {(1, "C"): 1, (2, "C"): 1})
     merged = a.aggregate(b).aggregate(lmc({"C": 1}))  # a rank whose wiring reported nothing
-    assert merged.done == {(1, "C", 0): 2, (2, "C", 0): 1}
+    assert merged.done == {(1, "C"): 2, (2, "C"): 1}
     assert merged.inner.completed_store_requests == {"C": 2}
 
 
@@ -588,3 +588,37 @@ def test_the_registration_line_names_lmcache_mp_among_the_wired_connectors(
         assert mp.LMCACHE_MP in line.split("KV connectors wired: ")[1].split(";")[0].split(", ")
     finally:
         plugin.unregister()
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_store_the_server_never_answers_ends_once_lmcache_marks_the_server_unhealthy(
+    registered: bool,
+) -> None:
+    """LMCache drops its futures when its heartbeat marks the server
+    unhealthy; the wiring reports the op then, so a preempted request's
+    blocks are not held forever."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    dev = StandInDevice()
+    compute = dev.new_stream("compute")
+    wh = worker(dev, compute)
+    try:
+        with lmcache_io(dev):
+            scheduler = make_scheduler(CONNECTOR)
+            c = make_request("C", list(range(1, 65)))
+            scheduler.add_request(c)
+            conn = worker_connector(scheduler)
+            out1 = scheduler.schedule()
+            run_step_on_worker(wh, conn, compute, out1)
+            scheduler._preempt_request(c, 0.0)
+            scheduler.update_from_output(out1, model_output(out1))
+            hz = hazards(scheduler)
+            assert (
+                conn.build_connector_worker_meta() is None and hz.blocks_on_their_way() == 4
+            )  # no answer yet
+            conn.worker_adapter._health_event.clear()  # the heartbeat found the server gone
+            report = conn.build_connector_worker_meta()
+            scheduler.connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
+            assert hz.blocks_on_their_way() == 0 and hz.pending_transfers() == []
+    finally:
+        vw.install(None)

@@ -107,8 +107,9 @@ META_REFUSED = "blockpool_refused"
 ids}`` of the retrieves the pool refused, for the workers to report as
 failed loads."""
 META_STORE_KEY = "blockpool_store_key"
-"""Attribute of a store's ``LMCacheMPRequestMetadata``: ``(step, request
-id, index)``, the key its completion is reported under."""
+"""Attribute of a store's ``LMCacheMPRequestMetadata``: ``(n, request
+id)``, ``n`` counting the stores the scheduler began (unique per op), the
+key its completion is reported under."""
 
 
 def op_block_ids(
@@ -142,8 +143,8 @@ def op_block_ids(
 class MPWorkerMeta:
     """The worker metadata of a wired ``LMCacheMPConnector``: LMCache's own
     (``inner``: ``None`` or an ``LMCacheMPWorkerMetadata``) and the store
-    ops whose server copy ended on the reporting ranks (``done``: ``{(step,
-    request id, index): ranks}``). vLLM aggregates the ranks' metadata of
+    ops whose server copy ended on the reporting ranks (``done``: ``{(n,
+    request id): ranks}``, keys as :data:`META_STORE_KEY`). vLLM aggregates the ranks' metadata of
     a step with :meth:`aggregate`.
 
     Args:
@@ -153,7 +154,7 @@ class MPWorkerMeta:
 
     __slots__ = ("done", "inner")
 
-    def __init__(self, inner: Any, done: dict[tuple[int, str, int], int]) -> None:
+    def __init__(self, inner: Any, done: dict[tuple[int, str], int]) -> None:
         self.inner = inner
         self.done = done
 
@@ -200,7 +201,7 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
     sizes = _tokens_per_block(conn, w)
     refused: dict[str, list[int]] = {}
     kept = []
-    for index, rm in enumerate(requests):
+    for rm in requests:
         op = rm.op
         span = int(op.end) - int(op.start)
         if rm.direction == "RETRIEVE":
@@ -226,7 +227,9 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
                 SERVED.fences_nonempty += bool(t.fence.tokens)
                 setattr(rm, META_LOAD, t.to_wire())
         elif rm.direction == "STORE":
-            key = (hz.steps_issued, rm.request_id, index)
+            n = conn.__dict__.get("_blockpool_stores_begun", 0) + 1
+            conn._blockpool_stores_begun = n
+            key = (n, rm.request_id)
             wire_form = w.store(
                 rm.request_id, op_block_ids(op.block_ids, sizes, 0, span), STORE_STREAM, key=_key(key)
             )
@@ -239,7 +242,7 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
         setattr(meta, META_REFUSED, refused)
 
 
-def _key(op_key: tuple[int, str, int]) -> tuple[str, int, str, int]:
+def _key(op_key: tuple[int, str]) -> tuple[str, int, str]:
     return (LMCACHE_MP, *op_key)
 
 
@@ -249,10 +252,10 @@ def _ranks(conn: Any) -> int:
     return n if isinstance(n, int) and n > 0 else 1
 
 
-def _stores_done(conn: Any, w: ConnectorWiring, done: dict[tuple[int, str, int], int]) -> None:
+def _stores_done(conn: Any, w: ConnectorWiring, done: dict[tuple[int, str], int]) -> None:
     needed = _ranks(conn)
     for op_key, count in done.items():
-        w.report(_key(tuple(op_key)), count, needed)  # type: ignore[arg-type]
+        w.report(_key((int(op_key[0]), str(op_key[1]))), count, needed)
 
 
 def _updater(orig: Any) -> Any:
@@ -400,7 +403,7 @@ def _fenced_event(conn: Any, transfers: list[Any], what: str) -> Iterator[None]:
             adapter.create_recorded_event = own
 
 
-def _ops_of(conn: Any) -> dict[tuple[int, str, int], tuple[Any, Any]]:
+def _ops_of(conn: Any) -> dict[tuple[int, str], tuple[Any, Any]]:
     """The connector's store ops not reported yet: ``{key: (transfer,
     future or None)}``."""
     ops = conn.__dict__.get("_blockpool_store_ops")
@@ -498,7 +501,7 @@ def wire_worker(patch: Patcher) -> None:
                 return inner
             adapter = self.worker_adapter
             healthy = bool(getattr(adapter, "is_healthy", True))
-            done: dict[tuple[int, str, int], int] = {}
+            done: dict[tuple[int, str], int] = {}
             wh = vw.current()
             for key, (t, future) in list(ops.items()):
                 # A rank LMCache submitted nothing for, or a server LMCache
