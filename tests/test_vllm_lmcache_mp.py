@@ -279,9 +279,8 @@ def test_a_retrieve_into_blocks_a_previous_step_reads_waits_on_exactly_that_step
     load = transfer_of(rm, vc.META_LOAD)
     assert load.block_ids == tuple(table(scheduler, "B")[:4])  # tokens [0, 64): 4 blocks of 16
     assert (load.token.stream, load.kind) == (mp.LOAD_STREAM, "load")
-    assert (
-        load.fence.tokens == (step_of(out2).forward,) == (Token("compute", 2),)
-    )  # A's decode, still running
+    # e2: A's decode, still running
+    assert load.fence.tokens == (step_of(out2).forward,) == (Token("compute", 2),)
 
 
 @pytest.mark.parametrize("registered", [False], indirect=True)
