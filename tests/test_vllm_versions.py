@@ -32,17 +32,20 @@ from blockpool.integrations.vllm import surface as vllm_surface
 LOGGER = "vllm.plugins.blockpool"
 
 
-def _lmcache_runs() -> bool:
-    """LMCache's adapter imports here (LMCache installed, its compute
-    backend loaded or stood in for): the plugin wires it then."""
+def _lmcache_runs(module: str) -> bool:
+    """LMCache's ``module`` imports here (LMCache installed, its compute
+    backend loaded or stood in for): the plugin wires its connector then."""
     try:
-        importlib.import_module("lmcache.integration.vllm.vllm_v1_adapter")
+        importlib.import_module(module)
     except ImportError:
         return False
     return True
 
 
-_LMCACHE = ("lmcache",) if _lmcache_runs() else ()
+_LMCACHE = (
+    *(("lmcache",) if _lmcache_runs("lmcache.integration.vllm.vllm_v1_adapter") else ()),
+    *(("lmcache_mp",) if _lmcache_runs("lmcache.integration.vllm.lmcache_mp_connector") else ()),
+)
 CONNECTORS = ("mooncake_store", "offloading", "simple_cpu_offload", "nixl", *_LMCACHE)
 WORKER_HALF = ("mooncake_store", "offloading", "nixl", *_LMCACHE)
 
