@@ -40,14 +40,14 @@ of each run's median and mean CPU µs per step, the **paired** ratios (each
 round's run over the same round's ``off`` run, the median over rounds) and
 the per-method split.
 
-Every run must schedule what the first ``off`` run scheduled, step by step:
-the same requests with the same token counts, block counts per request,
-prefix hits (computed tokens of each new request), preemptions, finished
-requests, and the same load and store jobs (request, blocks); a run that
-differs stops the script (exit 1). In an on-mode run every job must carry
-its transfer and every step its record, else the wiring did not bind the
-pool (exit 1); the counts of steps issued and ended, transfers begun and
-non-empty fences are printed.
+Every run must schedule what the first run (``off`` by default)
+scheduled, step by step: the same requests with the same token counts,
+block counts per request, prefix hits (computed tokens of each new
+request), preemptions, finished requests, and the same load and store
+jobs (request, blocks); a run that differs stops the script (exit 1). In
+an on-mode run every job must carry its transfer and every step its
+record, else the wiring did not bind the pool (exit 1); the counts of
+steps issued and ended, transfers begun and non-empty fences are printed.
 
 Run from a checkout with vLLM 0.34's venv::
 
@@ -144,8 +144,13 @@ def build_scheduler(spec: dict[str, Any]) -> Any:
     w = spec["workload"]
     bs = w["block_size"]
     init_none_hash(sha256)
-    model = vcfg.ModelConfig(model=spec["model_dir"], dtype="float32", seed=0, max_model_len=w["max_model_len"],
-                        skip_tokenizer_init=True)  # fmt: skip
+    model = vcfg.ModelConfig(
+        model=spec["model_dir"],
+        dtype="float32",
+        seed=0,
+        max_model_len=w["max_model_len"],
+        skip_tokenizer_init=True,
+    )
     sched = vcfg.SchedulerConfig(
         max_num_seqs=w["max_num_seqs"],
         max_num_batched_tokens=spec["max_num_batched_tokens"],
@@ -164,7 +169,7 @@ def build_scheduler(spec: dict[str, Any]) -> Any:
     # sees Triton present while the config is built.
     with patch.object(tu, "HAS_TRITON", True):
         config = vcfg.VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
-                            kv_transfer_config=transfer, device_config=vcfg.DeviceConfig("cpu"))  # fmt: skip
+                                 kv_transfer_config=transfer, device_config=vcfg.DeviceConfig("cpu"))  # fmt: skip
     kv_spec = FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=w["num_blocks"], kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["layer.0", "layer.1"], kv_spec)])  # fmt: skip
