@@ -17,11 +17,16 @@ tracking's cost, not only the pool's.
 
 Workload: the engine check's prompts (``build_prompts``: ``--prefixes``
 shared prefixes of ``--prefix-blocks`` blocks, a suffix of each request's
-own) all queued at once, ``--max-tokens`` generated each, a pool too small
-to keep every prefix cached (cached blocks are evicted, and the connector
-loads them back from its CPU tier: loads, stores and prefix hits every
-step). Generated token ids are a function of the request and its length
-only, the same in every mode.
+own; request ``i`` takes prefix ``i % prefixes``) all queued at once,
+``--max-tokens`` generated each. The connector stores every full block to
+its CPU tier. By default the pool (480 blocks) is too small to keep the
+prefixes no running request uses: they are evicted before their next use,
+and each request after the first ``--prefixes`` loads its whole prefix
+back from the CPU tier (an external prefix hit; none in the pool's own
+prefix cache). A pool large enough to keep them (640 blocks here) turns
+every such load into a hit in the pool's prefix cache, with no load.
+Generated token ids are a function of the request and its length only,
+the same in every mode.
 
 Modes: ``off`` (``BLOCKPOOL_VLLM_PLUGIN=0``: vLLM's own ``BlockPool``),
 ``on`` (our pool, hazards on, the connector wired), ``hazards-off``
