@@ -94,8 +94,7 @@ def test_an_on_run_passes_only_when_every_job_and_step_went_through_the_pool() -
 
 
 def test_a_small_run_schedules_alike_in_every_mode_and_moves_blocks_through_the_pool(tmp_path: Any) -> None:
-    pytest.importorskip("vllm.v1.core.sched.scheduler")
-    pytest.importorskip("transformers")  # builds the engine check's tiny model if missing
+    pytest.importorskip("vllm.v1.core.sched.scheduler")  # vLLM brings transformers (the tiny model)
     cmd = [sys.executable, _PATH, "--requests", "24", "--prefixes", "8", "--prefix-blocks", "4",
            "--num-blocks", "40", "--max-num-seqs", "2", "--repeat", "1",
            "--log-dir", str(tmp_path / "logs"), "--json", str(tmp_path / "out.json")]  # fmt: skip
