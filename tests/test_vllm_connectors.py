@@ -1037,3 +1037,36 @@ def test_an_output_the_untokened_wiring_never_saw_does_not_offset_the_outstandin
     with caplog.at_level("WARNING", logger="vllm.plugins.blockpool"):
         hz.add_stream("nixl", StreamKind.HOST)
     assert "1 steps scheduled without step tokens" in caplog.text
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_step_writes_are_read_from_the_live_tables_and_match_the_block_ids(
+    registered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from blockpool.integrations.vllm import hazards as vh
+
+    seen: list[tuple[list[int], list[int], list[int]]] = []  # (tagged, by ids, last blocks) per step
+    tail_blocks = vh.StepHazards._tail_blocks
+
+    def spy(self: Any, scheduled: Any, computed: Any, req_ids: Any, tables: Any, sizes: Any) -> Any:
+        got = tail_blocks(self, scheduled, computed, req_ids, tables, sizes)
+        manager = scheduler.kv_cache_manager  # the block state's resolver is its get_block_ids
+        assert tables == manager.coordinator.get_blocks
+        ids = [i for r in scheduled for i in manager.get_block_ids(r)[0][computed[r] // BS :]]
+        last = [tables(r)[0][-1].block_id for r in scheduled]
+        seen.append(([b.block_id for b in got], [b.block_id for b in self.blocks_of(ids)], last))
+        return got
+
+    monkeypatch.setattr(vh.StepHazards, "_tail_blocks", spy)
+    scheduler = make_scheduler("OffloadingConnector", OFFLOAD)
+    scheduler.add_request(make_request("A", list(range(1, 41))))
+    scheduler.add_request(make_request("B", list(range(101, 131))))
+    for _ in range(3):  # a prefill, then decodes
+        out = scheduler.schedule()
+        offload_step(scheduler, out)
+    assert len(seen) == 3
+    for tagged, by_ids, _ in seen:
+        assert tagged == by_ids
+    assert seen[1][0] == seen[1][2]  # a decode writes only each request's last block
+    # a state whose resolver is not vLLM's own manager method is read by ids
+    assert vh._live_tables(SimpleNamespace(req_ids={"A"}, resolve_block_ids=lambda r: ())) is None

@@ -67,7 +67,7 @@ import collections
 import contextlib
 import logging
 import weakref
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -84,6 +84,30 @@ COMPUTE = "compute"
 logger = logging.getLogger("vllm.plugins.blockpool")
 
 _Wire = Any  # plain tuples/lists of str, int, bool (msgspec- and JSON-encodable)
+
+
+_MANAGER_TABLES = ("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_block_ids")
+_COORDINATOR_TABLES = ("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.get_blocks")
+
+
+def _method_of(fn: object) -> tuple[str, str] | None:
+    """``(module, qualified name)`` of a bound method's function, else ``None``."""
+    f = getattr(fn, "__func__", None)
+    return None if f is None else (getattr(f, "__module__", ""), getattr(f, "__qualname__", ""))
+
+
+def _live_tables(state: Any) -> Callable[[str], tuple[list[KVCacheBlock], ...]] | None:
+    """vLLM's ``KVCacheCoordinator.get_blocks`` behind a
+    ``KVConnectorBlockState`` (vLLM 0.32 to 0.34), when its
+    ``resolve_block_ids`` is vLLM's own ``KVCacheManager.get_block_ids``
+    (the ids of ``coordinator.get_blocks``' blocks, the whole table copied
+    per call); else ``None`` (read the ids). Both are declared in the
+    plugin's vLLM surface. O(1)."""
+    resolve = getattr(state, "resolve_block_ids", None)
+    if _method_of(resolve) != _MANAGER_TABLES or not hasattr(state, "req_ids"):
+        return None
+    get_blocks = getattr(getattr(resolve.__self__, "coordinator", None), "get_blocks", None)  # type: ignore[union-attr]
+    return get_blocks if _method_of(get_blocks) == _COORDINATOR_TABLES else None
 
 
 def _ref(obj: object) -> Any:
@@ -392,8 +416,13 @@ class StepHazards:
         (vLLM builds it only when a connector is configured); in each KV
         cache group ``g`` of a request's block table, the blocks from index
         ``num_computed_tokens // block_sizes[g]`` on are tagged (one int:
-        every group's block size). Once per step, however many connectors
-        call it; a step without a block state tags nothing.
+        every group's block size). The blocks are read from the tails of
+        the live tables behind the block state (vLLM's
+        ``KVCacheCoordinator.get_blocks``) when its resolver is vLLM's own
+        ``KVCacheManager.get_block_ids``, which would copy every scheduled
+        request's whole table as ids each step; else from those ids. Once
+        per step, however many connectors call it; a step without a block
+        state tags nothing.
 
         Returns the fence the forward must wait on before it writes those
         blocks: empty unless a transfer on another stream or engine still
@@ -401,7 +430,9 @@ class StepHazards:
         step appends to). The worker waits on it when it binds the step's
         connector metadata, before the forward; ``eN`` then stands for those
         accesses too (later fences name ``eN``, which ends after them).
-        Later calls for the same step return the same fence. O(blocks tagged).
+        Later calls for the same step return the same fence. O(blocks tagged
+        + requests scheduled) with the live tables, else O(blocks in the
+        scheduled requests' tables).
         """
         record = self.step_record(scheduler_output)
         if record is None:
@@ -419,15 +450,19 @@ class StepHazards:
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         if cached is not None:
             computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        ids: list[int] = []
-        for req_id in scheduled:
-            c = computed.get(req_id)
-            groups = state.get_block_ids(req_id) if c is not None else None
-            if groups:
-                sizes = [block_sizes] * len(groups) if isinstance(block_sizes, int) else block_sizes
-                for group, bs in zip(groups, sizes):
-                    ids.extend(group[c // bs :])
-        blocks = self.blocks_of(ids)
+        tables = _live_tables(state)
+        if tables is not None:
+            blocks = self._tail_blocks(scheduled, computed, state.req_ids, tables, block_sizes)
+        else:
+            ids: list[int] = []
+            for req_id in scheduled:
+                c = computed.get(req_id)
+                groups = state.get_block_ids(req_id) if c is not None else None
+                if groups:
+                    sizes = [block_sizes] * len(groups) if isinstance(block_sizes, int) else block_sizes
+                    for group, bs in zip(groups, sizes):
+                        ids.extend(group[c // bs :])
+            blocks = self.blocks_of(ids)
         if not blocks:
             return EMPTY_FENCE
         # eN was issued when the step was scheduled; its event is recorded
@@ -440,6 +475,39 @@ class StepHazards:
         self.pool.tag(blocks, record.forward, AccessKind.WRITE)
         self._step_writes = (record.index, fence)
         return fence
+
+    def _tail_blocks(
+        self,
+        scheduled: Iterable[str],
+        computed: dict[str, int],
+        req_ids: Container[str],
+        tables: Callable[[str], tuple[list[KVCacheBlock], ...]],
+        block_sizes: int | Sequence[int],
+    ) -> list[KVCacheBlock]:
+        """The blocks the step writes, read from the requests' live block
+        tables (``tables``: vLLM's ``KVCacheCoordinator.get_blocks``): in each
+        group, the blocks from ``num_computed_tokens // block_size`` on, as
+        :meth:`blocks_of` would give them for their ids (the null block,
+        another pool's blocks and blocks with ref count 0 left out, counted
+        in ``transfer_blocks_skipped``). Only the tail of each table is
+        copied. O(blocks tagged + requests)."""
+        own = self.pool.blocks
+        n = len(own)
+        out: list[KVCacheBlock] = []
+        for req_id in scheduled:
+            c = computed.get(req_id)
+            if c is None or req_id not in req_ids:
+                continue
+            groups = tables(req_id)
+            sizes = [block_sizes] * len(groups) if isinstance(block_sizes, int) else block_sizes
+            for group, bs in zip(groups, sizes):
+                for b in group[c // bs :]:
+                    bid = b.block_id
+                    if 0 < bid < n and own[bid] is b and b.ref_cnt > 0:
+                        out.append(b)
+                    else:
+                        self.transfer_blocks_skipped += 1
+        return out
 
     def end_step(self, scheduler_output: object) -> StepRecord | None:
         """Step N's model output came back: end ``eN`` (and every earlier
