@@ -393,8 +393,9 @@ class PoolBase:
         own = self.blocks
         cls = self._block_cls
         try:
-            for b in block_list:
-                if b.__class__ is not cls and own[b.block_id] is not b:
+            for x in block_list:
+                b: KVCacheBlock = x  # typed: native reads in the compiled build (a TypeError otherwise)
+                if type(b) is not cls and own[b.block_id] is not b:
                     break
             else:
                 return block_list

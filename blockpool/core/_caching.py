@@ -237,6 +237,10 @@ class CacheOps(IntrospectionOps):
             not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0
         ):
             raise InvalidArgumentError(f"block_size must be a positive int or None, got {block_size!r}")
+        # Lists (the caller's own when they are): indexed natively in the
+        # compiled build, where a Sequence is indexed by a generic call.
+        blocks = blocks if isinstance(blocks, list) else list(blocks)
+        block_hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
         # Pass 1 checks everything (nothing changes if it raises) and lists
         # the blocks to publish; pass 2 (the prefix cache) publishes.
         self._own_all(blocks[lo:hi])

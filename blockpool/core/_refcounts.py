@@ -154,8 +154,9 @@ class RefCountOps(TokenOps):
         zero: list[KVCacheBlock] = []
         i = 0
         try:
-            for i, b in enumerate(blocks):
-                if b.__class__ is not cls and own[b.block_id] is not b:
+            for i, x in enumerate(blocks):
+                b: KVCacheBlock = x  # typed: native reads in the compiled build (a TypeError otherwise)
+                if type(b) is not cls and own[b.block_id] is not b:
                     self._own(b)
                 if b is null:
                     continue

@@ -226,11 +226,10 @@ class FreeBlockQueue:
         out: list[KVCacheBlock] = []
         if n <= 0:
             return out
-        append = out.append
         b = self.head.next_free_block
         for _ in range(n):
             assert b is not None
-            append(b)
+            out.append(b)
             nxt = b.next_free_block
             b.prev_free_block = b.next_free_block = None
             b = nxt

@@ -180,7 +180,8 @@ class HoldBack:
         if runs:
             held, held_by = self._held, self._held_by
             for pend, run in runs:
-                held.update({b.block_id: pend for b in run})
+                for b in run:
+                    held[b.block_id] = pend
                 for t in pend:
                     lst = held_by.get(t)
                     if lst is None:
@@ -212,14 +213,13 @@ class HoldBack:
         no pending token holds any more (they leave the held set), in the
         order they were held. O(blocks held on ``token``)."""
         held = self._held
-        get = held.get
         out: list[KVCacheBlock] = []
         last: object = None  # blocks held together share their pending set:
         mine = False  # decide once per distinct set (a token hash is a Python call)
         rest: frozenset[Token] | None = None
         for b in self._held_by.pop(token, ()):
             bid = b.block_id
-            pending = get(bid)
+            pending = held.get(bid)
             if pending is None:
                 continue  # released already (a touch took it)
             if pending is not last:

@@ -87,9 +87,8 @@ class PendingWrites:
         their invalid marks go. O(len(blocks)), nothing when none is marked."""
         invalid = self._invalid
         if invalid:
-            pop = invalid.pop
             for b in blocks:
-                pop(b.block_id, None)
+                invalid.pop(b.block_id, None)
 
     def clear_invalid(self) -> None:
         """Forget every invalid mark (every block is free: each is rewritten

@@ -188,9 +188,9 @@ class PrefixCache:
 
     def publish_full(
         self,
-        blocks: Sequence[KVCacheBlock],
-        keys: Sequence[Hashable],
-        indices: Iterable[int],
+        blocks: list[KVCacheBlock],
+        keys: list[Hashable],
+        indices: list[int],
         block_size: int | None,
         keys_offset: int = 0,
     ) -> tuple[list[int], list[Hashable]]:

@@ -137,7 +137,6 @@ def fence_of(
         return EMPTY_FENCE  # nothing in flight the consumer is not ordered after
     cand: dict[object, Token] = {}
     why: dict[Token, FenceReason] | None = {} if debug else None
-    get = cand.get
     lw: object = _UNSET
     lr: object = _UNSET
     for blocks, access in groups:
@@ -150,7 +149,7 @@ def fence_of(
                 lw = w
                 if w.stream != own:
                     k: object = w.stream if w.kind is not _HOST else (w.stream, w.seq)
-                    cur = get(k)
+                    cur = cand.get(k)
                     if cur is None or cur.seq < w.seq:
                         cand[k] = w
                         if why is not None:
@@ -163,7 +162,7 @@ def fence_of(
                         if t.stream == own:
                             continue
                         k = t.stream if t.kind is not _HOST else (t.stream, t.seq)
-                        cur = get(k)
+                        cur = cand.get(k)
                         if cur is None or cur.seq < t.seq:
                             cand[k] = t
                             if why is not None:

@@ -158,9 +158,9 @@ class StreamState:
             done = self.done
             while done and done[0] == self.mark + 1:
                 self.mark = done.pop(0)
-        pop = self.token_clocks.pop
+        clocks = self.token_clocks
         for s in newly:
-            pop(s, None)
+            clocks.pop(s, None)
         return newly
 
 
