@@ -210,7 +210,9 @@ class CacheOps(IntrospectionOps):
         the reportable keys the promotions removed, in order
         (:meth:`~blockpool.core.prefix_cache.PrefixCache.publish_full`); no
         events. Position ``i``'s key is ``block_hashes[i - hashes_offset]``
-        (:meth:`publish_full_blocks`). O(num_full_blocks - num_cached_blocks)."""
+        (:meth:`publish_full_blocks`). O(num_full_blocks - num_cached_blocks),
+        plus a copy of ``blocks`` and ``block_hashes`` when they are not
+        lists."""
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         lo, hi = num_cached_blocks, num_full_blocks
