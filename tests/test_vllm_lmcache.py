@@ -50,9 +50,11 @@ from tests.test_vllm_connectors import make_request, make_scheduler, model_outpu
 _STOOD_IN = ("numba", "cryptography", "aiofile", "uvicorn")
 
 
-def _import_adapter() -> Any:
-    """LMCache's adapter module, importing it with :data:`_STOOD_IN`
-    stood in for while it imports (then removed from ``sys.modules``)."""
+def import_with_stand_ins(module: str, what: str) -> Any:
+    """LMCache's ``module`` (``what``: its name in a skip reason), imported
+    with :data:`_STOOD_IN` stood in for while it imports (then removed from
+    ``sys.modules``); the calling test module is skipped when it does not
+    import for another reason."""
     import lmcache
 
     if not hasattr(lmcache, "device_ops"):  # its compute backend did not load (no numba)
@@ -61,20 +63,20 @@ def _import_adapter() -> Any:
     try:
         for _ in range(32):
             try:
-                return importlib.import_module(lw.ADAPTER)
+                return importlib.import_module(module)
             except ModuleNotFoundError as exc:
                 name = exc.name or ""
                 if name.split(".")[0] not in _STOOD_IN:
-                    pytest.skip(f"LMCache's adapter does not import here ({exc})", allow_module_level=True)
+                    pytest.skip(f"{what} does not import here ({exc})", allow_module_level=True)
                 sys.modules[name] = MagicMock(name=name)
                 added.append(name)
-        pytest.skip("LMCache's adapter does not import here", allow_module_level=True)
+        pytest.skip(f"{what} does not import here", allow_module_level=True)
     finally:
         for name in added:
             sys.modules.pop(name, None)
 
 
-adapter = _import_adapter()
+adapter = import_with_stand_ins(lw.ADAPTER, "LMCache's adapter")
 
 
 @pytest.fixture(autouse=True)

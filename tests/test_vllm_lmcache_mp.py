@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -48,38 +47,12 @@ from blockpool.integrations.vllm import worker as vw
 from blockpool.integrations.vllm.hazards import StepRecord, Transfer
 from blockpool.worker.standins import StandInDevice
 from tests.test_vllm_connectors import make_request, make_scheduler, model_output, worker
-from tests.test_vllm_lmcache import _resumed_req_ids  # noqa: F401  (autouse: LMCache reads resumed_req_ids)
+from tests.test_vllm_lmcache import (
+    _resumed_req_ids,  # noqa: F401  (autouse: LMCache reads resumed_req_ids)
+    import_with_stand_ins,
+)
 
-_STOOD_IN = ("numba", "cryptography", "aiofile", "uvicorn")
-
-
-def _import_connector() -> Any:
-    """LMCache's MP connector module, importing it with :data:`_STOOD_IN`
-    stood in for while it imports (then removed from ``sys.modules``)."""
-    import lmcache
-
-    if not hasattr(lmcache, "device_ops"):  # its compute backend did not load (no numba)
-        lmcache.device_ops = MagicMock(name="lmcache.device_ops")
-    added: list[str] = []
-    try:
-        for _ in range(32):
-            try:
-                return importlib.import_module(mp.MODULE)
-            except ModuleNotFoundError as exc:
-                name = exc.name or ""
-                if name.split(".")[0] not in _STOOD_IN:
-                    pytest.skip(
-                        f"LMCache's MP connector does not import here ({exc})", allow_module_level=True
-                    )
-                sys.modules[name] = MagicMock(name=name)
-                added.append(name)
-        pytest.skip("LMCache's MP connector does not import here", allow_module_level=True)
-    finally:
-        for name in added:
-            sys.modules.pop(name, None)
-
-
-connector_mod = _import_connector()
+connector_mod = import_with_stand_ins(mp.MODULE, "LMCache's MP connector")
 adapter_mod = importlib.import_module("lmcache.integration.vllm.vllm_multi_process_adapter")
 
 BS = 16
