@@ -356,6 +356,21 @@ def _current(wh: Any, stream: Any) -> Iterator[None]:
 
 
 @contextmanager
+def _swapped(obj: Any, name: str, fn: Any) -> Iterator[None]:
+    """While inside: ``obj.name`` is ``fn`` (set on the instance); then the
+    instance's own attribute comes back, or none when it had none."""
+    own = obj.__dict__.get(name)
+    setattr(obj, name, fn)
+    try:
+        yield
+    finally:
+        if own is None:
+            obj.__dict__.pop(name, None)
+        else:
+            setattr(obj, name, own)
+
+
+@contextmanager
 def _fenced_event(conn: Any, transfers: list[Any], what: str) -> Iterator[None]:
     """While inside: the worker adapter's ``create_recorded_event`` (the
     IPC event the server's copies wait on) records on the side stream,
@@ -381,7 +396,6 @@ def _fenced_event(conn: Any, transfers: list[Any], what: str) -> Iterator[None]:
         yield
         return
     orig = adapter.create_recorded_event
-    own = adapter.__dict__.get("create_recorded_event")
 
     @functools.wraps(orig)
     def create_recorded_event() -> Any:
@@ -393,14 +407,8 @@ def _fenced_event(conn: Any, transfers: list[Any], what: str) -> Iterator[None]:
         with _current(wh, side):
             return orig()
 
-    adapter.create_recorded_event = create_recorded_event
-    try:
+    with _swapped(adapter, "create_recorded_event", create_recorded_event):
         yield
-    finally:
-        if own is None:
-            adapter.__dict__.pop("create_recorded_event", None)
-        else:
-            adapter.create_recorded_event = own
 
 
 def _ops_of(conn: Any) -> dict[tuple[int, str], tuple[Any, Any]]:
@@ -424,7 +432,6 @@ def _store_futures_kept(conn: Any, stores: list[tuple[Any, Any]]) -> Iterator[No
     queue = {id(rm.op): (tuple(getattr(rm, META_STORE_KEY)), t) for rm, t in stores}
     ops = _ops_of(conn)
     orig = adapter.submit_store_request
-    own = adapter.__dict__.get("submit_store_request")
 
     @functools.wraps(orig)
     def submit_store_request(request_id: str, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -438,14 +445,10 @@ def _store_futures_kept(conn: Any, stores: list[tuple[Any, Any]]) -> Iterator[No
             after = adapter.store_futures.get(request_id)
             ops[entry[0]] = (entry[1], after if after is not before else None)
 
-    adapter.submit_store_request = submit_store_request
     try:
-        yield
+        with _swapped(adapter, "submit_store_request", submit_store_request):
+            yield
     finally:
-        if own is None:
-            adapter.__dict__.pop("submit_store_request", None)
-        else:
-            adapter.submit_store_request = own
         for key, t in queue.values():  # not submitted (an empty batch): nothing runs
             ops[key] = (t, None)
 
