@@ -25,8 +25,13 @@ off is the pool's and the wiring's excess plus whatever else the plugin
 changes), the **paired** ratios (each round's run against the same
 round's ``off`` run, the median over rounds: the machine's speed drifts
 from minute to minute by more than the plugin's cost, and a round's runs
-see the same stretch of it) and the per-method split (each method's median
-over runs).
+see the same stretch of it), the **attributed** ratio (each round: ``1 +
+(the mode's pool and wiring µs per step - off's) / off's mean CPU µs per
+step``, the median over rounds: the whole step's ratio with only the
+timed calls' difference in it, which repeats from run to run where the
+whole step does not; it leaves out what the plugin's calls cost the rest
+of the scheduler through the caches) and the per-method split (each
+method's median over runs).
 Why per-step cost in an engine is several
 times a hot loop's (the scheduler's code runs on caches the forward pass
 has just evicted): ``docs/performance.md``, "A real vLLM engine: scheduler time per step".
@@ -155,7 +160,8 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     CPU µs per step (median over runs of the per-run median, and of the
     per-run mean: the mean is the pool figure's own kind, the median the
     engine check's), each method's µs per step and ns per call (medians over
-    runs) and, with an ``off`` mode, the paired ratios (module docstring).
+    runs) and, with an ``off`` mode, the paired and attributed ratios
+    (module docstring).
     O(runs * methods)."""
     by_mode: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
@@ -188,6 +194,13 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             delta = [_pool_us(r) - _pool_us(b) for r, b in pairs]
             out[mode]["pool_paired_delta_us"] = [round(x, 1) for x in delta]
             out[mode]["pool_paired_delta_us_median"] = round(statistics.median(delta), 1) if delta else None
+            attributed = [
+                1.0 + (_pool_us(r) - _pool_us(b)) / b["timing"]["cpu_per_step_mean_us"]
+                for r, b in pairs
+                if b["timing"].get("cpu_per_step_mean_us")
+            ]
+            out[mode]["attributed_ratios"] = [round(x, 3) for x in attributed]
+            out[mode]["attributed_ratio_median"] = round(statistics.median(attributed), 3) if attributed else None
             out[mode]["sched_cpu_paired_ratios"] = [round(x, 3) for x in med]
             out[mode]["sched_cpu_paired_ratio_median"] = round(statistics.median(med), 3) if med else None
             out[mode]["sched_cpu_mean_paired_ratios"] = [round(x, 3) for x in mean]
@@ -260,6 +273,10 @@ def format_table(summary: dict[str, Any]) -> str:
                 f" mean step {s['sched_cpu_mean_paired_ratio_median'] or float('nan'):.3f}"
                 f" ({', '.join(f'{x:.2f}' for x in s['sched_cpu_mean_paired_ratios'])});"
                 f" pool and wiring {s['pool_paired_delta_us_median']:+.1f} µs/step"
+            )
+            lines.append(
+                f"  {mode:<12} attributed (off's mean step plus the pool's and wiring's excess, over off's mean step)"
+                f" {s['attributed_ratio_median']:.3f} ({', '.join(f'{x:.3f}' for x in s['attributed_ratios'])})"
             )
     for mode, s in summary.items():
         gcs = "; ".join("/".join(map(str, g)) for g in s.get("gc_collections_runs", ()) if g)

@@ -68,3 +68,21 @@ def test_a_round_without_an_off_run_is_left_out_of_the_pairs() -> None:
     assert s["on"]["sched_cpu_paired_ratios"] == [1.2] and s["on"]["sched_cpu_mean_paired_ratios"] == [1.3]
     assert s["on"]["sched_cpu_us_runs"] == [1200.0, 900.0]
 
+
+
+def test_attributed_ratio_adds_the_paired_pool_excess_to_offs_mean_step() -> None:
+    # The whole step swings by 2x between rounds; the pool's excess (2.5,
+    # 8 and 1.5 µs a step over off's 1 µs) is what the attributed ratio reads.
+    runs = [
+        _run("off", 1, 100.0, 100.0), _run("on", 1, 190.0, 200.0),
+        _run("off", 2, 200.0, 200.0), _run("on", 2, 110.0, 100.0),
+        _run("off", 3, 50.0, 50.0), _run("on", 3, 60.0, 60.0),
+    ]  # fmt: skip
+    for r in runs[0::2]:
+        r["pool_time"] = {"pool.get_new_blocks": [10, 10_000]}
+    for r, ns in zip(runs[1::2], (35_000, 90_000, 25_000)):
+        r["pool_time"] = {"pool.get_new_blocks": [10, ns]}
+    s = ept.summarize(runs)
+    assert s["on"]["attributed_ratios"] == [1.025, 1.04, 1.03]
+    assert s["on"]["attributed_ratio_median"] == 1.03 and s["off"]["attributed_ratio_median"] == 1.0
+    assert "attributed (off's mean step plus the pool's and wiring's excess, over off's mean step) 1.030" in ept.format_table(s)
