@@ -34,21 +34,29 @@ class RefCountOps(TokenOps):
         """Blocks just taken off the free queue: evict their keys (removed
         events, or with ``keys_out`` and events on, the removed keys
         appended there and no event), give each ref count 1, forget the old
-        content's marks. Returns ``blocks``. O(len(blocks))."""
-        report = self.enable_kv_cache_events
-        if keys_out is not None and report:
-            self.prefix_cache.evict_for_reuse(blocks, True, keys_out)
-        else:
-            dropped = self.prefix_cache.evict_for_reuse(blocks, report)
-            if dropped:
-                writes = self.writes
-                if writes.has_invalid():  # a failed load's keys: their own reason
-                    for b, keys in dropped:
-                        self._removed(keys, "load_failed" if writes.is_invalid(b.block_id) else "evicted")
-                else:  # the same events, queued in one call
-                    self._removed([k for _, keys in dropped for k in keys], "evicted")
-        for b in blocks:
+        content's marks. Returns ``blocks``. One pass over the blocks, and
+        one over those that held a key. O(len(blocks))."""
+        keyed: list[KVCacheBlock] = []
+        for x in blocks:
+            b: KVCacheBlock = x  # typed: native reads in the compiled build
             b.ref_cnt = 1
+            if b.block_hash is not None:
+                keyed.append(b)
+        pc = self.prefix_cache
+        if keyed:
+            report = self.enable_kv_cache_events
+            if keys_out is not None and report:
+                pc.evict_for_reuse(keyed, True, keys_out)
+            else:
+                dropped = pc.evict_for_reuse(keyed, report)
+                if dropped:
+                    writes = self.writes
+                    if writes.has_invalid():  # a failed load's keys: their own reason
+                        for b, keys in dropped:
+                            self._removed(keys, "load_failed" if writes.is_invalid(b.block_id) else "evicted")
+                    else:  # the same events, queued in one call
+                        self._removed([k for _, keys in dropped for k in keys], "evicted")
+        pc.forget_marks(blocks)
         self.writes.rewritten(blocks)
         return blocks
 
@@ -151,7 +159,19 @@ class RefCountOps(TokenOps):
         own = self.blocks
         null = self.null_block
         cls = self._block_cls
+        # Blocks reaching ref count 0, placed in the same pass when nothing
+        # can be held back (no host-engine token pending: a host token that
+        # tags them here is pending already) and the placement is the
+        # default one: unkeyed to ``zero`` (the queue's front), keyed to
+        # ``last`` (its back). Otherwise ``last`` is ``zero`` and
+        # :meth:`_enqueue_free` places them.
         zero: list[KVCacheBlock] = []
+        last = zero
+        placed = not (to_tail or evict_first or not self.enable_caching) and not (
+            self.track_hazards and self.tracker.host_pending()
+        )
+        if placed:
+            last = []
         i = 0
         try:
             for i, x in enumerate(blocks):
@@ -168,7 +188,10 @@ class RefCountOps(TokenOps):
                     )
                 b.ref_cnt = rc
                 if rc == 0:
-                    zero.append(b)
+                    if b.block_hash is None:
+                        zero.append(b)
+                    else:
+                        last.append(b)
         except Exception as exc:
             for b in blocks[:i]:
                 if b is not null:
@@ -188,5 +211,11 @@ class RefCountOps(TokenOps):
             self._tag(blocks, token, access)  # type: ignore[arg-type]
         elif access is _WRITE and token is not None:
             self._ended_write(blocks, token)  # type: ignore[arg-type]
-        if zero:
+        if placed:
+            q = self.free_block_queue
+            if zero:
+                q.prepend_n(zero)
+            if last:
+                q.append_n(last)
+        elif zero:
             self._enqueue_free(zero, to_tail, evict_first)

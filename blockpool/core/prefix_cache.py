@@ -278,9 +278,11 @@ class PrefixCache:
     def evict_for_reuse(
         self, blocks: list[KVCacheBlock], report: bool, keys_out: list[Hashable] | None = None
     ) -> list[tuple[KVCacheBlock, list[Hashable]]]:
-        """Blocks just taken for new content: withdraw their keys and forget
-        what was retired or partial about the old content; counts one
-        eviction per block that held a key. A block whose only key maps to
+        """Blocks just taken for new content: withdraw their keys (blocks
+        without one are skipped: a caller may pass only the keyed ones);
+        counts one eviction per block that held a key. What was retired or
+        partial about the old content goes with :meth:`forget_marks`, which
+        the caller calls for every block taken. A block whose only key maps to
         it alone costs one dict deletion. With ``report``, returns
         ``(block, reportable keys)`` for each block that lost keys (else
         ``[]``); with ``report`` and ``keys_out``, appends the reportable
@@ -313,12 +315,17 @@ class PrefixCache:
                         out.append((b, [key]))
         if evicted:
             self.evictions += evicted
+        return out
+
+    def forget_marks(self, blocks: list[KVCacheBlock]) -> None:
+        """``blocks`` were taken for new content: what was retired or
+        partial about the old content goes. O(1) when no block has such a
+        mark, else O(len(blocks))."""
         if self._partial or self._retired:
             partial, retired = self._partial, self._retired
             for b in blocks:
                 partial.discard(b.block_id)
                 retired.pop(b.block_id, None)
-        return out
 
     def evict(self, block: KVCacheBlock) -> list[Hashable]:
         """:meth:`remove` counted as an eviction when the block held a key
