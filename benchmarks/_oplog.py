@@ -160,7 +160,9 @@ class _RecordingPool(HazardAwareBlockPool):
         released = {bid for op in log.pre if op[0] == "release" for bid in op[1]}
         if name == "free_blocks":
             ids = enc[0]
-            held = sorted({bid for bid in ids if bid in self.holdback and bid not in held_before})
+            held = sorted(
+                {bid for bid in ids if self.blocks[bid] in self.holdback and bid not in held_before}
+            )
             log.ops.append((name, *enc, held))
         else:
             log.ops.append((name, *enc, res(out)))
@@ -186,7 +188,7 @@ class _RecordingPool(HazardAwareBlockPool):
         assert log is not None
         super()._enqueue_free(blocks, to_tail, evict_first)
         if log.in_apply_completions and log.depth:
-            assert not any(b.block_id in self.holdback for b in blocks)
+            assert not any(b in self.holdback for b in blocks)
             log.pre.append(("release", _ids(blocks)))
 
     def _drop_keys(self, b: Any, reason: str | None = None) -> list[Any]:

@@ -80,6 +80,24 @@ def test_a_bad_block_class_is_refused(make_cls: object, with_factory: bool, mess
         HazardAwareBlockPool(4, block_factory=factory(Adapted) if with_factory else None, block_class=cls)
 
 
+class ComparedByFields(KVCacheBlock):
+    """A block type with a field-wise ``==`` (vLLM's dataclass's), so no hash."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVCacheBlock) and other.block_id == self.block_id
+
+
+def test_a_factory_of_unhashable_blocks_is_refused_and_does_not_claim_its_block_class() -> None:
+    cls = block_class_for_pool(ComparedByFields)
+    with pytest.raises(InvalidArgumentError, match="ComparedByFields blocks, which are not hashable"):
+        HazardAwareBlockPool(4, block_factory=factory(cls), block_class=cls)
+    # refused again, not as "already another pool's"
+    with pytest.raises(InvalidArgumentError, match="not hashable"):
+        HazardAwareBlockPool(4, block_factory=factory(cls), block_class=cls)
+
+
 def test_a_block_class_serves_one_pool_only_and_a_failed_build_does_not_claim_it() -> None:
     cls = block_class_for_pool(Adapted)
     with pytest.raises(InvalidArgumentError, match="null block"):

@@ -300,12 +300,36 @@ def test_check_catches_a_held_block_whose_token_ended(pool: HazardAwareBlockPool
         pool.check()
 
 
+def test_check_catches_a_held_entry_that_is_not_the_pools_block_of_its_id(pool: HazardAwareBlockPool) -> None:
+    from blockpool import InvariantError
+    from blockpool.core.block import KVCacheBlock
+
+    (b,) = pool.get_new_blocks(1)
+    pool.begin_load([b], "rdma")
+    pool.free_blocks([b])
+    pool.check()
+    held = pool.holdback._held
+    held[KVCacheBlock(b.block_id)] = held.pop(b)  # corrupt: the same id, another record
+    with pytest.raises(InvariantError, match="not the pool's block"):
+        pool.check()
+
+
+def test_check_catches_a_held_null_block(pool: HazardAwareBlockPool) -> None:
+    from blockpool import InvariantError
+
+    load, _ = pool.begin_load(pool.get_new_blocks(1), "rdma")
+    pool.check()
+    pool.holdback._held[pool.null_block] = frozenset({load})  # corrupt the hold-back part directly
+    with pytest.raises(InvariantError, match="null block is free, held"):
+        pool.check()
+
+
 def test_check_catches_a_lease_on_a_block_that_is_not_held() -> None:
     from blockpool import InvariantError
 
     pool = make_pool(lease_timeout=5.0, clock=lambda: 0.0)
     pool.check()
-    pool.holdback._deadline[3] = 5.0  # corrupt the hold-back part directly
+    pool.holdback._deadline[3] = (5.0, pool.blocks[3])  # corrupt the hold-back part directly
     with pytest.raises(InvariantError, match="lease"):
         pool.check()
 

@@ -377,7 +377,7 @@ class IntrospectionOps(PoolBase):
             raise InvariantError("a block appears twice in the free queue")
         null = self.null_block
         held = self.holdback
-        if 0 in free_set or null.ref_cnt != 0 or null.block_hash is not None or 0 in held:
+        if 0 in free_set or null.ref_cnt != 0 or null.block_hash is not None or null in held:
             raise InvariantError("the null block is free, held, referenced or cached")
         if null.writer is not None or null.readers is not None:
             raise InvariantError("the null block has a shadow")

@@ -45,6 +45,11 @@ class HoldBack:
     each held block's lease (deadline) and the leases that expired; the
     ``leases_expired`` counter.
 
+    The held map is keyed by the block record itself, which hashes by
+    identity (a pool's blocks are distinct objects, one per id): a lookup
+    hashes a pointer and allocates nothing, where a block id key would be
+    boxed into an int object per lookup in the compiled build.
+
     Args:
         lease_timeout: Seconds a block may stay held before its lease
             expires (``None``: no leases).
@@ -54,11 +59,12 @@ class HoldBack:
     __slots__ = ("_clock", "_deadline", "_expired", "_held", "_held_by", "_leases", "leases_expired", "timeout")
 
     def __init__(self, lease_timeout: float | None = None, clock: Callable[[], float] | None = None) -> None:
-        self._held: dict[int, frozenset[Token]] = {}  # block id -> host tokens still pending on it
+        self._held: dict[KVCacheBlock, frozenset[Token]] = {}  # held block -> host tokens still pending on it
         self._held_by: dict[Token, list[KVCacheBlock]] = {}  # pending token -> blocks held on it
-        self._leases: SortedList = SortedList()  # (deadline, block_id)
-        self._deadline: dict[int, float] = {}  # lease of each held block
-        self._expired: set[int] = set()
+        # (deadline, block id): ids, not blocks, so that equal deadlines never compare blocks
+        self._leases: SortedList = SortedList()
+        self._deadline: dict[int, tuple[float, KVCacheBlock]] = {}  # block id -> its lease, the block
+        self._expired: set[int] = set()  # ids of held blocks whose lease expired
         self.timeout = lease_timeout
         self._clock = clock
         self.leases_expired = 0
@@ -74,34 +80,35 @@ class HoldBack:
         calls :meth:`release` for an ended host token only then. O(1)."""
         return bool(self._held_by)
 
-    def __contains__(self, block_id: object) -> bool:
-        """Whether the block (by id) is held. O(1)."""
-        return block_id in self._held
+    def __contains__(self, block: object) -> bool:
+        """Whether the block (a block record, not an id) is held. O(1)."""
+        return block in self._held
 
     def held_ids(self) -> list[int]:
         """Held block ids, sorted. O(h log h)."""
-        return sorted(self._held)
+        return sorted([b.block_id for b in self._held])
 
     def expired_ids(self) -> list[int]:
         """Held blocks whose lease expired, sorted. O(e log e)."""
         return sorted(self._expired)
 
-    def pending_of(self, block_id: int) -> set[Token]:
+    def pending_of(self, block: KVCacheBlock) -> set[Token]:
         """The host tokens the held block waits on (a copy). O(k).
 
         Raises:
             KeyError: the block is not held.
         """
-        return set(self._held[block_id])
+        return set(self._held[block])
 
     def pending_tokens(self) -> list[Token]:
         """The host tokens some held block waits on, sorted by stream and
         seq. O(listed blocks + t log t)."""
         held = self._held
         out = []
+        b: KVCacheBlock
         for t, blocks in self._held_by.items():
             for b in blocks:
-                pending = held.get(b.block_id)
+                pending = held.get(b)
                 if pending is not None and t in pending:
                     out.append(t)
                     break
@@ -117,7 +124,7 @@ class HoldBack:
         already. Changes nothing. O(blocks listed under ``ends``); the
         decision is made once per distinct pending set and shadow."""
         held, held_by = self._held, self._held_by
-        seen: set[int] = set()
+        seen: set[KVCacheBlock] = set()
 
         def gone(t: Token) -> bool:
             return t in ends or ended(t)
@@ -128,18 +135,21 @@ class HoldBack:
         lw: object = _UNSET  # ... and, freed together, their shadow objects
         lr: object = _UNSET
         free = False
+        b: KVCacheBlock
         for t in ends:
-            for b in held_by.get(t, ()):
-                bid = b.block_id
-                pending = held.get(bid)
-                if pending is None or bid in seen:
+            blocks = held_by.get(t)
+            if blocks is None:
+                continue
+            for b in blocks:
+                pending = held.get(b)
+                if pending is None or b in seen:
                     continue  # released already (a touch took it), or counted
                 if pending is not last:
                     last = pending
                     covered = pending <= ends
                 if not covered or t not in pending:
                     continue  # another token holds it too (or it was held anew since)
-                seen.add(bid)
+                seen.add(b)
                 w, r = b.writer, b.readers
                 if w is not lw or r is not lr:
                     lw, lr = w, r
@@ -181,7 +191,7 @@ class HoldBack:
             held, held_by = self._held, self._held_by
             for pend, run in runs:
                 for b in run:
-                    held[b.block_id] = pend
+                    held[b] = pend
                 for t in pend:
                     lst = held_by.get(t)
                     if lst is None:
@@ -190,23 +200,25 @@ class HoldBack:
                         lst.extend(run)
                 if self.timeout is not None:
                     for b in run:
-                        self._lease(b.block_id)
+                        self._lease(b)
         return free
 
-    def _lease(self, block_id: int) -> None:
+    def _lease(self, block: KVCacheBlock) -> None:
         assert self.timeout is not None and self._clock is not None
         deadline = self._clock() + self.timeout
-        self._deadline[block_id] = deadline
-        self._leases.add((deadline, block_id))
+        self._deadline[block.block_id] = (deadline, block)
+        self._leases.add((deadline, block.block_id))
 
     def _drop_leases(self, blocks: list[KVCacheBlock]) -> None:
         """The leases of ``blocks``, which just left the held set, go
         (their entries in the sorted lease list are skipped lazily by
         :meth:`expire`). O(len(blocks)); nothing when no lease exists."""
         if self._deadline or self._expired:
+            deadline, expired = self._deadline, self._expired
             for b in blocks:
-                self._deadline.pop(b.block_id, None)
-                self._expired.discard(b.block_id)
+                bid = b.block_id
+                deadline.pop(bid, None)
+                expired.discard(bid)
 
     def release(self, token: Token) -> list[KVCacheBlock]:
         """``token`` ended: it stops holding its blocks; returns those that
@@ -217,9 +229,12 @@ class HoldBack:
         last: object = None  # blocks held together share their pending set:
         mine = False  # decide once per distinct set (a token hash is a Python call)
         rest: frozenset[Token] | None = None
-        for b in self._held_by.pop(token, ()):
-            bid = b.block_id
-            pending = held.get(bid)
+        blocks = self._held_by.pop(token, None)
+        if blocks is None:
+            return out
+        b: KVCacheBlock
+        for b in blocks:
+            pending = held.get(b)
             if pending is None:
                 continue  # released already (a touch took it)
             if pending is not last:
@@ -229,10 +244,10 @@ class HoldBack:
             if not mine:
                 continue  # held anew since, on other tokens
             if rest is None:
-                del held[bid]  # its lease goes below, for all at once
+                del held[b]  # its lease goes below, for all at once
                 out.append(b)
             else:
-                held[bid] = rest
+                held[b] = rest
         self._drop_leases(out)
         return out
 
@@ -240,7 +255,7 @@ class HoldBack:
         """``blocks`` (held) were taken back by a touch: they leave the held
         set (their tokens' lists drop them lazily). O(len(blocks))."""
         held = self._held
-        dropped = [b for b in blocks if held.pop(b.block_id, None) is not None]
+        dropped = [b for b in blocks if held.pop(b, None) is not None]
         self._drop_leases(dropped)
 
     def expire(self) -> list[tuple[int, frozenset[Token]]]:
@@ -255,30 +270,38 @@ class HoldBack:
         expired: list[tuple[int, frozenset[Token]]] = []
         while leases and leases[0][0] <= now:
             deadline, bid = leases.pop(0)
-            if self._deadline.get(bid) == deadline and bid not in self._expired:
+            lease = self._deadline.get(bid)
+            if lease is not None and lease[0] == deadline and bid not in self._expired:
                 self._expired.add(bid)
-                expired.append((bid, self._held[bid]))
+                expired.append((bid, self._held[lease[1]]))
         self.leases_expired += len(expired)
         return expired
 
     def snapshot(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
         """``(block id, sorted pending tokens as str)`` per held block,
         sorted. O(h log h)."""
-        return tuple((bid, tuple(sorted(map(str, toks)))) for bid, toks in sorted(self._held.items()))
+        items = sorted([(b.block_id, toks) for b, toks in self._held.items()], key=lambda it: it[0])
+        return tuple((bid, tuple(sorted(map(str, toks)))) for bid, toks in items)
 
     def _check(self, tracker: HazardTracker, blocks: list[KVCacheBlock], free: set[int]) -> None:
-        """Assert: each held block is a data block, unreferenced, not free,
-        and waits on host-engine tokens that have not ended, each listing
-        it; a token lists held blocks only while some host token is pending;
-        leases exist exactly for held blocks (all of them when leases are
-        on); expired leases are of held blocks. O(held + listed blocks).
+        """Assert: each held block is a data block of the pool (the pool's
+        block of its id), unreferenced, not free, and waits on host-engine
+        tokens that have not ended, each listing it; a token lists held
+        blocks only while some host token is pending; leases exist exactly
+        for held blocks (all of them when leases are on), each naming its
+        block; expired leases are of held blocks. O(held + listed blocks).
 
         Raises:
             InvariantError: the first broken invariant.
         """
         host = StreamKind.HOST
-        for bid, pending in self._held.items():
-            if not 0 < bid < len(blocks) or bid in free or blocks[bid].ref_cnt != 0 or not pending:
+        held_ids: set[int] = set()
+        for b, pending in self._held.items():
+            bid = b.block_id
+            if not 0 < bid < len(blocks) or blocks[bid] is not b:
+                raise InvariantError(f"held block {bid} is not the pool's block of that id")
+            held_ids.add(bid)
+            if bid in free or b.ref_cnt != 0 or not pending:
                 raise InvariantError(f"held block {bid} is free, referenced or has no pending token")
             for t in pending:
                 st = tracker.streams.get(t.stream)
@@ -286,22 +309,22 @@ class HoldBack:
                     raise InvariantError(f"held block {bid} waits on {t}, not a host-engine token")
                 if tracker.is_ended(t):
                     raise InvariantError(f"held block {bid} still waits on {t}, which has ended")
-                if not any(b.block_id == bid for b in self._held_by.get(t, ())):
+                if not any(x is b for x in self._held_by.get(t, ())):
                     raise InvariantError(f"held block {bid} is not listed under its pending token {t}")
         for t in self._held_by:
             if tracker.is_ended(t):
                 raise InvariantError(f"blocks still listed under {t}, which has ended")
         if self._held_by and not tracker.host_pending():
-            live = [t for t, bs in self._held_by.items() if any(b.block_id in self._held for b in bs)]
+            live = [t for t, bs in self._held_by.items() if any(x in self._held for x in bs)]
             if live:
                 raise InvariantError(f"blocks held on {live[0]} with no host token pending")
         if self.timeout is not None:
-            for bid in self._held:
+            for bid in held_ids:
                 if bid not in self._deadline:
                     raise InvariantError(f"held block {bid} has no lease")
-        for bid in self._deadline:
-            if bid not in self._held:
+        for bid, (_, b) in self._deadline.items():
+            if bid not in held_ids or blocks[bid] is not b:
                 raise InvariantError(f"block {bid} has a lease but is not held")
         for bid in self._expired:
-            if bid not in self._held:
+            if bid not in held_ids:
                 raise InvariantError(f"block {bid} has an expired lease but is not held")

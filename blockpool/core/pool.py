@@ -122,7 +122,8 @@ class HazardAwareBlockPool(RefCountOps):
             :meth:`allocate_for` places.
         block_factory: ``block_factory(block_id)`` makes each block record
             (an adapter's subclass of the host framework's block type, say);
-            block 0 must be a null block (``is_null`` true). Default: the
+            block 0 must be a null block (``is_null`` true); the records hash
+            by identity (no ``__eq__`` without ``__hash__``). Default: the
             core's :class:`~blockpool.core.block.KVCacheBlock`.
         block_class: With ``block_factory``: the class of the blocks it
             makes, made for this pool alone
@@ -143,7 +144,9 @@ class HazardAwareBlockPool(RefCountOps):
         UnknownEvictionPolicyError: ``eviction`` or ``placement`` is not a
             known name (an :class:`InvalidArgumentError`).
         InvalidArgumentError: ``block_factory`` made a null block (block 0)
-            whose ``is_null`` is false, or ``free_queue_class`` with an
+            whose ``is_null`` is false, or blocks that are not hashable
+            (the pool keys held blocks by the record, which must hash by
+            identity), or ``free_queue_class`` with an
             ``eviction`` other than ``"lru"``; ``block_class`` without
             ``block_factory``, not a class, importable by its name (a copy
             made by pickling would pass as this pool's), or already another
@@ -241,6 +244,12 @@ class HazardAwareBlockPool(RefCountOps):
             self.null_block = self.blocks[0]
             if not self.null_block.is_null:
                 raise InvalidArgumentError("block_factory(0) must make a null block (is_null true)")
+            for cls in {type(b) for b in self.blocks}:
+                if getattr(cls, "__hash__", None) is None:
+                    raise InvalidArgumentError(
+                        f"block_factory made {cls.__qualname__} blocks, which are not hashable "
+                        "(a class defining __eq__ must define __hash__, by identity)"
+                    )
             if block_class is not None:
                 check_block_class(block_class, block_factory, claim=True)
         if free_queue_class is None:
