@@ -206,7 +206,7 @@ def smallest_failing_case(sequences: int = 2000, steps: int = 50) -> str | None:
     failure's text, or ``None`` when it finds none."""
     try:
         run_state_machine_as_test(PoolMachine, settings=_settings(sequences, steps, print_blob=False))
-    except Exception as e:  # the shrunk failure
+    except Exception as e:  # noqa: BLE001 (the shrunk failure, whatever its type)
         notes = "\n".join(getattr(e, "__notes__", []))
         return f"{type(e).__name__}: {e}\n{notes}"
     return None

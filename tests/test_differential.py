@@ -5,8 +5,6 @@ move when the pool hands out a wrong fence."""
 
 from __future__ import annotations
 
-import pytest
-
 from tests import differential
 from tests.test_stateful import _DroppingPool, _PaddingPool
 

@@ -172,14 +172,14 @@ def _two_generations(placement: str) -> tuple[HazardAwareBlockPool, object]:
 
 
 def test_lru_placement_takes_the_front_and_waits():
-    p, e2 = _two_generations("lru")
+    p, _e2 = _two_generations("lru")
     assert ids(p.free_block_queue)[:4] == [3, 4, 1, 2]
     got, fence = p.allocate_for(2, "h2d")
     assert ids(got) == [3, 4] and [str(t) for t in fence] == ["compute:2"]
 
 
 def test_ready_first_takes_ready_blocks_and_waits_on_nothing():
-    p, e2 = _two_generations("ready_first")
+    p, _e2 = _two_generations("ready_first")
     got, fence = p.allocate_for(2, "h2d")
     assert ids(got) == [1, 2] and fence.tokens == ()
     assert p.placed_ready == 6  # 2 each for the two compute allocations, then these 2
@@ -190,14 +190,14 @@ def test_ready_first_takes_ready_blocks_and_waits_on_nothing():
 
 
 def test_ready_first_counts_waits_the_consumer_already_made():
-    p, e2 = _two_generations("ready_first")
+    p, _e2 = _two_generations("ready_first")
     p.fence_for(p.blocks[3:5], "h2d")  # h2d now waits on compute:2
     got, fence = p.allocate_for(4, "h2d")
     assert ids(got) == [3, 4, 1, 2] and fence.tokens == ()
 
 
 def test_ready_first_on_the_consumer_own_stream():
-    p, e2 = _two_generations("ready_first")
+    p, _e2 = _two_generations("ready_first")
     got, fence = p.allocate_for(2, "compute")  # compute is ordered after its own steps
     assert ids(got) == [3, 4] and fence.tokens == ()
 

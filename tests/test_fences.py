@@ -65,21 +65,21 @@ def test_tokens_on_consumer_device_stream_are_dropped(pool: HazardAwareBlockPool
 def test_host_engine_consumer_waits_on_its_own_engine(pool: HazardAwareBlockPool) -> None:
     (b,) = pool.get_new_blocks(1)
     s, _ = pool.begin_store([b], "rdma")
-    t, fence = pool.begin_load([b], "rdma")
+    _t, fence = pool.begin_load([b], "rdma")
     assert list(fence) == [s] and fence.needs_host_wait
 
 
 def test_read_waits_only_for_the_writer(pool: HazardAwareBlockPool) -> None:
     (b,) = pool.get_new_blocks(1)
-    load, _ = pool.begin_load([b], "h2d")
-    store, _ = pool.begin_store([b], "d2h")
+    _load, _ = pool.begin_load([b], "h2d")
+    _store, _ = pool.begin_store([b], "d2h")
     assert toks(pool.fence_for([b], "compute", R)) == {"h2d:1"}
 
 
 def test_write_waits_for_all_unordered_readers(pool: HazardAwareBlockPool) -> None:
     (b,) = pool.get_new_blocks(1)
-    s1, _ = pool.begin_store([b], "d2h")
-    s2, _ = pool.begin_store([b], "rdma")
+    _s1, _ = pool.begin_store([b], "d2h")
+    _s2, _ = pool.begin_store([b], "rdma")
     e1 = pool.issue("compute")
     pool.tag([b], e1, R)
     assert toks(pool.fence_for([b], "h2d", W)) == {"d2h:1", "rdma:1", "compute:1"}
@@ -90,9 +90,9 @@ def test_token_covered_by_another_fence_token_is_dropped(pool: HazardAwareBlockP
     e1 = pool.issue("compute")
     pool.tag([b], e1, R)
     # the store waits on nothing about e1, but d2h is later ordered after e1:
-    s1, _ = pool.begin_store([b], "d2h")
+    _s1, _ = pool.begin_store([b], "d2h")
     pool.fence_for([b], "d2h", W)  # d2h waits on e1 (WAR), clock now covers it
-    s2, _ = pool.begin_store([b], "d2h")
+    _s2, _ = pool.begin_store([b], "d2h")
     assert toks(pool.fence_for([b], "h2d", W)) == {"d2h:2"}
 
 
@@ -129,7 +129,7 @@ def test_debug_fence_explains_each_token() -> None:
     a = pool.get_new_blocks(2)
     e1 = pool.issue("compute")
     pool.tag([a[1]], e1, R)
-    load, _ = pool.begin_load([a[0]], "rdma")
+    _load, _ = pool.begin_load([a[0]], "rdma")
     fence = pool.fence_for(a, "h2d", W)
     assert fence.explain().splitlines() == [
         "compute:1: block 2 reader (WAR)",
@@ -149,7 +149,7 @@ def test_device_consumer_fence_with_host_token_needs_host_wait(pool: HazardAware
 def test_plain_pool_hands_out_empty_fences_and_holds_nothing() -> None:
     pool = make_pool(track_hazards=False)
     a = pool.get_new_blocks(2)
-    load, fence = pool.begin_load(a, "rdma")
+    _load, fence = pool.begin_load(a, "rdma")
     pool.free_blocks(a, token=pool.issue("compute"))
     assert not fence and pool.held_block_ids() == []
     _, fence = pool.allocate_for(2, "h2d")

@@ -60,7 +60,7 @@ def test_allocation_needing_hits_plus_too_many_new_blocks_changes_nothing() -> N
 
 def test_allocation_with_hits_counts_free_hits_once() -> None:
     pool, hits = cached_and_freed()
-    new, fence = pool.allocate_for(4, "compute", hits=hits)
+    new, _fence = pool.allocate_for(4, "compute", hits=hits)
     assert len(new) == 4 and not set(ids(new)) & set(ids(hits))
     assert pool.get_num_free_blocks() == 0
     assert [h.ref_cnt for h in hits] == [1, 1]
@@ -86,7 +86,7 @@ def test_loads_and_stores_skip_null_placeholders(pool: HazardAwareBlockPool) -> 
     table = [pool.null_block, pool.null_block, b5, b6]
     t, _ = pool.begin_load(table, "h2d")
     assert pool.null_block.writer is None and b5.writer == t and b6.writer == t
-    s, fence = pool.begin_store(table, "d2h")
+    _s, fence = pool.begin_store(table, "d2h")
     assert list(fence) == [t] and pool.null_block.readers is None
 
 

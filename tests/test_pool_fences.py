@@ -30,7 +30,7 @@ def steps(pool: HazardAwareBlockPool, n: int) -> list[Token]:
 
 def test_load_into_blocks_freed_mid_step_waits_exactly_on_that_step(pool: HazardAwareBlockPool) -> None:
     a = pool.get_new_blocks(2)
-    e1, e2, e3 = steps(pool, 3)
+    _e1, e2, e3 = steps(pool, 3)
     pool.complete(e2)
     pool.free_blocks(list(reversed(a)), token=e3)
     blocks, fence = pool.allocate_for(2, "h2d")
@@ -46,7 +46,7 @@ def test_load_into_blocks_last_read_by_completed_step_gets_empty_fence(pool: Haz
     pool.complete(e3)
     blocks, fence = pool.allocate_for(2, "h2d")
     assert ids(blocks) == ids(a) and not fence
-    token, load_fence = pool.begin_load(blocks, "h2d")
+    _token, load_fence = pool.begin_load(blocks, "h2d")
     assert not load_fence
 
 
@@ -76,7 +76,7 @@ def test_block_freed_mid_store_is_fenced_on_the_store_for_compute(pool: HazardAw
     (b,) = pool.get_new_blocks(1)
     *_, e5 = steps(pool, 5)
     pool.tag([b], e5, AccessKind.WRITE)
-    s1, _ = pool.begin_store([b], "d2h")
+    _s1, _ = pool.begin_store([b], "d2h")
     e6 = pool.issue("compute")
     pool.free_blocks([b], token=e6)
     again, fence = pool.allocate_for(1, "compute")

@@ -14,6 +14,7 @@ from blockpool import (
     ForeignTokenError,
     HazardAwareBlockPool,
     LeaseExpiredWarning,
+    NoFreeBlocksError,
     Token,
 )
 from tests.conftest import ids, make_pool
@@ -34,8 +35,9 @@ def test_aborted_load_holds_blocks_until_their_transfer_ends(pool: HazardAwareBl
     pool.free_blocks(list(reversed(blocks)))
     assert pool.held_block_ids() == ids(blocks[2:])
     assert pool.get_num_free_blocks() == 9 - 2
-    with pytest.raises(Exception):
+    with pytest.raises(NoFreeBlocksError):  # the held blocks are not free
         pool.get_new_blocks(8)
+    assert pool.get_num_free_blocks() == 9 - 2 and pool.held_block_ids() == ids(blocks[2:])
     pool.complete(l2)
     assert pool.held_block_ids() == []
     assert pool.get_num_free_blocks() == 9
@@ -65,7 +67,7 @@ def test_held_block_is_released_exactly_once(pool: HazardAwareBlockPool) -> None
 def test_expired_lease_is_reported_but_blocks_stay_quarantined() -> None:
     now = [0.0]
     pool = make_pool(lease_timeout=5.0, clock=lambda: now[0])
-    blocks, l1, l2 = aborted_load(pool)
+    blocks, _l1, _l2 = aborted_load(pool)
     pool.free_blocks(blocks)
     now[0] = 4.9
     with warnings.catch_warnings():
@@ -99,7 +101,7 @@ def test_abandon_releases_quarantined_blocks() -> None:
 
 
 def test_failed_load_never_publishes_block_hashes(pool: HazardAwareBlockPool) -> None:
-    blocks, l1, l2 = aborted_load(pool)
+    blocks, l1, _l2 = aborted_load(pool)
     pool.cache_full_blocks(blocks, ["k1", "k2", "k3", "k4"], 0, 2, block_size=16)
     pool.take_events()
     pool.fail(l1)

@@ -235,7 +235,7 @@ def test_every_step_read_of_the_exact_replay_is_race_free(events) -> None:  # ty
 
 
 def test_event_log_records_every_fence_with_its_call_blocks_and_tokens(events) -> None:  # type: ignore[no-untyped-def]
-    body, rep, _ = events
+    body, _rep, _ = events
     kinds = body[0]["streams"]
     fences = [e for e in body[1:] if e["ev"] == "fence"]
     assert {e["call"] for e in fences} >= {"allocate_for", "fence_for", "begin_load"}

@@ -67,7 +67,8 @@ def test_cli_grid_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[s
 @pytest.mark.parametrize("opt", ["--eviction", "--placement"])
 def test_cli_unknown_name_is_status_two(opt: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", *SMALL, "--policy", "exact", opt, "lru,clock"]) == 2
-    assert "unknown" in capsys.readouterr().err and "'clock'" in "'clock'"
+    err = capsys.readouterr().err
+    assert "unknown" in err and "'clock'" in err
 
 
 def test_config_rejects_unknown_names() -> None:

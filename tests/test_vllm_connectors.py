@@ -556,9 +556,10 @@ def test_a_failed_offload_copy_fails_its_token_and_its_blocks_are_not_published(
     request in ``failed_recving``): the load's token fails, so its blocks
     lose their keys and are never published; a load reported without a
     failure completes and its blocks are published as vLLM caches them."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
     from blockpool.core.hazards import TokenStatus
     from blockpool.integrations.vllm.surface import active
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
     if not active().offloading_failed_jobs:
         pytest.skip("this vLLM's Offloading connector reports no failed copies (no failed_jobs)")
@@ -589,15 +590,16 @@ def test_an_offload_job_one_rank_reports_failed_fails_only_once_every_rank_repor
     """With two workers, a job one of them reported failed is still running
     on the other: its token stays pending (its blocks held) until the other
     reports, then fails, whatever the other rank said."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+
     from blockpool.core.hazards import TokenStatus
     from blockpool.integrations.vllm.surface import active
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
     if not active().offloading_failed_jobs:
         pytest.skip("this vLLM's Offloading connector reports no failed copies (no failed_jobs)")
     scheduler = make_scheduler("OffloadingConnector", OFFLOAD)
     cs = scheduler.connector.connector_scheduler
-    out3, job_id, load = offload_load_of_a_stored_prefix(scheduler)
+    _out3, job_id, load = offload_load_of_a_stored_prefix(scheduler)
     core = scheduler.kv_cache_manager.block_pool.core
     w = vc.wiring_of(cs)
     cs.config = cs.config._replace(num_workers=2)  # as vLLM sizes it for two ranks

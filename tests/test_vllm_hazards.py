@@ -301,7 +301,7 @@ def test_step_writes_use_each_groups_block_size() -> None:
 
 def test_frees_after_their_steps_are_tagged_with_nothing() -> None:
     pool, hz = make()
-    blocks = pool.get_new_blocks(2)
+    pool.get_new_blocks(2)
     hz.step_record(Out())  # a later step runs, but never touched these blocks
     with hz.frees_after_their_steps():
         assert hz.free_token() is None

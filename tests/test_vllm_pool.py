@@ -7,9 +7,8 @@ defines it, by driving both with the same calls.
 
 from __future__ import annotations
 
-import weakref
-
 import random
+import weakref
 from typing import Any
 
 import pytest

@@ -65,11 +65,14 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from blockpool.core.completions import CompletionReport
 from blockpool.core.errors import BlockPoolError, FenceFailedError, InvalidArgumentError
 from blockpool.core.hazards import StreamKind, Token
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used
+    import torch
 
 __all__ = [
     "BackendUnavailableError",

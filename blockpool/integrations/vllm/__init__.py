@@ -294,7 +294,6 @@ def register() -> None:
             )
             return
         import blockpool
-
         from blockpool.integrations.vllm import surface as vllm_surface
 
         try:
@@ -716,7 +715,6 @@ def _wire_connectors(drifted: dict[str, list[str]]) -> None:
     its declared surface drifted, or its wiring was not reviewed for this
     line), with one warning naming the drifted names."""
     from blockpool.integrations.vllm import connectors as vllm_connectors
-
     from blockpool.integrations.vllm.surface import WORKER_HALF, WORKER_HOOKS
 
     errors: dict[str, str] = {}

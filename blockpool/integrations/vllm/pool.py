@@ -22,8 +22,8 @@ parity harness gives them vLLM's treatment
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU
