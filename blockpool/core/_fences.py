@@ -140,6 +140,9 @@ class FenceOps(CacheOps):
         if self.track_hazards:
             for blocks, access in groups:
                 self._tag(blocks, token, access)
+        for blocks, access in groups:
+            if access is _WRITE and blocks:
+                self.writes.began_transfer(token, blocks)  # its destinations, for fail_blocks
         return token, fence
 
     def begin_copy(

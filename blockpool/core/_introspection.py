@@ -282,8 +282,9 @@ class IntrospectionOps(PoolBase):
         until they are handed out.
 
         ``token``: only the blocks whose mark that token's failure left (a
-        block failed by several writes in turn carries the latest); ``[]``
-        for a token that did not fail.
+        block failed by several writes in turn carries the latest), or the
+        blocks :meth:`fail_blocks` listed for it; ``[]`` for a token that
+        did neither.
 
         Changes nothing (queued completions are applied first, as by every
         call: a failure reported since the last call is applied and its

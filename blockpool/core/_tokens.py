@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from blockpool.core._fences import FenceOps
 from blockpool.core._mypyc import mypyc_attr
+from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import InvalidArgumentError
 from blockpool.core.hazards import StreamKind, Token, TokenStatus
 
@@ -122,6 +123,76 @@ class TokenOps(FenceOps):
             InvalidArgumentError: ``token`` is not a Token, or its kind is not its stream's.
         """
         self.tracker.submit(token, True)
+
+    def fail_blocks(self, token: ArgToken, blocks: Iterable[KVCacheBlock]) -> None:
+        """The load or copy ``token`` ended having written only some of its
+        destinations: ``blocks`` (some of them) hold no valid content, its
+        other destinations hold what it wrote. For ordering ``token``
+        counts as completed (its work ran, so its waits had happened: what
+        it waited on ends, the blocks held on it are released,
+        :meth:`token_status` is ``COMPLETED``, a fence naming it is
+        passed). Each listed block is left as a failed load leaves it:
+        marked invalid by ``token`` (:meth:`invalid_block_ids` with
+        ``token`` lists exactly them), its prefix-cache keys withdrawn
+        (removed events, reason ``load_failed``), not published, stored
+        or copied from until written again; a listed block already written
+        again by a later write recorded after ``token``'s keeps that
+        write's content and keys. The other destinations keep their keys
+        and are published as on completion. Loads linked with ``token``
+        (:meth:`link_loads`) are not touched: this is not a failure of the
+        part, only of those blocks. A failure reported for ``token`` later
+        (:meth:`fail`) is a late failure. Null blocks are skipped; an
+        empty ``blocks`` is :meth:`complete`, applied now.
+        O(len(blocks) + destinations + keys withdrawn + blocks released).
+
+        >>> from blockpool import HazardAwareBlockPool, StreamKind
+        >>> pool = HazardAwareBlockPool(8, streams={"rdma": StreamKind.HOST})
+        >>> blocks = pool.get_new_blocks(4)
+        >>> get, _ = pool.begin_load(blocks, "rdma")
+        >>> pool.cache_full_blocks(blocks, ["k0", "k1", "k2", "k3"], 0, 4, 16)
+        >>> pool.fail_blocks(get, blocks[3:])       # the last block did not arrive
+        >>> pool.invalid_block_ids(get), pool.get_cached_block("k3"), pool.token_status(get).value
+        ([4], None, 'completed')
+        >>> pool.get_cached_block("k2") is blocks[2]  # the valid prefix stays
+        True
+
+        Raises:
+            UnknownStreamError, UnknownTokenError: the pool never issued ``token``.
+            ForeignTokenError: ``token`` was issued by another pool.
+            InvalidArgumentError: ``token`` is not a Token, or its kind is
+                not its stream's, or it is not a load or copy in flight
+                (:meth:`begin_load`, :meth:`begin_copy`; not ended); or
+                ``blocks`` is not iterable, or names a block that is not
+                one of ``token``'s destinations. Nothing changes.
+            ForeignBlockError: a block of another pool; nothing changes.
+        """
+        self._apply_completions()
+        tracker = self.tracker
+        tracker.validate(token)
+        block_list = self._own_all(blocks)
+        dests = None if tracker.is_ended(token) else self.writes.destinations(token)
+        if dests is None:
+            raise InvalidArgumentError(
+                f"fail_blocks: {token} is not a load or copy in flight (begin_load / begin_copy, not ended)"
+            )
+        null = self.null_block
+        bad = [b for b in block_list if b is not null]
+        if bad:
+            ids = {b.block_id for b in dests}
+            for b in bad:
+                if b.block_id not in ids:
+                    raise InvalidArgumentError(
+                        f"fail_blocks: block {b.block_id} is not a destination of {token}"
+                    )
+        ended = tracker.end(token, False)
+        self._on_ended(token, False, ended)
+        if self.track_hazards:
+            # A block written again since keeps that write's content.
+            seq, stream = token.seq, token.stream
+            bad = [b for b in bad if b.writer is not None and b.writer.seq == seq and b.writer.stream == stream]
+        self.writes.mark_invalid(bad, token)
+        for b in bad:
+            self._drop_keys(b)
 
     def link_loads(self, tokens: Iterable[ArgToken]) -> None:
         """Declare ``tokens`` the parts of one load: on a hybrid model, a

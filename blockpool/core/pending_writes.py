@@ -42,15 +42,19 @@ write that directly followed it on a block (:meth:`PendingWrites._resave`)."""
 
 class PendingWrites:
     """Owns the writes in flight (stream -> seq -> :data:`Saved`: what
-    each write replaced, kept until its token ends) and the invalid marks
-    (block id -> the failed token whose write left the block's content
-    invalid, until rewritten), with the undo of failed writes. Every method is O(blocks
+    each write replaced, kept until its token ends), the destinations of
+    the loads and copies in flight (until their tokens end) and the
+    invalid marks (block id -> the token whose failed write, or failed
+    part of a load or copy, left the block's content invalid, until
+    rewritten), with the undo of failed writes. Every method is O(blocks
     touched) unless it says otherwise."""
 
-    __slots__ = ("_invalid", "_serial", "_writes")
+    __slots__ = ("_dests", "_invalid", "_serial", "_writes")
 
     def __init__(self) -> None:
         self._writes: dict[str, dict[int, Saved]] = {}
+        # stream -> seq -> the destination blocks of a load or copy in flight
+        self._dests: dict[str, dict[int, list[KVCacheBlock]]] = {}
         self._invalid: dict[int, Token] = {}  # block id -> the failed write's token
         self._serial = 0  # writes saved so far: orders them across tokens
 
@@ -78,8 +82,10 @@ class PendingWrites:
         return sorted(bid for bid, t in self._invalid.items() if t.seq == seq and t.stream == stream)
 
     def mark_invalid(self, blocks: Iterable[KVCacheBlock], token: Token) -> None:
-        """A write to ``blocks`` by ``token``, which had already failed: it
-        never happened, their content is invalid. O(len(blocks))."""
+        """``blocks`` hold no valid content because of ``token``: a write
+        by ``token`` recorded after it had failed (it never happened), or
+        the blocks a load or copy ``token`` failed to write while its
+        other blocks were written (``fail_blocks``). O(len(blocks))."""
         self._invalid.update({b.block_id: token for b in blocks})
 
     def rewritten(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -96,6 +102,20 @@ class PendingWrites:
         self._invalid.clear()
 
     # -- writes in flight ------------------------------------------------------
+
+    def began_transfer(self, token: Token, dsts: list[KVCacheBlock]) -> None:
+        """A load or copy ``token`` began writing ``dsts`` (kept, not
+        copied, until ``token`` ends: :meth:`destinations`). O(1)."""
+        per_stream = self._dests.get(token.stream)
+        if per_stream is None:
+            per_stream = self._dests[token.stream] = {}
+        per_stream[token.seq] = dsts
+
+    def destinations(self, token: Token) -> list[KVCacheBlock] | None:
+        """The destination blocks of the load or copy ``token`` while it is
+        in flight, ``None`` for any other token. O(1)."""
+        per_stream = self._dests.get(token.stream)
+        return None if per_stream is None else per_stream.get(token.seq)
 
     def began(self, token: Token, replaced: Replaced) -> None:
         """``token`` began writing: keep what it ``replaced`` (from
@@ -134,7 +154,13 @@ class PendingWrites:
         since hands the replaced shadow to the write that replaced it.
         O(entries of the ended writes)."""
         undone: list[KVCacheBlock] = []
+        dests = self._dests
         for st, seqs in ended:
+            if dests:
+                per_stream = dests.get(st.name)
+                if per_stream:
+                    for seq in seqs:
+                        per_stream.pop(seq, None)
             writes = self._writes.get(st.name)
             if not writes:
                 continue
@@ -254,9 +280,16 @@ class PendingWrites:
                         for b in group:
                             if not 0 <= b.block_id < len(blocks) or blocks[b.block_id] is not b or b.is_null:
                                 raise InvariantError(f"{stream}:{seq} saved the shadow of a foreign or null block")
+        for stream, per_dest in self._dests.items():
+            st = tracker.streams.get(stream)
+            if st is None:
+                raise InvariantError(f"transfer destinations on unknown stream {stream!r}")
+            for seq in per_dest:
+                if st.is_ended(seq):
+                    raise InvariantError(f"destinations of {stream}:{seq} kept, which has ended")
         for bid, t in self._invalid.items():
             if not (isinstance(bid, int) and 0 < bid < len(blocks)):
                 raise InvariantError(f"invalid mark on {bid!r}, not a data block")
-            if t.stream not in tracker.streams or not tracker.has_failed(t):
-                raise InvariantError(f"block {bid} is marked invalid by {t}, which did not fail")
+            if t.stream not in tracker.streams or not tracker.is_ended(t):
+                raise InvariantError(f"block {bid} is marked invalid by {t}, which has not ended")
 
