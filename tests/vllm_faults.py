@@ -1,0 +1,963 @@
+"""A seeded fault harness: stock vLLM against the plugin on vLLM's real scheduler.
+
+Per seed, :func:`make_schedule` draws a workload (requests sharing
+prefixes, arriving over the first steps, each with ``max_tokens`` and no
+EOS) and a fault schedule. :func:`run_schedule` serves it three times on
+vLLM's real ``Scheduler`` with the real scheduler half of one KV connector:
+**stock** (the plugin unregistered: vLLM's own ``BlockPool``), **on**
+(hazard tracking on) and **audit** (``BLOCKPOOL_VLLM_HAZARDS=audit``). A
+:class:`ConnectorSim` plays the connector's worker ranks: it reads each
+step's connector metadata and reports completions as that connector's
+worker does, bent by the faults. The model is a stand-in: the token sampled
+for a request is a hash of its tokens so far (:func:`next_token`), so every
+mode generates the same tokens for a request whatever the schedule.
+
+Faults are keyed by ``(request id, transfer kind, ordinal)`` (the
+``ordinal``-th load or store of that request), never by step, so every mode
+meets the same ones; aborts and prefix-cache resets are keyed by a request's
+progress (:class:`Event`). Fault kinds (:data:`FAULT_KINDS`): ``fail`` (the
+whole transfer fails), ``fail_partial`` (some of its blocks), ``late``
+(reported ``arg`` steps late), ``never`` (never reported), ``twice``
+(reported again a step later), ``reorder`` (held back ``arg + 1`` steps,
+so transfers planned after it report first), ``skew`` (with two ranks, rank 1 reports ``arg`` steps
+after rank 0; vLLM's ``KVOutputAggregator`` joins them).
+
+The oracle (:func:`judge`), for ``on`` and ``audit`` each against stock:
+every request stock finishes is finished with the same output tokens; no
+exception; no stretch of steps without scheduled work while requests wait
+longer than :func:`stall_bound` beyond stock's own longest; after the drain
+every block is free with ref count 0; no block was handed out while a
+simulated transfer could still touch it; every injected fault fired. A
+schedule whose stock run itself crashes, stalls or leaks is reported apart
+(a stock-only failure). A failing schedule prints its seed, connector and
+the command that replays it.
+
+A connector is added by subclassing :class:`ConnectorSim` and listing the
+class in :data:`SIMS` (:func:`register_sim`). Run from the repository root
+in vLLM's venv::
+
+    python -m tests.vllm_faults --connector offloading --schedules 200 --seed 0
+    python -m tests.vllm_faults --connector offloading --seed 17 --schedules 1 -v
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import sys
+import time
+import traceback
+import zlib
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+from unittest.mock import patch
+
+BS = 16
+"""Tokens per block of every schedule's model shape."""
+VOCAB = 997
+"""Size of the stand-in model's vocabulary (token ids 1..VOCAB)."""
+MODES = ("stock", "on", "audit")
+"""The three runs of a schedule: plugin off, hazards on, hazards in audit mode."""
+FAULT_KINDS = ("fail", "fail_partial", "late", "never", "twice", "reorder", "skew")
+"""Every fault kind a :class:`ConnectorSim` may support (the module docstring)."""
+DEFAULT_STALL_BOUND = 16
+"""Steps without scheduled work the plugin may add to stock's longest such
+stretch, when the plugin declares no bound of its own (:func:`stall_bound`)."""
+ENV_DEFER_STEPS = "BLOCKPOOL_VLLM_DEFER_STEPS"
+"""The plugin's setting bounding its deferral of a preemption, in steps."""
+
+
+def stall_bound() -> int:
+    """The steps without scheduled work the plugin may add beyond stock's
+    longest such stretch: ``BLOCKPOOL_VLLM_DEFER_STEPS`` (the plugin's
+    default when the plugin declares one as ``DEFER_STEPS``) or
+    :data:`DEFAULT_STALL_BOUND`, plus two steps for the transfers' own
+    reports. O(1)."""
+    raw = os.environ.get(ENV_DEFER_STEPS)
+    if raw is not None and raw.strip().isdigit():
+        return int(raw) + 2
+    try:
+        from blockpool.integrations.vllm import hazards as vh
+
+        declared = getattr(vh, "DEFER_STEPS", None)
+    except ImportError:  # pragma: no cover
+        declared = None
+    return (int(declared) if isinstance(declared, int) else DEFAULT_STALL_BOUND) + 2
+
+
+def next_token(tokens: list[int]) -> int:
+    """The stand-in model's next token after ``tokens``: a CRC of their ids
+    mod :data:`VOCAB`, plus one. O(len(tokens))."""
+    return 1 + zlib.crc32(array("i", tokens).tobytes()) % VOCAB
+
+
+# ----------------------------------------------------------------------
+# schedules: workload and faults from a seed
+# ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault: the ``ordinal``-th (from 0) ``kind`` transfer
+    (``"load"`` or ``"store"``) of request ``req_id`` is bent by ``fault``
+    (one of :data:`FAULT_KINDS`) with argument ``arg`` (steps for ``late``
+    and ``skew``)."""
+
+    req_id: str
+    kind: str
+    ordinal: int
+    fault: str
+    arg: int = 1
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.req_id, self.kind, self.ordinal)
+
+    def __str__(self) -> str:
+        return f"{self.fault}({self.arg}) on {self.req_id}/{self.kind}#{self.ordinal}"
+
+
+@dataclass(frozen=True)
+class Event:
+    """An abort or a prefix-cache reset, keyed by a request's progress:
+    ``what`` (``"abort"`` or ``"reset"``) happens before the step after
+    request ``req_id`` has ``tokens`` output tokens (``tokens=-1``: after
+    its first transfer began, i.e. while it is in flight)."""
+
+    what: str
+    req_id: str
+    tokens: int
+
+    def __str__(self) -> str:
+        at = "its first transfer" if self.tokens < 0 else f"{self.tokens} tokens"
+        return f"{self.what} at {self.req_id} {at}"
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    req_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    arrival: int  # the step before which it is added (1: before the first)
+
+
+@dataclass
+class Schedule:
+    """Everything a seed decides. ``connector`` is a :data:`SIMS` key."""
+
+    seed: int
+    connector: str
+    requests: list[RequestSpec]
+    faults: list[Fault]
+    events: list[Event]
+    num_blocks: int
+    max_num_batched_tokens: int
+    ranks: int
+    policy: str  # kv_load_failure_policy: "fail" or "recompute"
+    options: dict[str, Any] = field(default_factory=dict)  # per-connector knobs, drawn by the sim
+
+    def describe(self) -> str:
+        reqs = ", ".join(f"{r.req_id}:{len(r.prompt)}+{r.max_tokens}@{r.arrival}" for r in self.requests)
+        return (
+            f"seed {self.seed} {self.connector}: {self.num_blocks} blocks, {self.ranks} rank(s), policy "
+            f"{self.policy}, options {self.options}; requests {reqs}; faults "
+            f"[{', '.join(map(str, self.faults))}]; events [{', '.join(map(str, self.events))}]"
+        )
+
+
+def make_schedule(seed: int, connector: str) -> Schedule:
+    """The schedule of ``seed`` for ``connector`` (a :data:`SIMS` key):
+    deterministic in both. O(requests + faults)."""
+    sim = SIMS[connector]
+    rng = random.Random(f"{connector}:{seed}")
+    nprefix = rng.randint(1, 3)
+    prefixes = [[rng.randint(1, VOCAB) for _ in range(BS * rng.randint(1, 4) + rng.choice((0, 0, 5)))]
+                for _ in range(nprefix)]  # fmt: skip
+    requests = []
+    n = rng.randint(2, 7)
+    for i in range(n):
+        prefix = prefixes[rng.randrange(nprefix)] if rng.random() < 0.8 else []
+        suffix = [rng.randint(1, VOCAB) for _ in range(rng.randint(1, 40))]
+        arrival = 1 if i == 0 else rng.choice((1, 1, 2, 3, 5, 8, 12))
+        requests.append(RequestSpec(f"r{i}", tuple(prefix + suffix), rng.randint(1, 12), arrival))
+    # Requests that repeat an earlier one late: its prefix has been stored and may be loaded back.
+    for j in range(rng.randint(0, 2)):
+        src = rng.choice(requests)
+        requests.append(RequestSpec(f"r{n + j}", src.prompt, rng.randint(1, 6), rng.randint(10, 30)))
+    need = max(-(-(len(r.prompt) + r.max_tokens) // BS) for r in requests)
+    num_blocks = rng.choice((need + 2, need + 4, 2 * need, 64))
+    kinds = [k for k in sim.fault_kinds]
+    ranks = 2 if ("skew" in kinds and rng.random() < 0.4) else 1
+    if ranks == 1:
+        kinds = [k for k in kinds if k != "skew"]
+    # Faults go where transfers are likely: stores of requests with a full
+    # block, loads of requests arriving after another with the same first block.
+    firsts: dict[tuple[int, ...], int] = {}
+    for r in requests:
+        firsts.setdefault(r.prompt[:BS], r.arrival)
+    targets = {
+        "store": [r for r in requests if len(r.prompt) >= BS],
+        "load": [r for r in requests if len(r.prompt) >= BS and firsts[r.prompt[:BS]] < r.arrival],
+    }
+    faults: list[Fault] = []
+    seen: set[tuple[str, str, int]] = set()
+    for _ in range(rng.randint(1, 4)):
+        kind = rng.choice(sim.transfer_kinds)
+        pool = targets.get(kind) or requests
+        r = rng.choice(pool)
+        fault = Fault(r.req_id, kind, rng.choice((0, 0, 0, 1)), rng.choice(kinds), rng.randint(1, 4))
+        if fault.key not in seen:
+            seen.add(fault.key)
+            faults.append(fault)
+    events: list[Event] = []
+    if rng.random() < 0.3:
+        events.append(Event("abort", rng.choice(requests).req_id, rng.choice((-1, 0, 1, 3))))
+    if rng.random() < 0.2:
+        events.append(Event("reset", rng.choice(requests).req_id, rng.choice((-1, 1, 2))))
+    sched = Schedule(
+        seed=seed,
+        connector=connector,
+        requests=requests,
+        faults=faults,
+        events=events,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=rng.choice((64, 128, 256)),
+        ranks=ranks,
+        policy=rng.choice(("fail", "recompute")),
+    )
+    sched.options = sim.draw_options(rng, sched)
+    return sched
+
+
+# ----------------------------------------------------------------------
+# the simulated worker
+# ----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class SimTransfer:
+    """One transfer the connector planned, as the simulated worker runs it.
+
+    ``due[rank]``: the step in whose output that rank reports it (``None``:
+    never). ``guard``: its blocks must not be handed out while it is live
+    (the oracle's "reused under a live transfer"). ``job``: the connector's
+    own handle (a job id, a request id)."""
+
+    req_id: str
+    kind: str
+    ordinal: int
+    job: Any
+    block_ids: tuple[int, ...]
+    planned: int
+    due: list[int | None]
+    fault: Fault | None = None
+    failed: bool = False
+    failed_blocks: tuple[int, ...] = ()
+    twice_at: int | None = None
+    guard: bool = True
+    flushed_at: int | None = None
+    reported: list[bool] = field(default_factory=list)
+
+    @property
+    def live(self) -> bool:
+        return not all(self.reported)
+
+
+class ConnectorSim:
+    """The worker ranks of one connector, simulated; subclass per connector.
+
+    A subclass sets :attr:`name` (the :data:`SIMS` key), :attr:`connector`
+    (vLLM's connector class name), :attr:`fault_kinds` and
+    :attr:`transfer_kinds`, and implements :meth:`plan` (read the step's
+    metadata, :meth:`begin` each transfer) and :meth:`encode` (the reports
+    due, as one ``KVConnectorOutput`` per rank). It may override
+    :meth:`scheduler_kwargs` (``make_scheduler`` arguments),
+    :meth:`prepare` (after the scheduler is built), :meth:`before_schedule`,
+    :meth:`request_params` (a request's ``kv_transfer_params``) and
+    :meth:`draw_options`. The base class keeps the transfers in flight,
+    applies the faults to their report steps and counts the faults fired
+    (:attr:`fired`)."""
+
+    name: ClassVar[str] = ""
+    connector: ClassVar[str] = ""
+    fault_kinds: ClassVar[tuple[str, ...]] = ()
+    transfer_kinds: ClassVar[tuple[str, ...]] = ("load", "store")
+
+    def __init__(self, schedule: Schedule, scheduler: Any) -> None:
+        self.schedule = schedule
+        self.scheduler = scheduler
+        self.ranks = schedule.ranks
+        self.faults = {f.key: f for f in schedule.faults}
+        self.fired: dict[Fault, int] = {}
+        self.transfers: list[SimTransfer] = []
+        self._ordinals: dict[tuple[str, str], int] = {}
+        self._newest_reported = 0  # the latest plan step among transfers reported in earlier steps
+        self.step = 0
+
+    # -- hooks -------------------------------------------------------------
+
+    @classmethod
+    def draw_options(cls, rng: random.Random, schedule: Schedule) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def scheduler_kwargs(cls, schedule: Schedule) -> dict[str, Any]:
+        """``make_scheduler`` keyword arguments besides the connector name."""
+        return {}
+
+    def prepare(self) -> None:
+        """After the scheduler is built, before the first step."""
+
+    def request_params(self, spec: RequestSpec) -> dict[str, Any] | None:
+        return None
+
+    def before_schedule(self, step: int) -> None:
+        """Before ``schedule()`` of ``step``."""
+
+    def plan(self, step: int, out: Any) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def encode(self, step: int, due: list[list[SimTransfer]], twice: list[list[SimTransfer]]) -> list[Any]:
+        """One ``KVConnectorOutput`` (or ``None``) per rank for ``step``:
+        ``due[rank]`` are the transfers that rank reports now (their
+        :attr:`SimTransfer.failed` and ``failed_blocks`` say how), ``twice[rank]``
+        those it reports a second time."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    # -- the transfers -----------------------------------------------------
+
+    def begin(
+        self,
+        req_id: str,
+        kind: str,
+        job: Any,
+        block_ids: Any,
+        step: int,
+        delay: int = 1,
+        *,
+        guard: bool = True,
+        faultable: bool = True,
+    ) -> SimTransfer:
+        """Record a transfer the connector planned at ``step``, reported
+        ``delay`` steps later (0: in this step's output) unless a fault
+        says otherwise; ``faultable=False`` keeps faults off it (a
+        synchronous load the engine must have before its forward). O(1)."""
+        n = self._ordinals.get((req_id, kind), 0)
+        self._ordinals[(req_id, kind)] = n + 1
+        ids = tuple(int(b) for b in block_ids)
+        t = SimTransfer(req_id, kind, n, job, ids, step, [step + delay] * self.ranks, guard=guard,
+                        reported=[False] * self.ranks)  # fmt: skip
+        fault = self.faults.get((req_id, kind, n)) if faultable else None
+        if fault is not None and fault.fault in self.fault_kinds:
+            t.fault = fault
+            f = fault.fault
+            if f == "fail":
+                t.failed = True
+            elif f == "fail_partial" and ids:
+                t.failed = True
+                t.failed_blocks = ids[len(ids) // 2 :] if len(ids) > 1 else ids
+            elif f == "late":
+                t.due = [d + fault.arg for d in t.due]  # type: ignore[operator]
+            elif f == "never":
+                t.due = [None] * self.ranks
+            elif f == "twice":
+                t.twice_at = step + delay + 1
+            elif f == "skew" and self.ranks > 1:
+                t.due[1] = t.due[1] + fault.arg  # type: ignore[operator]
+            elif f == "reorder":
+                # Held back ``arg + 1`` steps: transfers planned after it report first.
+                t.due = [d + fault.arg + 1 for d in t.due]  # type: ignore[operator]
+        self.transfers.append(t)
+        return t
+
+    def flush(self, job: Any, step: int) -> None:
+        """The engine waits for transfer ``job`` in ``step`` (a flush): it is
+        reported in this step's output by every rank. O(transfers)."""
+        for t in self.transfers:
+            if t.job == job and t.live:
+                t.due = [step] * self.ranks
+                t.flushed_at = step
+
+    def live_guarded(self, step: int) -> dict[int, SimTransfer]:
+        """Blocks a transfer in flight may still touch during ``step``'s
+        forward: those of live guarded transfers planned before ``step``
+        and not flushed in it. O(transfers)."""
+        out: dict[int, SimTransfer] = {}
+        for t in self.transfers:
+            if t.live and t.guard and t.planned < step and t.flushed_at != step:
+                for b in t.block_ids:
+                    out[b] = t
+        return out
+
+    def busy(self) -> bool:
+        """A transfer will still be reported."""
+        return any(
+            not r and d is not None for t in self.transfers for r, d in zip(t.reported, t.due)
+        ) or any(t.twice_at is not None for t in self.transfers)
+
+    def never_live(self) -> list[SimTransfer]:
+        """Transfers that will never be reported by some rank."""
+        return [t for t in self.transfers if any(not r and d is None for r, d in zip(t.reported, t.due))]
+
+    def report(self, step: int) -> list[Any]:
+        """The step's ``KVConnectorOutput`` per rank (:meth:`encode`), the
+        faults that fired counted. O(transfers)."""
+        due: list[list[SimTransfer]] = [[] for _ in range(self.ranks)]
+        twice: list[list[SimTransfer]] = [[] for _ in range(self.ranks)]
+        for t in self.transfers:
+            for rank in range(self.ranks):
+                d = t.due[rank]
+                if not t.reported[rank] and d is not None and d <= step:
+                    due[rank].append(t)
+            if t.twice_at is not None and t.twice_at <= step and all(t.reported):
+                twice[0].append(t)
+        for rank, ts in enumerate(due):
+            for t in ts:
+                t.reported[rank] = True
+                self._fired_on_report(t, rank, step)
+        self._newest_reported = max([self._newest_reported, *(t.planned for t in due[0])])
+        for t in twice[0]:
+            t.twice_at = None
+            self._fire(t.fault)
+        self.transfers = [t for t in self.transfers if t.live or t.twice_at is not None]
+        return self.encode(step, due, twice)
+
+    def _fired_on_report(self, t: SimTransfer, rank: int, step: int) -> None:
+        f = t.fault
+        if f is None or t.flushed_at is not None and f.fault in ("late", "skew", "reorder"):
+            return
+        if f.fault in ("fail", "fail_partial") and rank == 0:
+            self._fire(f)
+        elif f.fault == "late" and rank == 0 and step > t.planned + 1:
+            self._fire(f)
+        elif f.fault == "skew" and rank == 1 and t.reported[0]:
+            self._fire(f)
+        elif f.fault == "reorder" and rank == 0 and self._newest_reported > t.planned:
+            self._fire(f)  # a transfer planned after it was reported in an earlier step
+
+    def _fire(self, f: Fault | None) -> None:
+        if f is not None:
+            self.fired[f] = self.fired.get(f, 0) + 1
+
+    def settle_never(self) -> None:
+        """At the drain: a ``never`` transfer still unreported has fired."""
+        for t in self.never_live():
+            if t.fault is not None and t.fault.fault == "never":
+                self._fire(t.fault)
+
+
+SIMS: dict[str, type[ConnectorSim]] = {}
+"""Connector name -> its simulated worker class."""
+
+
+def register_sim(cls: type[ConnectorSim]) -> type[ConnectorSim]:
+    """Class decorator: add ``cls`` to :data:`SIMS` under ``cls.name``."""
+    SIMS[cls.name] = cls
+    return cls
+
+
+# ----------------------------------------------------------------------
+# Offloading
+# ----------------------------------------------------------------------
+
+
+@register_sim
+class OffloadingSim(ConnectorSim):
+    """vLLM's ``OffloadingConnector`` worker (``offloading/worker.py``): a
+    store is submitted at the next step's start and reported in
+    ``completed_jobs`` of the worker metadata; an asynchronous load is
+    reported there and in ``finished_recving``; a synchronous load and a
+    flushed job complete in their step. A failed job is named in
+    ``failed_jobs`` (a failed load's request also in ``failed_recving``).
+    Each rank reports ``{job: 1}``; the connector counts reports up to
+    ``num_workers``."""
+
+    name = "offloading"
+    connector = "OffloadingConnector"
+    # Not "twice": vLLM's own scheduler takes a job reported twice for a
+    # KeyError (the job is gone), and a request's finished_recving twice
+    # for an AssertionError, plugin or not.
+    fault_kinds = ("fail", "late", "reorder", "skew")
+
+    @classmethod
+    def scheduler_kwargs(cls, schedule: Schedule) -> dict[str, Any]:
+        return {"extra": {"cpu_bytes_to_use": 1 << 24, "block_size": BS}}
+
+    @classmethod
+    def draw_options(cls, rng: random.Random, schedule: Schedule) -> dict[str, Any]:
+        return {"load_delay": rng.choice((0, 1, 1, 2))}
+
+    def prepare(self) -> None:
+        cs = self.scheduler.connector.connector_scheduler
+        if self.ranks > 1:
+            cs.config = cs.config._replace(num_workers=self.ranks)  # as vLLM sizes it for TP ranks
+
+    def plan(self, step: int, out: Any) -> None:
+        meta = out.kv_connector_metadata
+        for job_id in meta.jobs_to_flush or ():
+            self.flush(job_id, step)
+        for job_id, job in meta.load_jobs.items():
+            sync = bool(getattr(job, "sync", False))
+            ids = _spec_ids(job.dst_spec)
+            self.begin(job.req_id, "load", job_id, ids, step, 0 if sync else self.schedule.options["load_delay"],
+                       faultable=not sync)  # fmt: skip
+            if sync:
+                self.transfers[-1].job = ("sync", job_id)
+        for job_id, job in meta.store_jobs.items():
+            self.begin(job.req_id, "store", job_id, _spec_ids(job.src_spec), step, 1)
+        for job_id in meta.jobs_to_flush or ():
+            self.flush(job_id, step)
+
+    def encode(self, step: int, due: list[list[SimTransfer]], twice: list[list[SimTransfer]]) -> list[Any]:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        from vllm.v1.outputs import KVConnectorOutput
+
+        outs = []
+        for rank in range(self.ranks):
+            meta = OffloadingWorkerMetadata()
+            recving: set[str] = set()
+            failed_recving: set[str] = set()
+            for t in due[rank] + twice[rank]:
+                job = t.job[1] if isinstance(t.job, tuple) else t.job
+                meta.mark_completed(job, success=not t.failed)
+                if t.kind == "load" and not isinstance(t.job, tuple):
+                    recving.add(t.req_id)
+                    if t.failed:
+                        failed_recving.add(t.req_id)
+            outs.append(
+                KVConnectorOutput(
+                    finished_recving=recving or None,
+                    failed_recving=failed_recving,
+                    kv_connector_worker_meta=meta if meta.completed_jobs else None,
+                )
+            )
+        return outs
+
+
+def _spec_ids(spec: Any) -> list[int]:
+    ids = getattr(spec, "block_ids", None)
+    return [] if ids is None else [int(b) for b in ids]
+
+
+# ----------------------------------------------------------------------
+# one run of a schedule in one mode
+# ----------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """What one mode's run of a schedule did."""
+
+    mode: str
+    steps: int = 0
+    outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    status: dict[str, str] = field(default_factory=dict)  # request -> final RequestStatus name
+    error: str | None = None
+    longest_idle: int = 0  # steps without scheduled work while requests waited
+    unfinished: list[str] = field(default_factory=list)
+    leaked: list[int] = field(default_factory=list)  # blocks not free (or ref count > 0) after the drain
+    reused_live: list[str] = field(default_factory=list)
+    fired: dict[Fault, int] = field(default_factory=dict)
+    never: int = 0  # transfers left unreported by design (``never``)
+
+
+@contextlib.contextmanager
+def plugin_mode(mode: str) -> Iterator[None]:
+    """The plugin registered as ``mode`` (:data:`MODES`) for the duration,
+    unregistered afterwards."""
+    from blockpool.integrations import vllm as plugin
+
+    plugin.unregister()
+    if mode == "stock":
+        env = {plugin.ENV_PLUGIN: "0"}
+    else:
+        env = {plugin.ENV_PLUGIN: "1", plugin.ENV_HAZARDS: "audit" if mode == "audit" else "1"}
+    with patch.dict(os.environ, env):
+        plugin.register()
+        try:
+            yield
+        finally:
+            plugin.unregister()
+
+
+def _make_request(spec: RequestSpec, params: dict[str, Any] | None) -> Any:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
+    sp.update_from_generation_config({}, None)
+    req = Request(request_id=spec.req_id, prompt_token_ids=list(spec.prompt), sampling_params=sp,
+                  pooling_params=None, mm_features=None, block_hasher=get_request_block_hasher(BS, sha256))  # fmt: skip
+    req.kv_transfer_params = params
+    return req
+
+
+def _model_output(scheduler: Any, out: Any, connector_output: Any) -> Any:
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for rid in ids:
+        req = scheduler.requests[rid]
+        done = req.num_computed_tokens >= req.num_tokens
+        sampled.append([next_token(list(req.all_token_ids))] if done else [])
+    extra: dict[str, Any] = {}
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # vLLM 0.32, 0.33
+        extra["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                             pooler_output=None, kv_connector_output=connector_output, **extra)  # fmt: skip
+
+
+def _watch_allocations(pool: Any) -> list[int]:
+    """Record the ids of the blocks ``pool.get_new_blocks`` hands out (from
+    the free queue: prefix hits are not handed out) in the list returned;
+    the caller clears it each step. O(1) a call plus the blocks."""
+    handed: list[int] = []
+    get_new_blocks = pool.get_new_blocks
+
+    def watched(num_blocks: int) -> list[Any]:
+        blocks = get_new_blocks(num_blocks)
+        handed.extend(b.block_id for b in blocks)
+        return blocks
+
+    pool.get_new_blocks = watched
+    return handed
+
+
+def _aggregate(aggregator: Any, outputs: list[Any]) -> Any:
+    """Rank outputs joined by vLLM's ``KVOutputAggregator`` (rank 0's
+    model output carrying the joined connector output)."""
+    joined = aggregator.aggregate(outputs, 0)
+    return joined
+
+
+def serve(schedule: Schedule, mode: str, *, max_steps: int | None = None, hooks: Any = None) -> RunResult:
+    """Serve ``schedule`` in ``mode`` (:data:`MODES`) and return what it
+    did. Never raises for an exception of vLLM or the wiring: it is the
+    result's ``error``. ``hooks(scheduler)`` runs once the scheduler is
+    built (tests patch with it). O(steps * requests)."""
+    from vllm.v1.request import RequestStatus
+
+    from tests.test_vllm_connectors import make_scheduler
+
+    res = RunResult(mode)
+    sim_cls = SIMS[schedule.connector]
+    limit = max_steps or 40 + 6 * sum(len(r.prompt) // 8 + r.max_tokens + 2 for r in schedule.requests)
+    with plugin_mode(mode):
+        try:
+            kwargs = dict(sim_cls.scheduler_kwargs(schedule))
+            transfer_extra = kwargs.pop("extra", None)
+            scheduler = make_scheduler(
+                sim_cls.connector,
+                transfer_extra,
+                num_blocks=schedule.num_blocks,
+                max_num_batched_tokens=schedule.max_num_batched_tokens,
+                **kwargs,
+            )
+            scheduler.recompute_kv_load_failures = schedule.policy == "recompute"
+            if hooks is not None:
+                hooks(scheduler)
+            sim = sim_cls(schedule, scheduler)
+            sim.prepare()
+            handed = _watch_allocations(scheduler.kv_cache_manager.block_pool)
+        except Exception:  # noqa: BLE001
+            res.error = "build: " + traceback.format_exc(limit=6)
+            return res
+        aggregator = None
+        if schedule.ranks > 1:
+            from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+            aggregator = KVOutputAggregator(schedule.ranks)
+        reqs: dict[str, Any] = {}
+        pending = sorted(schedule.requests, key=lambda r: r.arrival)
+        events = list(schedule.events)
+        started: set[str] = set()  # requests whose first transfer began
+        idle = 0
+        step = 0
+        try:
+            while True:
+                step += 1
+                if step > limit:
+                    break
+                while pending and pending[0].arrival <= step:
+                    spec = pending.pop(0)
+                    reqs[spec.req_id] = _make_request(spec, sim.request_params(spec))
+                    scheduler.add_request(reqs[spec.req_id])
+                for ev in list(events):
+                    req = reqs.get(ev.req_id)
+                    if req is None:
+                        continue
+                    ready = ev.req_id in started if ev.tokens < 0 else req.num_output_tokens >= ev.tokens
+                    if not ready:
+                        continue
+                    events.remove(ev)
+                    if ev.what == "abort":
+                        if not req.is_finished():
+                            scheduler.finish_requests(ev.req_id, RequestStatus.FINISHED_ABORTED)
+                    else:
+                        scheduler.reset_prefix_cache(reset_running_requests=True)
+                sim.step = step
+                sim.before_schedule(step)
+                handed.clear()
+                out = scheduler.schedule()
+                sim.plan(step, out)
+                for t in sim.transfers:
+                    if t.planned == step:
+                        started.add(t.req_id)
+                live = sim.live_guarded(step)
+                for b in handed:
+                    t = live.get(b)
+                    if t is not None:
+                        res.reused_live.append(
+                            f"step {step}: block {b} handed out while {t.req_id}'s {t.kind} #{t.ordinal} "
+                            f"(planned step {t.planned}) could still touch it"
+                        )
+                rank_outputs = sim.report(step)
+                if aggregator is None:
+                    mro = _model_output(scheduler, out, rank_outputs[0])
+                else:
+                    outs = [_model_output(scheduler, out, o) for o in rank_outputs]
+                    mro = _aggregate(aggregator, outs)
+                scheduler.update_from_output(out, mro)
+                waiting = scheduler.has_requests()
+                if out.total_num_scheduled_tokens == 0 and waiting:
+                    idle += 1
+                    res.longest_idle = max(res.longest_idle, idle)
+                else:
+                    idle = 0
+                if not pending and not waiting and not sim.busy():
+                    break
+        except Exception:  # noqa: BLE001
+            res.error = f"step {step}: " + traceback.format_exc(limit=8)
+        res.steps = step
+        sim.settle_never()
+        res.fired = dict(sim.fired)
+        res.never = len(sim.never_live())
+        for rid, req in reqs.items():
+            res.outputs[rid] = tuple(req.output_token_ids)
+            res.status[rid] = req.status.name
+            if not req.is_finished():
+                res.unfinished.append(rid)
+        res.unfinished += [r.req_id for r in pending]
+        if res.error is None and not res.unfinished:
+            res.leaked = _leaked(scheduler)
+    return res
+
+
+def _leaked(scheduler: Any) -> list[int]:
+    """Blocks of the scheduler's pool not free, or with a reference, after
+    the drain (the null block aside). O(blocks)."""
+    pool = scheduler.kv_cache_manager.block_pool
+    free = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
+    null = pool.null_block.block_id
+    return sorted(
+        b.block_id for b in pool.blocks if b.block_id != null and (b.ref_cnt != 0 or b.block_id not in free)
+    )
+
+
+# ----------------------------------------------------------------------
+# the oracle
+# ----------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    """A schedule's outcome: ``failures`` (the plugin did worse than stock:
+    one line each), ``stock_only`` (stock itself crashed, stalled or
+    leaked), ``unfired`` (faults that did not fire in the stock run)."""
+
+    schedule: Schedule
+    results: dict[str, RunResult]
+    failures: list[str] = field(default_factory=list)
+    stock_only: list[str] = field(default_factory=list)
+    unfired: list[Fault] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def replay(self) -> str:
+        return f"python -m tests.vllm_faults --connector {self.schedule.connector} --seed {self.schedule.seed} --schedules 1 -v"
+
+
+def judge(schedule: Schedule, results: dict[str, RunResult], bound: int | None = None) -> Verdict:
+    """The oracle (module docstring) over the runs of ``schedule``:
+    ``results["stock"]`` against every other mode. O(requests)."""
+    bound = stall_bound() if bound is None else bound
+    v = Verdict(schedule, results)
+    stock = results["stock"]
+    stock_bad = []
+    if stock.error:
+        stock_bad.append(f"stock raised: {stock.error.strip().splitlines()[-1]}")
+    if stock.unfinished:
+        stock_bad.append(f"stock left {stock.unfinished} unfinished")
+    if stock.leaked:
+        stock_bad.append(f"stock leaked blocks {stock.leaked}")
+    v.stock_only = stock_bad
+    v.unfired = [f for f in schedule.faults if f not in stock.fired]
+    for mode, r in results.items():
+        if mode == "stock":
+            continue
+        if r.error:
+            if not stock.error:
+                v.failures.append(f"{mode}: raised where stock did not: {r.error.strip().splitlines()[-1]}")
+            continue
+        for rid, toks in stock.outputs.items():
+            if rid in stock.unfinished:
+                continue
+            if rid in r.unfinished:
+                v.failures.append(f"{mode}: {rid} never finished (stock: {stock.status[rid]})")
+            elif stock.status[rid] != "FINISHED_ERROR" and r.status.get(rid) == "FINISHED_ERROR":
+                v.failures.append(f"{mode}: {rid} failed (stock: {stock.status[rid]})")
+            elif r.outputs.get(rid) != toks:
+                v.failures.append(f"{mode}: {rid} output {r.outputs.get(rid)} != stock's {toks}")
+        if r.longest_idle > max(stock.longest_idle, 0) + bound:
+            v.failures.append(
+                f"{mode}: stalled {r.longest_idle} steps without scheduled work (stock's longest "
+                f"{stock.longest_idle}, bound {bound})"
+            )
+        if r.leaked and not stock.leaked:
+            v.failures.append(f"{mode}: leaked blocks {r.leaked}")
+        if r.reused_live:
+            v.failures.append(f"{mode}: {len(r.reused_live)} block(s) reused under a live transfer: {r.reused_live[0]}")
+    return v
+
+
+def run_schedule(seed: int, connector: str, modes: tuple[str, ...] = MODES, **kw: Any) -> Verdict:
+    """Draw, serve in every mode and judge the schedule of ``seed``."""
+    schedule = make_schedule(seed, connector)
+    results = {m: serve(schedule, m, **kw) for m in modes}
+    return judge(schedule, results)
+
+
+# ----------------------------------------------------------------------
+# totals and the CLI
+# ----------------------------------------------------------------------
+
+
+@dataclass
+class Totals:
+    """Counts over many schedules of one connector."""
+
+    connector: str
+    schedules: int = 0
+    failed: list[Verdict] = field(default_factory=list)
+    stock_only: list[Verdict] = field(default_factory=list)
+    requests_failed: int = 0  # requests stock served that a plugin mode did not
+    stalls: int = 0
+    crashes: int = 0
+    leaked: int = 0
+    reused_live: int = 0
+    faults: dict[str, int] = field(default_factory=dict)  # kind -> injected
+    fired: dict[str, int] = field(default_factory=dict)  # kind -> confirmed fired
+    unfired_schedules: int = 0
+    seconds: float = 0.0
+
+    def add(self, v: Verdict) -> None:
+        self.schedules += 1
+        for f in v.schedule.faults:
+            self.faults[f.fault] = self.faults.get(f.fault, 0) + 1
+            if f in v.results["stock"].fired:
+                self.fired[f.fault] = self.fired.get(f.fault, 0) + 1
+        self.unfired_schedules += bool(v.unfired)
+        if v.stock_only:
+            self.stock_only.append(v)
+        if not v.ok:
+            self.failed.append(v)
+        for line in v.failures:
+            what = line.split(": ", 1)[1]
+            self.requests_failed += what.startswith(("r", "failed")) and ("never finished" in what or "failed" in what or "output" in what)
+            self.stalls += "stalled" in what
+            self.crashes += "raised" in what
+            self.leaked += "leaked" in what
+            self.reused_live += "reused under a live transfer" in what
+
+
+def run_many(connector: str, seeds: range, modes: tuple[str, ...] = MODES, verbose: bool = False) -> Totals:
+    """Run the schedules of ``seeds`` for ``connector``; print each failing
+    one's seed, failures and replay command. O(schedules)."""
+    totals = Totals(connector)
+    t0 = time.perf_counter()
+    for seed in seeds:
+        v = run_schedule(seed, connector, modes)
+        totals.add(v)
+        if verbose:
+            print(v.schedule.describe())
+            for m, r in v.results.items():
+                print(f"  {m}: {r.steps} steps, idle {r.longest_idle}, unfinished {r.unfinished}, leaked "
+                      f"{len(r.leaked)}, reused {len(r.reused_live)}, error {bool(r.error)}")  # fmt: skip
+                if r.error and verbose:
+                    print("    " + r.error.replace("\n", "\n    "))
+        if not v.ok:
+            print(f"FAIL seed {seed} {connector}: " + "; ".join(v.failures))
+            print(f"  replay: {v.replay()}")
+    totals.seconds = time.perf_counter() - t0
+    return totals
+
+
+def format_totals(rows: list[Totals]) -> str:
+    """The summary table (Markdown) of :func:`run_many` results."""
+    lines = [
+        "| connector | schedules × modes | requests failed | stalls | crashes | leaked | reused live | "
+        "stock-only | faults fired / injected |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in rows:
+        fired = ", ".join(f"{k} {t.fired.get(k, 0)}/{n}" for k, n in sorted(t.faults.items()))
+        lines.append(
+            f"| {t.connector} | {t.schedules} × {len(MODES)} | {t.requests_failed} | {t.stalls} | {t.crashes} | "
+            f"{t.leaked} | {t.reused_live} | {len(t.stock_only)} | {fired} |"
+        )
+    stock = [f"{t.connector} seed {v.schedule.seed}: {'; '.join(v.stock_only)}" for t in rows for v in t.stock_only]
+    if stock:
+        lines.append("")
+        lines.append("Stock-only failures:")
+        lines += [f"- {s}" for s in stock]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--connector", action="append", help=f"one of {sorted(SIMS)} (repeatable; default all)")
+    p.add_argument("--schedules", type=int, default=50, help="schedules per connector (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    p.add_argument("--long", action="store_true", help="thousands of schedules: --schedules 2000 unless given")
+    p.add_argument("-v", "--verbose", action="store_true", help="describe every schedule and run")
+    args = p.parse_args(argv)
+    if args.long and "--schedules" not in (argv if argv is not None else sys.argv[1:]):
+        args.schedules = 2000
+    names = args.connector or sorted(SIMS)
+    for n in names:
+        if n not in SIMS:
+            p.error(f"unknown connector {n!r} (known: {', '.join(sorted(SIMS))})")
+    rows = []
+    for n in names:
+        t = run_many(n, range(args.seed, args.seed + args.schedules), verbose=args.verbose)
+        print(f"{n}: {t.schedules} schedules in {t.seconds:.0f} s", file=sys.stderr)
+        rows.append(t)
+    print(format_totals(rows))
+    return 1 if any(t.failed for t in rows) else 0
+
+
+def _quiet_logs() -> None:
+    import logging
+
+    for name in ("vllm", "vllm.plugins.blockpool"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    sys.path.insert(0, os.getcwd())
+    import conftest  # noqa: F401  (the shape-only model configs, offline)
+
+    _quiet_logs()
+    sys.exit(main())
