@@ -24,6 +24,7 @@ if not os.environ.get("BLOCKPOOL_TEST_HF_FIXTURES"):
     pytest.skip("no shape-only model configs (../shared/vllm-parity/hf)", allow_module_level=True)
 
 from blockpool.checking.race_oracle import RaceOracle
+from blockpool.core.errors import InvalidArgumentError
 from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token
 from blockpool.integrations import vllm as plugin
 from blockpool.integrations.vllm import connectors as vc
@@ -468,6 +469,90 @@ def test_unwired_env_leaves_a_connector_as_vllm_built_it() -> None:
         assert "mooncake_store" not in plugin.install_state().connectors
         scheduler = make_scheduler("MooncakeStoreConnector")
         assert vc.wiring_of(scheduler.connector.connector_scheduler) is None
+    finally:
+        plugin.unregister()
+
+
+def _register_with_unwired(value: str) -> tuple[Any, list[tuple[str, str]]]:
+    """``register()`` with ``BLOCKPOOL_VLLM_UNWIRED=value``: the install
+    state and the plugin's log records ``(level, message)`` of that call."""
+    import logging
+
+    got: list[tuple[str, str]] = []
+
+    class H(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append((record.levelname, record.getMessage()))
+
+    lg, h = logging.getLogger("vllm.plugins.blockpool"), H(logging.DEBUG)
+    level = lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+    plugin.unregister()
+    env = {plugin.ENV_PLUGIN: "1", plugin.ENV_HAZARDS: "1", vc.ENV_UNWIRED: value}
+    try:
+        with patch.dict(os.environ, env):
+            plugin.register()
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(level)
+    return plugin.install_state(), got
+
+
+def test_an_unknown_name_in_the_unwired_setting_leaves_every_connector_unwired_with_one_error_line() -> None:
+    """``mooncake`` for ``mooncake_store``: the operator meant a connector
+    off. Every connector is left as vLLM built it (its own waits), the pool
+    still installs, and one ERROR line names the unknown name and the valid
+    ones."""
+    try:
+        state, log = _register_with_unwired("mooncake")
+        assert plugin.is_installed() and state.hazards
+        assert state.connectors == []
+        assert {"mooncake_store", "offloading", "simple_cpu_offload", "nixl"} <= set(state.unwired)
+        assert all("BLOCKPOOL_VLLM_UNWIRED" in why for why in state.unwired.values())
+        errors = [m for lvl, m in log if lvl == "ERROR"]
+        assert len(errors) == 1
+        assert "'mooncake'" in errors[0]
+        assert all(name in errors[0] for name in vc.CONNECTORS)
+        assert [m for lvl, m in log if "left unwired by" in m] == []  # the error line says it once
+        scheduler = make_scheduler("MooncakeStoreConnector")
+        assert vc.wiring_of(scheduler.connector.connector_scheduler) is None
+    finally:
+        plugin.unregister()
+
+
+def test_every_unknown_name_of_the_unwired_setting_is_named_and_a_known_one_is_not() -> None:
+    with (
+        patch.dict(os.environ, {vc.ENV_UNWIRED: " nixl, mooncake ,lmcache-mp,nixl"}),
+        pytest.raises(InvalidArgumentError) as info,
+    ):
+        vc._unwired_by_env()
+    message = str(info.value)
+    assert "'mooncake', 'lmcache-mp'" in message
+    assert "'nixl'" not in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("", set()),
+        (" nixl , offloading ,", {"nixl", "offloading"}),
+        ("all", set(vc.CONNECTORS)),
+        ("lmcache_mp,all", set(vc.CONNECTORS)),
+    ],
+)
+def test_the_unwired_setting_takes_connector_names_or_all(value: str, expected: set[str]) -> None:
+    with patch.dict(os.environ, {vc.ENV_UNWIRED: value}):
+        assert vc._unwired_by_env() == expected
+
+
+def test_known_names_in_the_unwired_setting_wire_the_others_without_an_error() -> None:
+    try:
+        state, log = _register_with_unwired("mooncake_store,nixl")
+        assert "mooncake_store" not in state.connectors and "nixl" not in state.connectors
+        assert "offloading" in state.connectors
+        assert [m for lvl, m in log if lvl == "ERROR"] == []
     finally:
         plugin.unregister()
 

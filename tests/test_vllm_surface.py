@@ -179,6 +179,35 @@ def test_check_vllm_surface_prints_the_table_with_status_0(vllm_installed: str, 
     assert all(row.startswith(("ok ", "unavailable ")) for row in out[2 : -1 - len(absent)])
 
 
+_VALID = "valid: mooncake_store, offloading, simple_cpu_offload, nixl, lmcache, lmcache_mp, or all"
+
+
+@pytest.mark.parametrize(
+    ("setting", "status", "last"),
+    [
+        (
+            "mooncake,nixl",
+            1,
+            (
+                f"BLOCKPOOL_VLLM_UNWIRED names no known KV connector: 'mooncake' ({_VALID}): "
+                "the plugin leaves every KV connector as vLLM built it"
+            ),
+        ),
+        (
+            "nixl, offloading",
+            0,
+            "BLOCKPOOL_VLLM_UNWIRED=nixl, offloading: the plugin leaves offloading, nixl as vLLM built them",
+        ),
+    ],
+)
+def test_check_vllm_surface_says_what_the_unwired_setting_leaves_unwired_and_refuses_an_unknown_name(
+    monkeypatch: pytest.MonkeyPatch, vllm_installed: str, capsys: Any, setting: str, status: int, last: str
+) -> None:
+    monkeypatch.setenv("BLOCKPOOL_VLLM_UNWIRED", setting)
+    assert cli_main(["check-vllm", "--surface"]) == status
+    assert capsys.readouterr().out.splitlines()[-1] == last
+
+
 def _snapshot() -> dict[Any, Any]:
     """Every vLLM module's BlockPool binding, and every class attribute the
     plugin may wrap (by identity)."""

@@ -54,7 +54,8 @@ connector                     stream / engine                            kind
 Any other connector logs one line when a scheduler binds it to our pool:
 its transfers are not fenced. ``BLOCKPOOL_VLLM_UNWIRED`` (a comma-separated
 list of names from :data:`CONNECTORS`, or ``all``) leaves connectors
-unwired, restoring vLLM's behaviour for them.
+unwired, restoring vLLM's behaviour for them; a name not in
+:data:`CONNECTORS` leaves every connector unwired, with one error line.
 
 This module imports vLLM lazily (inside :func:`wire`) and never torch; the
 worker half is :mod:`blockpool.integrations.vllm.worker`.
@@ -639,9 +640,27 @@ def wired_names() -> frozenset[str]:
 
 
 def _unwired_by_env() -> set[str]:
+    """The connector names :data:`ENV_UNWIRED` leaves unwired: its
+    comma-separated names (blanks around them ignored), every name of
+    :data:`CONNECTORS` for ``all``, none when it is unset or empty.
+    O(len of the setting).
+
+    Raises:
+        InvalidArgumentError: it names something that is neither a name of
+            :data:`CONNECTORS` nor ``all`` (a one-line message naming each
+            such name and the valid ones); nothing is read as unwired then.
+    """
+    from blockpool.core.errors import InvalidArgumentError
+
     raw = os.environ.get(ENV_UNWIRED, "")
-    names = {n.strip() for n in raw.split(",") if n.strip()}
-    return set(CONNECTORS) if "all" in names else names
+    names = list(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
+    unknown = [n for n in names if n != "all" and n not in CONNECTORS]
+    if unknown:
+        raise InvalidArgumentError(
+            f"{ENV_UNWIRED} names no known KV connector: {', '.join(map(repr, unknown))} "
+            f"(valid: {', '.join(CONNECTORS)}, or all)"
+        )
+    return set(CONNECTORS) if "all" in names else set(names)
 
 
 def wire(patch: Patcher, errors: dict[str, str] | None = None, skip: Iterable[str] = ()) -> list[str]:
@@ -657,16 +676,34 @@ def wire(patch: Patcher, errors: dict[str, str] | None = None, skip: Iterable[st
     whose module does not import for want of an optional third-party
     dependency cannot run here and is skipped with one debug line. Returns
     the names wired. Connectors named in ``skip`` are left as vLLM built
-    them (the caller has said why). O(connectors).
+    them (the caller has said why). A :data:`ENV_UNWIRED` that names an
+    unknown connector (:func:`_unwired_by_env` raises) leaves every
+    connector as vLLM built it, with one ERROR line naming the unknown and
+    the valid names; each connector's entry in ``errors`` says so.
+    O(connectors).
     """
-    off = _unwired_by_env()
+    from blockpool.core.errors import InvalidArgumentError
+
+    try:
+        off = _unwired_by_env()
+        refused = None
+    except InvalidArgumentError as exc:
+        # The operator meant some connector off and named it wrong: every
+        # connector is left as vLLM built it (its own waits), the safe side
+        # of whatever was meant; the pool itself still installs.
+        off, refused = set(CONNECTORS), f"{exc}; every KV connector is left as vLLM built it"
+        logger.error("blockpool: %s (its own waits, not fenced) until the setting is corrected", refused)
     skipped = set(skip)
     done = []
     for name, spec in CONNECTORS.items():
         if name in skipped:
             continue
         if name in off:
-            logger.info("blockpool: %s left unwired by %s: its transfers are not fenced", name, ENV_UNWIRED)
+            if refused is not None:
+                if errors is not None:
+                    errors[name] = refused
+            else:
+                logger.info("blockpool: %s left unwired by %s: its transfers are not fenced", name, ENV_UNWIRED)
             continue
         undo: list[Callable[[], None]] = []
 

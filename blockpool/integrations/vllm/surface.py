@@ -824,7 +824,10 @@ def report(version: str | None = None) -> tuple[int, list[str]]:
     whose third-party package is not installed here reads
     ``unavailable``: it cannot run here, nothing drifted), 1 a drift
     (:func:`check`: the install would be refused or a connector left
-    unwired), 2 no vLLM installed or no declared line fits.
+    unwired) or a ``BLOCKPOOL_VLLM_UNWIRED`` naming an unknown connector
+    (every connector would be left unwired; the last line says so, as it
+    names the connectors a valid setting leaves unwired), 2 no vLLM
+    installed or no declared line fits.
     """
     from blockpool.integrations.vllm import vllm_version
 
@@ -857,4 +860,28 @@ def report(version: str | None = None) -> tuple[int, list[str]]:
     else:
         groups = sorted({d.name.connector or "" for d in bad})
         lines.append(f"drifted names of {', '.join(groups)}: left unwired, the rest installs")
-    return (1 if bad else 0), lines
+    refused, setting = _unwired_setting()
+    if setting is not None:
+        lines.append(setting)
+    return (1 if bad or refused else 0), lines
+
+
+def _unwired_setting() -> tuple[bool, str | None]:
+    """What ``BLOCKPOOL_VLLM_UNWIRED`` makes the plugin leave unwired, as
+    one line of :func:`report` (``None`` when it is unset or empty), and
+    whether the setting is refused (it names an unknown connector: every
+    connector is left unwired). O(len of the setting)."""
+    import os
+
+    from blockpool.core.errors import InvalidArgumentError
+    from blockpool.integrations.vllm import connectors
+
+    raw = os.environ.get(connectors.ENV_UNWIRED, "").strip()
+    try:
+        off = connectors._unwired_by_env()
+    except InvalidArgumentError as exc:
+        return True, f"{exc}: the plugin leaves every KV connector as vLLM built it"
+    if not raw:
+        return False, None
+    names = ", ".join(n for n in connectors.CONNECTORS if n in off) or "no connector"
+    return False, f"{connectors.ENV_UNWIRED}={raw}: the plugin leaves {names} as vLLM built them"
