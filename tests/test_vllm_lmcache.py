@@ -264,30 +264,40 @@ def whole_chunk_load_over_a_shared_prefix(scheduler: Any, lookup: FakeLookup) ->
     return out2, req_meta(out2, "B")
 
 
+REFUSED = (lw.LMCACHE, "load refused by the pool")
+
+
 @pytest.mark.parametrize("registered", [True], indirect=True)
-def test_a_refused_load_is_not_run_and_comes_back_to_vllm_as_a_failed_load(registered: bool) -> None:
+def test_a_refused_load_runs_as_lmcache_plans_it_and_the_request_keeps_its_loaded_tokens(
+    registered: bool,
+) -> None:
+    """B's whole-chunk layerwise load would rewrite block 2, which A
+    computed and still holds: the pool refuses it. It runs as LMCache runs
+    it without the plugin (no fence of ours, nothing reported failed), so
+    under ``kv_load_failure_policy="fail"`` B keeps the tokens it loaded,
+    as in stock; the step's forward token becomes the writer of the load's
+    blocks, so a later fence of them is not met before the load ran."""
     lookup = FakeLookup()
     scheduler = lmcache_scheduler(lookup, layerwise=True)
-    scheduler.recompute_kv_load_failures = True  # kv_load_failure_policy="recompute" (else vLLM fails B)
+    assert not scheduler.recompute_kv_load_failures  # kv_load_failure_policy="fail"
+    before = lw.FALLBACKS.get(REFUSED, 0)
     out2, rm = whole_chunk_load_over_a_shared_prefix(scheduler, lookup)
     b = table(scheduler, "B")
     assert b[2] == table(scheduler, "A")[2]  # the shared prefix hit
-    assert not hasattr(rm, vc.META_LOAD) and not rm.load_spec.can_load  # not begun, not run
-    assert not rm.save_spec.can_save  # nothing the step computes on the unloaded tokens is stored
-    assert getattr(rm, lw.META_REFUSED) == b[3:6]  # what vLLM counted as loaded: tokens [48, 96)
-    pool = scheduler.kv_cache_manager.block_pool
-    assert [pool.blocks[i].block_hash is None for i in b[2:6]] == [False, True, True, True]  # never published
+    assert not hasattr(rm, vc.META_LOAD)  # not begun on the pool ...
+    assert rm.load_spec.can_load  # ... and run as LMCache planned it
+    assert lw.FALLBACKS[REFUSED] == before + 1
     assert hazards(scheduler).pending_transfers() == []
+    e2 = step_of(out2).forward
+    assert [blk.writer for blk in hazards(scheduler).blocks_of(b[2:6])] == [e2] * 4  # tokens [32, 96)
 
-    # The worker reports those blocks through LMCache's failed-load record ...
-    conn = worker_connector(scheduler, FakeEngine(StandInDevice()))
-    conn.bind_connector_metadata(out2.kv_connector_metadata)
-    conn.start_load_kv(SimpleNamespace(attn_metadata=object()))
-    invalid = conn.get_block_ids_with_load_errors()
-    assert invalid == set(b[3:6])
-    # ... and vLLM recomputes them: B's computed tokens go back to its prefix hit.
+    engine = FakeEngine(StandInDevice())
+    conn = worker_connector(scheduler, engine, layerwise=True)
+    invalid = layerwise_step(conn, engine, out2)
+    engine.gpu_connector.load_stream.run()
+    assert invalid == set() and engine.log.count("load layer 0") == 1  # run, nothing reported failed
     scheduler.update_from_output(out2, model_output(out2, invalid_block_ids=invalid))
-    assert scheduler.requests["B"].num_computed_tokens == 48
+    assert scheduler.requests["B"].num_computed_tokens == 108  # 96 loaded, 12 computed
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
@@ -297,7 +307,7 @@ def test_a_load_after_the_prefix_is_not_refused(registered: bool) -> None:
     lookup = FakeLookup()
     scheduler = lmcache_scheduler(lookup)
     _, rm = whole_chunk_load_over_a_shared_prefix(scheduler, lookup)
-    assert rm.load_spec.can_load and not hasattr(rm, lw.META_REFUSED)
+    assert rm.load_spec.can_load and hasattr(rm, vc.META_LOAD)
     assert Transfer.from_wire(getattr(rm, vc.META_LOAD)).block_ids == tuple(table(scheduler, "B")[3:6])
 
 
@@ -375,11 +385,30 @@ class FakeEngine:
         )
         self.kv: dict[str, str] = {}
         self.log: list[str] = []
+        self.num_layers = 1
+        self.retrieve_layer_kwargs: list[dict[str, Any]] = []
 
     def retrieve(self, tokens: Any, mask: Any = None, **kwargs: Any) -> Any:
         req = kwargs["req_id"]
         self.gpu_connector.load_stream.enqueue(lambda: self.log.append(f"load {req}"), f"load {req}")
         return torch.ones(len(tokens), dtype=torch.bool)
+
+    def retrieve_layer(self, tokens: Any, mask: Any = None, **kwargs: Any) -> Iterator[Any]:
+        """As LMCache's: called without the request's id; the first call of
+        the generator prepares, each later one enqueues one layer's copy on
+        the load stream, the last returns the retrieved tokens' mask."""
+        self.retrieve_layer_kwargs.append(kwargs)
+
+        def layers() -> Iterator[Any]:
+            yield None
+            for layer in range(self.num_layers):
+                self.gpu_connector.load_stream.enqueue(
+                    lambda layer=layer: self.log.append(f"load layer {layer}"), f"load layer {layer}"
+                )
+                yield None
+            yield torch.ones(len(tokens), dtype=torch.bool)
+
+        return layers()
 
     def store(
         self, tokens: Any, hashes: Any = None, offsets: Any = None, mask: Any = None, **kwargs: Any
@@ -410,7 +439,25 @@ def worker_connector(scheduler: Any, engine: FakeEngine, layerwise: bool = False
     with lmcache_built(engine=engine, layerwise=layerwise):
         conn = LMCacheConnectorV1(scheduler.vllm_config, KVConnectorRole.WORKER, scheduler.kv_cache_config)
     conn._lmcache_engine.kv_caches = {"layer": torch.zeros(1)}
+    engine.num_layers = conn._lmcache_engine.num_layers
     return conn
+
+
+def layerwise_step(conn: Any, engine: FakeEngine, out: Any, between: Any = None) -> set[int]:
+    """One step of a layerwise LMCache on the worker: ``start_load_kv``,
+    the forward's ``wait_for_layer_load`` of every layer (``between()``
+    runs after the first), ``wait_for_save``. Returns the blocks LMCache
+    reports failed."""
+    conn.bind_connector_metadata(out.kv_connector_metadata)
+    conn.start_load_kv(SimpleNamespace(attn_metadata=object()))
+    for layer in range(engine.num_layers):
+        conn.wait_for_layer_load(f"layer{layer}")
+        if layer == 0 and between is not None:
+            between()
+    conn.wait_for_save()
+    invalid = conn.get_block_ids_with_load_errors()
+    conn.clear_connector_metadata()
+    return invalid
 
 
 @contextmanager
@@ -532,3 +579,122 @@ def test_a_layerwise_store_waits_at_its_first_layer_and_is_recorded_after_its_la
 def test_lmcache_is_among_the_wired_connectors_with_its_streams() -> None:
     assert vc.CONNECTORS[lw.LMCACHE].module == lw.MODULE
     assert set(vc.CONNECTORS[lw.LMCACHE].streams) == {lw.LOAD_STREAM, lw.STORE_STREAM}
+
+
+# ----------------------------------------------------------------------
+# never worse than stock: a refusal runs the load as LMCache would
+# ----------------------------------------------------------------------
+
+
+def serve(scheduler: Any, engine: FakeEngine, max_steps: int = 12) -> dict[str, Any]:
+    """Run the scheduler's steps to the end through the worker half
+    (LMCache's ``start_load_kv``, ``wait_for_save`` and failed-load record,
+    stand-in streams run after each step), ``kv_load_failure_policy`` as
+    the scheduler has it. Returns the finished requests' statuses by id."""
+    from vllm.v1.request import RequestStatus
+
+    dev = StandInDevice()
+    compute = dev.new_stream("compute")
+    worker(dev, compute)
+    statuses: dict[str, Any] = {}
+    seen = dict(scheduler.requests)
+    try:
+        conn = worker_connector(scheduler, engine)
+        for _ in range(max_steps):
+            if not scheduler.has_requests():
+                break
+            out = scheduler.schedule()
+            conn.bind_connector_metadata(out.kv_connector_metadata)
+            conn.start_load_kv(SimpleNamespace(attn_metadata=object()))
+            with patch.object(adapter, "get_pp_group", lambda: SimpleNamespace(is_last_rank=True)):
+                conn.wait_for_save()
+            invalid = conn.get_block_ids_with_load_errors()
+            conn.clear_connector_metadata()
+            for s in (compute, engine.gpu_connector.load_stream, engine.gpu_connector.store_stream):
+                s.run()
+            scheduler.update_from_output(out, model_output(out, invalid_block_ids=invalid))
+        for rid, req in seen.items():
+            statuses[rid] = req.status
+    finally:
+        vw.install(None)
+    assert not scheduler.has_requests()
+    assert all(RequestStatus.is_finished(s) for s in statuses.values())
+    return statuses
+
+
+def fill_shared_in_one_step(scheduler: Any, lookup: FakeLookup) -> None:
+    """Requests A and B share a 64-token prefix that LMCache holds and vLLM
+    does not, and arrive together: vLLM allocates A's blocks for the load
+    and publishes their keys at once, and B hits them in the same
+    ``schedule()``."""
+    prefix = list(range(1, 65))
+    lookup.hits.update(A=64, B=64)
+    scheduler.add_request(make_request("A", prefix + [901, 902], max_tokens=2))
+    scheduler.add_request(make_request("B", prefix + [903, 904], max_tokens=2))
+
+
+@pytest.mark.parametrize("registered", [True, False], indirect=True)
+def test_two_requests_filling_one_shared_prefix_in_one_step_both_finish_under_the_fail_policy(
+    registered: bool,
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    lookup = FakeLookup()
+    scheduler = lmcache_scheduler(lookup)
+    assert not scheduler.recompute_kv_load_failures  # kv_load_failure_policy="fail"
+    fill_shared_in_one_step(scheduler, lookup)
+    engine = FakeEngine(StandInDevice())
+    statuses = serve(scheduler, engine)
+    assert statuses == {"A": RequestStatus.FINISHED_LENGTH_CAPPED, "B": RequestStatus.FINISHED_LENGTH_CAPPED}
+    assert "load A" in engine.log  # A's load ran; B read what it wrote
+
+
+# ----------------------------------------------------------------------
+# layerwise loads
+# ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_layerwise_load_waits_on_its_fence_and_its_token_is_met_only_after_its_last_layer(
+    registered: bool,
+) -> None:
+    """LMCache's layerwise load copies layer by layer during the forward
+    (``retrieve_layer``, called without the request's id). Its copies wait
+    on its fence (A's running decode), and a transfer that waits on its
+    token (a store of those blocks by another connector, say) runs only
+    after the last layer's copy, never at the point ``start_load_kv``
+    returned."""
+    from blockpool.worker.torch_events import EventLedger
+
+    lookup = FakeLookup()
+    scheduler = lmcache_scheduler(lookup, num_blocks=5, layerwise=True)
+    out2, out3 = load_into_blocks_a_running_step_reads(scheduler, lookup)
+    load = Transfer.from_wire(getattr(req_meta(out3, "B"), vc.META_LOAD))
+    assert load.fence.tokens == (step_of(out2).forward,)
+    dev = StandInDevice()
+    compute = dev.new_stream("compute")
+    wh = vw.WorkerHazards(
+        EventLedger(dev.new_event, streams={"compute": compute}), lambda: compute, timeout=5.0
+    )
+    vw.install(wh)
+    try:
+        engine = FakeEngine(dev)
+        conn = worker_connector(scheduler, engine, layerwise=True)
+        assert engine.num_layers >= 2
+        wh.record(Token("compute", 1))
+        compute.enqueue(lambda: engine.log.append("step 2 reads A's blocks"), "forward 2")
+        wh.record(step_of(out2).forward)
+        early: list[bool] = []
+        layerwise_step(conn, engine, out3, between=lambda: early.append(wh.was_recorded(load.token)))
+        assert engine.retrieve_layer_kwargs and "req_id" not in engine.retrieve_layer_kwargs[0]
+        assert early == [False] and wh.was_recorded(load.token)
+        put = dev.new_stream("put")
+        assert wh.wait_device_or_stock([load.token], put, "a store of B's blocks")
+        put.enqueue(lambda: engine.log.append("store of B's blocks"), "put")
+        assert engine.gpu_connector.load_stream.run() == 0 and put.run() == 0  # held at e2, at the load
+        dev.run()
+        layers = [f"load layer {i}" for i in range(engine.num_layers)]
+        assert engine.log == ["step 2 reads A's blocks", *layers, "store of B's blocks"]
+        assert wh.stock_fallbacks == 0
+    finally:
+        vw.install(None)

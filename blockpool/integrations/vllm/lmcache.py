@@ -22,26 +22,34 @@ this wiring adds:
   (:data:`LOAD_STREAM`, :data:`STORE_STREAM`, both ``DEVICE``) with the
   blocks of those tokens, and its :class:`Transfer` goes on the
   ``ReqMeta`` (``META_LOAD`` / ``META_STORE``);
-- **refusal**: a load the pool refuses (a write into a published block a
-  second request holds, say a whole-chunk load over a prefix hit) is not
-  begun and not run: its ``can_load`` and the request's ``can_save`` of
-  that step are turned off, and the blocks vLLM counted as loaded lose
-  their prefix-cache keys and go on the ``ReqMeta``
-  (:data:`META_REFUSED`); the worker reports them through
-  LMCache's own failed-load record (``get_block_ids_with_load_errors``),
-  so vLLM recomputes those tokens, as for a load that failed;
+- **refusal**: a load the pool refuses (say, a whole-chunk layerwise load
+  over a prefix another request computed and still holds) runs as LMCache
+  runs it without the plugin: not begun on the pool, no fence of ours,
+  LMCache's plan of the step unchanged, so vLLM serves the request as it
+  does in stock; counted in :data:`FALLBACKS`, one warning per kind. The
+  step's forward token ``eN`` becomes the writer of the load's blocks
+  whose earlier accesses all lie on the compute stream or ended (the
+  forward reads every loaded token, so LMCache orders it after the
+  copies): a later fence of those blocks names ``eN``;
 - **worker** (:func:`wire_worker`): in ``start_load_kv``, right before each
   request's ``retrieve`` (whose ``batched_to_gpu`` runs on LMCache's
-  ``load_stream``), the load stream waits on the load's fence; in
-  ``wait_for_save``, right before each ``store`` (whose ``from_gpu`` runs
-  on the ``store_stream``), the store stream waits on the store's fence;
-  each transfer's token is recorded on its stream after it. The layerwise
-  path waits the same way before ``retrieve_layer`` / ``store_layer``
-  (``save_kv_layer`` at the first layer) and records the tokens when
-  ``wait_for_save`` returns, after the last layer. LMCache's own
-  synchronisation (``load_stream.synchronize()``
-  after every batch, the store stream's ``synchronize()``, the layerwise
-  ``wait_stream``) is untouched: the fence is added on top;
+  ``load_stream`` and synchronises it), the load stream waits on the
+  load's fence, and the load's token is recorded on it once ``retrieve``
+  returns. In ``wait_for_save``, right before each ``store`` (whose
+  ``from_gpu`` runs on the ``store_stream``), the store stream waits on the
+  store's fence, and the store's token is recorded after it. The layerwise
+  and blending loads (``retrieve_layer``, called without the request's id,
+  and ``blend``) copy layer by layer during the forward: before LMCache's
+  ``start_load_kv`` the load stream and the current stream wait on the
+  fences of every such load of the step, and their tokens are recorded
+  when ``wait_for_save`` returns, on a side stream ordered after the
+  current stream and the load stream (after the last layer: never the
+  early point where ``start_load_kv`` returns). The layerwise store waits
+  before ``store_layer`` (``save_kv_layer`` at the first layer) and its
+  token is recorded when ``wait_for_save`` returns. LMCache's own
+  synchronisation (``load_stream.synchronize()`` after every batch, the
+  store stream's ``synchronize()``, the layerwise ``wait_stream``) is
+  untouched: the fence is added on top;
 - **ending**: LMCache runs a step's loads and stores to their end inside
   that step (its ``get_finished`` reports nothing), and vLLM returns a
   step's output only once every rank ran it, so the step's transfers end
@@ -69,12 +77,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADAPTER",
+    "FALLBACKS",
     "LMCACHE",
     "LOAD_STREAM",
-    "META_REFUSED",
     "MODULE",
     "STORE_STREAM",
     "STREAMS",
+    "fall_back",
     "load_tokens",
     "patch_scheduler",
     "store_tokens",
@@ -94,9 +103,9 @@ MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
 """vLLM's module holding ``LMCacheConnectorV1``."""
 ADAPTER = "lmcache.integration.vllm.vllm_v1_adapter"
 """LMCache's adapter module, the one the wiring was reviewed against."""
-META_REFUSED = "blockpool_refused"
-"""Attribute of a ``ReqMeta`` whose load the pool refused: the block ids
-vLLM counted as loaded, for the worker to report as failed."""
+FALLBACKS: dict[tuple[str, str], int] = {}
+"""Transfers the LMCache wirings left to LMCache's own behaviour in this
+process, by ``(connector, kind)`` (see :func:`fall_back`)."""
 
 
 _NATIVE_LOGGED = False
@@ -191,7 +200,7 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
                 try:
                     t = hz.begin_load(rm.req_id, blocks, LOAD_STREAM, key=key)
                 except UnsafeTransferError as exc:
-                    _refuse(rm, bs, exc, w)
+                    _run_as_stock(hz, w, rm.req_id, blocks, exc)
                 else:
                     begun.append(key)
                     SERVED.transfers_fenced += 1
@@ -220,24 +229,53 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
         hz.end_with_step(key)
 
 
-def _refuse(rm: Any, block_size: int, exc: Exception, w: ConnectorWiring) -> None:
-    """A load the pool refused: not run, as a failed load. The blocks vLLM
-    counted as loaded (from ``vllm_cached_tokens`` on: the prefix hits
-    keep their content) lose their prefix-cache keys (vLLM published them
-    when it allocated them; they hold no valid content) and are reported
-    failed by the worker, so vLLM recomputes them. The request's store of
-    this step is dropped (its forward reads the unloaded tokens)."""
-    ls = rm.load_spec
-    ids = _block_ids(rm.slot_mapping, int(ls.vllm_cached_tokens), int(ls.lmcache_cached_tokens), block_size)
-    ls.can_load = False
-    if rm.save_spec is not None:
-        rm.save_spec.can_save = False
-    w.hazards.pool.evict_blocks([b.block_id for b in w.hazards.blocks_of(ids)])
-    setattr(rm, META_REFUSED, ids)
-    logger.warning(
-        "blockpool: %s: load of request %r refused, reported to vLLM as a failed load (recomputed): %s",
-        w.name, rm.req_id, exc,
-    )  # fmt: skip
+def _run_as_stock(hz: Any, w: ConnectorWiring, req_id: str, blocks: list[Any], exc: Exception) -> None:
+    """A load the pool refused runs as LMCache runs it without the plugin
+    (:func:`fall_back`): not begun on the pool, no fence of ours, its
+    ``can_load`` and the request's store left as LMCache planned them, so
+    vLLM sees what it sees in stock. What the pool can still learn without
+    a claim it cannot show: the load ends before step ``N``'s forward ends
+    (the forward reads every loaded token, so LMCache orders it after the
+    copies: a synchronised load stream on the paged path, the compute
+    stream's waits on the load stream layer by layer on the layerwise
+    path), so each of the load's blocks whose earlier accesses all lie on
+    the compute stream or ended gets ``eN`` as its writer, and a later
+    fence of that block names ``eN``. A block with another engine's access
+    still pending keeps its record (``eN`` is not ordered after that
+    access). O(blocks)."""
+    fall_back(w.name, "load refused by the pool", f"request {req_id!r}: {exc}")
+    steps = hz.outstanding_steps()
+    if not steps or steps[-1].index != hz.steps_issued or steps[-1].forward is None:
+        return
+    forward = steps[-1].forward
+    pool = hz.pool
+
+    def on_compute_or_ended(t: Any) -> bool:
+        return t is None or t.stream == forward.stream or pool.is_ended(t)
+
+    covered = [
+        b
+        for b in blocks
+        if on_compute_or_ended(b.writer) and all(on_compute_or_ended(r) for r in b.readers or ())
+    ]
+    if covered:
+        from blockpool.core.hazards import AccessKind
+
+        pool.tag(covered, forward, AccessKind.WRITE)
+
+
+def fall_back(connector: str, kind: str, detail: str) -> None:
+    """Count a transfer the wiring left to the connector's own behaviour
+    (:data:`FALLBACKS`, by ``(connector, kind)``), with one WARNING per
+    ``(connector, kind)`` in the process. O(1)."""
+    key = (connector, kind)
+    FALLBACKS[key] = FALLBACKS.get(key, 0) + 1
+    if FALLBACKS[key] == 1:
+        logger.warning(
+            "blockpool: %s: %s: it runs as the connector runs it without the plugin, with its own waits "
+            "(first: %s; further ones are counted in FALLBACKS, not logged)",
+            connector, kind, detail,
+        )  # fmt: skip
 
 
 def _block_size_of(conn: Any) -> int:
@@ -341,11 +379,73 @@ def _engine(conn: Any) -> Any:
     return getattr(impl, "lmcache_engine", None)
 
 
+def _whole_chunks(impl: Any) -> bool:
+    """Whether LMCache's adapter ``impl`` loads layer by layer (its
+    ``use_layerwise``) or blends (``enable_blending``)."""
+    return bool(getattr(impl, "use_layerwise", False) or getattr(impl, "enable_blending", False))
+
+
+def _wait_before_layerwise(engine: Any, loads: dict[str, Any]) -> None:
+    """Before LMCache's ``start_load_kv`` begins the step's layerwise or
+    blending loads: the GPU connector's load stream (the layer copies) and
+    the current stream (where the blending connector writes the paged
+    cache) wait on the fences of every load of the step. LMCache calls
+    ``retrieve_layer`` without the request's id, so the waits are not
+    matched per request: each load waits on the others' fences too (never
+    less than its own). In audit mode the loads are counted instead."""
+    from blockpool.integrations.vllm import worker as vw
+
+    wh = vw.current()
+    if wh is None or engine is None:
+        return
+    if wh.audit is not None:
+        for t in loads.values():
+            wh.observe_transfer(LMCACHE, t)
+        return
+    fence = tuple(dict.fromkeys(tok for t in loads.values() for tok in wh.waitable(t.fence)))
+    if not fence:
+        return
+    current = wh.current_stream()
+    load = getattr(getattr(engine, "gpu_connector", None), "load_stream", None)
+    waited = wh.wait_device_or_stock(fence, current, "an LMCache layerwise load")
+    if load is not None and load is not current:
+        waited = wh.wait_device_or_stock(fence, load, "an LMCache layerwise load") and waited
+    wh.waits += waited
+
+
+def _record_layerwise(conn: Any, engine: Any, loads: dict[str, Any]) -> None:
+    """When ``wait_for_save`` returns (the forward ran, its per-layer
+    ``wait_for_layer_load`` enqueued every layer's copy): the tokens of the
+    step's loads not recorded yet (the layerwise and blending ones) are
+    recorded on a side stream ordered after the current stream (the
+    forward, and the blending connector's paged writes) and after the GPU
+    connector's load stream (every layer's copy). Never earlier: a fence
+    naming such a token is not met before the last layer is written."""
+    from blockpool.integrations.vllm import worker as vw
+    from blockpool.integrations.vllm.lmcache_mp import _side_stream
+
+    wh = vw.current()
+    if wh is None or not loads:
+        return
+    pending = sorted((t for t in loads.values() if not wh.was_recorded(t.token)), key=lambda t: t.token.seq)
+    if not pending:
+        return
+    current = wh.current_stream()
+    side = _side_stream(conn, current)
+    side.wait_stream(current)
+    load = getattr(getattr(engine, "gpu_connector", None), "load_stream", None)
+    if load is not None and load is not current:
+        side.wait_stream(load)
+    for t in pending:
+        wh.record(t.token, side)
+
+
 def wire_worker(patch: Patcher) -> None:
     """Install the worker half on vLLM's ``LMCacheConnectorV1``: the fence
-    waits around LMCache's ``retrieve`` / ``retrieve_layer`` (load stream)
-    and ``store`` / ``store_layer`` (store stream), and the report of
-    refused loads through LMCache's failed-load record."""
+    waits around LMCache's ``retrieve`` (load stream), before the step's
+    layerwise and blending loads (load and current streams) and around
+    ``store`` / ``store_layer`` (store stream), and the loads' and stores'
+    tokens recorded after their copies (see the module docstring)."""
     import importlib
 
     from blockpool.integrations.vllm.connectors import META_LOAD, META_STORE
@@ -355,20 +455,14 @@ def wire_worker(patch: Patcher) -> None:
     def wrap_start(orig: Any) -> Any:
         @functools.wraps(orig)
         def start_load_kv(self: Any, forward_context: Any, **kwargs: Any) -> None:
-            meta = getattr(self, "_connector_metadata", None)
-            refused = [
-                b for rm in getattr(meta, "requests", None) or () for b in getattr(rm, META_REFUSED, ())
-            ]
-            if refused:
-                self._lmcache_engine._invalid_block_ids.update(refused)
-            loads = _transfers(meta, META_LOAD)
+            loads = _transfers(getattr(self, "_connector_metadata", None), META_LOAD)
+            if loads and _whole_chunks(getattr(self, "_lmcache_engine", None)):
+                # Layerwise and blending loads: their tokens are recorded by
+                # wait_for_save, once the forward enqueued every layer.
+                _wait_before_layerwise(_engine(self), loads)
+                return orig(self, forward_context, **kwargs)
             with _fenced(
-                _engine(self),
-                ("retrieve", "retrieve_layer"),
-                loads,
-                "load_stream",
-                "an LMCache load",
-                record_rest=True,
+                _engine(self), ("retrieve",), loads, "load_stream", "an LMCache load", record_rest=True
             ):
                 return orig(self, forward_context, **kwargs)
 
@@ -394,11 +488,11 @@ def wire_worker(patch: Patcher) -> None:
             # The step's last call: its layerwise loads and stores ran to
             # their last layer; their tokens (and those of stores not run)
             # are recorded when it returns.
-            with (
-                _fenced(engine, (), loads, "load_stream", "an LMCache load", record_rest=True),
-                _fenced(engine, ("store",), stores, "store_stream", "an LMCache store", record_rest=True),
-            ):
-                return orig(self)
+            with _fenced(engine, ("store",), stores, "store_stream", "an LMCache store", record_rest=True):
+                try:
+                    return orig(self)
+                finally:
+                    _record_layerwise(self, engine, loads)
 
         return wait_for_save
 
