@@ -18,8 +18,8 @@ meets the same ones; aborts and prefix-cache resets are keyed by a request's
 progress (:class:`Event`). Fault kinds (:data:`FAULT_KINDS`): ``fail`` (the
 whole transfer fails), ``fail_partial`` (some of its blocks), ``late``
 (reported ``arg`` steps late), ``never`` (never reported), ``twice``
-(reported again a step later), ``reorder`` (held back ``arg + 1`` steps,
-so transfers planned after it report first), ``skew`` (with two ranks, rank 1 reports ``arg`` steps
+(reported again a step later), ``reorder`` (held back until a transfer
+planned after it has been reported), ``skew`` (with two ranks, rank 1 reports ``arg`` steps
 after rank 0; vLLM's ``KVOutputAggregator`` joins them).
 
 The oracle (:func:`judge`), for ``on`` and ``audit`` each against stock:
@@ -103,7 +103,8 @@ def next_token(tokens: list[int]) -> int:
 @dataclass(frozen=True)
 class Fault:
     """One injected fault: the ``ordinal``-th (from 0) ``kind`` transfer
-    (``"load"`` or ``"store"``) of request ``req_id`` is bent by ``fault``
+    (``"load"`` or ``"store"``) of request ``req_id`` (``"*"``: of the run,
+    whichever request it serves) is bent by ``fault``
     (one of :data:`FAULT_KINDS`) with argument ``arg`` (steps for ``late``
     and ``skew``)."""
 
@@ -185,11 +186,12 @@ def make_schedule(seed: int, connector: str) -> Schedule:
         arrival = 1 if i == 0 else rng.choice((1, 1, 2, 3, 5, 8, 12))
         requests.append(RequestSpec(f"r{i}", tuple(prefix + suffix), rng.randint(1, 12), arrival))
     # Requests that repeat an earlier one late: its prefix has been stored and may be loaded back.
-    for j in range(rng.randint(0, 2)):
+    for j in range(rng.randint(1, 3)):
         src = rng.choice(requests)
-        requests.append(RequestSpec(f"r{n + j}", src.prompt, rng.randint(1, 6), rng.randint(10, 30)))
+        extra = [rng.randint(1, VOCAB) for _ in range(rng.choice((0, 3, 20)))]
+        requests.append(RequestSpec(f"r{n + j}", src.prompt + tuple(extra), rng.randint(1, 6), rng.randint(8, 30)))
     need = max(-(-(len(r.prompt) + r.max_tokens) // BS) for r in requests)
-    num_blocks = rng.choice((need + 2, need + 4, 2 * need, 64))
+    num_blocks = rng.choice((need + 1, need + 2, need + 4, 2 * need, 64))
     kinds = [k for k in sim.fault_kinds]
     ranks = 2 if ("skew" in kinds and rng.random() < 0.4) else 1
     if ranks == 1:
@@ -209,7 +211,13 @@ def make_schedule(seed: int, connector: str) -> Schedule:
         kind = rng.choice(sim.transfer_kinds)
         pool = targets.get(kind) or requests
         r = rng.choice(pool)
-        fault = Fault(r.req_id, kind, rng.choice((0, 0, 0, 1)), rng.choice(kinds), rng.randint(1, 4))
+        allowed = [k for k in sim.kinds_for(kind) if k in kinds]
+        if not allowed:
+            continue
+        if rng.random() < 0.5:  # the ordinal-th such transfer of the run, whichever request it serves
+            fault = Fault("*", kind, rng.choice((0, 0, 1, 2)), rng.choice(allowed), rng.randint(1, 4))
+        else:
+            fault = Fault(r.req_id, kind, rng.choice((0, 0, 0, 1)), rng.choice(allowed), rng.randint(1, 4))
         if fault.key not in seen:
             seen.add(fault.key)
             faults.append(fault)
@@ -287,6 +295,12 @@ class ConnectorSim:
     fault_kinds: ClassVar[tuple[str, ...]] = ()
     transfer_kinds: ClassVar[tuple[str, ...]] = ("load", "store")
 
+    @classmethod
+    def kinds_for(cls, transfer_kind: str) -> tuple[str, ...]:
+        """The fault kinds a ``transfer_kind`` transfer may meet (default
+        :attr:`fault_kinds`)."""
+        return cls.fault_kinds
+
     def __init__(self, schedule: Schedule, scheduler: Any) -> None:
         self.schedule = schedule
         self.scheduler = scheduler
@@ -318,6 +332,13 @@ class ConnectorSim:
     def before_schedule(self, step: int) -> None:
         """Before ``schedule()`` of ``step``."""
 
+    def may_reset(self) -> bool:
+        """Whether a prefix-cache reset event may happen now (default: yes;
+        a connector whose scheduler holds its own block references for a
+        transfer in flight says no while one is: vLLM refuses that reset,
+        plugin or not)."""
+        return True
+
     def plan(self, step: int, out: Any) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -348,10 +369,12 @@ class ConnectorSim:
         synchronous load the engine must have before its forward). O(1)."""
         n = self._ordinals.get((req_id, kind), 0)
         self._ordinals[(req_id, kind)] = n + 1
+        g = self._ordinals.get(("*", kind), 0)
+        self._ordinals[("*", kind)] = g + 1
         ids = tuple(int(b) for b in block_ids)
         t = SimTransfer(req_id, kind, n, job, ids, step, [step + delay] * self.ranks, guard=guard,
                         reported=[False] * self.ranks)  # fmt: skip
-        fault = self.faults.get((req_id, kind, n)) if faultable else None
+        fault = (self.faults.get((req_id, kind, n)) or self.faults.get(("*", kind, g))) if faultable else None
         if fault is not None and fault.fault in self.fault_kinds:
             t.fault = fault
             f = fault.fault
@@ -369,8 +392,9 @@ class ConnectorSim:
             elif f == "skew" and self.ranks > 1:
                 t.due[1] = t.due[1] + fault.arg  # type: ignore[operator]
             elif f == "reorder":
-                # Held back ``arg + 1`` steps: transfers planned after it report first.
-                t.due = [d + fault.arg + 1 for d in t.due]  # type: ignore[operator]
+                # Held back until a transfer planned after it has been
+                # reported (at most ``arg + 8`` steps).
+                t.due = [d + fault.arg + 8 for d in t.due]  # type: ignore[operator]
         self.transfers.append(t)
         return t
 
@@ -408,6 +432,9 @@ class ConnectorSim:
         faults that fired counted. O(transfers)."""
         due: list[list[SimTransfer]] = [[] for _ in range(self.ranks)]
         twice: list[list[SimTransfer]] = [[] for _ in range(self.ranks)]
+        for t in self.transfers:
+            if t.fault is not None and t.fault.fault == "reorder" and self._newest_reported > t.planned:
+                t.due = [None if d is None else min(d, step) for d in t.due]
         for t in self.transfers:
             for rank in range(self.ranks):
                 d = t.due[rank]
@@ -535,6 +562,107 @@ class OffloadingSim(ConnectorSim):
                     kv_connector_worker_meta=meta if meta.completed_jobs else None,
                 )
             )
+        return outs
+
+
+# ----------------------------------------------------------------------
+# MooncakeStore
+# ----------------------------------------------------------------------
+
+
+@register_sim
+class MooncakeStoreSim(ConnectorSim):
+    """vLLM's ``MooncakeStoreConnector`` worker (``mooncake/store/worker.py``)
+    over a simulated store. A lookup (the scheduler's ``LookupKeyClient``)
+    hits the longest run of the request's leading block hashes a finished
+    PUT stored, below the request's last token. A GET (asynchronous) is
+    reported in ``finished_recving``; its failed blocks in
+    ``invalid_block_ids`` (the receive thread reports exactly the blocks
+    whose keys failed). A PUT is reported in ``completed_saves`` of the
+    worker metadata by each rank; the scheduler holds its own reference on
+    the blocks until every rank did."""
+
+    name = "mooncake_store"
+    connector = "MooncakeStoreConnector"
+    fault_kinds = ("fail", "fail_partial", "late", "never", "twice", "reorder", "skew")
+
+    @classmethod
+    def kinds_for(cls, transfer_kind: str) -> tuple[str, ...]:
+        # A GET reported twice is an AssertionError in vLLM's own
+        # scheduler (finished_recving of a running request), plugin or not;
+        # a PUT has no blocks to fail in vLLM's view.
+        if transfer_kind == "load":
+            return tuple(k for k in cls.fault_kinds if k != "twice")
+        return tuple(k for k in cls.fault_kinds if k not in ("fail", "fail_partial"))
+
+    @classmethod
+    def draw_options(cls, rng: random.Random, schedule: Schedule) -> dict[str, Any]:
+        return {"load_delay": rng.choice((0, 1, 1, 2)), "put_delay": rng.choice((1, 1, 2))}
+
+    def prepare(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeLookupResult
+
+        cs = self.scheduler.connector.connector_scheduler
+        self.cs = cs
+        self.stored: set[Any] = set()  # block hashes the simulated store holds
+        self.put_hashes: dict[int, list[Any]] = {}  # store job -> hashes it stores
+        if self.ranks > 1:
+            cs._num_workers = self.ranks  # as vLLM sizes it for TP ranks
+
+        def lookup(req_id: str, num_tokens: int, block_hashes: Any, non_block: bool = False) -> Any:
+            n = 0
+            for h in block_hashes:
+                if h not in self.stored:
+                    break
+                n += 1
+            return MooncakeLookupResult(hit_length=min(n * BS, (num_tokens - 1) // BS * BS))
+
+        cs.client.lookup.side_effect = lookup
+
+    def may_reset(self) -> bool:
+        # vLLM's own scheduler refuses a reset while a PUT pins blocks or a
+        # GET's request waits for its blocks (RuntimeError), plugin or not.
+        return not self.cs._pinned_saves and not any(t.live for t in self.transfers)
+
+    def plan(self, step: int, out: Any) -> None:
+        meta = out.kv_connector_metadata
+        for rm in meta.requests:
+            spec = rm.load_spec
+            if spec is not None and spec.can_load:
+                first = spec.vllm_cached_tokens // BS
+                last = -(-spec.kvpool_cached_tokens // BS)
+                blocks = rm.block_ids[0][first:last]
+                self.begin(rm.req_id, "load", ("load", rm.req_id, step), blocks, step,
+                           self.schedule.options["load_delay"])  # fmt: skip
+            job = rm.store_job_id
+            if rm.can_save and job is not None and job not in self.put_hashes:
+                pinned = self.cs._pinned_saves.get(job)
+                if pinned is None:
+                    continue
+                self.put_hashes[job] = list(rm.block_hashes[: rm.token_len_chunk // BS])
+                self.begin(rm.req_id, "store", job, pinned[0], step, self.schedule.options["put_delay"])
+
+    def encode(self, step: int, due: list[list[SimTransfer]], twice: list[list[SimTransfer]]) -> list[Any]:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeStoreWorkerMetadata
+        from vllm.v1.outputs import KVConnectorOutput
+
+        outs = []
+        for rank in range(self.ranks):
+            saves: dict[int, int] = {}
+            recving: set[str] = set()
+            invalid: set[int] = set()
+            for t in due[rank] + twice[rank]:
+                if t.kind == "store":
+                    saves[t.job] = 1
+                    if not t.failed and all(t.reported):
+                        self.stored.update(self.put_hashes.get(t.job, ()))
+                else:
+                    recving.add(t.req_id)
+                    if t.failed:
+                        invalid.update(t.failed_blocks or t.block_ids)
+            meta = MooncakeStoreWorkerMetadata(completed_saves=saves) if saves else None
+            outs.append(KVConnectorOutput(finished_recving=recving or None, invalid_block_ids=invalid,
+                                          kv_connector_worker_meta=meta))  # fmt: skip
         return outs
 
 
@@ -696,7 +824,7 @@ def serve(schedule: Schedule, mode: str, *, max_steps: int | None = None, hooks:
                     if req is None:
                         continue
                     ready = ev.req_id in started if ev.tokens < 0 else req.num_output_tokens >= ev.tokens
-                    if not ready:
+                    if not ready or (ev.what == "reset" and not sim.may_reset()):
                         continue
                     events.remove(ev)
                     if ev.what == "abort":
@@ -948,10 +1076,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _quiet_logs() -> None:
+    """The CLI prints its own lines: vLLM's and the plugin's log records
+    (errors included: a failed load is an ERROR line of vLLM's) are dropped."""
     import logging
 
-    for name in ("vllm", "vllm.plugins.blockpool"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.disable(logging.ERROR)
 
 
 if __name__ == "__main__":
