@@ -27,9 +27,23 @@ from tests.test_vllm_faults import BUDGET
 
 CONNECTORS = [n for n in ("nixl", "nixl_mooncake") if n in vf.SIMS]
 
-PUT_AFTER_RECEIVE_SEEDS = (2, 4)
-"""``nixl_mooncake`` schedules whose first PUT reads blocks NIXL received
-(and rewrote) in the step before."""
+
+def one_request(
+    connector: str, role: str, faults: tuple[vf.Fault, ...] = (), **options: object
+) -> vf.Schedule:
+    """A schedule of ``connector`` serving one request of ``prompt`` tokens
+    (40: two full blocks and a partial one) whose prompt is ``role``'s
+    (:data:`~tests.vllm_faults_nixl.ROLES`), with ``faults`` and the
+    NIXL ``options`` given (the rest as seed 0 draws them)."""
+    schedule = vf.make_schedule(0, connector)
+    prompt = tuple(range(1, 1 + int(options.pop("prompt", 40))))  # type: ignore[call-overload]
+    schedule.requests[:] = [vf.RequestSpec("r0", prompt, 4, 1)]
+    schedule.faults[:] = list(faults)
+    schedule.events[:] = []
+    schedule.ranks = 1
+    schedule.num_blocks = 16
+    schedule.options.update(roles={"r0": role}, **options)
+    return schedule
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
@@ -45,10 +59,18 @@ def test_both_nixl_pairs_are_registered_with_the_harness() -> None:
     assert vf.SIMS["nixl_mooncake"].connector == "MultiConnector"
 
 
+def serve_put_after_receive() -> vf.Verdict:
+    """One remote prefill's 40 tokens received by NIXL (and rewritten by its
+    post-receive kernels), then stored by MooncakeStore: stock and the
+    plugin, judged."""
+    schedule = one_request("nixl_mooncake", "prefill", read_delay=1, post_receive=True)
+    return vf.judge(schedule, {m: vf.serve(schedule, m) for m in ("stock", "on")})
+
+
 def test_a_put_of_blocks_nixl_rewrote_is_ordered_after_the_rewrite() -> None:
-    for seed in PUT_AFTER_RECEIVE_SEEDS:
-        v = vf.run_schedule(seed, "nixl_mooncake", ("stock", "on"))
-        assert v.failures == [], v.replay()
+    v = serve_put_after_receive()
+    assert v.failures == [] and v.stock_only == []
+    assert v.results["on"].outputs == v.results["stock"].outputs != {}
 
 
 def test_the_harness_finds_a_put_unordered_after_nixls_post_receive_writes_when_the_pool_does_not_track_them() -> (
@@ -61,24 +83,19 @@ def test_the_harness_finds_a_put_unordered_after_nixls_post_receive_writes_when_
     from blockpool.integrations.vllm.hazards import StepHazards
 
     with patch.object(StepHazards, "rewrites_on_receive", lambda self, name: None):
-        for seed in PUT_AFTER_RECEIVE_SEEDS:
-            v = vf.run_schedule(seed, "nixl_mooncake", ("stock", "on"))
-            assert v.results["stock"].error is None
-            (line,) = v.failures
-            assert line.startswith("on: raised where stock did not: ") and "UnorderedRead" in line
-            assert "unordered after NIXL's post-receive write" in line
+        v = serve_put_after_receive()
+    assert v.results["stock"].error is None
+    (line,) = v.failures
+    assert line.startswith("on: raised where stock did not: ") and "UnorderedRead" in line
+    assert "unordered after NIXL's post-receive write of r0's read" in line
 
 
 def test_a_send_the_remote_never_reads_is_reaped_at_the_lease_and_its_blocks_come_back() -> None:
-    schedule = vf.make_schedule(0, "nixl")
-    spec = schedule.requests[0]
-    schedule.requests[:] = [spec]
-    schedule.options["roles"] = {spec.req_id: "decode"}
-    schedule.faults[:] = [vf.Fault(spec.req_id, "store", 0, "never")]
-    schedule.events[:] = []
+    never = vf.Fault("r0", "store", 0, "never")
+    schedule = one_request("nixl", "decode", (never,), lease_steps=5)
     results = {m: vf.serve(schedule, m) for m in ("stock", "on")}
     v = vf.judge(schedule, results)
     assert v.failures == [] and v.stock_only == []
     for r in results.values():
-        assert r.fired == {schedule.faults[0]: 1}
+        assert r.fired == {never: 1}
         assert r.leaked == [] and r.unfinished == []

@@ -280,10 +280,8 @@ class NixlSim(NixlWorker, vf.ConnectorSim):
     def draw_options(cls, rng: random.Random, schedule: vf.Schedule) -> dict[str, Any]:
         # NIXL moves a request's prompt once (one read, or one send): a
         # fault on a later transfer of the request would never fire.
-        once = {
-            dataclasses.replace(f, ordinal=0).key: dataclasses.replace(f, ordinal=0) for f in schedule.faults
-        }
-        schedule.faults[:] = list(once.values())
+        once = [f if f.req_id == "*" else dataclasses.replace(f, ordinal=0) for f in schedule.faults]
+        schedule.faults[:] = list({f.key: f for f in once}.values())
         return cls.nixl_options(rng, schedule)
 
     def prepare(self) -> None:
@@ -291,6 +289,11 @@ class NixlSim(NixlWorker, vf.ConnectorSim):
 
     def request_params(self, spec: vf.RequestSpec) -> dict[str, Any] | None:
         return self.nixl_params(spec)
+
+    def may_reset(self) -> bool:
+        # vLLM refuses a reset while a read's request waits for its blocks
+        # or a send holds a finished request's (RuntimeError), plugin or not.
+        return not any(t.live for t in self.transfers)
 
     def plan(self, step: int, out: Any) -> None:
         self.nixl_plan(step, out.kv_connector_metadata)
