@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from blockpool import BlockPoolError
+from blockpool import BlockPoolError, InvalidArgumentError
 from blockpool.cli import main as cli_main
 from blockpool.integrations import vllm as plugin
 from blockpool.integrations.vllm import surface as vs
@@ -75,6 +75,29 @@ def test_every_connector_function_the_wiring_wraps_has_a_body_fingerprint() -> N
                 assert n.fingerprints, (surface.line, n.target)
 
 
+# The bodies a replaced wait or a step wrapper relies on, with the group a
+# drift of each affects (None: the install is refused whole).
+_RELIED_ON = {
+    "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker:KVCacheStoreSendingThread._handle_request": (
+        "mooncake_store"
+    ),
+    "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker:"
+    "KVCacheStoreSendingThread._maybe_offload_boundary_states": "mooncake_store",
+    "vllm.v1.core.kv_cache_manager:KVCacheManager.take_kv_cache_block_copies": None,
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule": None,
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": None,
+}
+
+
+@pytest.mark.parametrize("line", ["0.32", "0.33", "0.34"])
+def test_every_line_fingerprints_the_bodies_a_replaced_wait_or_a_step_wrapper_relies_on(line: str) -> None:
+    declared = {n.target: n for n in vs.SURFACES[line].names}
+    for target, connector in _RELIED_ON.items():
+        assert target in declared, target
+        assert declared[target].fingerprints, target
+        assert declared[target].connector == connector, target
+
+
 def _function(tmp_path: Any, name: str, source: str) -> Any:
     """``f`` of a module written from ``source`` (``inspect.getsource``
     needs a file)."""
@@ -96,6 +119,27 @@ def test_fingerprint_ignores_comments_docstrings_and_layout_but_not_the_body(tmp
     assert vs.fingerprint(a) == vs.fingerprint(b) != vs.fingerprint(c)
     assert len(vs.fingerprint(a) or "") == 16
     assert vs.fingerprint(len) is None  # no Python source
+
+
+def test_fingerprint_source_gives_the_imported_functions_fingerprint_decorators_included(tmp_path: Any) -> None:
+    source = (
+        "import functools\n\n"
+        "class C:\n"
+        "    @staticmethod\n"
+        "    @functools.lru_cache\n"
+        "    def f(x):\n"
+        '        """Doc."""\n'
+        "        return x + 1\n\n"
+        "def f(x):\n    return x\n\n"
+        "def f(x):\n    return x + 2  # the last definition wins\n"
+    )
+    module = _function(tmp_path, "m", source + "f = C.__dict__['f'].__func__\n")
+    assert vs.fingerprint_source(source, "C.f") == vs.fingerprint(module)
+    assert vs.fingerprint_source(source, "f") == vs.fingerprint(_function(tmp_path, "n", "def f(x):\n    return x + 2\n"))
+    assert vs.fingerprint_source(source, "C.g") is None
+    assert vs.fingerprint_source(source, "C") is None  # a class, not a function
+    with pytest.raises(InvalidArgumentError):
+        vs.fingerprint_source("def f(:\n", "f")
 
 
 def test_resolve_names_an_attribute_path_and_raises_for_a_missing_one() -> None:
@@ -177,6 +221,43 @@ def test_check_vllm_surface_prints_the_table_with_status_0(vllm_installed: str, 
     absent = [row for row in out[2:] if row.startswith("unavailable here")]
     assert len(out) == len(surface.all_names()) + 3 + len(absent)
     assert all(row.startswith(("ok ", "unavailable ")) for row in out[2 : -1 - len(absent)])
+
+
+def test_fingerprint_source_agrees_with_the_import_on_every_fingerprinted_vllm_name(vllm_installed: str) -> None:
+    """The rows of a line not installed here are fingerprinted from its
+    release's source with :func:`fingerprint_source`: on the installed line
+    it gives what the import gives, for every fingerprinted name vLLM's
+    class defines itself."""
+    import importlib
+
+    checked = 0
+    for n in vs.select(vllm_installed).all_names():
+        if not n.fingerprints or not n.module.startswith("vllm."):
+            continue
+        path = importlib.import_module(n.module).__file__
+        assert path is not None
+        with open(path, encoding="utf-8") as f:
+            from_source = vs.fingerprint_source(f.read(), n.qualname)
+        if from_source is None:  # inherited (a connector API default hook)
+            assert n.qualname.endswith(".bind_gpu_block_pool"), n.target
+            continue
+        assert from_source == vs.fingerprint(vs.resolve(n.target)), n.target
+        checked += 1
+    assert checked > 50
+
+
+def test_check_vllm_surface_lists_the_bodies_a_replaced_wait_or_a_step_wrapper_relies_on(
+    vllm_installed: str, capsys: Any
+) -> None:
+    assert cli_main(["check-vllm", "--surface"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    surface = vs.select(vllm_installed)
+    for target, connector in _RELIED_ON.items():
+        (name,) = [n for n in surface.names if n.target == target]
+        (row,) = [r for r in rows if f" {target} | " in r]
+        assert row.split()[:3] == ["ok", name.use, connector or "-"], row
+        assert row.endswith(f"body {vs.fingerprint(vs.resolve(target))}")
+        assert vs.fingerprint(vs.resolve(target)) in name.fingerprints
 
 
 _VALID = "valid: mooncake_store, offloading, simple_cpu_offload, nixl, lmcache, lmcache_mp, or all"
@@ -325,3 +406,81 @@ def test_the_plugin_wraps_no_name_its_line_does_not_declare(
     with pytest.raises(AttributeError, match="is not declared in the surface of vLLM"):
         plugin._patch(Scheduler, "add_request", lambda orig: orig)
     assert "__blockpool_wrapped__" not in vars(Scheduler.__dict__["add_request"])
+
+
+def test_a_changed_body_of_the_mooncake_send_threads_handle_request_leaves_mooncake_store_unwired(
+    monkeypatch: pytest.MonkeyPatch, clean: None, log: list[tuple[str, str]], vllm_installed: str
+) -> None:
+    """The send thread's ``_handle_request`` synchronizes on the event the
+    wiring replaces and reads the range the wiring copies: another body
+    there leaves MooncakeStore as vLLM built it, naming the function."""
+    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker")
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import worker
+
+    def _handle_request(self: Any, req_meta: Any) -> None:
+        return None  # same parameters, another body: no wait at all
+
+    target = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker:KVCacheStoreSendingThread._handle_request"
+    _doctor(monkeypatch, target, _handle_request)
+    (drift,) = [d for d in vs.check(vs.select(vllm_installed)) if d.name.target == target]
+    assert (drift.status, drift.found) == ("body", f"body {vs.fingerprint(_handle_request)}")
+    plugin.register()
+    state = plugin.install_state()
+    assert plugin.is_installed()
+    assert "mooncake_store" not in state.connectors
+    assert "KVCacheStoreSendingThread._handle_request (body)" in state.unwired["mooncake_store"]
+    assert "offloading" in state.connectors
+    assert "__blockpool_wrapped__" not in vars(worker.MooncakeStoreWorker.__dict__["wait_for_save"])
+
+
+def _same_call(orig: Any, name: str) -> Any:
+    """A stand-in for ``orig`` with its parameters and another body (it calls
+    ``orig``): what a vLLM release that edited the body looks like."""
+    if name == "schedule":
+
+        def schedule(self: Any, throttle_prefills: bool = False) -> Any:
+            return orig(self, throttle_prefills=throttle_prefills)
+
+        return schedule
+    if name == "update_from_output":
+
+        def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+            return orig(self, scheduler_output, model_runner_output)
+
+        return update_from_output
+
+    def take_kv_cache_block_copies(self: Any) -> Any:
+        copies, retained = orig(self)
+        return copies, [tuple(retained[i : i + 2]) for i in range(0, len(retained), 2)]  # pairs, not flat
+
+    return take_kv_cache_block_copies
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+        "vllm.v1.core.kv_cache_manager:KVCacheManager.take_kv_cache_block_copies",
+    ],
+)
+def test_a_changed_body_of_a_scheduler_step_method_the_plugin_wraps_refuses_the_install_naming_it(
+    monkeypatch: pytest.MonkeyPatch, clean: None, log: list[tuple[str, str]], vllm_installed: str, target: str
+) -> None:
+    """The step wrappers hang every fence on these bodies (the step's record
+    after ``schedule``, its end in ``update_from_output``, the CoW copies as
+    flat ``[src, dst, ...]`` pairs), and the preemption deferral on the
+    allocation loop of ``schedule``: another body refuses the install whole
+    (vLLM keeps its own pool, as stock) rather than guess which part changed."""
+    plugin.register()  # choose the line's surface first, as a process would; then start afresh
+    plugin.unregister()
+    log.clear()
+    orig = vs.resolve(target)
+    _doctor(monkeypatch, target, _same_call(orig, target.rpartition(".")[2]))
+    before = _snapshot()
+    plugin.register()
+    assert _snapshot() == before
+    state = plugin.install_state()
+    assert (state.installed, state.refused, state.patched) == (False, "surface", [])
+    (line,) = [m for lvl, m in log if lvl == "ERROR"]
+    assert f"{target}: body, expected " in line

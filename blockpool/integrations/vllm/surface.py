@@ -23,10 +23,22 @@ What a drift does (:func:`check`, at ``register()``):
 - a function whose body the wiring depends on line by line (declared with
   :attr:`Name.fingerprints`) whose body changed: the connector it belongs
   to (:attr:`Name.connector`) is left unwired with one WARNING until the
-  wiring is reviewed (its transfers keep vLLM's own waits, as stock); a
-  changed body of a core name (no connector: the pool's own methods that
-  the plugin re-implements and vLLM's event helpers it borrows) refuses
-  the install whole.
+  wiring is reviewed (its transfers keep vLLM's own waits, as stock). This
+  covers the bodies around a wait the wiring replaces: MooncakeStore's
+  send thread (``KVCacheStoreSendingThread._handle_request`` and
+  ``_maybe_offload_boundary_states``) synchronizes on the event the wiring
+  substitutes and reads the token range the wiring copies as the store's
+  read set;
+- a changed body of a core name (no connector) refuses the install whole:
+  the pool's own methods that the plugin re-implements, vLLM's event
+  helpers it borrows, and the scheduler's step methods the plugin wraps
+  (``Scheduler.schedule``, ``Scheduler.update_from_output``,
+  ``KVCacheManager.take_kv_cache_block_copies``). Every fence hangs on
+  those (the step's record after ``schedule``, the step's end before
+  ``update_from_output``, the copies as a flat ``[src, dst, ...]`` list),
+  and so does the preemption deferral (``schedule``'s allocation loop
+  asking ``has_pending_block_frees``); a fingerprint cannot tell which part
+  changed, so only vLLM's own pool (stock) is known safe.
 
 A fingerprint is the first 16 hex digits of the SHA-256 of the function's
 syntax tree (:func:`fingerprint`: comments, docstrings and formatting do
@@ -48,7 +60,7 @@ from typing import Any
 
 import attrs
 
-from blockpool.core.errors import BlockPoolError
+from blockpool.core.errors import BlockPoolError, InvalidArgumentError
 
 __all__ = [
     "CONNECTOR_NAMES",
@@ -62,6 +74,7 @@ __all__ = [
     "active",
     "check",
     "fingerprint",
+    "fingerprint_source",
     "report",
     "resolve",
     "select",
@@ -280,10 +293,45 @@ def fingerprint(obj: Any) -> str | None:
     """
     fn = inspect.unwrap(obj)
     try:
-        source = textwrap.dedent(inspect.getsource(fn))
-        tree = ast.parse(source)
+        return _digest(inspect.getsource(fn))
     except (OSError, TypeError, SyntaxError):
         return None
+
+
+def fingerprint_source(source: str, qualname: str) -> str | None:
+    """:func:`fingerprint` of the function ``qualname`` (``"Class.method"``)
+    defined in the module text ``source``, without importing it: how a
+    release line that is not installed is fingerprinted from its release's
+    source distribution. The same digest as :func:`fingerprint` of the
+    imported function (its decorators included, as ``inspect.getsource``
+    gives them); ``None`` when ``source`` defines no such function (or
+    the class only inherits it). O(size of ``source``).
+
+    Raises:
+        InvalidArgumentError: ``source`` is not Python.
+    """
+    try:
+        node: Any = ast.parse(source)
+    except SyntaxError as exc:
+        raise InvalidArgumentError(f"not Python source: {exc}") from exc
+    for part in qualname.split("."):
+        found = [
+            n
+            for n in getattr(node, "body", ())
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part
+        ]
+        if not found:
+            return None
+        node = found[-1]  # the last definition wins, as at import
+    if isinstance(node, ast.ClassDef):
+        return None
+    first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+    return _digest("".join(source.splitlines(keepends=True)[first - 1 : node.end_lineno]))
+
+
+def _digest(source: str) -> str:
+    """The fingerprint of one function's source text (dedented here)."""
+    tree = ast.parse(textwrap.dedent(source))
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (
@@ -398,7 +446,9 @@ def _n(target: str, *params: str, fp: tuple[str, ...] = (), connector: str | Non
 # markers first (the names only that line has, with their signatures),
 # then every other name. Printed against an installed vLLM by
 # ``blockpool check-vllm --surface``; a new line starts as a copy of the
-# newest with the rows that command reports drifted, each reviewed.
+# newest with the rows that command reports drifted, each reviewed. The
+# fingerprints of a line not installed are computed from its release's
+# source distribution (``fingerprint_source`` of the module's file).
 
 _MARKERS_032 = (
     _n(f"{_BP}:BlockPool.__init__", 'self', 'num_gpu_blocks', 'enable_caching', 'hash_block_size', 'enable_kv_cache_events', 'metrics_collector', 'medium', fp=("9b457db81707a9fc",), use="marker"),
@@ -441,10 +491,10 @@ _NAMES_032 = (
     _n('vllm.distributed.kv_events:KVCacheEvent'),
     _n('vllm.multimodal.utils:get_mm_features_in_window', 'mm_features', 'start', 'end', use="borrowed"),
     _n(f"{_SCHED}:Scheduler.__init__", 'self', 'vllm_config', 'kv_cache_config', 'structured_output_manager', 'block_size', 'hash_block_size', 'mm_registry', 'include_finished_set', 'log_stats', use="wrapped"),
-    _n(f"{_SCHED}:Scheduler.schedule", 'self', 'throttle_prefills', use="wrapped"),
-    _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.schedule", 'self', 'throttle_prefills', fp=("3d1ad516a1a934a0",), use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', fp=("e3a4efe6c229edab",), use="wrapped"),
     _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', use="wrapped"),
-    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', use="wrapped"),
+    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', fp=("695efba83268cacb",), use="wrapped"),
     _n(f"{_MGR}:KVCacheManager.get_block_ids", 'self', 'request_id', fp=("6928ce6c9df05c51",)),
     _n(f"{_MGR}:KVCacheManager.get_blocks", 'self', 'request_id', fp=("d71378a6efe7f144",)),
     _n("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.get_blocks", 'self', 'request_id', fp=("c0ed00f8684b9a2d",)),
@@ -464,6 +514,8 @@ _NAMES_032 = (
     _n(f"{_MOONCAKE_W}:MooncakeStoreWorker.wait_for_save", 'self', 'metadata', fp=("3cc967d6118c7bd9",), connector=MOONCAKE, use="wrapped"),
     _n(f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._handle_request", 'self', 'req_meta', fp=("3750f3c99d7e065e",), connector=MOONCAKE, use="wrapped"),
     _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread.finish_store_job", 'self', 'req_meta', fp=("a99457c4ac716926",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread._handle_request", 'self', 'req_meta', fp=("bc97d42c6b1ff698",), connector=MOONCAKE),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread._maybe_offload_boundary_states", 'self', 'req_meta', fp=("8d8e4c0791c337a5",), connector=MOONCAKE),
     _n(f"{_OFFLOAD}:OffloadingConnector.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("36e91e17b6e93b72",), connector=OFFLOADING, use="wrapped"),
     _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("eace7e2e380dd8c0",), connector=OFFLOADING, use="wrapped"),
     _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.update_connector_output", 'self', 'connector_output', fp=("bd7652774ed007c1",), connector=OFFLOADING, use="wrapped"),
@@ -523,10 +575,10 @@ _NAMES_033 = (
     _n('vllm.distributed.kv_events:KVCacheEvent'),
     _n('vllm.multimodal.utils:get_mm_features_in_window', 'mm_features', 'start', 'end', use="borrowed"),
     _n(f"{_SCHED}:Scheduler.__init__", 'self', 'vllm_config', 'kv_cache_config', 'structured_output_manager', 'block_size', 'hash_block_size', 'mm_registry', 'include_finished_set', 'log_stats', use="wrapped"),
-    _n(f"{_SCHED}:Scheduler.schedule", 'self', 'throttle_prefills', use="wrapped"),
-    _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.schedule", 'self', 'throttle_prefills', fp=("a06fe15f3877ca46",), use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', fp=("86a181d2629fabf9",), use="wrapped"),
     _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', use="wrapped"),
-    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', use="wrapped"),
+    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', fp=("695efba83268cacb",), use="wrapped"),
     _n(f"{_MGR}:KVCacheManager.get_block_ids", 'self', 'request_id', fp=("6928ce6c9df05c51",)),
     _n(f"{_MGR}:KVCacheManager.get_blocks", 'self', 'request_id', fp=("d71378a6efe7f144",)),
     _n("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.get_blocks", 'self', 'request_id', fp=("c0ed00f8684b9a2d",)),
@@ -547,6 +599,8 @@ _NAMES_033 = (
     _n(f"{_MOONCAKE_W}:MooncakeStoreWorker.wait_for_save", 'self', 'metadata', fp=("3cc967d6118c7bd9",), connector=MOONCAKE, use="wrapped"),
     _n(f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._handle_request", 'self', 'req_meta', fp=("3750f3c99d7e065e",), connector=MOONCAKE, use="wrapped"),
     _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread.finish_store_job", 'self', 'req_meta', fp=("a99457c4ac716926",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread._handle_request", 'self', 'req_meta', fp=("bc97d42c6b1ff698",), connector=MOONCAKE),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread._maybe_offload_boundary_states", 'self', 'req_meta', fp=("8d8e4c0791c337a5",), connector=MOONCAKE),
     _n(f"{_OFFLOAD}:OffloadingConnector.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("36e91e17b6e93b72",), connector=OFFLOADING, use="wrapped"),
     _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("bb449517240a5fca",), connector=OFFLOADING, use="wrapped"),
     _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.update_connector_output", 'self', 'connector_output', fp=("a4641f3bddf5988d",), connector=OFFLOADING, use="wrapped"),
@@ -606,10 +660,10 @@ _NAMES_034 = (
     _n('vllm.distributed.kv_events:KVCacheEvent'),
     _n('vllm.multimodal.utils:get_mm_features_in_window', 'mm_features', 'start', 'end', use="borrowed"),
     _n(f"{_SCHED}:Scheduler.__init__", 'self', 'vllm_config', 'kv_cache_config', 'structured_output_manager', 'block_size', 'hash_block_size', 'mm_registry', 'include_finished_set', 'log_stats', use="wrapped"),
-    _n(f"{_SCHED}:Scheduler.schedule", 'self', 'throttle_prefills', use="wrapped"),
-    _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.schedule", 'self', 'throttle_prefills', fp=("5c4e10402898dae9",), use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', fp=("ce6fa954711728d1",), use="wrapped"),
     _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', use="wrapped"),
-    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', use="wrapped"),
+    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', fp=("695efba83268cacb",), use="wrapped"),
     _n(f"{_MGR}:KVCacheManager.get_block_ids", 'self', 'request_id', fp=("6928ce6c9df05c51",)),
     _n(f"{_MGR}:KVCacheManager.get_blocks", 'self', 'request_id', fp=("d71378a6efe7f144",)),
     _n("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.get_blocks", 'self', 'request_id', fp=("c0ed00f8684b9a2d",)),
@@ -626,6 +680,8 @@ _NAMES_034 = (
     _n(f"{_MOONCAKE_W}:MooncakeStoreWorker.wait_for_save", 'self', 'metadata', fp=("3cc967d6118c7bd9",), connector=MOONCAKE, use="wrapped"),
     _n(f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._handle_request", 'self', 'req_meta', fp=("58c0dd832f14e5cb",), connector=MOONCAKE, use="wrapped"),
     _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread.finish_store_job", 'self', 'req_meta', fp=("a99457c4ac716926",), connector=MOONCAKE, use="wrapped"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread._handle_request", 'self', 'req_meta', fp=("5a33471e54f07878",), connector=MOONCAKE),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreSendingThread._maybe_offload_boundary_states", 'self', 'req_meta', fp=("8d8e4c0791c337a5",), connector=MOONCAKE),
     _n(f"{_OFFLOAD}:OffloadingConnector.bind_gpu_block_pool", 'self', 'gpu_block_pool', fp=("36e91e17b6e93b72",), connector=OFFLOADING, use="wrapped"),
     _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.build_connector_meta", 'self', 'scheduler_output', fp=("bb449517240a5fca",), connector=OFFLOADING, use="wrapped"),
     _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.update_connector_output", 'self', 'connector_output', fp=("a4641f3bddf5988d",), connector=OFFLOADING, use="wrapped"),
