@@ -40,7 +40,7 @@ if importlib.util.find_spec("lmcache") is None:
     # (scripts/lmcache_parity.sh builds .venv-lmcache, where CI runs these).
     pytest.skip("this vLLM venv has no LMCache: run in .venv-lmcache", allow_module_level=True)
 
-from blockpool.core.hazards import Token, TokenStatus
+from blockpool.core.hazards import EMPTY_FENCE, Token, TokenStatus
 from blockpool.integrations.vllm import connectors as vc
 from blockpool.integrations.vllm import lmcache_mp as mp
 from blockpool.integrations.vllm import worker as vw
@@ -265,6 +265,15 @@ def test_hazards_off_leaves_lmcaches_metadata_as_it_builds_it(registered: bool) 
     assert not hasattr(rm, vc.META_LOAD) and not hasattr(out3.kv_connector_metadata, vc.META_STEP)
 
 
+@contextmanager
+def _uninstalled_after() -> Iterator[None]:
+    """The worker hazards installed in this thread are removed on leaving."""
+    try:
+        yield
+    finally:
+        vw.install(None)
+
+
 def shared_prefix_steps(scheduler: Any, io: SimpleNamespace) -> Any:
     """A (48 tokens, still running) and B share their first 48 tokens: B's
     prefix hit is A's 3 blocks; LMCache holds B's first 96 tokens, so B
@@ -291,11 +300,17 @@ def test_a_retrieve_writes_from_the_first_token_the_server_does_not_skip(registe
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
-def test_a_refused_retrieve_is_not_run_and_comes_back_to_vllm_as_a_failed_load(registered: bool) -> None:
+def test_a_refused_retrieve_runs_with_lmcaches_own_ordering_and_the_request_keeps_its_loaded_tokens(
+    registered: bool,
+) -> None:
     """A server that rewrites whole chunks (no ``skip_first_n_tokens``)
-    would write A's block 2, which A still reads: the pool refuses the
-    retrieve; it leaves the step, the worker reports it failed through
-    LMCache's own record, and vLLM recomputes B from that block."""
+    would write A's block 2, which A computed and still holds: the pool
+    refuses the retrieve. It runs as LMCache runs it without the plugin
+    (submitted to the server, which consumes the lookup's locks, ordered
+    by LMCache's own event), so under ``kv_load_failure_policy="fail"`` B
+    finishes its load and keeps the tokens it loaded, as in stock."""
+    from blockpool.integrations.vllm import lmcache as lw
+
     get = connector_mod.LMCacheMPRequestMetadata.GetRetrieveMetadata
 
     def whole_chunks(*a: Any, **k: Any) -> Any:
@@ -303,34 +318,42 @@ def test_a_refused_retrieve_is_not_run_and_comes_back_to_vllm_as_a_failed_load(r
         rm.op.skip_first_n_tokens = 0
         return rm
 
+    refused = (mp.LMCACHE_MP, "load refused by the pool")
+    before = lw.FALLBACKS.get(refused, 0)
+    dev = StandInDevice()
+    worker(dev, dev.new_stream("compute"))
     with (
-        lmcache_io() as io,
+        _uninstalled_after(),
+        lmcache_io(dev) as io,
         patch.object(
             connector_mod.LMCacheMPRequestMetadata, "GetRetrieveMetadata", staticmethod(whole_chunks)
         ),
     ):
         scheduler = make_scheduler(CONNECTOR, role="kv_consumer")
-        scheduler.recompute_kv_load_failures = True  # kv_load_failure_policy="recompute" (else vLLM fails B)
+        assert not scheduler.recompute_kv_load_failures  # kv_load_failure_policy="fail"
         out2 = shared_prefix_steps(scheduler, io)
         b = table(scheduler, "B")
         assert b[2] == table(scheduler, "A")[2]  # the shared prefix hit
-        assert metas(out2, "B", "RETRIEVE") == []  # not run
-        assert getattr(out2.kv_connector_metadata, mp.META_REFUSED) == {"B": b[2:6]}
+        (rm,) = metas(out2, "B", "RETRIEVE")  # left in the step as LMCache planned it ...
+        assert not hasattr(rm, vc.META_LOAD)  # ... not begun on the pool
+        assert lw.FALLBACKS[refused] == before + 1
         assert hazards(scheduler).pending_transfers() == []
 
         conn = worker_connector(scheduler)
         conn.bind_connector_metadata(out2.kv_connector_metadata)
         conn.start_load_kv(SimpleNamespace())
-        assert io.transfer.futures == []  # nothing submitted to the server
+        (future,) = io.transfer.futures  # submitted to the server
+        assert future.name == "retrieve B"
+        future.done = True
         _, recving = conn.get_finished(set())
         invalid = conn.get_block_ids_with_load_errors()
-        assert (recving, invalid) == ({"B"}, set(b[2:6]))
+        assert (recving, invalid) == ({"B"}, set())
         scheduler.update_from_output(
             out2, model_output(out2, finished_recving=recving, invalid_block_ids=invalid)
         )
-        assert scheduler.requests["B"].num_computed_tokens == 32  # back to its first bad block
+        assert scheduler.requests["B"].num_computed_tokens == 96  # loaded, not recomputed
         out3 = scheduler.schedule()
-    assert out3.num_scheduled_tokens["B"] == 108 - 32  # recomputed, not loaded
+    assert out3.num_scheduled_tokens["B"] == 108 - 96
 
 
 # ----------------------------------------------------------------------
@@ -594,3 +617,57 @@ def test_a_store_the_server_never_answers_ends_once_lmcache_marks_the_server_unh
             assert hz.blocks_on_their_way() == 0 and hz.pending_transfers() == []
     finally:
         vw.install(None)
+
+
+# ----------------------------------------------------------------------
+# worker metadata across ranks
+# ----------------------------------------------------------------------
+
+
+def rank_worker_meta(lmcache_meta: Any, done_ops: dict[tuple[int, str], Any]) -> Any:
+    """What the wired ``build_connector_worker_meta`` returns on a rank
+    where LMCache's own returns ``lmcache_meta`` and the wiring holds the
+    store ops ``done_ops`` (each with a future whose copy ended)."""
+    from tests.test_vllm_connectors import wrapper
+
+    fut = Future("store")
+    fut.done = True
+    rank = SimpleNamespace(
+        worker_adapter=SimpleNamespace(is_healthy=True),
+        _blockpool_store_ops={key: (t, fut) for key, t in done_ops.items()},
+    )
+    build = wrapper(
+        mp.wire_worker, "LMCacheMPConnector", "build_connector_worker_meta", lambda self: lmcache_meta
+    )
+    return build(rank)
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_ranks_reporting_lmcaches_metadata_and_the_wirings_aggregate_in_any_order(first: int) -> None:
+    """One rank has only LMCache's own report (a store LMCache completed),
+    the other only the wiring's (a store op whose copy ended): vLLM's
+    ``KVOutputAggregator`` merges them in either order, without LMCache's
+    ``aggregate`` meeting a metadata of another type."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    lmc = connector_mod.LMCacheMPWorkerMetadata
+    store = Transfer("C", "store", Token(mp.STORE_STREAM, 1), EMPTY_FENCE, (4,))
+    ranks = [rank_worker_meta(lmc({"C": 1}), {}), rank_worker_meta(None, {(1, "C"): store})]
+    ordered = [ranks[first], ranks[1 - first]]
+    outputs = [
+        ModelRunnerOutput(
+            req_ids=[],
+            sampled_token_ids=[],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=m),
+        )
+        for m in ordered
+    ]
+    merged = KVOutputAggregator(2).aggregate(outputs).kv_connector_output.kv_connector_worker_meta
+    assert all(isinstance(m, mp.MPWorkerMeta) for m in ranks)  # one type on every rank
+    assert isinstance(merged, mp.MPWorkerMeta)
+    assert merged.done == {(1, "C"): 1}
+    assert merged.inner.completed_store_requests == {"C": 1}

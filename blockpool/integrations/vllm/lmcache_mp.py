@@ -25,15 +25,13 @@ step does, and what this wiring adds:
   futures) and its :class:`Transfer` goes on the request metadata
   (``META_LOAD`` / ``META_STORE``; a store also carries its op key,
   :data:`META_STORE_KEY`);
-- **refusal**: a retrieve the pool refuses is not begun and not run: its
-  metadata leaves the step and its request id and the blocks it would
-  have written go on the step's metadata (:data:`META_REFUSED`); each
-  worker reports it through LMCache's own record of a retrieve it could
-  not submit (reported once in ``finished_recving``, its blocks in
-  ``get_block_ids_with_load_errors``, its request in ``failed_recving``
-  where LMCache reports by request), so vLLM recomputes those tokens, as
-  for a load that failed. A refused store is left to LMCache's own
-  ordering (one warning);
+- **refusal**: a retrieve or store the pool refuses runs as LMCache runs
+  it without the plugin: not begun on the pool, left in the step as
+  LMCache planned it, the server's copy ordered by LMCache's own IPC event
+  alone. vLLM serves the request as in stock (no failed load it would not
+  have had), and the server consumes the lookup's locks as in stock.
+  Counted in :data:`~blockpool.integrations.vllm.lmcache.FALLBACKS`, one
+  warning per kind;
 - **worker fence wait** (:func:`wire_worker`): ``start_load_kv`` and
   ``wait_for_save`` record one IPC event (LMCache's
   ``create_recorded_event``) that the server's copies wait on. While the
@@ -48,8 +46,10 @@ step does, and what this wiring adds:
   one store future per request (a later store of the request replaces
   it), so the worker keeps its own future per store op (wrapping
   ``submit_store_request``), and ``build_connector_worker_meta`` returns
-  :class:`MPWorkerMeta`: the ops whose future finished since the last
-  step, around LMCache's own worker metadata. vLLM sums it over the ranks
+  :class:`MPWorkerMeta` on every rank that has anything to report (the
+  ops whose future finished since the last step, around LMCache's own
+  worker metadata), ``None`` on a rank with nothing: one type across the
+  ranks, whichever rank vLLM's aggregator starts from. vLLM sums it over the ranks
   (``aggregate``); the scheduler takes it off the output before LMCache's
   ``update_connector_output`` reads ``kv_connector_worker_meta`` (LMCache
   sees exactly what it would without the plugin) and ends each store op
@@ -79,7 +79,6 @@ if TYPE_CHECKING:
 __all__ = [
     "LMCACHE_MP",
     "LOAD_STREAM",
-    "META_REFUSED",
     "META_STORE_KEY",
     "MODULE",
     "STORE_STREAM",
@@ -102,10 +101,6 @@ STREAMS: dict[str, StreamKind] = {LOAD_STREAM: StreamKind.HOST, STORE_STREAM: St
 MODULE = "lmcache.integration.vllm.lmcache_mp_connector"
 """LMCache's module holding ``LMCacheMPConnector`` (the class vLLM's
 ``lmcache_mp_connector`` module resolves to when it imports)."""
-META_REFUSED = "blockpool_refused"
-"""Attribute of an ``LMCacheMPConnectorMetadata``: ``{request_id: block
-ids}`` of the retrieves the pool refused, for the workers to report as
-failed loads."""
 META_STORE_KEY = "blockpool_store_key"
 """Attribute of a store's ``LMCacheMPRequestMetadata``: ``(n, request
 id)``, ``n`` counting the stores the scheduler began (unique per op), the
@@ -192,6 +187,7 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
     module docstring)."""
     from blockpool.core.errors import UnsafeTransferError
     from blockpool.integrations.vllm.connectors import META_LOAD, META_STORE
+    from blockpool.integrations.vllm.lmcache import fall_back
     from blockpool.integrations.vllm.served import SERVED
 
     requests = getattr(meta, "requests", None)
@@ -199,8 +195,6 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
         return
     hz = w.hazards
     sizes = _tokens_per_block(conn, w)
-    refused: dict[str, list[int]] = {}
-    kept = []
     for rm in requests:
         op = rm.op
         span = int(op.end) - int(op.start)
@@ -214,14 +208,10 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
                     # invalid_block_ids end or fail it.
                     t = hz.begin_load(rm.request_id, blocks, LOAD_STREAM)
                 except UnsafeTransferError as exc:
-                    # Nothing was written; vLLM publishes an asynchronous
-                    # load's blocks only once it finished.
-                    refused[rm.request_id] = ids
-                    logger.warning(
-                        "blockpool: %s: load of request %r refused, reported to vLLM as a failed load "
-                        "(recomputed): %s",
-                        w.name, rm.request_id, exc,
-                    )  # fmt: skip
+                    # Run as LMCache runs it without the plugin: the server's
+                    # copy waits on LMCache's own event only, and the server
+                    # consumes the lookup's locks as it does in stock.
+                    fall_back(w.name, "load refused by the pool", f"request {rm.request_id!r}: {exc}")
                     continue
                 SERVED.transfers_fenced += 1
                 SERVED.fences_nonempty += bool(t.fence.tokens)
@@ -236,10 +226,6 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
             if wire_form is not None:
                 setattr(rm, META_STORE, wire_form)
                 setattr(rm, META_STORE_KEY, key)
-        kept.append(rm)
-    if refused:
-        requests[:] = kept
-        setattr(meta, META_REFUSED, refused)
 
 
 def _key(op_key: tuple[int, str]) -> tuple[str, int, str]:
@@ -454,11 +440,11 @@ def _store_futures_kept(conn: Any, stores: list[tuple[Any, Any]]) -> Iterator[No
 
 
 def wire_worker(patch: Patcher) -> None:
-    """Install the worker half on LMCache's ``LMCacheMPConnector``: the
-    refused retrieves reported through LMCache's record of dropped
-    retrieves, the IPC event of ``start_load_kv`` and ``wait_for_save``
-    ordered after the step's fences, and the per-op store completions in
-    ``build_connector_worker_meta``."""
+    """Install the worker half on LMCache's ``LMCacheMPConnector``: the IPC
+    event of ``start_load_kv`` and ``wait_for_save`` ordered after the
+    step's fences, and the per-op store completions in
+    ``build_connector_worker_meta`` (an :class:`MPWorkerMeta`, or ``None``
+    where neither LMCache nor the wiring reports anything)."""
     from blockpool.integrations.vllm import worker as vw
     from blockpool.integrations.vllm.connectors import META_LOAD, META_STORE
 
@@ -468,15 +454,6 @@ def wire_worker(patch: Patcher) -> None:
         @functools.wraps(orig)
         def start_load_kv(self: Any, forward_context: Any, **kwargs: Any) -> None:
             meta = getattr(self, "_connector_metadata", None)
-            refused = getattr(meta, META_REFUSED, None)
-            if refused:
-                # LMCache's own record of a retrieve it could not submit:
-                # finished_recving once, its blocks (or request) failed.
-                adapter = self.worker_adapter
-                for req_id, ids in refused.items():
-                    adapter.error_block_ids.update(ids)
-                    adapter._failed_request_ids.add(req_id)
-                    adapter._dropped_retrieves.add(req_id)
             loads = [t for _, t in _transfers(meta, "RETRIEVE", META_LOAD)]
             with _fenced_event(self, loads, "an LMCache MP load"):
                 return orig(self, forward_context, **kwargs)
@@ -501,7 +478,10 @@ def wire_worker(patch: Patcher) -> None:
             inner = orig(self)
             ops = self.__dict__.get("_blockpool_store_ops")
             if not ops:
-                return inner
+                # One type on every rank: vLLM's KVOutputAggregator calls the
+                # first rank's aggregate with the others', and LMCache's
+                # asserts its own type.
+                return None if inner is None else MPWorkerMeta(inner, {})
             adapter = self.worker_adapter
             healthy = bool(getattr(adapter, "is_healthy", True))
             done: dict[tuple[int, str], int] = {}
@@ -514,7 +494,7 @@ def wire_worker(patch: Patcher) -> None:
                     done[key] = 1
                     if wh is not None:
                         wh.ended(t)
-            return MPWorkerMeta(inner, done) if done else inner
+            return MPWorkerMeta(inner, done) if done or inner is not None else None
 
         return build_connector_worker_meta
 
