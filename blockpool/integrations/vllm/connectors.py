@@ -596,10 +596,27 @@ def _plan_nixl(sched: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
             _put(rm, META_LOAD, w.load(req_id, ids, NIXL))
 
 
+def _nixl_binder(orig: Any) -> Any:
+    """:func:`_binder` for NIXL, which also declares the ``nixl`` engine one
+    whose workers rewrite the blocks they received
+    (:meth:`StepHazards.rewrites_on_receive`): NIXL's worker enqueues its
+    post-receive kernels on the compute stream when it reports a read
+    finished, so those blocks count as written by the next step."""
+    bound = _binder(NIXL, "connector_scheduler", "_kv_cache_config", _cache_block_size)(orig)
+
+    @functools.wraps(orig)
+    def bind_gpu_block_pool(self: Any, gpu_block_pool: Any) -> None:
+        bound(self, gpu_block_pool)
+        w = wiring_of(getattr(self, "connector_scheduler", None))
+        if w is not None:
+            w.hazards.rewrites_on_receive(NIXL)
+
+    return bind_gpu_block_pool
+
+
 def _patch_nixl(mod: Any, patch: Patcher) -> None:
     conn = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector")
-    bind = _binder(NIXL, "connector_scheduler", "_kv_cache_config", _cache_block_size)
-    patch(conn.NixlBaseConnector, "bind_gpu_block_pool", bind)
+    patch(conn.NixlBaseConnector, "bind_gpu_block_pool", _nixl_binder)
     patch(mod.NixlBaseConnectorScheduler, "build_connector_meta", _planner(_plan_nixl))
 
 

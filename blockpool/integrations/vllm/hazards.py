@@ -73,6 +73,7 @@ from typing import Any
 import attrs
 
 from blockpool.core.block import KVCacheBlock
+from blockpool.core.errors import UnknownStreamError
 from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token
 from blockpool.core.pool import HazardAwareBlockPool
 
@@ -239,8 +240,10 @@ class StepHazards:
         self.blocks_zeroed = 0
         self.zeroings_untagged = 0
         self.preemptions_deferred = 0
-        self.invalid_blocks_added = 0
-        self.invalid_reports_disagreeing = 0
+        self.loads_failed_in_part = 0
+        self.blocks_rewritten_on_receive = 0
+        self._rewrites_on_receive: set[str] = set()
+        self._received: list[int] = []  # blocks of loads whose engine rewrites them, until the next record
         self.step_tokens = True
         """Whether the scheduler wiring issues step tokens and begins block
         copies (this class's own methods always do when called). The plugin
@@ -385,9 +388,17 @@ class StepHazards:
         the connector binds the step, after the zeroing, so a connector's
         later write into a zeroed block (a GET, a NIXL read) has it in its
         fence (WAW), and a block a failed load left bad counts as written
-        again. O(1), plus O(blocks zeroed) on the first call.
+        again. The blocks of loads completed since the last record on an
+        engine whose workers rewrite what they receive
+        (:meth:`rewrites_on_receive`) are recorded as written by the new
+        record's forward token, and give an otherwise empty step a record.
+        O(1), plus O(blocks zeroed or rewritten) on the first call.
         """
-        if not getattr(scheduler_output, "total_num_scheduled_tokens", 0) and self._pending_copy is None:
+        if (
+            not getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+            and self._pending_copy is None
+            and not self._received
+        ):
             return None
         key = id(scheduler_output)
         entry = self._steps.get(key)
@@ -400,6 +411,8 @@ class StepHazards:
         self._pending_copy = None
         self.steps_issued += 1
         record = StepRecord(self.steps_issued, self.pool.issue(self.stream), copies, copy_fence)
+        if self._received:
+            self._write_received(record.forward)
         steps = self._steps
         steps[key] = (_ref(scheduler_output), record)
         while len(steps) > self.max_outstanding:  # the oldest goes (the docstring of max_outstanding)
@@ -683,14 +696,29 @@ class StepHazards:
         invalid_block_ids: Iterable[int] | None = (),
     ) -> int:
         """End the transfers the connector reported (the fields of vLLM's
-        ``KVConnectorOutput``, already aggregated over every worker). Loads
-        of ``failed_recving`` requests, and loads that wrote any of
-        ``invalid_block_ids``, fail first; then ``finished_recving`` ends the
-        loads and ``finished_sending`` the stores of those requests. Unknown
-        request ids are ignored. Returns the number of transfers ended.
-        O(reported ids + pending loads when blocks are invalid).
+        ``KVConnectorOutput``, already aggregated over every worker), in
+        this order:
+
+        - the loads of ``failed_recving`` requests fail
+          (:meth:`HazardAwareBlockPool.fail`: every block they wrote is
+          bad and loses its keys);
+        - a pending load that wrote some of ``invalid_block_ids`` ends with
+          exactly those blocks bad (:meth:`HazardAwareBlockPool.fail_blocks`):
+          its other blocks hold what it wrote and keep their keys, as vLLM
+          keeps them (it recomputes a request from its first invalid block
+          on); a load all of whose blocks are named fails as above (a
+          connector names every block of a load that never ran);
+        - ``finished_recving`` completes the loads and ``finished_sending``
+          the stores of those requests. The blocks of a completed load on
+          an engine that rewrites what it receives
+          (:meth:`rewrites_on_receive`) are written by the next step
+          record's forward token (:meth:`step_record`).
+
+        Unknown request ids, and invalid blocks no pending load wrote, are
+        ignored. Returns the number of transfers ended. O(reported ids),
+        plus O(blocks of the pending loads) when blocks are invalid.
         """
-        return self._end_transfers(finished_recving, finished_sending, failed_recving, invalid_block_ids)[0]
+        return self._end_transfers(finished_recving, finished_sending, failed_recving, invalid_block_ids)
 
     def _end_transfers(
         self,
@@ -698,106 +726,128 @@ class StepHazards:
         finished_sending: Iterable[str] | None,
         failed_recving: Iterable[str] | None,
         invalid_block_ids: Iterable[int] | None,
-    ) -> tuple[int, list[Token]]:
-        """:meth:`end_transfers`, and the tokens of the loads it failed
-        because they wrote one of ``invalid_block_ids``."""
+    ) -> int:
+        """:meth:`end_transfers`."""
         pool = self.pool
+        loads = self._loads
         n = 0
-        failed: set[Hashable] = set(failed_recving or ())
-        bad = set(invalid_block_ids or ())
-        by_invalid: set[Hashable] = set()
-        if bad:
-            for req, loads in self._loads.items():
-                if any(bad.intersection(t.block_ids) for t in loads):
-                    by_invalid.add(req)
-            failed |= by_invalid
-        tokens: list[Token] = []
-        for req in failed:
-            for t in self._loads.pop(req, ()):
+        for req in set(failed_recving or ()):
+            for t in loads.pop(req, ()):
                 pool.fail(t.token)
                 n += 1
-                if req in by_invalid:
-                    tokens.append(t.token)
+        bad = set(invalid_block_ids or ())
+        if bad and loads:
+            n += self._fail_invalid(bad)
+        rewritten = self._rewrites_on_receive
         for req in finished_recving or ():
-            for t in self._loads.pop(req, ()):
+            for t in loads.pop(req, ()):
                 pool.complete(t.token)
                 n += 1
+                if t.token.stream in rewritten:
+                    self._received.extend(t.block_ids)
         for req in finished_sending or ():
             for t in self._stores.pop(req, ()):
                 pool.complete(t.token)
                 n += 1
-        return n, tokens
+        return n
+
+    def _fail_invalid(self, bad: set[int]) -> int:
+        """End every pending load that wrote some of the ``bad`` block ids:
+        with exactly those blocks bad, or failed when they are all its
+        blocks (or it ended already: a late failure, the safe side).
+        Parts of a load under the same key that wrote none of them stay
+        pending. Returns the number ended. O(blocks of the pending loads)."""
+        pool = self.pool
+        own = pool.blocks
+        n = 0
+        hit_keys = [
+            k for k, parts in self._loads.items() if any(not bad.isdisjoint(t.block_ids) for t in parts)
+        ]
+        for key in hit_keys:
+            keep = []
+            for t in self._loads.pop(key):
+                hit = [b for b in t.block_ids if b in bad]
+                if not hit:
+                    keep.append(t)
+                    continue
+                n += 1
+                if len(hit) == len(t.block_ids) or pool.is_ended(t.token):
+                    pool.fail(t.token)
+                else:
+                    pool.fail_blocks(t.token, [own[b] for b in hit])
+                    self.loads_failed_in_part += 1
+            if keep:
+                self._loads[key] = keep
+        return n
 
     def on_connector_output(self, kv_connector_output: object) -> int:
         """:meth:`end_transfers` with the fields of a vLLM
-        ``KVConnectorOutput`` (``None`` is allowed), then hand vLLM's
-        recovery what the pool knows is bad. Returns the count ended.
-
-        When the output reports ``invalid_block_ids`` (vLLM then truncates
-        each affected request's computed tokens at its first invalid block
-        and recomputes from there, ``Scheduler._handle_invalid_blocks``),
-        every block the pool marks bad for the loads those ids failed
-        (:meth:`HazardAwareBlockPool.invalid_block_ids` of each load's
-        token: a failed load leaves all its destination blocks bad, where a
-        connector may name only the blocks whose transfer failed) is added
-        to the output's set, in place, before vLLM reads it: vLLM then
-        recomputes those blocks too instead of computing on content nothing
-        rewrote. Nothing is added to an output without invalid blocks
-        (vLLM then recovers whole requests through ``failed_recving``; and
-        a KV cache with several groups refuses block-level reports).
-        Where the two sets differ, one WARNING (the first time, with the
-        counts; later ones are counted in ``invalid_reports_disagreeing``;
-        blocks added in ``invalid_blocks_added``). O(reported ids + pending
-        loads + blocks marked bad).
+        ``KVConnectorOutput`` (``None`` is allowed). The output is left as
+        the connector made it: vLLM's recovery
+        (``Scheduler._handle_invalid_blocks``) reads exactly the blocks the
+        connector reported, and the pool holds exactly those blocks bad.
+        Under ``kv_load_failure_policy="recompute"`` vLLM then keeps each
+        affected request's valid prefix (its computed tokens end where its
+        first reported block starts) and recomputes the rest; under
+        ``"fail"`` it fails exactly the requests stock vLLM fails. Returns
+        the number of transfers ended. O(as :meth:`end_transfers`).
         """
         if kv_connector_output is None:
             return 0
         get = getattr
-        reported = get(kv_connector_output, "invalid_block_ids", None)
-        n, failed = self._end_transfers(
+        return self._end_transfers(
             get(kv_connector_output, "finished_recving", None),
             get(kv_connector_output, "finished_sending", None),
             get(kv_connector_output, "failed_recving", None),
-            reported,
+            get(kv_connector_output, "invalid_block_ids", None),
         )
-        if failed and reported:
-            self._add_known_invalid(kv_connector_output, reported, failed)
-        return n
 
-    def _add_known_invalid(self, kv_connector_output: object, reported: Any, failed: list[Token]) -> None:
-        """Add the pool's bad blocks of the ``failed`` loads to the output's
-        ``invalid_block_ids`` (``reported``); warn once where the sets differ."""
-        known: set[int] = set()
-        for token in failed:
-            known.update(self.pool.invalid_block_ids(token))
-        num_reported = len(reported)
-        vllm_only = {b for b in reported if b not in known}
-        added = known.difference(reported)
-        if added:
-            if isinstance(reported, set):
-                reported.update(added)
-            else:
-                setattr(kv_connector_output, "invalid_block_ids", set(reported) | added)  # noqa: B010
-            self.invalid_blocks_added += len(added)
-        if added or vllm_only:
-            self.invalid_reports_disagreeing += 1
-            if self.invalid_reports_disagreeing == 1:
-                logger.warning(
-                    "blockpool: the connector reported %d invalid block(s); the %d failed load(s) they "
-                    "belong to left %d block(s) bad in the pool: %d only the pool knew were added to "
-                    "vLLM's recovery (recomputed), %d only the connector reported were left to it as "
-                    "reported (further disagreements are counted in invalid_reports_disagreeing)",
-                    num_reported, len(failed), len(known), len(added), len(vllm_only),
-                )  # fmt: skip
+    def rewrites_on_receive(self, stream: str) -> None:
+        """Declare that the workers of engine ``stream`` rewrite a load's
+        blocks on the compute stream when they report it finished, before
+        the next step runs (NIXL: ``get_finished`` enqueues the block-size
+        and layout conversion, the zeroing of the sub-blocks the read did
+        not cover, the heterogeneous-attention packing, or the copy from
+        the host buffer, on the current stream, after the step's forward).
+        The blocks of each load on ``stream`` completed through
+        ``finished_recving`` are then recorded as written by the forward
+        token of the next step record (:meth:`step_record`), which every
+        worker records after that step's forward, so after those writes: a
+        later store of the blocks (a MooncakeStore PUT) or load into them
+        waits for that step, as vLLM's own after-forward event does.
+        Idempotent. O(1).
+
+        Raises:
+            UnknownStreamError: ``stream`` was not added; nothing changes.
+        """
+        if stream not in self.pool.streams:
+            raise UnknownStreamError(f"rewrites_on_receive: stream {stream!r} was not added")
+        self._rewrites_on_receive.add(stream)
+
+    def _write_received(self, token: Token) -> None:
+        """Record the blocks gathered for :meth:`rewrites_on_receive` as
+        written by ``token`` (a step's forward token, just issued: nothing
+        is ordered after it yet), freed ones too (the rewrite runs
+        whatever the scheduler did since; a block handed out again keeps
+        the write in its shadow, so its next user's transfers wait for
+        it). O(blocks)."""
+        ids, self._received = self._received, []
+        own = self.pool.blocks
+        n = len(own)
+        blocks = [own[b] for b in dict.fromkeys(ids) if 0 < b < n]
+        if blocks:
+            self.pool.tag(blocks, token, AccessKind.WRITE)
+            self.blocks_rewritten_on_receive += len(blocks)
 
     def blocks_on_their_way(self) -> int:
         """Blocks the pool holds back (neither free nor allocatable,
         ``get_num_free_blocks()`` excludes them) until a host engine's
         transfer on them ends: they return to the free queue when the
-        connector reports it finished or failed, which no preemption can
-        hasten. The scheduler wiring answers vLLM's
-        ``has_pending_block_frees()`` with it (``docs/vllm-plugin.md``,
-        "Preemption, bad blocks and new blocks"). Completions reported
+        connector reports it finished or failed (or its lease ends), which
+        no preemption can hasten. :meth:`defer_preemption` weighs it
+        against the need of the request that did not fit
+        (``docs/vllm-plugin.md``, "Preemption, bad blocks and new blocks").
+        Completions reported
         since the pool's last call are applied first (as by
         ``get_num_free_blocks``). O(1) plus those completions."""
         pool = self.pool
