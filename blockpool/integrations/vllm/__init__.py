@@ -18,8 +18,10 @@ class (e.g. ``single_type_kv_cache_manager``, ``hisparse.block_pool``,
 e.g. ``SharedEventQueueBlockPool``, the HiSparse host pool, stay vLLM's).
 With hazards on it first wires
 :class:`~blockpool.integrations.vllm.hazards.StepHazards` into
-``Scheduler.schedule``, ``Scheduler.update_from_output`` and
-``KVCacheManager.take_kv_cache_block_copies`` (those wrappers do nothing
+``Scheduler.schedule``, ``Scheduler.update_from_output``,
+``KVCacheManager.take_kv_cache_block_copies``,
+``KVCacheCoordinator.get_num_blocks_to_allocate`` and
+``KVConnectorBase_V1.has_pending_block_frees`` (those wrappers do nothing
 for a scheduler whose pool is not ours) and the KV connectors
 (:mod:`~blockpool.integrations.vllm.connectors`).
 
@@ -569,6 +571,7 @@ def _wire_scheduler() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from blockpool.integrations.vllm.hazards import ENV_DEFER_STEPS
     from blockpool.integrations.vllm.pool import VllmBlockPool
     from blockpool.integrations.vllm.served import SERVED
 
@@ -586,8 +589,13 @@ def _wire_scheduler() -> None:
     def wrap_schedule(orig: Any) -> Any:
         @functools.wraps(orig)
         def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-            out = orig(self, *args, **kwargs)
             hz = hazards_of_scheduler(self)
+            if hz is not None:
+                # Counts the step (the bound of deferred preemptions) and gives
+                # up the host transfers whose lease ended, before vLLM
+                # allocates: their blocks serve this step. Never raises.
+                SERVED.transfers_given_up += hz.begin_schedule()
+            out = orig(self, *args, **kwargs)
             if hz is not None:
                 if not hz.step_tokens:  # nothing can wait on a step token (StepHazards.step_tokens)
                     if hz.skip_step(out):
@@ -665,25 +673,57 @@ def _wire_scheduler() -> None:
 
         return _drain_deferred_frees
 
+    def wrap_need(orig: Any) -> Any:
+        @functools.wraps(orig)
+        def get_num_blocks_to_allocate(self: Any, *a: Any, **k: Any) -> int:
+            n = orig(self, *a, **k)
+            pool = getattr(self, "block_pool", None)
+            if isinstance(pool, VllmBlockPool) and pool.hazards is not None:
+                pool.hazards.last_need = n  # read when the request does not fit (defer_preemption)
+            return n
+
+        return get_num_blocks_to_allocate
+
     def wrap_pending_frees(orig: Any) -> Any:
         @functools.wraps(orig)
         def has_pending_block_frees(self: Any) -> bool:
-            if orig(self):
-                return True
+            stock = orig(self)
+            if stock:
+                return stock
             hz = getattr(self, _HAZARDS_ATTR, None)
             if hz is None:
-                return False
-            held = hz.blocks_on_their_way()
-            if not held:
-                return False
-            hz.preemptions_deferred += 1
+                return stock
+            gave_up = hz.deferrals_given_up
+            try:
+                deferred = hz.defer_preemption()
+            except Exception as exc:  # noqa: BLE001  (never into vLLM's scheduler: answer as stock)
+                SERVED.wiring_faults += 1
+                if SERVED.wiring_faults == 1:
+                    logger.error(
+                        "blockpool: deciding whether to defer a preemption failed (%r); vLLM preempts as "
+                        "stock (further faults counted in SERVED.wiring_faults)",
+                        exc,
+                    )
+                return stock
+            if hz.deferrals_given_up != gave_up:
+                SERVED.deferrals_given_up += 1
+                if SERVED.deferrals_given_up == 1:
+                    logger.warning(
+                        "blockpool: a request waited %d scheduler steps for blocks held back for KV "
+                        "transfers in flight; vLLM preempts as stock now (once per process; counted in "
+                        "SERVED.deferrals_given_up; %s sets the bound)",
+                        hz.defer_steps,
+                        ENV_DEFER_STEPS,
+                    )
+            if not deferred:
+                return stock
             SERVED.preemptions_deferred += 1
             if SERVED.preemptions_deferred == 1:
                 logger.info(
                     "blockpool: a request did not fit while %d block(s) were held back for KV transfers "
                     "in flight: it waits for them instead of preempting another request (once per "
                     "process; counted in SERVED.preemptions_deferred)",
-                    held,
+                    len(hz.pool.holdback),
                 )
             return True
 
@@ -702,7 +742,12 @@ def _wire_scheduler() -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
         # Blocks held back for transfers in flight come back without a
-        # preemption: the scheduler waits for them (StepHazards.blocks_on_their_way).
+        # preemption: the scheduler waits for them, while they cover the
+        # need of the request that did not fit and for a bounded number of
+        # steps (StepHazards.defer_preemption); the need is the coordinator's.
+        from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+        _patch(KVCacheCoordinator, "get_num_blocks_to_allocate", wrap_need)
         _patch(KVConnectorBase_V1, "has_pending_block_frees", wrap_pending_frees)
 
 

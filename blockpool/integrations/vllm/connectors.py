@@ -75,7 +75,7 @@ import attrs
 from blockpool.core.hazards import StreamKind
 from blockpool.integrations.vllm import lmcache as _lmcache
 from blockpool.integrations.vllm import lmcache_mp as _lmcache_mp
-from blockpool.integrations.vllm.hazards import StepHazards, Transfer
+from blockpool.integrations.vllm.hazards import StepHazards, Transfer, engine_give_up
 
 __all__ = [
     "CONNECTORS",
@@ -271,6 +271,8 @@ def attach(obj: object, pool: object, name: str, block_sizes: tuple[int, ...]) -
         return None
     for stream, kind in CONNECTORS[name].streams.items():
         hz.add_stream(stream, kind)
+        if kind is StreamKind.HOST:  # its transfers' leases end at the connector's own give-up time
+            hz.give_up_after(stream, engine_give_up(name, obj))
     w = ConnectorWiring(name, hz, block_sizes)
     setattr(obj, _ATTR, w)
     return w

@@ -36,8 +36,12 @@ Where each token comes from (``docs/vllm-design.md``, "Hazard wiring (scheduler 
   for the loads ``invalid_block_ids`` failed join that set, so vLLM's
   recovery recomputes them too (:meth:`StepHazards.on_connector_output`);
 - blocks the pool holds back for a host engine's transfer in flight come
-  back when it ends: :meth:`StepHazards.blocks_on_their_way` tells the
-  scheduler not to preempt for room that is coming.
+  back when it ends: :meth:`StepHazards.defer_preemption` tells the
+  scheduler not to preempt for room that is coming, while that room covers
+  the need and for a bounded number of steps; a host transfer that never
+  reports is given up at its engine's give-up time (a lease,
+  :meth:`StepHazards.give_up_after`, checked as each step begins by
+  :meth:`StepHazards.begin_schedule`), and its blocks come back.
 
 Example (doctest; the fakes stand for vLLM's outputs)::
 
@@ -66,6 +70,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
+import os
+import time
 import weakref
 from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
 from typing import Any
@@ -73,16 +80,100 @@ from typing import Any
 import attrs
 
 from blockpool.core.block import KVCacheBlock
-from blockpool.core.errors import UnknownStreamError
+from blockpool.core.errors import InvalidArgumentError, UnknownStreamError
 from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token
 from blockpool.core.pool import HazardAwareBlockPool
 
-__all__ = ["COMPUTE", "StepHazards", "StepRecord", "Transfer"]
+__all__ = [
+    "COMPUTE",
+    "DEFAULT_DEFER_STEPS",
+    "DEFAULT_GIVE_UP_S",
+    "ENV_DEFER_STEPS",
+    "ENV_TRANSFER_TIMEOUT",
+    "StepHazards",
+    "StepRecord",
+    "Transfer",
+    "engine_give_up",
+]
 
 COMPUTE = "compute"
 """Name of the stream that runs the forward pass and the block copies."""
 
 logger = logging.getLogger("vllm.plugins.blockpool")
+
+ENV_DEFER_STEPS = "BLOCKPOOL_VLLM_DEFER_STEPS"
+"""Consecutive scheduler steps a preemption may be deferred for blocks on
+their way (:meth:`StepHazards.defer_preemption`); ``0``: never deferred."""
+DEFAULT_DEFER_STEPS = 16
+"""The default of :data:`ENV_DEFER_STEPS`. A host transfer that reports at
+all reports within a few steps (its workers poll it every step, also in a
+step that schedules nothing); 16 steps cover that many times over, and a
+scheduler that waits longer has, in effect, a stalled transfer, for which
+vLLM's preemption is the better answer."""
+ENV_TRANSFER_TIMEOUT = "BLOCKPOOL_VLLM_TRANSFER_TIMEOUT"
+"""Seconds after which a host-engine transfer that has not reported is
+given up (its blocks come back) for a connector without a give-up time of
+its own (:meth:`StepHazards.give_up_after`)."""
+DEFAULT_GIVE_UP_S = 480.0
+"""The default of :data:`ENV_TRANSFER_TIMEOUT`: vLLM's own default abort
+timeout for KV a remote engine has not read (``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``)."""
+
+
+def _env_number(name: str, default: float, *, integer: bool) -> float:
+    """The setting ``name`` as a non-negative number (an int where
+    ``integer``), or ``default`` when it is unset or empty. A value that is
+    not such a number is refused with one ERROR line naming the setting and
+    the form it takes, and ``default`` is used: a setting read while vLLM
+    builds its scheduler never raises into vLLM. O(len of the value)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = -1
+    if not (value >= 0 and math.isfinite(value)) or (not integer and value == 0):
+        logger.error(
+            "blockpool: %s=%r is not %s; %s is used",
+            name,
+            raw,
+            "a whole number of steps >= 0" if integer else "a number of seconds > 0",
+            default,
+        )
+        return default
+    return value
+
+
+def engine_give_up(connector: str, obj: object) -> float | None:
+    """The give-up time (seconds) of KV connector ``connector`` (a name of
+    :data:`~blockpool.integrations.vllm.connectors.CONNECTORS`) for a
+    transfer that has not reported, read from the connector object ``obj``
+    the wiring attaches to, or ``None`` where the connector has none (the
+    default, :data:`ENV_TRANSFER_TIMEOUT`, applies then):
+
+    - LMCache MP: its scheduler adapter's ``mq_timeout`` (the
+      ``lmcache.mp.mq_timeout`` setting): LMCache's own wait for a request
+      to its server;
+    - NIXL: ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` where it is set (vLLM's
+      abort timeout for a remote request on the lines that have it);
+    - MooncakeStore, Offloading, SimpleCPUOffload, LMCache in-process: none
+      (their transfers carry no deadline of their own).
+
+    Never raises: a value that is not a number > 0 counts as none.
+    Imports nothing. O(1)."""
+    value: Any = None
+    if connector == "lmcache_mp":
+        value = getattr(getattr(obj, "scheduler_adapter", None), "_mq_timeout", None)
+    elif connector == "nixl":
+        raw = os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "")
+        try:
+            value = float(raw) if raw.strip() else None
+        except ValueError:
+            value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None  # none, or not a number (a stand-in object)
+    return float(value) if value > 0 and math.isfinite(value) else None
+
 
 _Wire = Any  # plain tuples/lists of str, int, bool (msgspec- and JSON-encodable)
 
@@ -118,6 +209,13 @@ def _ref(obj: object) -> Any:
         return weakref.ref(obj)
     except TypeError:
         return lambda: obj
+
+
+def _check_seconds(value: object, what: str) -> None:
+    """Refuse a time that is not a finite number > 0 (bool included)."""
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not (value > 0 and math.isfinite(value)):  # type: ignore[operator,arg-type]
+        raise InvalidArgumentError(f"{what} must be a finite number of seconds > 0, got {value!r}")
 
 
 def _token_or_none(data: _Wire) -> Token | None:
@@ -211,12 +309,60 @@ class StepHazards:
             calling ``update_from_output``, e.g. unit tests); the oldest
             record is dropped beyond it (its token stays live until a later
             step ends).
+        defer_steps: Consecutive scheduler steps a preemption may be
+            deferred (:meth:`defer_preemption`); ``0``: never. ``None``:
+            :data:`ENV_DEFER_STEPS`, else :data:`DEFAULT_DEFER_STEPS`.
+        transfer_timeout: Seconds after which a host-engine transfer that
+            has not reported is given up, on a stream without a time of its
+            own (:meth:`give_up_after`). ``None``:
+            :data:`ENV_TRANSFER_TIMEOUT`, else :data:`DEFAULT_GIVE_UP_S`.
+        clock: The leases' time source (seconds, monotonic).
+
+    Raises:
+        InvalidArgumentError: ``defer_steps`` is not an int >= 0, or
+            ``transfer_timeout`` not a finite number > 0 (nothing built).
 
     Thread safety: scheduler thread only, like the pool. Completions that
     arrive on other threads go to :meth:`HazardAwareBlockPool.complete`.
     """
 
-    def __init__(self, pool: HazardAwareBlockPool, stream: str = COMPUTE, max_outstanding: int = 64) -> None:
+    def __init__(
+        self,
+        pool: HazardAwareBlockPool,
+        stream: str = COMPUTE,
+        max_outstanding: int = 64,
+        *,
+        defer_steps: int | None = None,
+        transfer_timeout: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if defer_steps is None:
+            defer_steps = int(_env_number(ENV_DEFER_STEPS, DEFAULT_DEFER_STEPS, integer=True))
+        if transfer_timeout is None:
+            transfer_timeout = _env_number(ENV_TRANSFER_TIMEOUT, DEFAULT_GIVE_UP_S, integer=False)
+        if type(defer_steps) is not int or defer_steps < 0:
+            raise InvalidArgumentError(f"defer_steps must be an int >= 0, got {defer_steps!r}")
+        _check_seconds(transfer_timeout, "transfer_timeout")
+        self.defer_steps = defer_steps
+        self.transfer_timeout = float(transfer_timeout)
+        self.clock = clock
+        # Leases of host-engine transfers: per stream, in the order begun
+        # (one time per stream: deadlines ascend), (deadline, begun at, step, key, transfer).
+        self._give_up: dict[str, float] = {}
+        self._leases: dict[str, collections.deque[tuple[float, float, int, Hashable, Transfer]]] = {}
+        self._leased = 0  # entries in self._leases
+        self.schedule_calls = 0
+        self.transfers_abandoned = 0
+        self.blocks_reclaimed = 0
+        self.lease_faults = 0
+        self.last_need: int | None = None
+        """Blocks vLLM's coordinator last computed a request needs
+        (``get_num_blocks_to_allocate``; the scheduler wiring sets it)."""
+        self.deferrals_given_up = 0
+        self.deferrals_too_small = 0
+        self._defer_step = -1  # the scheduler call that last deferred
+        self._defer_streak = 0  # consecutive scheduler calls that deferred, up to _defer_step
+        self._gave_up_step = -1  # the scheduler call that answered as stock after the streak
         self.pool = pool
         self.stream = stream
         self.max_outstanding = max_outstanding
@@ -589,10 +735,16 @@ class StepHazards:
         which add their streams here, before the scheduler's first step, so
         it never happens there).
 
+        A ``HOST`` engine's transfers get leases: each is given up once it
+        has not reported for the engine's give-up time (:meth:`give_up_after`;
+        :attr:`transfer_timeout` until that is called).
+
         Raises:
             InvalidArgumentError: the name is registered with another kind.
         """
         self.pool.add_stream(name, kind)
+        if kind is StreamKind.HOST:
+            self._give_up.setdefault(name, self.transfer_timeout)
         if not self.step_tokens and name != self.stream:
             self.step_tokens = True
             live = self.steps_untokened - self._untokened_ended  # >= 0: end_step counts no more
@@ -645,8 +797,11 @@ class StepHazards:
         block_list = list(blocks)
         token, fence = self.pool.begin_load(block_list, stream)
         t = Transfer(request_id, "load", token, fence, tuple(b.block_id for b in block_list))
-        parts = self._loads.setdefault(request_id if key is None else key, [])
+        k = request_id if key is None else key
+        parts = self._loads.setdefault(k, [])
         parts.append(t)
+        if stream in self._give_up:
+            self._lease(stream, k, t)
         if len(parts) > 1:
             self.pool.link_loads([p.token for p in parts])
         self.transfers_begun += 1
@@ -668,7 +823,10 @@ class StepHazards:
         block_list = list(blocks)
         token, fence = self.pool.begin_store(block_list, stream)
         t = Transfer(request_id, "store", token, fence, tuple(b.block_id for b in block_list))
-        self._stores.setdefault(request_id if key is None else key, []).append(t)
+        k = request_id if key is None else key
+        self._stores.setdefault(k, []).append(t)
+        if stream in self._give_up:
+            self._lease(stream, k, t)
         self.transfers_begun += 1
         self.fences_nonempty += bool(fence.tokens)
         return t
@@ -859,3 +1017,170 @@ class StepHazards:
         return [t for ts in self._loads.values() for t in ts] + [
             t for ts in self._stores.values() for t in ts
         ]
+
+    # ------------------------------------------------------------------
+    # availability: bounded deferral, leases
+    # ------------------------------------------------------------------
+
+    def begin_schedule(self) -> int:
+        """The scheduler wiring's call as each ``schedule()`` begins: counts
+        the call (the step index of :meth:`defer_preemption`'s bound) and
+        gives up the transfers whose lease ended (:meth:`expire_transfers`),
+        so that their blocks serve this step. Never raises (a fault is
+        counted in ``lease_faults`` and logged once). Returns the number of
+        transfers given up. O(1) when no lease ended, else as
+        :meth:`expire_transfers`."""
+        self.schedule_calls += 1
+        if not self._leased:
+            return 0
+        try:
+            return self.expire_transfers()
+        except Exception as exc:  # noqa: BLE001  (never into vLLM's scheduler)
+            self.lease_faults += 1
+            if self.lease_faults == 1:
+                logger.error(
+                    "blockpool: checking the leases of host transfers failed (%r); their blocks stay "
+                    "held until the connector reports them (further faults counted in lease_faults)",
+                    exc,
+                )
+            return 0
+
+    def give_up_after(self, stream: str, seconds: float | None) -> None:
+        """The give-up time of host engine ``stream``: a transfer on it that
+        has not reported ``seconds`` after it began is abandoned
+        (:meth:`expire_transfers`). ``None``: :attr:`transfer_timeout` (the
+        connector has no time of its own). Transfers begun before the call
+        keep the time they began with. A connector calls it where it
+        registers the stream (:meth:`add_stream`). O(1).
+
+        Raises:
+            UnknownStreamError: ``stream`` is not a ``HOST`` engine added
+                with :meth:`add_stream`.
+            InvalidArgumentError: ``seconds`` is not a finite number > 0.
+        """
+        if seconds is not None:
+            _check_seconds(seconds, "seconds")
+        if stream not in self._give_up:
+            raise UnknownStreamError(
+                f"{stream!r} is not a host engine added with add_stream (host engines: {sorted(self._give_up)})"
+            )
+        self._give_up[stream] = self.transfer_timeout if seconds is None else float(seconds)
+
+    def give_up_time(self, stream: str) -> float | None:
+        """The give-up time of ``stream`` in seconds, ``None`` for a device
+        stream or an unknown name (no lease). O(1)."""
+        return self._give_up.get(stream)
+
+    def _lease(self, stream: str, key: Hashable, t: Transfer) -> None:
+        """Start the lease of host transfer ``t`` begun under ``key``. O(1)."""
+        q = self._leases.get(stream)
+        if q is None:
+            q = self._leases[stream] = collections.deque()
+        now = self.clock()
+        q.append((now + self._give_up[stream], now, self.schedule_calls, key, t))
+        self._leased += 1
+
+    def expire_transfers(self) -> int:
+        """Give up every host transfer whose lease ended: begun more than
+        its engine's give-up time ago (:meth:`give_up_after`) and not
+        reported. The engine itself has given up on it by then, and stock
+        vLLM would already have reused its blocks: its token is abandoned
+        (``HazardAwareBlockPool.abandon``: ended as failed, a load's blocks
+        lose their keys), the blocks held back for it return to the free
+        queue, and the connector's later report of it is ignored. One
+        WARNING per transfer names the engine, the request and key, its age
+        and the block ids. Leases of transfers that ended are dropped as
+        they reach the front of their engine's queue. Returns the number of
+        transfers given up. O(leases dropped + blocks released); O(streams)
+        when none ended.
+
+        Raises:
+            BlockPoolError: from the pool (a token it does not know); the
+                scheduler wiring calls it through :meth:`begin_schedule`,
+                which never raises.
+        """
+        pool = self.pool
+        now = self.clock()
+        given_up = 0
+        for stream, q in self._leases.items():
+            while q:
+                deadline, begun, step, key, t = q[0]
+                if pool.is_ended(t.token):
+                    q.popleft()
+                    self._leased -= 1
+                    continue
+                if deadline > now:
+                    break
+                released = pool.abandon(t.token)  # first: a fault leaves the lease to the next check
+                q.popleft()
+                self._leased -= 1
+                self._forget(key, t)
+                given_up += 1
+                self.transfers_abandoned += 1
+                self.blocks_reclaimed += len(released)
+                logger.warning(
+                    "blockpool: %s: %s of request %r (key %r) did not report within %.0f s (%d scheduler "
+                    "steps): given up, as the engine gives up on it; its token is failed, its blocks %s "
+                    "are no longer held for it (returned to the free queue: %s); stock vLLM would "
+                    "already have reused them",
+                    stream, t.kind, t.request_id, key, now - begun,
+                    self.schedule_calls - step, list(t.block_ids), released or "none",
+                )  # fmt: skip
+        return given_up
+
+    def _forget(self, key: Hashable, t: Transfer) -> None:
+        """Drop transfer ``t`` from the pending ones under ``key``, so that a
+        late report of it ends nothing. O(transfers under ``key``)."""
+        table = self._loads if t.kind == "load" else self._stores
+        parts = table.get(key)
+        if parts is None:
+            return
+        kept = [p for p in parts if p is not t]
+        if kept:
+            table[key] = kept
+        else:
+            del table[key]
+
+    def defer_preemption(self) -> bool:
+        """vLLM's question, when a running request did not fit, whether
+        blocks coming back make a preemption unnecessary
+        (``has_pending_block_frees()``): ``True`` only while (a) the blocks
+        held back for host transfers in flight (:meth:`blocks_on_their_way`)
+        could cover the shortfall of that request (:attr:`last_need`, the
+        coordinator's count, less the free blocks), and (b) fewer than
+        :attr:`defer_steps` consecutive ``schedule()`` calls before this one
+        deferred. The call after such a run answers ``False`` for the whole
+        of its step (vLLM preempts as stock, counted in
+        ``deferrals_given_up``) and starts the count again. A shortfall the
+        held blocks cannot cover answers ``False`` (``deferrals_too_small``),
+        as does an unknown need. Deferrals are counted in
+        ``preemptions_deferred``. O(1) plus the completions applied.
+        """
+        if self.defer_steps <= 0:
+            return False
+        step = self.schedule_calls
+        if step == self._gave_up_step:
+            return False
+        held = self.blocks_on_their_way()
+        need = self.last_need
+        if not held or need is None:
+            return False
+        if need - self.pool.get_num_free_blocks() > held:
+            self.deferrals_too_small += 1
+            return False
+        if step != self._defer_step:
+            streak = self._defer_streak + 1 if step == self._defer_step + 1 else 1
+            if streak > self.defer_steps:
+                self._gave_up_step = step
+                self._defer_streak = 0
+                self.deferrals_given_up += 1
+                return False
+            self._defer_step = step
+            self._defer_streak = streak
+        self.preemptions_deferred += 1
+        return True
+
+    def leases_pending(self) -> int:
+        """Leases not yet dropped (transfers that ended are dropped lazily,
+        as they reach the front of their engine's queue). O(1)."""
+        return self._leased

@@ -24,9 +24,11 @@ class Served:
     vLLM's calls), and by the scheduler wiring (steps issued and ended, steps
     seen without a token because nothing could wait on one, copy batches
     begun, preemptions the scheduler did not make because blocks held back
-    for transfers in flight were coming back) and by the connector wiring
-    (transfers begun with a fence, and how many of those fences were
-    non-empty)."""
+    for transfers in flight were coming back, runs of such deferrals that
+    reached their bound in steps so that vLLM preempted as stock, host
+    transfers given up when their lease ended, faults of the wiring that
+    answered vLLM as stock) and by the connector wiring (transfers begun
+    with a fence, and how many of those fences were non-empty)."""
 
     pools: int = 0
     allocations: int = 0
@@ -40,6 +42,9 @@ class Served:
     steps_ended: int = 0
     copy_batches: int = 0
     preemptions_deferred: int = 0
+    deferrals_given_up: int = 0
+    transfers_given_up: int = 0
+    wiring_faults: int = 0
     transfers_fenced: int = 0
     fences_nonempty: int = 0
 
