@@ -86,6 +86,7 @@ _RELIED_ON = {
     "vllm.v1.core.kv_cache_manager:KVCacheManager.take_kv_cache_block_copies": None,
     "vllm.v1.core.sched.scheduler:Scheduler.schedule": None,
     "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": None,
+    "vllm.v1.core.sched.scheduler:Scheduler._drain_deferred_frees": None,
 }
 
 
@@ -448,6 +449,12 @@ def _same_call(orig: Any, name: str) -> Any:
             return orig(self, scheduler_output, model_runner_output)
 
         return update_from_output
+    if name == "_drain_deferred_frees":
+
+        def _drain_deferred_frees(self: Any) -> Any:
+            return None  # the deferred frees never come back
+
+        return _drain_deferred_frees
 
     def take_kv_cache_block_copies(self: Any) -> Any:
         copies, retained = orig(self)
@@ -461,6 +468,7 @@ def _same_call(orig: Any, name: str) -> Any:
     [
         "vllm.v1.core.sched.scheduler:Scheduler.schedule",
         "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+        "vllm.v1.core.sched.scheduler:Scheduler._drain_deferred_frees",
         "vllm.v1.core.kv_cache_manager:KVCacheManager.take_kv_cache_block_copies",
     ],
 )
@@ -468,8 +476,9 @@ def test_a_changed_body_of_a_scheduler_step_method_the_plugin_wraps_refuses_the_
     monkeypatch: pytest.MonkeyPatch, clean: None, log: list[tuple[str, str]], vllm_installed: str, target: str
 ) -> None:
     """The step wrappers hang every fence on these bodies (the step's record
-    after ``schedule``, its end in ``update_from_output``, the CoW copies as
-    flat ``[src, dst, ...]`` pairs), and the preemption deferral on the
+    after ``schedule``, its end in ``update_from_output``, the deferred
+    frees tagged with their steps, the CoW copies as flat ``[src, dst,
+    ...]`` pairs), and the preemption deferral on the
     allocation loop of ``schedule``: another body refuses the install whole
     (vLLM keeps its own pool, as stock) rather than guess which part changed."""
     plugin.register()  # choose the line's surface first, as a process would; then start afresh

@@ -33,9 +33,11 @@ What a drift does (:func:`check`, at ``register()``):
   the pool's own methods that the plugin re-implements, vLLM's event
   helpers it borrows, and the scheduler's step methods the plugin wraps
   (``Scheduler.schedule``, ``Scheduler.update_from_output``,
+  ``Scheduler._drain_deferred_frees``,
   ``KVCacheManager.take_kv_cache_block_copies``). Every fence hangs on
   those (the step's record after ``schedule``, the step's end before
-  ``update_from_output``, the copies as a flat ``[src, dst, ...]`` list),
+  ``update_from_output``, the deferred frees tagged with their steps, the
+  copies as a flat ``[src, dst, ...]`` list),
   and so does the preemption deferral (``schedule``'s allocation loop
   asking ``has_pending_block_frees``); a fingerprint cannot tell which part
   changed, so only vLLM's own pool (stock) is known safe.
@@ -493,7 +495,7 @@ _NAMES_032 = (
     _n(f"{_SCHED}:Scheduler.__init__", 'self', 'vllm_config', 'kv_cache_config', 'structured_output_manager', 'block_size', 'hash_block_size', 'mm_registry', 'include_finished_set', 'log_stats', use="wrapped"),
     _n(f"{_SCHED}:Scheduler.schedule", 'self', 'throttle_prefills', fp=("3d1ad516a1a934a0",), use="wrapped"),
     _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', fp=("e3a4efe6c229edab",), use="wrapped"),
-    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', fp=("557dac6fbad8c6de",), use="wrapped"),
     _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', fp=("695efba83268cacb",), use="wrapped"),
     _n(f"{_MGR}:KVCacheManager.get_block_ids", 'self', 'request_id', fp=("6928ce6c9df05c51",)),
     _n(f"{_MGR}:KVCacheManager.get_blocks", 'self', 'request_id', fp=("d71378a6efe7f144",)),
@@ -578,7 +580,7 @@ _NAMES_033 = (
     _n(f"{_SCHED}:Scheduler.__init__", 'self', 'vllm_config', 'kv_cache_config', 'structured_output_manager', 'block_size', 'hash_block_size', 'mm_registry', 'include_finished_set', 'log_stats', use="wrapped"),
     _n(f"{_SCHED}:Scheduler.schedule", 'self', 'throttle_prefills', fp=("a06fe15f3877ca46",), use="wrapped"),
     _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', fp=("86a181d2629fabf9",), use="wrapped"),
-    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', fp=("557dac6fbad8c6de",), use="wrapped"),
     _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', fp=("695efba83268cacb",), use="wrapped"),
     _n(f"{_MGR}:KVCacheManager.get_block_ids", 'self', 'request_id', fp=("6928ce6c9df05c51",)),
     _n(f"{_MGR}:KVCacheManager.get_blocks", 'self', 'request_id', fp=("d71378a6efe7f144",)),
@@ -664,7 +666,7 @@ _NAMES_034 = (
     _n(f"{_SCHED}:Scheduler.__init__", 'self', 'vllm_config', 'kv_cache_config', 'structured_output_manager', 'block_size', 'hash_block_size', 'mm_registry', 'include_finished_set', 'log_stats', use="wrapped"),
     _n(f"{_SCHED}:Scheduler.schedule", 'self', 'throttle_prefills', fp=("5c4e10402898dae9",), use="wrapped"),
     _n(f"{_SCHED}:Scheduler.update_from_output", 'self', 'scheduler_output', 'model_runner_output', fp=("ce6fa954711728d1",), use="wrapped"),
-    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', use="wrapped"),
+    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", 'self', fp=("557dac6fbad8c6de",), use="wrapped"),
     _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", 'self', fp=("695efba83268cacb",), use="wrapped"),
     _n(f"{_MGR}:KVCacheManager.get_block_ids", 'self', 'request_id', fp=("6928ce6c9df05c51",)),
     _n(f"{_MGR}:KVCacheManager.get_blocks", 'self', 'request_id', fp=("d71378a6efe7f144",)),
