@@ -671,3 +671,14 @@ def test_ranks_reporting_lmcaches_metadata_and_the_wirings_aggregate_in_any_orde
     assert isinstance(merged, mp.MPWorkerMeta)
     assert merged.done == {(1, "C"): 1}
     assert merged.inner.completed_store_requests == {"C": 1}
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_the_servers_transfers_are_given_up_at_lmcaches_own_mq_timeout(registered: bool) -> None:
+    """A retrieve or store the server never answers holds its blocks at
+    most as long as LMCache itself waits for its server (``mq_timeout``)."""
+    with lmcache_io() as io:
+        io.scheduler_adapter._mq_timeout = 7.5
+        scheduler = make_scheduler(CONNECTOR)
+    hz = hazards(scheduler)
+    assert (hz.give_up_time(mp.LOAD_STREAM), hz.give_up_time(mp.STORE_STREAM)) == (7.5, 7.5)

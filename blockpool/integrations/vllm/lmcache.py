@@ -242,7 +242,9 @@ def _run_as_stock(hz: Any, w: ConnectorWiring, req_id: str, blocks: list[Any], e
     the compute stream or ended gets ``eN`` as its writer, and a later
     fence of that block names ``eN``. A block with another engine's access
     still pending keeps its record (``eN`` is not ordered after that
-    access). O(blocks)."""
+    access), and so do all of them where the pool refuses ``eN`` as their
+    writer (an access ordered after ``eN`` touched one already). Never
+    raises. O(blocks)."""
     fall_back(w.name, "load refused by the pool", f"request {req_id!r}: {exc}")
     steps = hz.outstanding_steps()
     if not steps or steps[-1].index != hz.steps_issued or steps[-1].forward is None:
@@ -259,9 +261,13 @@ def _run_as_stock(hz: Any, w: ConnectorWiring, req_id: str, blocks: list[Any], e
         if on_compute_or_ended(b.writer) and all(on_compute_or_ended(r) for r in b.readers or ())
     ]
     if covered:
+        from blockpool.core.errors import BlockPoolError
         from blockpool.core.hazards import AccessKind
 
-        pool.tag(covered, forward, AccessKind.WRITE)
+        try:
+            pool.tag(covered, forward, AccessKind.WRITE)
+        except BlockPoolError as tag_exc:  # eN not orderable after them: the blocks keep their record
+            logger.debug("blockpool: %s: eN not recorded as the writer of %r: %s", w.name, req_id, tag_exc)
 
 
 def fall_back(connector: str, kind: str, detail: str) -> None:
