@@ -10,8 +10,8 @@ from tests.test_stateful import _DroppingPool, _PaddingPool
 
 
 def test_differential_run_counts_no_missed_redundant_or_unsafe_fence() -> None:
-    out = differential.run(300)
-    assert out["sequences"] >= 300 and out["fences"] > 1000 and out["handed_out"] > 0
+    out = differential.run(500)
+    assert out["sequences"] >= 500 and out["fences"] > 1000 and out["handed_out"] > 0
     assert {k: out[k] for k in differential.FIGURES} == dict.fromkeys(differential.FIGURES, 0), out
     reports = out["reports"]
     assert isinstance(reports, dict)

@@ -197,6 +197,7 @@ def test_load_into_a_keyed_block_withdraws_its_keys(pool: HazardAwareBlockPool) 
     (b,) = pool.get_new_blocks(1)
     pool.cache_full_blocks([b], ["old"], 0, 1)
     pool.cache_partial_block(b, "old-partial", 4)
+    pool.tag([b], pool.issue("compute"), AccessKind.WRITE)  # a step wrote the content the keys name
     pool.take_events()
     pool.begin_load([b], "rdma")
     assert pool.get_cached_block("old") is None

@@ -65,20 +65,22 @@ def test_same_key_on_two_blocks_counts_each_block_once(pool: HazardAwareBlockPoo
 # 9. Reset and eviction order with transfers in flight ---------------------------
 
 
-def test_reset_refused_while_cached_blocks_are_stored_then_succeeds(pool: HazardAwareBlockPool) -> None:
+def test_reset_while_cached_blocks_are_held_for_a_store_drops_their_keys_and_keeps_the_hold(
+    pool: HazardAwareBlockPool,
+) -> None:
     a = pool.get_new_blocks(2)
     pool.cache_full_blocks(a, ["h1", "h2"], 0, 2, block_size=16)
     s1, _ = pool.begin_store(a, "rdma")
     pool.free_blocks(list(reversed(a)))
     pool.take_events()
     assert pool.held_block_ids() == [1, 2]
-    assert pool.reset_prefix_cache() is False
-    assert pool.get_cached_block("h1") is a[0]
-    pool.complete(s1)
-    assert pool.reset_prefix_cache() is True
+    assert pool.reset_prefix_cache() is True  # held blocks (ref count 0) do not stop it
     assert pool.get_cached_block("h1") is None and pool.get_cached_block("h2") is None
-    assert pool.get_num_free_blocks() == 9
+    assert pool.held_block_ids() == [1, 2] and pool.get_num_free_blocks() == 7
     assert pool.take_events() == [AllBlocksCleared()]
+    pool.complete(s1)
+    assert pool.held_block_ids() == [] and pool.get_num_free_blocks() == 9
+    pool.check()
 
 
 def test_reset_refused_while_store_source_is_still_referenced(pool: HazardAwareBlockPool) -> None:

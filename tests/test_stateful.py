@@ -59,6 +59,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.keys: dict[int, list[str]] = {}  # block id -> keys it holds
         self.invalid: set[int] = set()
         self.retired: dict[int, set[str]] = {}  # block id -> keys retired by a promotion
+        # The fill a key announces: blocks allocated and neither written nor
+        # published since (fresh), blocks published before any write since
+        # their allocation (announced): a load into those is not refused.
+        self.fresh: set[int] = set()
+        self.announced: set[int] = set()
         self.loads: dict[Token, list[int]] = {}  # every write: tag, free WRITE, load, copy
         self.requests: list[list[int]] = []
         self.tokens: list[Token] = []
@@ -73,6 +78,17 @@ class PoolMachine(RuleBasedStateMachine):
 
     def cached_keys(self) -> list[str]:
         return sorted({k for ks in self.keys.values() for k in ks})
+
+    def written(self, block_ids: list[int]) -> None:
+        """A write was recorded on the blocks: no longer a fill's target."""
+        self.fresh -= set(block_ids)
+        self.announced -= set(block_ids)
+
+    def published(self, b: int) -> None:
+        """``b`` is published: announced if nothing wrote it since its allocation."""
+        if b in self.fresh:
+            self.fresh.discard(b)
+            self.announced.add(b)
 
     def judge_and_wait(self, fence: Fence, groups: list[tuple[list[int], AccessKind]], stream: str) -> None:
         self.hb.judge(fence, groups, stream)
@@ -94,11 +110,13 @@ class PoolMachine(RuleBasedStateMachine):
     def refusal(self, kind: str, groups: list[tuple[list[int], AccessKind]]) -> type[Exception] | None:
         """The error the pool must refuse this transfer with
         (``tests/test_unsafe_transfers.py``), or None: a write (load, copy destination) into a cached
-        block (it holds a key) more than one holder holds; a read that carries content a failed write
-        left bad (store, copy source). Writes are checked first."""
+        block (it holds a key) more than one holder holds, unless it is a load into a block published
+        before any write since its allocation (the fill its keys announce); a read that carries
+        content a failed write left bad (store, copy source). Writes are checked first."""
         writes = [b for ids_, access in groups if access is WRITE for b in ids_]
         reads = [b for ids_, access in groups if access is READ for b in ids_]
-        if any(self.ref[b] > 1 and self.keys.get(b) for b in writes):
+        fill = self.announced if kind == "load" else set()
+        if any(self.ref[b] > 1 and self.keys.get(b) and b not in fill for b in writes):
             return SharedBlockError
         if any(b in self.invalid for b in reads):
             return InvalidContentError
@@ -136,8 +154,10 @@ class PoolMachine(RuleBasedStateMachine):
             if access is WRITE:
                 self.invalid -= set(ids_)
                 if kind == "load":  # a load's new content withdraws the old keys
-                    for b in ids_:  # (a copy's destination keeps keys published for it)
-                        self.keys.pop(b, None)
+                    for b in ids_:  # (a copy's destination keeps keys published for it, a fill its own)
+                        if b not in self.announced:
+                            self.keys.pop(b, None)
+                self.written(ids_)
                 self.loads.setdefault(token, []).extend(ids_)
         self.tokens.append(token)
         self.transfers.add(token)
@@ -179,6 +199,8 @@ class PoolMachine(RuleBasedStateMachine):
             self.keys.pop(b, None)
             self.invalid.discard(b)
             self.retired.pop(b, None)
+            self.fresh.add(b)
+            self.announced.discard(b)
         if hit_ids or new_ids:
             self.requests.append(hit_ids + new_ids)
 
@@ -220,6 +242,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.hb.tag(listed, token, access)
             if access is WRITE:
                 self.invalid -= set(listed)
+                self.written(listed)
                 self.loads.setdefault(token, []).extend(listed)
         for b, c in counts.items():
             self.ref[b] -= c
@@ -248,6 +271,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.tag(self.blocks(target), token, WRITE)
             self.hb.tag(target, token, WRITE)
             self.invalid -= set(target)
+            self.written(target)
             self.loads.setdefault(token, []).extend(target)
             self.kinds[token] = "tag-write"
 
@@ -271,6 +295,7 @@ class PoolMachine(RuleBasedStateMachine):
         event("rewrite")
         pool.tag([pool.blocks[bid]], token, WRITE)
         self.hb.tag([bid], token, WRITE)
+        self.written([bid])
         self.loads.setdefault(token, []).append(bid)
 
     @precondition(lambda self: self.requests)
@@ -335,6 +360,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.cache_partial_block(block, key, 8)
             if b not in self.invalid and key not in held_keys and key not in self.retired.get(b, ()):
                 self.keys[b] = [*held_keys, key]
+                self.published(b)
         elif not held_keys or (block.block_hash_num_tokens == 8 and key != block.block_hash):
             # publish, or promote a partial block to full (its other keys go)
             self.pool.cache_full_blocks([block], [key], 0, 1, block_size=16)
@@ -342,6 +368,7 @@ class PoolMachine(RuleBasedStateMachine):
                 if held_keys:  # promoted: the partial keys are retired for b
                     self.retired.setdefault(b, set()).update(held_keys)
                 self.keys[b] = [key]
+                self.published(b)
 
     @rule()
     def poll(self) -> None:
@@ -386,8 +413,9 @@ class DroppingMachine(PoolMachine):
     pool_cls = _DroppingPool
 
 
-def run_negative_control(machine: type[PoolMachine], match: str) -> None:
-    """Run ``machine`` until the judge fails; the failure must match."""
+def run_negative_control(machine: type[PoolMachine], match: str, exc: type[Exception] = AssertionError) -> None:
+    """Run ``machine`` until the judge (or the pool, with ``exc``) fails;
+    the failure must match."""
     run = machine.TestCase("runTest")
     run.settings = settings(
         max_examples=200,
@@ -397,7 +425,7 @@ def run_negative_control(machine: type[PoolMachine], match: str) -> None:
         derandomize=True,
         suppress_health_check=list(HealthCheck),
     )
-    with pytest.raises(AssertionError, match=match):
+    with pytest.raises(exc, match=match):
         run.runTest()
 
 
@@ -425,3 +453,19 @@ class PaddingMachine(PoolMachine):
 
 def test_negative_control_padded_fence_is_caught_as_redundant() -> None:
     run_negative_control(PaddingMachine, "redundant wait")
+
+
+class _NoFillPool(HazardAwareBlockPool):
+    """Negative control: the fill rule reverted (every load into a shared
+    published block refused, as for a copy)."""
+
+    def _check_exclusive(self, blocks, what, fill=False):  # type: ignore[no-untyped-def]
+        super()._check_exclusive(blocks, what, False)
+
+
+class NoFillMachine(PoolMachine):
+    pool_cls = _NoFillPool
+
+
+def test_negative_control_a_refused_fill_is_caught() -> None:
+    run_negative_control(NoFillMachine, "is a cached block held by", SharedBlockError)

@@ -12,13 +12,14 @@ import pytest
 from blockpool import (
     AccessKind,
     BlockPoolError,
+    BlockRemoved,
     HazardAwareBlockPool,
     InvalidContentError,
     SharedBlockError,
     TokenStatus,
     UnsafeTransferError,
 )
-from tests.conftest import make_pool
+from tests.conftest import ids, make_pool
 
 READ, WRITE = AccessKind.READ, AccessKind.WRITE
 
@@ -36,10 +37,11 @@ def assert_refused(pool: HazardAwareBlockPool, call: Callable[[], object], exc: 
 
 
 def _shared_prefix(pool: HazardAwareBlockPool):  # type: ignore[no-untyped-def]
-    """Request A runs on two cached blocks; request B took them as a prefix hit (ref count 2)."""
+    """Request A runs on two cached blocks (its step wrote them); request B
+    took them as a prefix hit (ref count 2)."""
     a = pool.get_new_blocks(2)
     pool.cache_full_blocks(a, ["p0", "p1"], 0, 2, 16)
-    pool.issue("compute")  # A's step reads them
+    pool.tag(a, pool.issue("compute"), WRITE)  # A's step writes them
     new, _ = pool.allocate_for(1, "h2d", hits=a)  # B: the hits plus one new block
     assert [b.ref_cnt for b in a] == [2, 2]
     return a, new
@@ -68,6 +70,7 @@ def test_a_load_into_blocks_only_this_request_holds_is_accepted() -> None:
     pool = make_pool()
     a = pool.get_new_blocks(2)
     pool.cache_full_blocks(a, ["p0", "p1"], 0, 2, 16)
+    pool.tag(a, pool.issue("compute"), WRITE)  # A's step wrote them
     pool.free_blocks(a, token=None)  # A finished: cached and free
     _, _ = pool.allocate_for(0, "h2d", hits=a)  # B's hit: ref count 1, B alone
     _, fence = pool.begin_load(a, "h2d")
@@ -117,6 +120,119 @@ def test_a_step_write_to_a_shared_block_is_recorded() -> None:
     e2 = pool.issue("compute")
     pool.tag([a[1]], e2, WRITE)
     assert a[1].writer == e2
+
+
+# -- the fill a key announces (a load into blocks published before any write) ----
+
+
+def _announced_prefix(pool: HazardAwareBlockPool):  # type: ignore[no-untyped-def]
+    """Request A's external prefix: two blocks allocated and published at
+    once (vLLM publishes a sync load's keys when it allocates the blocks);
+    request B hit them in the same schedule, before A's load began."""
+    a = pool.get_new_blocks(2)
+    pool.cache_full_blocks(a, ["p0", "p1"], 0, 2, 16)
+    new, _ = pool.allocate_for(1, "compute", hits=a)  # B: the hits plus one new block
+    assert [b.ref_cnt for b in a] == [2, 2]
+    return a, new
+
+
+@pytest.mark.parametrize("stream", ["h2d", "rdma"])
+def test_a_fill_load_into_a_block_another_request_hit_is_not_refused(stream: str) -> None:
+    pool = make_pool()
+    a, _ = _announced_prefix(pool)
+    pool.take_events()
+    load, _ = pool.begin_load(a, stream)
+    assert [b.writer for b in a] == [load, load]
+    assert [pool.get_cached_block(k) for k in ("p0", "p1")] == a  # the keys announce what it loads
+    assert not [e for e in pool.take_events() if isinstance(e, BlockRemoved)]
+    pool.check()
+
+
+def test_every_holders_later_access_to_a_fill_is_fenced_after_the_load() -> None:
+    pool = make_pool()
+    a, new = _announced_prefix(pool)
+    load, _ = pool.begin_load(a, "h2d")
+    assert pool.fence_for([*a, *new], "compute", READ).tokens == (load,)  # B's forward: RAW on the load
+    assert pool.fence_for(a, "d2h", READ).tokens == (load,)  # a store of them
+    _, fence = pool.allocate_for(0, "rdma", hits=a)  # a third request's hit, read by a host engine
+    assert fence.tokens == (load,) and fence.needs_host_wait
+    pool.check()
+
+
+def test_a_failed_fill_withdraws_the_keys_from_every_holder() -> None:
+    pool = make_pool()
+    a, _ = _announced_prefix(pool)
+    load, _ = pool.begin_load(a, "rdma")
+    pool.take_events()
+    pool.fail(load)
+    assert [pool.get_cached_block(k) for k in ("p0", "p1")] == [None, None]
+    assert pool.invalid_block_ids(load) == ids(a) and [b.ref_cnt for b in a] == [2, 2]
+    removed = [(e.block_hashes, e.reason) for e in pool.take_events() if isinstance(e, BlockRemoved)]
+    assert removed == [(("p0",), "load_failed"), (("p1",), "load_failed")]
+    pool.check()
+
+
+def test_a_fill_into_blocks_only_its_request_holds_keeps_the_keys() -> None:
+    pool = make_pool()
+    a = pool.get_new_blocks(2)
+    pool.cache_full_blocks(a, ["p0", "p1"], 0, 2, 16)
+    pool.begin_load(a, "h2d")
+    assert [pool.get_cached_block(k) for k in ("p0", "p1")] == a
+
+
+def _written_step(pool: HazardAwareBlockPool, blocks: list) -> None:  # type: ignore[type-arg]
+    pool.tag(blocks, pool.issue("compute"), WRITE)
+
+
+def _written_copy(pool: HazardAwareBlockPool, blocks: list) -> None:  # type: ignore[type-arg]
+    (src,) = pool.get_new_blocks(1)
+    pool.begin_copy([(src, b) for b in blocks], "compute")
+
+
+def _written_load(pool: HazardAwareBlockPool, blocks: list) -> None:  # type: ignore[type-arg]
+    load, _ = pool.begin_load(blocks, "rdma")
+    pool.complete(load)
+
+
+@pytest.mark.parametrize("write", [_written_step, _written_copy, _written_load], ids=["step", "copy", "load"])
+@pytest.mark.parametrize("when", ["before_publish", "after_publish"])
+def test_a_load_into_a_shared_block_written_since_its_allocation_is_refused(write, when: str) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool()
+    a = pool.get_new_blocks(2)
+    if when == "before_publish":  # e.g. an asynchronous load, published once it ended
+        write(pool, a)
+    pool.cache_full_blocks(a, ["p0", "p1"], 0, 2, 16)
+    if when == "after_publish":  # e.g. the step that computes the published blocks
+        write(pool, a)
+    pool.allocate_for(0, "compute", hits=a)
+    err = assert_refused(pool, lambda: pool.begin_load(a, "h2d"), SharedBlockError)
+    assert (err.block_id, err.ref_cnt) == (a[0].block_id, 2)
+
+
+def test_a_second_load_into_a_shared_announced_block_is_refused() -> None:
+    pool = make_pool()
+    a, _ = _announced_prefix(pool)
+    pool.begin_load(a, "h2d")  # the fill
+    assert_refused(pool, lambda: pool.begin_load(a, "rdma"), SharedBlockError)
+
+
+def test_a_copy_into_a_shared_announced_block_is_refused() -> None:
+    pool = make_pool()
+    a, new = _announced_prefix(pool)
+    assert_refused(pool, lambda: pool.begin_copy([(new[0], a[0])], "compute"), SharedBlockError)
+
+
+def test_a_block_handed_out_again_announces_only_what_its_new_owner_publishes() -> None:
+    pool = make_pool(4)
+    a = pool.get_new_blocks(3)
+    pool.cache_full_blocks(a, ["p0", "p1", "p2"], 0, 3, 16)
+    pool.free_blocks(a, token=None)  # cached, free, never written
+    b = pool.get_new_blocks(3)  # handed out again: the old keys are evicted
+    assert sorted(ids(b)) == sorted(ids(a))
+    _written_step(pool, b)
+    pool.cache_full_blocks(b, ["q0", "q1", "q2"], 0, 3, 16)
+    pool.allocate_for(0, "compute", hits=b)
+    assert_refused(pool, lambda: pool.begin_load(b, "h2d"), SharedBlockError)
 
 
 def test_unsafe_transfer_errors_pickle_with_their_attributes() -> None:

@@ -39,6 +39,7 @@ def test_a_refused_load_into_a_shared_block_is_not_begun_and_keeps_vllms_own_pat
     pool, w = wired
     a = pool.get_new_blocks(2)
     pool.cache_full_blocks(a, ["p0", "p1"], 0, 2, 16)
+    pool.tag(a, pool.issue("compute"), AccessKind.WRITE)  # the first request's step wrote them
     pool.touch(a)  # a second request's prefix hit: ref count 2
     ids = [b.block_id for b in a]
     with caplog.at_level(logging.WARNING, logger="vllm.plugins.blockpool"):

@@ -116,6 +116,8 @@ class PoolBase:
     writes: PendingWrites
     load_groups: LoadGroups
     tracker: HazardTracker
+    _fresh: set[KVCacheBlock]  # allocated, neither written nor published since
+    _announced: set[KVCacheBlock]  # published before any write since their allocation
     kv_event_queue: list[KVCacheEvent]
     _counters: dict[str, int]
     _key_map: dict[Hashable, KVCacheBlock | dict[int, KVCacheBlock]]
@@ -177,7 +179,13 @@ class PoolBase:
                     for seq in seqs:
                         released = self.holdback.release(Token(st.name, seq, _HOST))
                         if released:
-                            self._enqueue_free(released)
+                            first = self.holdback.evict_first(released)
+                            if first:  # freed with evict_first while held: the queue's front
+                                marked = set(first)
+                                self._enqueue_free([b for b in released if b not in marked])
+                                self._enqueue_free(first, evict_first=True)
+                            else:
+                                self._enqueue_free(released)
 
     def _late_failure(self, token: Token) -> None:
         """``token`` failed after it had already ended: every block whose
@@ -209,9 +217,10 @@ class PoolBase:
         """Put blocks that reached ref count 0 in the free queue (unkeyed to
         the front, keyed to the back; all to the back with ``to_tail``, all
         to the front with ``evict_first``) or, when a host-engine access on
-        them has not ended, hold them back. O(len(blocks))."""
+        them has not ended, hold them back (with ``evict_first``, they go to
+        the front when released). O(len(blocks))."""
         if self.track_hazards and self.tracker.host_pending():
-            blocks = self.holdback.hold_back(blocks, self.tracker.is_ended)
+            blocks = self.holdback.hold_back(blocks, self.tracker.is_ended, evict_first and not to_tail)
         q = self.free_block_queue
         if to_tail or evict_first or not self.enable_caching:
             if to_tail:
@@ -304,11 +313,35 @@ class PoolBase:
         the pending writes (a failed write puts it back). The caller checked
         the order first (:meth:`_check_write_order`). O(len(blocks))."""
         if access is _WRITE:
+            if self._fresh or self._announced:
+                self._written(blocks)
             self.tracker.wrote(token)
             self.writes.began(token, write(blocks, token, self.null_block))
         else:
             tag(blocks, token, access, self.tracker.is_ended)
             clear(self.null_block)  # the null block never has a shadow
+
+    def _written(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """A write was recorded on ``blocks``: none of them is a fill's
+        target any more (:meth:`_check_exclusive`). The callers test
+        ``self._fresh or self._announced`` first (both are usually empty).
+        O(len(blocks))."""
+        fresh = self._fresh
+        if fresh:
+            fresh.difference_update(blocks)
+        announced = self._announced
+        if announced:
+            announced.difference_update(blocks)
+
+    def _announce(self, b: KVCacheBlock) -> None:
+        """``b`` is being published: if nothing wrote it since its
+        allocation, its keys announce the content a fill will load
+        (:meth:`_check_exclusive`). The callers test ``self._fresh`` first.
+        O(1)."""
+        fresh = self._fresh
+        if b in fresh:
+            fresh.discard(b)
+            self._announced.add(b)
 
     def _check_write_order(self, blocks: Sequence[KVCacheBlock], token: Token) -> None:
         """Refuse a write by ``token`` (not ended) to a block whose shadow
@@ -355,6 +388,8 @@ class PoolBase:
         whether this write ran before or after the failed write that left
         a mark is not known, and a mark only withholds publication (the
         safe side). O(len(blocks))."""
+        if self._fresh or self._announced:
+            self._written(blocks)
         if self.tracker.has_failed(token):
             self._unwritten(blocks, token)
         elif self.track_hazards:
@@ -368,6 +403,8 @@ class PoolBase:
         O(len(blocks))."""
         null = self.null_block
         data = [b for b in blocks if b is not null]
+        if self._fresh or self._announced:
+            self._written(data)
         self.writes.mark_invalid(data, token)
         for b in data:
             self._drop_keys(b)
@@ -416,21 +453,31 @@ class PoolBase:
                 )
         return out
 
-    def _check_exclusive(self, blocks: list[KVCacheBlock], what: str) -> None:
+    def _check_exclusive(self, blocks: list[KVCacheBlock], what: str, fill: bool = False) -> None:
         """Refuse a write replacing the content of a published block that
         more than one holder holds (ref count above 1 and a key: a prefix
         hit other requests may be reading): their reads are recorded only
         when they free the block, so no fence can order the write before
         them. A block with no key can have been shared only by its own
         request's holders (a connector's pin for a transfer's retries), so
-        it is not refused. ``blocks``: allocated data blocks
-        (:meth:`_data_blocks`). O(len(blocks)).
+        it is not refused. With ``fill`` (a load), a block whose keys were
+        published before any write since its allocation is not refused
+        either: nobody has read content from it, and the load is the fill
+        its keys announce (vLLM publishes an external prefix's keys when it
+        allocates the blocks, and another request can hit them before the
+        load begins); the load becomes its writer, so every holder's later
+        access is fenced after it, and its failure withdraws the keys.
+        ``blocks``: allocated data blocks (:meth:`_data_blocks`).
+        O(len(blocks)).
 
         Raises:
             SharedBlockError: the first such block.
         """
         pc = self.prefix_cache
+        announced = self._announced if fill else None
         for b in blocks:
+            if announced and b in announced:
+                continue
             if b.ref_cnt > 1 and (b.block_hash is not None or pc.keys_of(b)):
                 raise SharedBlockError(
                     f"{what}: block {b.block_id} is a cached block held by {b.ref_cnt} holders (ref count "

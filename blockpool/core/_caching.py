@@ -280,6 +280,9 @@ class CacheOps(IntrospectionOps):
             publish.append(i)
         if refused:
             self._count("unpublished_failed_loads", refused)
+        if self._fresh:
+            for i in publish:
+                self._announce(blocks[i])
         return self.prefix_cache.publish_full(blocks, block_hashes, publish, block_size, off)
 
     def _stored_runs(
@@ -413,6 +416,8 @@ class CacheOps(IntrospectionOps):
         elif not already and b.block_hash is not None and old is not None and old < num_tokens:
             # a longer partial key of the same block
             self._removed(pc.reportable(pc.promote(b)), "promoted")
+        if self._fresh:
+            self._announce(b)
         pc.publish(block_hash, b, num_tokens, partial=True)
         if not already:
             self._stored((block_hash,), parent_block_hash, num_tokens, (bid,))
@@ -462,8 +467,11 @@ class CacheOps(IntrospectionOps):
     def reset_prefix_cache(self, *, while_running: ArgBool = False) -> bool:
         """Drop every key (one all-cleared event).
 
-        By default (vLLM's behaviour) only when no block is in use or held:
-        otherwise nothing changes and it returns False. With
+        By default (vLLM's behaviour) only when no block is in use (ref
+        count above 0): otherwise nothing changes and it returns False.
+        Blocks held back for host transfers (ref count 0, a transfer may
+        still touch them) do not stop it: they keep their hold and lose
+        their keys, and go to the free queue when their transfers end. With
         ``while_running=True`` it withdraws every key even while requests
         run: blocks in use or held keep their content, ref counts, shadows and
         places (in-use blocks stay in use, free blocks keep their queue
@@ -474,12 +482,10 @@ class CacheOps(IntrospectionOps):
         """
         self._apply_completions()
         busy = self.num_gpu_blocks - 1 - self.free_block_queue.num_free_blocks
-        if busy and not while_running:
+        if busy - len(self.holdback) > 0 and not while_running:
             logger.warning(
-                "Failed to reset prefix cache because some blocks (%d) are not freed yet "
-                "(%d held back for host transfers)",
-                busy,
-                len(self.holdback),
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                busy - len(self.holdback),
             )
             return False
         self.prefix_cache.clear(self.blocks)

@@ -131,15 +131,21 @@ class FenceOps(CacheOps):
         token = self.tracker.issue(stream, fence.tokens)
         if withdraw_keys:
             # A load writes new content: the destinations' keys named the
-            # content they held before, so they are withdrawn (removed events).
+            # content they held before, so they are withdrawn (removed
+            # events); a fill keeps them (the keys announce what it loads).
+            announced = self._announced
             for blocks, access in groups:
                 if access is _WRITE:
                     for b in blocks:
-                        if b.block_hash is not None:
+                        if b.block_hash is not None and not (announced and b in announced):
                             self._drop_keys(b, "replaced")
         if self.track_hazards:
             for blocks, access in groups:
                 self._tag(blocks, token, access)
+        elif self._fresh or self._announced:
+            for blocks, access in groups:
+                if access is _WRITE:
+                    self._written(blocks)
         for blocks, access in groups:
             if access is _WRITE and blocks:
                 self.writes.began_transfer(token, blocks)  # its destinations, for fail_blocks
@@ -180,7 +186,8 @@ class FenceOps(CacheOps):
             BlockNotAllocatedError: a block with ref count 0.
             SharedBlockError: a cached destination more than one holder
                 holds (ref count above 1 and a key): their reads cannot be
-                fenced (not with ``refusals=False``).
+                fenced (not with ``refusals=False``); the fill exception of
+                :meth:`begin_load` is a load's, not a copy's.
             InvalidContentError: a source whose content is known bad (a
                 failed load or copy wrote it, nothing has since; not with
                 ``refusals=False``).
@@ -239,7 +246,7 @@ class FenceOps(CacheOps):
         """The refusals of a load (a write: shared cached blocks) or a store
         (a read: content known bad), before anything changes. O(len(data))."""
         if access is _WRITE:
-            self._check_exclusive(data, what)
+            self._check_exclusive(data, what, True)
         else:
             self._check_valid_content(data, what)
 
@@ -286,12 +293,21 @@ class FenceOps(CacheOps):
         refused: that holder's reads are recorded only when it frees the
         block, so no fence can order the load after them (LMCache #2206).
         An unpublished block shared only by its own request's holders (a
-        connector's pin) is not refused.
+        connector's pin) is not refused. Nor is the fill a key announces:
+        a block whose keys were published before any write since its
+        allocation (vLLM publishes a synchronous load's keys when it
+        allocates the blocks; another request may hit them before the
+        load begins) holds nothing anyone read; the load keeps those keys,
+        becomes the writer every holder's later access is fenced after,
+        and its failure withdraws the keys from all of them. A block
+        written since its allocation (a step's write, a copy into it, a
+        load into it, the fill included) is refused when shared.
 
         Raises:
             UnknownStreamError, ForeignBlockError, BlockNotAllocatedError.
-            SharedBlockError: a cached block with ref count above 1;
-                nothing changes.
+            SharedBlockError: a cached block with ref count above 1
+                written since its allocation (not a fill); nothing
+                changes.
             StaleBlockError: with ``generations``, a block of the table was
                 allocated again since they were taken; nothing changes.
             InvalidArgumentError: ``generations`` is not one int per block.

@@ -58,6 +58,10 @@ class RefCountOps(TokenOps):
                         self._removed([k for _, keys in dropped for k in keys], "evicted")
         pc.forget_marks(blocks)
         self.writes.rewritten(blocks)
+        if self.enable_caching:  # new content: unwritten, unpublished (a fill's target once published)
+            if self._announced:
+                self._announced.difference_update(blocks)
+            self._fresh.update(blocks)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -121,7 +125,9 @@ class RefCountOps(TokenOps):
         free queue whatever their keys, in the listed order (evicted before
         every other cached block; vLLM 0.34's ``free_blocks(...,
         evict_first=True)``, for blocks whose content another tier already
-        holds); they keep their keys until reused. Ignored with ``to_tail``.
+        holds); they keep their keys until reused; a block held back for a
+        host-engine access goes to the front when its hold ends. Ignored
+        with ``to_tail``.
 
         >>> from blockpool import HazardAwareBlockPool
         >>> pool = HazardAwareBlockPool(4)

@@ -43,7 +43,8 @@ class HoldBack:
     for them, then each gets its own smaller set, so no set is mutated
     under another block); for each pending token, the blocks held on it;
     each held block's lease (deadline) and the leases that expired; the
-    ``leases_expired`` counter.
+    held blocks freed with ``evict_first`` (they go to the free queue's
+    front when released); the ``leases_expired`` counter.
 
     The held map is keyed by the block record itself, which hashes by
     identity (a pool's blocks are distinct objects, one per id): a lookup
@@ -56,7 +57,17 @@ class HoldBack:
         clock: Time source of the leases (seconds).
     """
 
-    __slots__ = ("_clock", "_deadline", "_expired", "_held", "_held_by", "_leases", "leases_expired", "timeout")
+    __slots__ = (
+        "_clock",
+        "_deadline",
+        "_evict_first",
+        "_expired",
+        "_held",
+        "_held_by",
+        "_leases",
+        "leases_expired",
+        "timeout",
+    )
 
     def __init__(self, lease_timeout: float | None = None, clock: Callable[[], float] | None = None) -> None:
         self._held: dict[KVCacheBlock, frozenset[Token]] = {}  # held block -> host tokens still pending on it
@@ -65,6 +76,7 @@ class HoldBack:
         self._leases: SortedList = SortedList()
         self._deadline: dict[int, tuple[float, KVCacheBlock]] = {}  # block id -> its lease, the block
         self._expired: set[int] = set()  # ids of held blocks whose lease expired
+        self._evict_first: set[KVCacheBlock] = set()  # held blocks freed with evict_first
         self.timeout = lease_timeout
         self._clock = clock
         self.leases_expired = 0
@@ -157,10 +169,13 @@ class HoldBack:
                 count += free
         return count
 
-    def hold_back(self, blocks: list[KVCacheBlock], ended: Callable[[Token], bool]) -> list[KVCacheBlock]:
+    def hold_back(
+        self, blocks: list[KVCacheBlock], ended: Callable[[Token], bool], evict_first: bool = False
+    ) -> list[KVCacheBlock]:
         """Blocks that just reached ref count 0: hold those whose shadow has
         a host token that has not ended (``ended`` tells), starting their
-        leases; return the others, in order. The decision and the pending set
+        leases (with ``evict_first``, remembered as such: :meth:`evict_first`);
+        return the others, in order. The decision and the pending set
         (immutable) are made once per run of blocks with the same ``(writer,
         readers)`` objects (blocks freed together share them), and each run
         is held in one batch. O(len(blocks))."""
@@ -201,7 +216,20 @@ class HoldBack:
                 if self.timeout is not None:
                     for b in run:
                         self._lease(b)
+                if evict_first:
+                    self._evict_first.update(run)
         return free
+
+    def evict_first(self, released: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Of ``released`` (just returned by :meth:`release`), those held
+        with ``evict_first``, in order; they are forgotten as such. O(1)
+        when none is held so, else O(len(released))."""
+        marked = self._evict_first
+        if not marked:
+            return []
+        out = [b for b in released if b in marked]
+        marked.difference_update(out)
+        return out
 
     def _lease(self, block: KVCacheBlock) -> None:
         assert self.timeout is not None and self._clock is not None
@@ -257,6 +285,8 @@ class HoldBack:
         held = self._held
         dropped = [b for b in blocks if held.pop(b, None) is not None]
         self._drop_leases(dropped)
+        if self._evict_first:
+            self._evict_first.difference_update(dropped)
 
     def expire(self) -> list[tuple[int, frozenset[Token]]]:
         """Check the leases: each held block whose deadline passed (and not
@@ -296,6 +326,9 @@ class HoldBack:
         """
         host = StreamKind.HOST
         held_ids: set[int] = set()
+        for b in self._evict_first:
+            if b not in self._held:
+                raise InvariantError(f"block {b.block_id} is marked held with evict_first but is not held")
         for b, pending in self._held.items():
             bid = b.block_id
             if not 0 < bid < len(blocks) or blocks[bid] is not b:

@@ -264,6 +264,12 @@ class HazardAwareBlockPool(RefCountOps):
         self.holdback = HoldBack(lease_timeout, clock)
         self.writes = PendingWrites()
         self.load_groups = LoadGroups()
+        # The fill a key announces (PoolBase._check_exclusive): blocks
+        # allocated and neither written nor published since (_fresh), and
+        # blocks published before any write since their allocation
+        # (_announced). Both small: a write or a new allocation clears them.
+        self._fresh: set[KVCacheBlock] = set()
+        self._announced: set[KVCacheBlock] = set()
         # One list for the pool's lifetime (take_events empties it in
         # place): an adapter may bind it once and test it without a read
         # of this object's attribute.
