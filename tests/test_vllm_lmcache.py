@@ -654,6 +654,48 @@ def test_two_requests_filling_one_shared_prefix_in_one_step_both_finish_under_th
 # ----------------------------------------------------------------------
 
 
+@contextmanager
+def layerwise_load_on_worker(audit: Any = None) -> Iterator[tuple[Any, Any, Any, Any, FakeEngine, Any]]:
+    """The load scenario (:func:`load_into_blocks_a_running_step_reads`)
+    with LMCache's layerwise path, on the worker, stand-ins: step 2's
+    forward (it reads A's blocks) is enqueued on the compute stream, not
+    run, and ``e2`` recorded after it. Yields ``(worker hazards, step 2's
+    and step 3's outputs, the device, the engine, the connector)``."""
+    from blockpool.worker.torch_events import EventLedger
+
+    lookup = FakeLookup()
+    scheduler = lmcache_scheduler(lookup, num_blocks=5, layerwise=True)
+    out2, out3 = load_into_blocks_a_running_step_reads(scheduler, lookup)
+    dev = StandInDevice()
+    compute = dev.new_stream("compute")
+    ledger = EventLedger(dev.new_event, streams={"compute": compute})
+    wh = vw.WorkerHazards(ledger, lambda: compute, timeout=5.0, audit=audit)
+    vw.install(wh)
+    try:
+        engine = FakeEngine(dev)
+        conn = worker_connector(scheduler, engine, layerwise=True)
+        wh.record(Token("compute", 1))
+        compute.enqueue(lambda: engine.log.append("step 2 reads A's blocks"), "forward 2")
+        wh.record(step_of(out2).forward)
+        yield wh, out2, out3, dev, engine, conn
+    finally:
+        vw.install(None)
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_audit_mode_counts_a_layerwise_load_that_starts_while_its_fence_runs_and_adds_no_wait(
+    registered: bool,
+) -> None:
+    from blockpool.integrations.vllm.audit import Audit
+
+    audit = Audit()
+    with layerwise_load_on_worker(audit) as (wh, _, out3, _, engine, conn):
+        layerwise_step(conn, engine, out3)
+        assert engine.gpu_connector.load_stream.run() == engine.num_layers  # no wait added: as stock
+        assert audit.to_json()["by_connector_and_kind"]["lmcache/load"]["raced"] == 1
+        assert wh.waits == 0
+
+
 @pytest.mark.parametrize("registered", [True], indirect=True)
 def test_a_layerwise_load_waits_on_its_fence_and_its_token_is_met_only_after_its_last_layer(
     registered: bool,
@@ -664,26 +706,10 @@ def test_a_layerwise_load_waits_on_its_fence_and_its_token_is_met_only_after_its
     token (a store of those blocks by another connector, say) runs only
     after the last layer's copy, never at the point ``start_load_kv``
     returned."""
-    from blockpool.worker.torch_events import EventLedger
-
-    lookup = FakeLookup()
-    scheduler = lmcache_scheduler(lookup, num_blocks=5, layerwise=True)
-    out2, out3 = load_into_blocks_a_running_step_reads(scheduler, lookup)
-    load = Transfer.from_wire(getattr(req_meta(out3, "B"), vc.META_LOAD))
-    assert load.fence.tokens == (step_of(out2).forward,)
-    dev = StandInDevice()
-    compute = dev.new_stream("compute")
-    wh = vw.WorkerHazards(
-        EventLedger(dev.new_event, streams={"compute": compute}), lambda: compute, timeout=5.0
-    )
-    vw.install(wh)
-    try:
-        engine = FakeEngine(dev)
-        conn = worker_connector(scheduler, engine, layerwise=True)
+    with layerwise_load_on_worker() as (wh, out2, out3, dev, engine, conn):
+        load = Transfer.from_wire(getattr(req_meta(out3, "B"), vc.META_LOAD))
+        assert load.fence.tokens == (step_of(out2).forward,)
         assert engine.num_layers >= 2
-        wh.record(Token("compute", 1))
-        compute.enqueue(lambda: engine.log.append("step 2 reads A's blocks"), "forward 2")
-        wh.record(step_of(out2).forward)
         early: list[bool] = []
         layerwise_step(conn, engine, out3, between=lambda: early.append(wh.was_recorded(load.token)))
         assert engine.retrieve_layer_kwargs and "req_id" not in engine.retrieve_layer_kwargs[0]
@@ -696,5 +722,3 @@ def test_a_layerwise_load_waits_on_its_fence_and_its_token_is_met_only_after_its
         layers = [f"load layer {i}" for i in range(engine.num_layers)]
         assert engine.log == ["step 2 reads A's blocks", *layers, "store of B's blocks"]
         assert wh.stock_fallbacks == 0
-    finally:
-        vw.install(None)
