@@ -301,6 +301,30 @@ def test_a_refused_load_runs_as_lmcache_plans_it_and_the_request_keeps_its_loade
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_refused_loads_block_another_engine_still_reads_keeps_its_record(registered: bool) -> None:
+    """The same refusal while A's store of its prompt (LMCache's store
+    stream) still reads block 2: ``eN`` is not ordered after that store, so
+    block 2 keeps its writer and its reader; B's own blocks get ``eN``."""
+    lookup = FakeLookup()
+    scheduler = lmcache_scheduler(lookup, layerwise=True)
+    prefix = list(range(1, 49))
+    scheduler.add_request(make_request("A", prefix + list(range(700, 722))))
+    out1 = scheduler.schedule()  # A's prefill; its output (and so its store's end) not back yet
+    store = Transfer.from_wire(getattr(req_meta(out1, "A"), vc.META_STORE))
+    assert table(scheduler, "A")[2] in store.block_ids  # the store of A's chunks [0, 64) reads block 2
+    lookup.hits["B"] = 96
+    scheduler.add_request(make_request("B", prefix + list(range(600, 660))))
+    out2 = scheduler.schedule()
+    rm = req_meta(out2, "B")
+    assert rm.load_spec.can_load and not hasattr(rm, vc.META_LOAD)  # refused, run as LMCache runs it
+    b = table(scheduler, "B")
+    assert b[2] == table(scheduler, "A")[2]
+    shared, *own = hazards(scheduler).blocks_of(b[2:6])
+    assert shared.writer == step_of(out1).forward and store.token in shared.readers
+    assert [blk.writer for blk in own] == [step_of(out2).forward] * 3
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
 def test_a_load_after_the_prefix_is_not_refused(registered: bool) -> None:
     """The same request with LMCache's paged (non-layerwise) copy, which
     skips the shared prefix: begun, nothing refused."""
