@@ -365,8 +365,11 @@ class IntrospectionOps(PoolBase):
         not ended and to this pool's data blocks; invalid marks name data
         blocks; block generations (once on) have one entry per block, 0 for
         the null block, none past the allocation serial; the tracker's busy
-        streams and write marks agree with its tokens and every writer.
-        O(num_gpu_blocks + cached keys + held + pending writes).
+        streams and write marks agree with its tokens and every writer; the
+        fill marks (blocks allocated and neither written nor published
+        since, blocks announced) are this pool's data blocks, each in one
+        set at most. O(num_gpu_blocks + cached keys + held + pending
+        writes).
 
         Raises:
             InvariantError: an invariant is broken (the first one found).
@@ -405,6 +408,11 @@ class IntrospectionOps(PoolBase):
         self.tracker._check(self._writers())
         if self._gens is not None:
             self._gens._check(self.num_gpu_blocks)
+        for b in (*self._fresh, *self._announced):
+            if b.is_null or self.blocks[b.block_id] is not b:
+                raise InvariantError(f"block {b.block_id} is marked for a fill but is not this pool's data block")
+        if not self._fresh.isdisjoint(self._announced):
+            raise InvariantError("a block is marked both unpublished and announced")
 
     def _writers(self) -> Iterator[Token | None]:
         """Every writer a shadow holds or a pending write saved. O(blocks + saved groups)."""

@@ -521,9 +521,11 @@ class VllmBlockPool(VllmEvents):
         self._pull_events()
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every key if no block is in use (or held back); fire the
-        reuse watchers, reset metrics, queue ``AllBlocksCleared``. Returns
-        False, changing nothing, otherwise. O(num_gpu_blocks)."""
+        """Drop every key if no block is in use (ref count above 0, as
+        vLLM); blocks held back for host transfers keep their hold and lose
+        their keys. Fire the reuse watchers, reset metrics, queue
+        ``AllBlocksCleared``. Returns False, changing nothing, otherwise.
+        O(num_gpu_blocks)."""
         if not self.core.reset_prefix_cache():
             return False
         if self._reuse_watchers:
