@@ -739,6 +739,13 @@ _LMCACHE = (
     _n(f"{_LMC_E}:LMCacheEngine.retrieve_layer", 'self', 'tokens', 'mask', 'kwargs', connector=LMCACHE),
     _n(f"{_LMC_E}:LMCacheEngine.store", 'self', 'tokens', 'hashes', 'offsets', 'mask', 'kwargs', connector=LMCACHE),
     _n(f"{_LMC_E}:LMCacheEngine.store_layer", 'self', 'tokens', 'mask', 'kwargs', connector=LMCACHE),
+    # The layerwise and blending loads' tokens are recorded once the forward's
+    # wait_for_layer_load calls enqueued every layer: on the load stream
+    # (paged layerwise) or the current stream (the blending buffer).
+    _n(f"{_LMC_A}:LMCacheConnectorV1Impl.wait_for_layer_load", 'self', 'layer_name', fp=("ef0fa44731100bf6",), connector=LMCACHE),
+    _n(f"{_LMC_G}:VLLMPagedMemLayerwiseGPUConnector.batched_to_gpu", 'self', 'starts', 'ends', 'kwargs', fp=("d778447f8522dae1",), connector=LMCACHE),
+    _n(f"{_LMC_G}:VLLMBufferLayerwiseGPUConnector.batched_to_gpu", 'self', 'starts', 'ends', 'kwargs', fp=("b8a2c07a65ca6324",), connector=LMCACHE),
+    _n("lmcache.v1.compute.blend.blender:LMCBlender.blend", 'self', 'tokens', 'mask', 'kwargs', fp=("fe660f0e3f0122ec",), connector=LMCACHE),
 )
 
 # LMCache's multi-process connector: LMCache's own LMCacheMPConnector (the
