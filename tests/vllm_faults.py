@@ -334,11 +334,12 @@ class ConnectorSim:
         """Before ``schedule()`` of ``step``."""
 
     def may_reset(self) -> bool:
-        """Whether a prefix-cache reset event may happen now (default: yes;
-        a connector whose scheduler holds its own block references for a
-        transfer in flight says no while one is: vLLM refuses that reset,
-        plugin or not)."""
-        return True
+        """Whether a prefix-cache reset event may happen now. Default: no
+        load is in flight (vLLM's own ``reset_prefix_cache`` raises while a
+        request waits for its blocks, plugin or not); a connector whose
+        scheduler holds its own block references for a store says no while
+        one is in flight too."""
+        return not any(t.live and t.kind == "load" for t in self.transfers)
 
     def plan(self, step: int, out: Any) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -486,6 +487,22 @@ def register_sim(cls: type[ConnectorSim]) -> type[ConnectorSim]:
     """Class decorator: add ``cls`` to :data:`SIMS` under ``cls.name``."""
     SIMS[cls.name] = cls
     return cls
+
+
+SIM_MODULES = ("tests.vllm_faults_nixl", "tests.vllm_faults_lmcache")
+"""Modules beside this one whose import registers more simulated workers."""
+
+
+def load_sims() -> dict[str, type[ConnectorSim]]:
+    """Import :data:`SIM_MODULES` (those present in the checkout; each
+    registers what its environment can run) and return :data:`SIMS`."""
+    import importlib
+    import importlib.util
+
+    for name in SIM_MODULES:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+    return SIMS
 
 
 # ----------------------------------------------------------------------
@@ -667,6 +684,86 @@ class MooncakeStoreSim(ConnectorSim):
         return outs
 
 
+# ----------------------------------------------------------------------
+# SimpleCPUOffload
+# ----------------------------------------------------------------------
+
+
+@register_sim
+class SimpleCPUOffloadSim(ConnectorSim):
+    """vLLM's ``SimpleCPUOffloadConnector`` worker (``simple_kv_offload/worker.py``):
+    a step's load event is reported in ``finished_recving`` (every request
+    of the event), a store event in ``completed_store_events`` of the
+    worker metadata by each rank; a step with ``need_flush`` (a
+    preemption) synchronizes every transfer in flight, so each is reported
+    in it. Its worker reports no failed copy."""
+
+    name = "simple_cpu_offload"
+    connector = "SimpleCPUOffloadConnector"
+    fault_kinds = ("late", "reorder", "skew")
+
+    @classmethod
+    def scheduler_kwargs(cls, schedule: Schedule) -> dict[str, Any]:
+        import torch
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+        n = schedule.num_blocks
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        page = spec.page_size_bytes
+        kv = KVCacheConfig(
+            num_blocks=n,
+            kv_cache_tensors=[KVCacheTensor(size=page * n, layers=["layer"], layer_stride=page * n, block_stride=page)],
+            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+        )
+        extra = {"cpu_bytes_to_use": page * 4 * n, "lazy_offload": schedule.options.get("lazy", False)}
+        return {"extra": extra, "kv": kv}
+
+    @classmethod
+    def draw_options(cls, rng: random.Random, schedule: Schedule) -> dict[str, Any]:
+        return {"load_delay": rng.choice((0, 1, 1, 2)), "lazy": rng.random() < 0.3}
+
+    def may_reset(self) -> bool:
+        # Its stores hold block references until every rank reported them.
+        return not any(t.live for t in self.transfers)
+
+    def prepare(self) -> None:
+        self.manager = self.scheduler.connector.scheduler_manager
+        if self.ranks > 1:
+            self.manager._expected_worker_count = self.ranks  # as vLLM sizes it for TP ranks
+
+    def plan(self, step: int, out: Any) -> None:
+        meta = out.kv_connector_metadata
+        if meta.need_flush:
+            for t in self.transfers:
+                if t.live:
+                    t.due = [step] * self.ranks
+                    t.flushed_at = step
+        if meta.load_event >= 0:
+            for req_id in meta.load_event_to_reqs.get(meta.load_event, ()):
+                self.begin(req_id, "load", ("load", meta.load_event, req_id), meta.load_gpu_blocks, step,
+                           self.schedule.options["load_delay"])  # fmt: skip
+        if meta.store_event >= 0:
+            reqs = self.manager._store_event_to_reqs.get(meta.store_event) or ["*"]
+            self.begin(reqs[0], "store", meta.store_event, meta.store_gpu_blocks, step, 1)
+
+    def encode(self, step: int, due: list[list[SimTransfer]], twice: list[list[SimTransfer]]) -> list[Any]:
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+
+        outs = []
+        for rank in range(self.ranks):
+            events: dict[int, int] = {}
+            recving: set[str] = set()
+            for t in due[rank] + twice[rank]:
+                if t.kind == "store":
+                    events[t.job] = 1
+                else:
+                    recving.add(t.req_id)
+            meta = SimpleCPUOffloadWorkerMetadata(completed_store_events=events) if events else None
+            outs.append(KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=meta))
+        return outs
+
+
 def _spec_ids(spec: Any) -> list[int]:
     ids = getattr(spec, "block_ids", None)
     return [] if ids is None else [int(b) for b in ids]
@@ -779,11 +876,14 @@ def _watch_allocations(pool: Any) -> list[int]:
     return handed
 
 
-def _aggregate(aggregator: Any, outputs: list[Any]) -> Any:
-    """Rank outputs joined by vLLM's ``KVOutputAggregator`` (rank 0's
-    model output carrying the joined connector output)."""
-    joined = aggregator.aggregate(outputs, 0)
-    return joined
+def _reported(scheduler: Any, sim: ConnectorSim, aggregator: Any, out: Any, step: int) -> Any:
+    """The model output of ``step``: the stand-in model's tokens with what
+    the simulated ranks report, joined by vLLM's ``KVOutputAggregator``
+    where there are several."""
+    rank_outputs = sim.report(step)
+    if aggregator is None:
+        return _model_output(scheduler, out, rank_outputs[0])
+    return aggregator.aggregate([_model_output(scheduler, out, o) for o in rank_outputs], 0)
 
 
 def serve(schedule: Schedule, mode: str, *, max_steps: int | None = None, hooks: Any = None) -> RunResult:
@@ -868,13 +968,7 @@ def serve(schedule: Schedule, mode: str, *, max_steps: int | None = None, hooks:
                             f"step {step}: block {b} handed out while {t.req_id}'s {t.kind} #{t.ordinal} "
                             f"(planned step {t.planned}) could still touch it"
                         )
-                rank_outputs = sim.report(step)
-                if aggregator is None:
-                    mro = _model_output(scheduler, out, rank_outputs[0])
-                else:
-                    outs = [_model_output(scheduler, out, o) for o in rank_outputs]
-                    mro = _aggregate(aggregator, outs)
-                scheduler.update_from_output(out, mro)
+                scheduler.update_from_output(out, _reported(scheduler, sim, aggregator, out, step))
                 waiting = scheduler.has_unfinished_requests()
                 if out.total_num_scheduled_tokens == 0 and waiting:
                     idle += 1
@@ -889,7 +983,7 @@ def serve(schedule: Schedule, mode: str, *, max_steps: int | None = None, hooks:
             res.error = f"step {step}: " + traceback.format_exc(limit=8)
         if res.error is None:
             try:
-                _drain(scheduler, step)
+                step = _drain(scheduler, sim, aggregator, step)
             except Exception:  # noqa: BLE001
                 res.error = "drain: " + traceback.format_exc(limit=8)
         res.steps = step
@@ -911,18 +1005,26 @@ DRAIN_STEPS = 3
 """Steps served after the workload, with the leases' clock past every give-up time."""
 
 
-def _drain(scheduler: Any, step: int) -> None:
+def _drain(scheduler: Any, sim: ConnectorSim, aggregator: Any, step: int) -> int:
     """After the workload: move the plugin's lease clock (``StepHazards.clock``)
-    a day on, past every engine's give-up time, and serve
-    :data:`DRAIN_STEPS` more steps (each gives up the transfers whose
-    lease ended as it begins); stock serves the same steps."""
+    a day on, past every engine's give-up time, and serve at least
+    :data:`DRAIN_STEPS` more steps, until the simulated worker has nothing
+    left to report (each step gives up the transfers whose lease ended as
+    it begins; the transfers planned in them are reported as usual); stock
+    serves the same steps. Returns the last step."""
     hz = getattr(scheduler.kv_cache_manager.block_pool, "hazards", None)
     clock = getattr(hz, "clock", None)
     if clock is not None:
         hz.clock = lambda: clock() + 86400.0
-    for _ in range(DRAIN_STEPS):
+    for i in range(DRAIN_STEPS + 40):
+        if i >= DRAIN_STEPS and not sim.busy():
+            break
+        step += 1
+        sim.step = step
         out = scheduler.schedule()
-        scheduler.update_from_output(out, _model_output(scheduler, out, None))
+        sim.plan(step, out)
+        scheduler.update_from_output(out, _reported(scheduler, sim, aggregator, out, step))
+    return step
 
 
 def _leaked(scheduler: Any) -> list[int]:
@@ -1102,12 +1204,13 @@ def format_totals(rows: list[Totals]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--connector", action="append", help=f"one of {sorted(SIMS)} (repeatable; default all)")
+    p.add_argument("--connector", action="append", help="a simulated connector's name (repeatable; default all)")
     p.add_argument("--schedules", type=int, default=50, help="schedules per connector (default 50)")
     p.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     p.add_argument("--long", action="store_true", help="thousands of schedules: --schedules 2000 unless given")
     p.add_argument("-v", "--verbose", action="store_true", help="describe every schedule and run")
     args = p.parse_args(argv)
+    load_sims()
     if args.long and "--schedules" not in (argv if argv is not None else sys.argv[1:]):
         args.schedules = 2000
     names = args.connector or sorted(SIMS)
