@@ -202,20 +202,25 @@ def test_a_fault_while_checking_leases_is_counted_logged_once_and_never_raised(
 
 
 def deferring(defer_steps: int = 3) -> tuple[HazardAwareBlockPool, StepHazards]:
-    """Two blocks held back for a store, none free: a request short of one
-    block could be served by them."""
+    """Two blocks held back for a store, none free."""
     pool, hz, _ = hazards(num_blocks=4, defer_steps=defer_steps)
     held_store(pool, hz, "r1", 2)
     pool.get_new_blocks(pool.get_num_free_blocks())
-    hz.last_need = 1
     return pool, hz
+
+
+def step(hz: StepHazards, need: int | None = 1) -> None:
+    """A ``schedule()`` begins, and vLLM's coordinator computes that a
+    request needs ``need`` blocks (what the scheduler wiring records)."""
+    hz.begin_schedule()
+    hz.last_need = need
 
 
 def test_preemption_is_deferred_for_at_most_the_bound_of_consecutive_steps() -> None:
     _, hz = deferring(3)
     answers = []
     for _ in range(8):
-        hz.begin_schedule()
+        step(hz)
         answers.append(hz.defer_preemption())
         answers.append(hz.defer_preemption())  # a second ask in the same step answers the same
     # Three steps deferred, the fourth answers as stock (vLLM preempts), and
@@ -226,35 +231,71 @@ def test_preemption_is_deferred_for_at_most_the_bound_of_consecutive_steps() -> 
 
 def test_a_step_without_a_deferral_ends_the_run() -> None:
     _, hz = deferring(2)
-    hz.begin_schedule()
+    step(hz)
     assert hz.defer_preemption()
-    hz.begin_schedule()  # the request fitted: nobody asked
-    hz.begin_schedule()
+    step(hz)  # the request fitted: nobody asked
+    step(hz)
     assert hz.defer_preemption()
-    hz.begin_schedule()
+    step(hz)
     assert hz.defer_preemption()
-    hz.begin_schedule()
+    step(hz)
     assert not hz.defer_preemption()
 
 
 def test_no_deferral_for_a_need_beyond_the_held_blocks_an_unknown_need_or_a_zero_bound() -> None:
     _, hz = deferring(3)
-    hz.begin_schedule()
-    hz.last_need = 3  # short of 3, 2 held
+    step(hz, 3)  # short of 3, 2 held
     assert not hz.defer_preemption() and hz.deferrals_too_small == 1
-    hz.last_need = None
+    step(hz, None)  # no allocation seen this step: the need of an earlier step is not used
     assert not hz.defer_preemption()
     _, hz = deferring(0)
-    hz.begin_schedule()
+    step(hz)
     assert not hz.defer_preemption() and hz.preemptions_deferred == 0
 
 
 def test_nothing_held_is_no_deferral() -> None:
     pool, hz, _ = hazards(num_blocks=4)
     pool.get_new_blocks(pool.get_num_free_blocks())
-    hz.last_need = 1
-    hz.begin_schedule()
+    step(hz)
     assert not hz.defer_preemption()
+
+
+def test_held_transfers_are_given_up_after_the_bound_of_steps_held_up_by_their_blocks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pool, hz = deferring(3)
+    # A request needs 2 blocks, none is free, the 2 held would do: held up.
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for _ in range(3):
+            step(hz, 2)
+            assert hz.end_schedule(scheduled=False) == 0
+        step(hz, 2)
+        assert hz.end_schedule(scheduled=False) == 1  # the fourth such step in a row
+    assert hz.held_releases == 1 and hz.blocks_on_their_way() == 0 and pool.get_num_free_blocks() == 2
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "store of request 'r1'" in line and "scheduled nothing for 4 steps" in line
+    assert hz.end_transfers(finished_sending={"r1"}) == 0  # its late report ends nothing
+
+
+@pytest.mark.parametrize(
+    "interruption",
+    ["a step that scheduled work", "a need the held blocks cannot cover", "a need the free blocks cover"],
+)
+def test_a_step_not_held_up_by_held_blocks_restarts_the_count(interruption: str) -> None:
+    _, hz = deferring(3)
+    for _ in range(3):
+        step(hz, 2)
+        hz.end_schedule(scheduled=False)
+    if interruption == "a step that scheduled work":
+        step(hz, 2)
+        hz.end_schedule(scheduled=True)
+    else:
+        step(hz, 3 if interruption == "a need the held blocks cannot cover" else 0)
+        hz.end_schedule(scheduled=False)
+    for _ in range(3):
+        step(hz, 2)
+        assert hz.end_schedule(scheduled=False) == 0
+    assert hz.blocks_on_their_way() == 2 and hz.held_releases == 0
 
 
 def test_engine_give_up_reads_each_connectors_own_time() -> None:
@@ -458,3 +499,57 @@ def test_a_late_report_of_a_given_up_transfer_is_ignored(mode: str) -> None:
     core.poll()
     assert core.stats().failed_tokens == failed and hz.pending_transfers() == []
     assert serve(scheduler)[0] == 0
+
+
+def scheduler_with_blocks_held_by_an_aborted_get(**env: str) -> Any:
+    """vLLM's Scheduler with MooncakeStore (14 blocks, chunks of 64 tokens):
+    B's GET of 48 tokens begins and never reports, and B is aborted, so its
+    three GET blocks are held (the plugin on) or free again (stock); A (40
+    tokens, 8 out) runs; E (160 tokens, 4 out) arrives: it fits in the
+    blocks only with the held ones."""
+    from vllm.v1.request import RequestStatus
+
+    from tests.test_vllm_connectors import lookup, make_request, make_scheduler, model_output
+
+    with patch.dict(os.environ, env):
+        scheduler = make_scheduler(
+            "MooncakeStoreConnector",
+            {"load_async": False},
+            num_blocks=14,
+            role="kv_consumer",
+            max_num_batched_tokens=64,
+        )
+    cs = scheduler.connector.connector_scheduler
+    cs.client.lookup.return_value = lookup(48)
+    scheduler.add_request(make_request("B", list(range(100, 180)), 20))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, model_output(out))
+    cs.client.lookup.return_value = lookup(0)
+    scheduler.finish_requests("B", RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(make_request("A", list(range(1, 41)), 8))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, model_output(out))
+    scheduler.add_request(make_request("E", list(range(1000, 1160)), 4))
+    return scheduler
+
+
+@needs_vllm
+@pytest.mark.parametrize("mode", ["stock", "on"], indirect=True)
+def test_a_request_that_needs_blocks_held_for_a_get_that_never_reports_is_served_within_the_bound(
+    mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    scheduler = scheduler_with_blocks_held_by_an_aborted_get()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        left, longest = serve(scheduler)
+    assert left == 0
+    if mode == "stock":
+        assert longest == 0
+        return
+    hz = scheduler.kv_cache_manager.block_pool.hazards
+    # E waited while running (16 steps deferred), preempted itself when the
+    # bound was reached, and the step after the bound gave the held GET up:
+    # at most bound + 1 steps scheduled nothing.
+    assert longest <= hz.defer_steps + 1
+    assert hz.held_releases == 1 and hz.blocks_on_their_way() == 0
+    (line,) = [r.getMessage() for r in caplog.records if "did not report within" in r.getMessage()]
+    assert "load of request 'B'" in line and "scheduled nothing for 17 steps" in line

@@ -41,7 +41,9 @@ Where each token comes from (``docs/vllm-design.md``, "Hazard wiring (scheduler 
   the need and for a bounded number of steps; a host transfer that never
   reports is given up at its engine's give-up time (a lease,
   :meth:`StepHazards.give_up_after`, checked as each step begins by
-  :meth:`StepHazards.begin_schedule`), and its blocks come back.
+  :meth:`StepHazards.begin_schedule`), or once the scheduler has scheduled
+  nothing for want of its blocks beyond that bound
+  (:meth:`StepHazards.end_schedule`), and its blocks come back.
 
 Example (doctest; the fakes stand for vLLM's outputs)::
 
@@ -297,6 +299,9 @@ class Transfer:
         )
 
 
+_Lease = tuple[float, float, int, Hashable, Transfer]  # (deadline, begun at, scheduler call, key, transfer)
+
+
 class StepHazards:
     """Issue, tag and end the tokens of one vLLM scheduler's steps and
     transfers, on one :class:`~blockpool.HazardAwareBlockPool`.
@@ -349,7 +354,7 @@ class StepHazards:
         # Leases of host-engine transfers: per stream, in the order begun
         # (one time per stream: deadlines ascend), (deadline, begun at, step, key, transfer).
         self._give_up: dict[str, float] = {}
-        self._leases: dict[str, collections.deque[tuple[float, float, int, Hashable, Transfer]]] = {}
+        self._leases: dict[str, collections.deque[_Lease]] = {}
         self._leased = 0  # entries in self._leases
         self.schedule_calls = 0
         self.transfers_abandoned = 0
@@ -360,6 +365,8 @@ class StepHazards:
         (``get_num_blocks_to_allocate``; the scheduler wiring sets it)."""
         self.deferrals_given_up = 0
         self.deferrals_too_small = 0
+        self.held_releases = 0  # transfers given up for a scheduler held up by their blocks (end_schedule)
+        self._held_up = 0  # consecutive steps that scheduled nothing for want of held blocks
         self._defer_step = -1  # the scheduler call that last deferred
         self._defer_streak = 0  # consecutive scheduler calls that deferred, up to _defer_step
         self._gave_up_step = -1  # the scheduler call that answered as stock after the streak
@@ -1031,19 +1038,89 @@ class StepHazards:
         transfers given up. O(1) when no lease ended, else as
         :meth:`expire_transfers`."""
         self.schedule_calls += 1
+        self.last_need = None  # this step's allocations set it again
         if not self._leased:
             return 0
         try:
             return self.expire_transfers()
         except Exception as exc:  # noqa: BLE001  (never into vLLM's scheduler)
-            self.lease_faults += 1
-            if self.lease_faults == 1:
-                logger.error(
-                    "blockpool: checking the leases of host transfers failed (%r); their blocks stay "
-                    "held until the connector reports them (further faults counted in lease_faults)",
-                    exc,
-                )
+            return self._lease_fault("checking the leases of host transfers", exc)
+
+    def _lease_fault(self, what: str, exc: BaseException) -> int:
+        """Count a fault of the leases' wiring in ``lease_faults`` and log the
+        first one (one ERROR line). Returns 0 (nothing given up). O(1)."""
+        self.lease_faults += 1
+        if self.lease_faults == 1:
+            logger.error(
+                "blockpool: %s failed (%r); the blocks held back stay held until their transfers report "
+                "or their leases end (further faults counted in lease_faults)",
+                what,
+                exc,
+            )
+        return 0
+
+    def end_schedule(self, scheduled: bool) -> int:
+        """The scheduler wiring's call as each ``schedule()`` returns,
+        ``scheduled`` telling whether the step scheduled any token. A step
+        that scheduled nothing while only held blocks stood in the way (a
+        running request waited for them, :meth:`defer_preemption`, or the
+        step's last allocation, :attr:`last_need` blocks, found too few free
+        blocks, and the blocks held back for host transfers would have
+        covered it) counts as held up; after more than :attr:`defer_steps`
+        such steps in a row, every transfer blocks are held back for is
+        given up (:meth:`release_held`): stock vLLM would have reused those
+        blocks at once, and the requests that need them would otherwise
+        wait for the transfers' leases.
+        Any other step ends the count. Never raises (a fault is counted in
+        ``lease_faults`` and logged once). Returns the number of transfers
+        given up. O(1) unless the step scheduled nothing."""
+        if scheduled:
+            self._held_up = 0
             return 0
+        try:
+            need = self.last_need
+            pool = self.pool
+            if need is None or not len(pool.holdback):
+                self._held_up = 0
+                return 0
+            free = pool.get_num_free_blocks()  # applies completions (they may release held blocks)
+            step = self.schedule_calls
+            waited = step in (self._defer_step, self._gave_up_step)  # a running request waited, or gave up
+            if not (waited or free < need <= free + len(pool.holdback)):
+                self._held_up = 0
+                return 0
+            self._held_up += 1
+            if self._held_up <= self.defer_steps:
+                return 0
+            self._held_up = 0
+            return self.release_held()
+        except Exception as exc:  # noqa: BLE001  (never into vLLM's scheduler)
+            return self._lease_fault("releasing held blocks for a stalled scheduler", exc)
+
+    def release_held(self) -> int:
+        """Give up every host transfer that blocks are held back for, oldest
+        first, each as at the end of its lease (:meth:`expire_transfers`:
+        its token abandoned, its blocks back, its late report ignored, one
+        WARNING), counted in ``held_releases``. Returns the number given up.
+        O(leases + held blocks).
+
+        Raises:
+            BlockPoolError: from the pool (a token it does not know).
+        """
+        pool = self.pool
+        held = set(pool.holdback.pending_tokens())
+        if not held:
+            return 0
+        entries = [(stream, e) for stream, q in self._leases.items() for e in q if e[4].token in held]
+        entries.sort(key=lambda se: se[1][1])  # oldest first (the time each began)
+        given_up = 0
+        for stream, entry in entries:
+            self._leases[stream].remove(entry)
+            self._leased -= 1
+            why = f"the scheduler scheduled nothing for {self.defer_steps + 1} steps for want of the blocks held for it"
+            given_up += self._give_up_transfer(stream, entry, why)
+        self.held_releases += given_up
+        return given_up
 
     def give_up_after(self, stream: str, seconds: float | None) -> None:
         """The give-up time of host engine ``stream``: a transfer on it that
@@ -1104,29 +1181,39 @@ class StepHazards:
         given_up = 0
         for stream, q in self._leases.items():
             while q:
-                deadline, begun, step, key, t = q[0]
+                deadline, _, _, _, t = q[0]
                 if pool.is_ended(t.token):
                     q.popleft()
                     self._leased -= 1
                     continue
                 if deadline > now:
                     break
-                released = pool.abandon(t.token)  # first: a fault leaves the lease to the next check
+                given_up += self._give_up_transfer(stream, q[0], "the engine gives up on it")
                 q.popleft()
                 self._leased -= 1
-                self._forget(key, t)
-                given_up += 1
-                self.transfers_abandoned += 1
-                self.blocks_reclaimed += len(released)
-                logger.warning(
-                    "blockpool: %s: %s of request %r (key %r) did not report within %.0f s (%d scheduler "
-                    "steps): given up, as the engine gives up on it; its token is failed, its blocks %s "
-                    "are no longer held for it (returned to the free queue: %s); stock vLLM would "
-                    "already have reused them",
-                    stream, t.kind, t.request_id, key, now - begun,
-                    self.schedule_calls - step, list(t.block_ids), released or "none",
-                )  # fmt: skip
         return given_up
+
+    def _give_up_transfer(self, stream: str, entry: _Lease, why: str) -> int:
+        """Abandon the lease ``entry``'s transfer (its token failed, its held
+        blocks back), forget it, count it and log one WARNING saying
+        ``why``. Returns 1. O(blocks held on it).
+
+        Raises:
+            BlockPoolError: from the pool; nothing is forgotten then.
+        """
+        _, begun, step, key, t = entry
+        released = self.pool.abandon(t.token)  # first: a fault leaves the lease in place
+        self._forget(key, t)
+        self.transfers_abandoned += 1
+        self.blocks_reclaimed += len(released)
+        logger.warning(
+            "blockpool: %s: %s of request %r (key %r) did not report within %.0f s (%d scheduler steps): "
+            "given up, as %s; its token is failed, its blocks %s are no longer held for it (returned to "
+            "the free queue: %s); stock vLLM would already have reused them",
+            stream, t.kind, t.request_id, key, self.clock() - begun, self.schedule_calls - step, why,
+            list(t.block_ids), released or "none",
+        )  # fmt: skip
+        return 1
 
     def _forget(self, key: Hashable, t: Transfer) -> None:
         """Drop transfer ``t`` from the pending ones under ``key``, so that a
