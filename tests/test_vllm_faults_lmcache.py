@@ -1,0 +1,114 @@
+"""The seeded fault harness over LMCache (``tests/vllm_faults_lmcache.py``):
+on vLLM's real scheduler with LMCache 0.5.6's own scheduler code, the plugin
+(hazards on, and audit) serves every request stock vLLM serves with
+LMCache's in-process connector and with LMCache MP (one real LMCache worker
+per rank, two ranks joined by vLLM's ``KVOutputAggregator`` in either
+order, eager and lazy offload). ``BLOCKPOOL_FAULT_SCHEDULES`` sets the
+budget per connector (default 8). Needs vLLM and LMCache (skipped
+otherwise: run in ``.venv-lmcache``) and the shape-only model configs of
+``../shared/vllm-parity/hf``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from typing import Any
+from unittest.mock import patch
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler")
+pytest.importorskip("torch")
+if importlib.util.find_spec("lmcache") is None:
+    pytest.skip("this vLLM venv has no LMCache: run in .venv-lmcache", allow_module_level=True)
+if not os.environ.get("BLOCKPOOL_TEST_HF_FIXTURES"):
+    pytest.skip("no shape-only model configs (../shared/vllm-parity/hf)", allow_module_level=True)
+
+from tests import vllm_faults as vf
+from tests import vllm_faults_lmcache as vl
+from tests.test_vllm_faults import BUDGET
+
+CONNECTORS = ("lmcache", "lmcache_mp")
+
+
+@pytest.fixture(autouse=True)
+def _stand_ins_stopped() -> Iterator[None]:
+    """LMCache's stand-ins a run started are stopped after each test, even
+    one whose build failed."""
+    try:
+        yield
+    finally:
+        vl.stand_ins_off()
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_the_plugin_serves_every_lmcache_schedule_stock_serves(connector: str) -> None:
+    t = vf.run_many(connector, range(BUDGET))
+    assert [
+        f"seed {v.schedule.seed}: {'; '.join(v.failures)}\n  replay: {v.replay()}" for v in t.failed
+    ] == []
+
+
+def test_both_lmcache_connectors_are_registered_with_the_harness() -> None:
+    assert vf.SIMS["lmcache"] is vl.LMCacheSim
+    assert vf.SIMS["lmcache_mp"] is vl.LMCacheMPSim
+
+
+def test_the_simulated_store_hits_the_longest_saved_run_of_whole_chunks() -> None:
+    store = vl.ChunkStore()
+    store.save(range(1, 80))  # two whole chunks: [0, 32), [0, 64)
+    assert store.hit(range(1, 80)) == 64
+    assert store.hit([*range(1, 40), 999]) == 32
+    assert store.hit([5, *range(2, 80)]) == 0
+
+
+def shared_prefix_after_a_reset(connector: str, policy: str) -> vf.Schedule:
+    """r0 computes a 64-token prefix (LMCache saves it) and finishes; the
+    prefix cache is reset (vLLM forgets the prefix, LMCache keeps it); r1
+    and r2, sharing that prefix, then arrive together: LMCache loads the
+    prefix into the blocks vLLM allocated for r1 and published at once,
+    which r2 hits in the same step."""
+    schedule = vf.make_schedule(0, connector)
+    prefix = tuple(range(1, 65))
+    schedule.requests[:] = [
+        vf.RequestSpec("r0", (*prefix, 500), 2, 1),
+        vf.RequestSpec("r1", (*prefix, 600, 601), 3, 8),
+        vf.RequestSpec("r2", (*prefix, 700, 701, 702), 3, 8),
+    ]
+    schedule.faults[:] = []
+    schedule.events[:] = [vf.Event("reset", "r0", 2)]
+    schedule.ranks = 1
+    schedule.num_blocks = 32
+    schedule.policy = policy
+    return schedule
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_two_requests_filling_one_lmcache_prefix_in_one_step_are_served_as_stock_serves_them(
+    policy: str,
+) -> None:
+    """Issue point 1 as a schedule: a load into blocks whose keys vLLM
+    published when it allocated them, which a second request hits in the
+    same step, is the fill those keys announce: under either policy both
+    requests finish with stock's tokens."""
+    schedule = shared_prefix_after_a_reset("lmcache", policy)
+    loads: list[tuple[str, int]] = []
+    begin = vl.LMCacheSim.begin
+
+    def recording(self: Any, req_id: str, kind: str, *a: Any, **k: Any) -> Any:
+        t = begin(self, req_id, kind, *a, **k)
+        if kind == "load":
+            loads.append((req_id, t.planned))
+        return t
+
+    results = {}
+    with patch.object(vl.LMCacheSim, "begin", recording):
+        for mode in vf.MODES:
+            loads.clear()
+            results[mode] = vf.serve(schedule, mode)
+            assert loads == [("r1", 8)], mode  # r2 hit r1's blocks in the step of r1's load
+    v = vf.judge(schedule, results)
+    assert v.failures == [] and v.stock_only == []
+    assert set(results["on"].status.values()) == {"FINISHED_LENGTH_CAPPED"}
