@@ -746,3 +746,21 @@ def test_a_layerwise_load_waits_on_its_fence_and_its_token_is_met_only_after_its
         layers = [f"load layer {i}" for i in range(engine.num_layers)]
         assert engine.log == ["step 2 reads A's blocks", *layers, "store of B's blocks"]
         assert wh.stock_fallbacks == 0
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_layerwise_load_whose_token_cannot_be_recorded_raises_nothing_into_vllm(registered: bool) -> None:
+    """A failure while recording the layerwise loads' tokens stays in the
+    wiring: counted and logged once; a wait on such a token is not met, so
+    whatever waits on it keeps vLLM's own wait."""
+    with layerwise_load_on_worker() as (wh, _, out3, _, engine, conn):
+        load = Transfer.from_wire(getattr(req_meta(out3, "B"), vc.META_LOAD))
+
+        def refuse(*a: Any, **k: Any) -> None:
+            raise RuntimeError("no side stream on this device")
+
+        from blockpool.integrations.vllm import lmcache_mp
+
+        with patch.object(lmcache_mp, "_side_stream", refuse):
+            layerwise_step(conn, engine, out3)
+        assert not wh.was_recorded(load.token) and wh.stock_fallbacks == 1

@@ -398,7 +398,9 @@ def _wait_before_layerwise(engine: Any, loads: dict[str, Any]) -> None:
     cache) wait on the fences of every load of the step. LMCache calls
     ``retrieve_layer`` without the request's id, so the waits are not
     matched per request: each load waits on the others' fences too (never
-    less than its own). In audit mode the loads are counted instead."""
+    less than its own). In audit mode the loads are counted instead. Never
+    raises: a failure leaves the loads to LMCache's own ordering, counted
+    in ``stock_fallbacks`` and logged once."""
     from blockpool.integrations.vllm import worker as vw
 
     wh = vw.current()
@@ -408,15 +410,19 @@ def _wait_before_layerwise(engine: Any, loads: dict[str, Any]) -> None:
         for t in loads.values():
             wh.observe_transfer(LMCACHE, t)
         return
-    fence = tuple(dict.fromkeys(tok for t in loads.values() for tok in wh.waitable(t.fence)))
-    if not fence:
-        return
-    current = wh.current_stream()
-    load = getattr(getattr(engine, "gpu_connector", None), "load_stream", None)
-    waited = wh.wait_device_or_stock(fence, current, "an LMCache layerwise load")
-    if load is not None and load is not current:
-        waited = wh.wait_device_or_stock(fence, load, "an LMCache layerwise load") and waited
-    wh.waits += waited
+    what = "an LMCache layerwise load"
+    try:
+        fence = tuple(dict.fromkeys(tok for t in loads.values() for tok in wh.waitable(t.fence)))
+        if not fence:
+            return
+        current = wh.current_stream()
+        load = getattr(getattr(engine, "gpu_connector", None), "load_stream", None)
+        waited = wh.wait_device_or_stock(fence, current, what)
+        if load is not None and load is not current:
+            waited = wh.wait_device_or_stock(fence, load, what) and waited
+        wh.waits += waited
+    except Exception as exc:  # noqa: BLE001  (never out of vLLM's worker: LMCache's own ordering stays)
+        wh.fell_back(what, exc)
 
 
 def _record_layerwise(conn: Any, engine: Any, loads: dict[str, Any]) -> None:
@@ -426,7 +432,9 @@ def _record_layerwise(conn: Any, engine: Any, loads: dict[str, Any]) -> None:
     recorded on a side stream ordered after the current stream (the
     forward, and the blending connector's paged writes) and after the GPU
     connector's load stream (every layer's copy). Never earlier: a fence
-    naming such a token is not met before the last layer is written."""
+    naming such a token is not met before the last layer is written.
+    Never raises: a failure is counted in ``stock_fallbacks`` and logged
+    once, and the tokens left unrecorded are met by no wait."""
     from blockpool.integrations.vllm import worker as vw
     from blockpool.integrations.vllm.lmcache_mp import _side_stream
 
@@ -436,14 +444,19 @@ def _record_layerwise(conn: Any, engine: Any, loads: dict[str, Any]) -> None:
     pending = sorted((t for t in loads.values() if not wh.was_recorded(t.token)), key=lambda t: t.token.seq)
     if not pending:
         return
-    current = wh.current_stream()
-    side = _side_stream(conn, current)
-    side.wait_stream(current)
-    load = getattr(getattr(engine, "gpu_connector", None), "load_stream", None)
-    if load is not None and load is not current:
-        side.wait_stream(load)
-    for t in pending:
-        wh.record(t.token, side)
+    try:
+        current = wh.current_stream()
+        side = _side_stream(conn, current)
+        side.wait_stream(current)
+        load = getattr(getattr(engine, "gpu_connector", None), "load_stream", None)
+        if load is not None and load is not current:
+            side.wait_stream(load)
+        for t in pending:
+            wh.record(t.token, side)
+    except Exception as exc:  # noqa: BLE001  (never out of vLLM's worker)
+        # A token not recorded here is one no wait can meet: whatever waits
+        # on it keeps vLLM's own wait (WorkerHazards.wait_device_or_stock).
+        wh.fell_back("recording an LMCache layerwise load", exc)
 
 
 def wire_worker(patch: Patcher) -> None:
