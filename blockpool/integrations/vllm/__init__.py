@@ -713,9 +713,9 @@ def _wire_scheduler() -> None:
                 SERVED.deferrals_given_up += 1
                 if SERVED.deferrals_given_up == 1:
                     logger.warning(
-                        "blockpool: a request waited %d scheduler steps for blocks held back for KV "
-                        "transfers in flight; vLLM preempts as stock now (once per process; counted in "
-                        "SERVED.deferrals_given_up; %s sets the bound)",
+                        "blockpool: a request waited for blocks held back for KV transfers in flight "
+                        "until the bound of %d scheduler steps; vLLM preempts as stock now (once per "
+                        "process; counted in SERVED.deferrals_given_up; %s sets the bound)",
                         hz.defer_steps,
                         ENV_DEFER_STEPS,
                     )

@@ -104,8 +104,11 @@ COMPUTE = "compute"
 logger = logging.getLogger("vllm.plugins.blockpool")
 
 ENV_DEFER_STEPS = "BLOCKPOOL_VLLM_DEFER_STEPS"
-"""Consecutive scheduler steps a preemption may be deferred for blocks on
-their way (:meth:`StepHazards.defer_preemption`); ``0``: never deferred."""
+"""The most consecutive scheduler steps that may schedule nothing for want
+of blocks held back for host transfers: a preemption is deferred for them
+(:meth:`StepHazards.defer_preemption`) in fewer steps, and the held
+transfers are given up after that many (:meth:`StepHazards.end_schedule`);
+``0`` or ``1``: a preemption is never deferred."""
 DEFAULT_DEFER_STEPS = 16
 """The default of :data:`ENV_DEFER_STEPS`. A host transfer that reports at
 all reports within a few steps (its workers poll it every step, also in a
@@ -1066,11 +1069,11 @@ class StepHazards:
         running request waited for them, :meth:`defer_preemption`, or the
         step's last allocation, :attr:`last_need` blocks, found too few free
         blocks, and the blocks held back for host transfers would have
-        covered it) counts as held up; after more than :attr:`defer_steps`
-        such steps in a row, every transfer blocks are held back for is
-        given up (:meth:`release_held`): stock vLLM would have reused those
-        blocks at once, and the requests that need them would otherwise
-        wait for the transfers' leases.
+        covered it) counts as held up; at the end of the :attr:`defer_steps`-th
+        such step in a row (the first, where it is 0), every transfer blocks
+        are held back for is given up (:meth:`release_held`): stock vLLM
+        would have reused those blocks at once, and the requests that need
+        them would otherwise wait for the transfers' leases.
         Any other step ends the count. Never raises (a fault is counted in
         ``lease_faults`` and logged once). Returns the number of transfers
         given up. O(1) unless the step scheduled nothing."""
@@ -1090,7 +1093,7 @@ class StepHazards:
                 self._held_up = 0
                 return 0
             self._held_up += 1
-            if self._held_up <= self.defer_steps:
+            if self._held_up < max(self.defer_steps, 1):
                 return 0
             self._held_up = 0
             return self.release_held()
@@ -1117,7 +1120,7 @@ class StepHazards:
         for stream, entry in entries:
             self._leases[stream].remove(entry)
             self._leased -= 1
-            why = f"the scheduler scheduled nothing for {self.defer_steps + 1} steps for want of the blocks held for it"
+            why = f"the scheduler scheduled nothing for {max(self.defer_steps, 1)} steps for want of the blocks held for it"
             given_up += self._give_up_transfer(stream, entry, why)
         self.held_releases += given_up
         return given_up
@@ -1235,10 +1238,13 @@ class StepHazards:
         held back for host transfers in flight (:meth:`blocks_on_their_way`)
         could cover the shortfall of that request (:attr:`last_need`, the
         coordinator's count, less the free blocks), and (b) fewer than
-        :attr:`defer_steps` consecutive ``schedule()`` calls before this one
-        deferred. The call after such a run answers ``False`` for the whole
-        of its step (vLLM preempts as stock, counted in
-        ``deferrals_given_up``) and starts the count again. A shortfall the
+        :attr:`defer_steps` - 1 consecutive ``schedule()`` calls before this
+        one deferred. The call after such a run, the :attr:`defer_steps`-th,
+        answers ``False`` for the whole of its step (vLLM preempts as stock,
+        counted in ``deferrals_given_up``; if that step still schedules
+        nothing, :meth:`end_schedule` gives the held transfers up) and starts
+        the count again: at most :attr:`defer_steps` steps in a row schedule
+        nothing for want of held blocks. A shortfall the
         held blocks cannot cover answers ``False`` (``deferrals_too_small``),
         as does an unknown need. Deferrals are counted in
         ``preemptions_deferred``. O(1) plus the completions applied.
@@ -1257,7 +1263,7 @@ class StepHazards:
             return False
         if step != self._defer_step:
             streak = self._defer_streak + 1 if step == self._defer_step + 1 else 1
-            if streak > self.defer_steps:
+            if streak >= self.defer_steps:
                 self._gave_up_step = step
                 self._defer_streak = 0
                 self.deferrals_given_up += 1
