@@ -554,3 +554,20 @@ def test_a_request_that_needs_blocks_held_for_a_get_that_never_reports_is_served
     assert hz.held_releases == 1 and hz.blocks_on_their_way() == 0
     (line,) = [r.getMessage() for r in caplog.records if "did not report within" in r.getMessage()]
     assert "load of request 'B'" in line and "scheduled nothing for 16 steps" in line
+
+
+@pytest.mark.skipif(
+    not _VLLM or importlib.util.find_spec("lmcache") is None, reason="needs vLLM and LMCache (.venv-lmcache)"
+)
+@pytest.mark.parametrize("mode", ["on"], indirect=True)
+def test_lmcache_mp_transfers_are_given_up_at_lmcaches_own_mq_timeout(mode: str) -> None:
+    from blockpool.integrations.vllm import lmcache_mp as mp
+    from tests import test_vllm_lmcache_mp as lm
+    from tests.test_vllm_connectors import make_scheduler
+
+    vmod = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector")
+    with patch.object(vmod, "LMCacheMPConnector", lm.connector_mod.LMCacheMPConnector), lm.lmcache_io() as io:
+        io.scheduler_adapter._mq_timeout = 300.0  # LMCache's own wait for its server (lmcache.mp.mq_timeout)
+        scheduler = make_scheduler(lm.CONNECTOR)
+    hz = scheduler.kv_cache_manager.block_pool.hazards
+    assert hz.give_up_time(mp.LOAD_STREAM) == hz.give_up_time(mp.STORE_STREAM) == 300.0
