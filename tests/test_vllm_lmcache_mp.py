@@ -682,3 +682,27 @@ def test_the_servers_transfers_are_given_up_at_lmcaches_own_mq_timeout(registere
         scheduler = make_scheduler(CONNECTOR)
     hz = hazards(scheduler)
     assert (hz.give_up_time(mp.LOAD_STREAM), hz.give_up_time(mp.STORE_STREAM)) == (7.5, 7.5)
+
+
+def test_a_store_future_that_cannot_be_read_leaves_its_op_pending_and_raises_nothing_into_vllm() -> None:
+    """A future whose ``query`` raises (a server connection LMCache lost
+    half-way, say) is read as not ended: that op stays pending (its lease
+    ends it at LMCache's ``mq_timeout``), the other ops are reported, and
+    vLLM's output path sees no exception."""
+    from tests.test_vllm_connectors import wrapper
+
+    class Broken(Future):
+        def query(self) -> bool:
+            raise OSError("connection reset")
+
+    done, broken = Future("store"), Broken("store")
+    done.done = True
+    t1, t2 = (Transfer("C", "store", Token(mp.STORE_STREAM, n), EMPTY_FENCE, (4,)) for n in (1, 2))
+    rank = SimpleNamespace(
+        worker_adapter=SimpleNamespace(is_healthy=True),
+        _blockpool_store_ops={(1, "C"): (t1, broken), (2, "C"): (t2, done)},
+    )
+    build = wrapper(mp.wire_worker, "LMCacheMPConnector", "build_connector_worker_meta", lambda self: None)
+    meta = build(rank)
+    assert isinstance(meta, mp.MPWorkerMeta) and meta.done == {(2, "C"): 1}
+    assert list(rank._blockpool_store_ops) == [(1, "C")]

@@ -439,6 +439,28 @@ def _store_futures_kept(conn: Any, stores: list[tuple[Any, Any]]) -> Iterator[No
             ops[key] = (t, None)
 
 
+_UNREADABLE_LOGGED = False
+
+
+def _ended(future: Any) -> bool:
+    """Whether a store op's future says its server copy ended. A future
+    that cannot be read (its ``query`` raises) counts as not ended: the op
+    stays pending until its lease ends it (LMCache's ``mq_timeout``); one
+    WARNING per process. Never raises. O(1)."""
+    global _UNREADABLE_LOGGED
+    try:
+        return bool(future.query())
+    except Exception as exc:  # noqa: BLE001  (never out of vLLM's output path)
+        if not _UNREADABLE_LOGGED:
+            _UNREADABLE_LOGGED = True
+            logger.warning(
+                "blockpool: lmcache_mp: a store's future cannot be read (%r); its op stays pending until "
+                "LMCache's mq_timeout (further ones are not logged)",
+                exc,
+            )
+        return False
+
+
 def wire_worker(patch: Patcher) -> None:
     """Install the worker half on LMCache's ``LMCacheMPConnector``: the IPC
     event of ``start_load_kv`` and ``wait_for_save`` ordered after the
@@ -489,7 +511,7 @@ def wire_worker(patch: Patcher) -> None:
             for key, (t, future) in list(ops.items()):
                 # A rank LMCache submitted nothing for, or a server LMCache
                 # gave up on (it drops its futures then), reports at once.
-                if future is None or not healthy or future.query():
+                if future is None or not healthy or _ended(future):
                     del ops[key]
                     done[key] = 1
                     if wh is not None:
