@@ -112,3 +112,25 @@ def test_two_requests_filling_one_lmcache_prefix_in_one_step_are_served_as_stock
     v = vf.judge(schedule, results)
     assert v.failures == [] and v.stock_only == []
     assert set(results["on"].status.values()) == {"FINISHED_LENGTH_CAPPED"}
+
+
+def test_a_prefix_cache_reset_while_a_store_op_still_reads_a_running_requests_blocks_is_served_as_stock() -> (
+    None
+):
+    """Issue point 6 as a schedule: LMCache MP on two ranks, r0's first
+    store op reported late; the prefix cache is reset (vLLM preempts r0)
+    while the op still reads r0's blocks. Stock resets; so does the plugin
+    (the held blocks keep their hold and lose their keys), and r0 finishes
+    with stock's tokens."""
+    late = vf.Fault("r0", "store", 0, "late", 4)
+    schedule = vf.make_schedule(0, "lmcache_mp")
+    schedule.requests[:] = [vf.RequestSpec("r0", tuple(range(1, 65)), 6, 1)]
+    schedule.faults[:] = [late]
+    schedule.events[:] = [vf.Event("reset", "r0", 1)]
+    schedule.ranks = 2
+    schedule.num_blocks = 16
+    schedule.options.update(delay=1, reversed_ranks=False, lazy_offload=False)
+    results = {m: vf.serve(schedule, m) for m in vf.MODES}
+    v = vf.judge(schedule, results)
+    assert v.failures == [] and v.stock_only == []
+    assert all(r.fired == {late: 1} and len(r.outputs["r0"]) == 6 for r in results.values())

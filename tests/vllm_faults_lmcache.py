@@ -52,6 +52,7 @@ from typing import Any
 from unittest.mock import MagicMock, patch
 
 from tests import vllm_faults as vf
+from tests.vllm_faults_nixl import holds_blocks_for_a_transfer
 
 CHUNK = 32
 """Tokens per LMCache chunk in every schedule (two blocks)."""
@@ -385,6 +386,15 @@ class LMCacheMPSim(vf.ConnectorSim):
                     self.store.save(self.saves.pop(t.job, ()))
             outs.append(_worker_output(conn, finished))
         return outs
+
+    def may_reset(self) -> bool:
+        # vLLM refuses a reset while a finished request's blocks wait for
+        # its stores (eager offload), a lazy store pins its blocks, or a
+        # retrieve's request waits for its blocks (RuntimeError), plugin or
+        # not; an eager store of a running request does not stop stock's.
+        lazy = bool(self.schedule.options.get("lazy_offload"))
+        live = any(t.live and (lazy or t.kind == "load") for t in self.transfers)
+        return not live and not holds_blocks_for_a_transfer(self.scheduler)
 
     def busy(self) -> bool:
         """A transfer will still be reported, or a finished request's blocks

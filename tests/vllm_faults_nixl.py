@@ -80,6 +80,19 @@ def remote_prefill(spec: vf.RequestSpec) -> dict[str, Any]:
     }
 
 
+def holds_blocks_for_a_transfer(scheduler: Any) -> bool:
+    """A request of ``scheduler`` holds blocks that no reset can take: it
+    waits for an asynchronous load (``WAITING_FOR_REMOTE_KVS``), or it
+    finished and its blocks wait for the connector (a send, a store).
+    O(requests)."""
+    from vllm.v1.request import RequestStatus
+
+    return any(
+        r.is_finished() or r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        for r in scheduler.requests.values()
+    )
+
+
 def _is_nixl(t: vf.SimTransfer) -> bool:
     return isinstance(t.job, tuple) and t.job[0] in ("nixl", "nixl_send")
 
@@ -123,6 +136,12 @@ class NixlWorker:
         if role == "decode":
             return {"do_remote_decode": True}
         return None
+
+    def may_reset(self) -> bool:
+        # vLLM refuses a reset (RuntimeError, plugin or not) while a read's
+        # request holds its blocks in WAITING_FOR_REMOTE_KVS (until the step
+        # after its report) or a finished request's blocks wait for a send.
+        return not holds_blocks_for_a_transfer(self.scheduler) and super().may_reset()  # type: ignore[misc]
 
     # -- the worker ----------------------------------------------------------
 
@@ -289,11 +308,6 @@ class NixlSim(NixlWorker, vf.ConnectorSim):
 
     def request_params(self, spec: vf.RequestSpec) -> dict[str, Any] | None:
         return self.nixl_params(spec)
-
-    def may_reset(self) -> bool:
-        # vLLM refuses a reset while a read's request waits for its blocks
-        # or a send holds a finished request's (RuntimeError), plugin or not.
-        return not any(t.live for t in self.transfers)
 
     def plan(self, step: int, out: Any) -> None:
         self.nixl_plan(step, out.kv_connector_metadata)
