@@ -278,6 +278,23 @@ def test_held_transfers_are_given_up_after_the_bound_of_steps_held_up_by_their_b
     assert hz.end_transfers(finished_sending={"r1"}) == 0  # its late report ends nothing
 
 
+def test_a_fault_while_releasing_held_blocks_keeps_the_lease_and_is_never_raised() -> None:
+    pool, hz = deferring(2)
+
+    def broken(token: Any) -> list[int]:
+        raise RuntimeError("engine state not understood")
+
+    with patch.object(pool, "abandon", broken):
+        for _ in range(2):
+            step(hz, 2)
+            assert hz.end_schedule(scheduled=False) == 0
+    assert hz.lease_faults == 1 and hz.leases_pending() == 1 and hz.blocks_on_their_way() == 2
+    for _ in range(2):  # the next run of held-up steps gives it up
+        step(hz, 2)
+        hz.end_schedule(scheduled=False)
+    assert hz.held_releases == 1 and hz.leases_pending() == 0 and hz.blocks_on_their_way() == 0
+
+
 @pytest.mark.parametrize(
     "interruption",
     ["a step that scheduled work", "a need the held blocks cannot cover", "a need the free blocks cover"],

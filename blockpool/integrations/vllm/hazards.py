@@ -1117,12 +1117,12 @@ class StepHazards:
         entries = [(stream, e) for stream, q in self._leases.items() for e in q if e[4].token in held]
         entries.sort(key=lambda se: se[1][1])  # oldest first (the time each began)
         given_up = 0
+        why = f"the scheduler scheduled nothing for {max(self.defer_steps, 1)} steps for want of the blocks held for it"
         for stream, entry in entries:
+            given_up += self._give_up_transfer(stream, entry, why)  # first: a fault leaves the lease in place
+            self.held_releases += 1
             self._leases[stream].remove(entry)
             self._leased -= 1
-            why = f"the scheduler scheduled nothing for {max(self.defer_steps, 1)} steps for want of the blocks held for it"
-            given_up += self._give_up_transfer(stream, entry, why)
-        self.held_releases += given_up
         return given_up
 
     def give_up_after(self, stream: str, seconds: float | None) -> None:
