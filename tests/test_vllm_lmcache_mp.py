@@ -407,6 +407,23 @@ def test_the_servers_retrieve_waits_on_an_event_recorded_after_the_fence_on_a_si
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
+def test_a_fenced_event_that_cannot_be_made_leaves_lmcaches_own_event_and_raises_nothing(
+    registered: bool,
+) -> None:
+    def refuse(*a: Any, **k: Any) -> None:
+        raise RuntimeError("no side stream on this device")
+
+    with patch.object(mp, "_side_stream", refuse), load_on_worker() as (wh, _, compute, io):
+        assert [f.name for f in io.transfer.futures] == ["retrieve B"]  # submitted, as stock
+        assert wh.stock_fallbacks == 1
+        server = io.transfer.server
+        assert server.run() == 0  # LMCache's own event, on the compute stream
+        compute.run()
+        server.run()
+        assert io.transfer.log == ["step 2 reads A's blocks", "retrieve B"]
+
+
+@pytest.mark.parametrize("registered", [True], indirect=True)
 def test_audit_mode_counts_a_retrieve_and_adds_no_wait(registered: bool) -> None:
     """LMCache's own event is recorded on the compute stream, after e2: the
     retrieve is fenced, and ordered by LMCache's own wait (not a race)."""

@@ -362,7 +362,9 @@ def _fenced_event(conn: Any, transfers: list[Any], what: str) -> Iterator[None]:
     IPC event the server's copies wait on) records on the side stream,
     ordered after the current stream and after the fences of
     ``transfers``; in audit mode the transfers are counted instead
-    (LMCache's event as stock)."""
+    (LMCache's event as stock). Where the side stream cannot be made or
+    ordered, LMCache's own event is recorded as stock (counted in
+    ``stock_fallbacks``, logged once)."""
     from blockpool.integrations.vllm import worker as vw
 
     wh = vw.current()
@@ -385,9 +387,13 @@ def _fenced_event(conn: Any, transfers: list[Any], what: str) -> Iterator[None]:
 
     @functools.wraps(orig)
     def create_recorded_event() -> Any:
-        current = wh.current_stream()
-        side = _side_stream(conn, current)
-        side.wait_stream(current)  # everything LMCache's own event covers
+        try:
+            current = wh.current_stream()
+            side = _side_stream(conn, current)
+            side.wait_stream(current)  # everything LMCache's own event covers
+        except Exception as exc:  # noqa: BLE001  (never out of vLLM's worker: LMCache's own event)
+            wh.fell_back(what, exc)
+            return orig()
         if wh.wait_device_or_stock(fence, side, what):
             wh.waits += 1
         with _current(wh, side):
