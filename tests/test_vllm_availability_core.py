@@ -76,6 +76,29 @@ def test_the_pool_adapters_reset_succeeds_with_only_held_blocks_busy_and_fails_w
     pool.core.check()
 
 
+@pytest.mark.parametrize("registered", [True], indirect=True)
+def test_blocks_vllm_frees_with_evict_first_while_a_host_store_reads_them_are_evicted_first_when_it_ends(
+    registered: bool,
+) -> None:
+    from blockpool.integrations.vllm.surface import active
+
+    if not active().evict_first:
+        pytest.skip("this vLLM's free_blocks has no evict_first")
+    scheduler = make_scheduler("MooncakeStoreConnector", num_blocks=N, role="kv_consumer")
+    pool, _, table = _running_request_with_a_host_store(scheduler)
+    stored = [pool.blocks[b] for b in table[:2]]
+    pool.touch(stored)  # a second holder: an offload's pin, say
+    scheduler.finish_requests(["A"], _aborted())  # A's own references go
+    assert pool.core.held_block_ids() == []
+    pool.free_blocks(stored, evict_first=True)  # the last references, while the store still reads them
+    assert pool.core.held_block_ids() == sorted(table[:2])
+    pool.hazards.finish(("put", 1))
+    assert pool.get_num_free_blocks() == N - 1  # applies the completion: the hold ends
+    head = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()][:2]
+    assert head == table[:2]  # at the eviction end, as vLLM asked
+    pool.core.check()
+
+
 def _aborted() -> Any:
     from vllm.v1.request import RequestStatus
 
