@@ -23,8 +23,9 @@ if not os.environ.get("BLOCKPOOL_TEST_HF_FIXTURES"):
 
 from blockpool.core.hazards import TokenStatus
 from blockpool.integrations.vllm import connectors as vc
-from tests.test_vllm_connectors import lookup, make_request, make_scheduler, model_output
-from tests.test_vllm_connectors import registered as registered  # noqa: F401  (the fixture)
+from tests.test_vllm_connectors import lookup, make_request, make_scheduler, model_output, registered
+
+__all__ = ["registered"]  # the fixture, imported for its tests
 
 N = 16  # blocks: 15 usable
 
@@ -112,6 +113,8 @@ def test_a_reset_succeeds_while_an_lmcache_mp_store_op_is_not_yet_reported(regis
     reported; ``reset_prefix_cache(reset_running_requests=True)`` preempts C
     and resets (stock does); C's blocks stay held until the op is
     reported, then come back."""
+    from vllm.v1.outputs import KVConnectorOutput
+
     from blockpool.integrations.vllm import worker as vw
     from blockpool.worker.standins import StandInDevice
     from tests.test_vllm_connectors import worker
@@ -125,8 +128,6 @@ def test_a_reset_succeeds_while_an_lmcache_mp_store_op_is_not_yet_reported(regis
         transfer_of,
         worker_connector,
     )
-
-    from vllm.v1.outputs import KVConnectorOutput
 
     dev = StandInDevice()
     compute = dev.new_stream("compute")
