@@ -173,7 +173,7 @@ def test_a_token_that_is_not_a_load_or_copy_in_flight_is_refused() -> None:
         assert "not a load or copy in flight" in str(err)
     pool.complete(get)
     _refused(pool, lambda: pool.fail_blocks(get, blocks[:1]), InvalidArgumentError)  # ended
-    _refused(pool, lambda: pool.fail_blocks("rdma:1", blocks[:1]), InvalidArgumentError)  # not a Token
+    _refused(pool, lambda: pool.fail_blocks("rdma:1", blocks[:1]), InvalidArgumentError)  # type: ignore[arg-type]  # not a Token
 
 
 def test_blocks_that_are_not_the_tokens_destinations_are_refused() -> None:
