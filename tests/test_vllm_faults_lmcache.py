@@ -89,9 +89,9 @@ def shared_prefix_after_a_reset(connector: str, policy: str) -> vf.Schedule:
 def test_two_requests_filling_one_lmcache_prefix_in_one_step_are_served_as_stock_serves_them(
     policy: str,
 ) -> None:
-    """Issue point 1 as a schedule: a load into blocks whose keys vLLM
-    published when it allocated them, which a second request hits in the
-    same step, is the fill those keys announce: under either policy both
+    """A load into blocks whose keys vLLM published when it allocated them,
+    which a second request hits in the same step, is the fill those keys
+    announce: LMCache runs it in every mode, and under either policy both
     requests finish with stock's tokens."""
     schedule = shared_prefix_after_a_reset("lmcache", policy)
     loads: list[tuple[str, int]] = []
@@ -117,9 +117,9 @@ def test_two_requests_filling_one_lmcache_prefix_in_one_step_are_served_as_stock
 def test_a_prefix_cache_reset_while_a_store_op_still_reads_a_running_requests_blocks_is_served_as_stock() -> (
     None
 ):
-    """Issue point 6 as a schedule: LMCache MP on two ranks, r0's first
-    store op reported late; the prefix cache is reset (vLLM preempts r0)
-    while the op still reads r0's blocks. Stock resets; so does the plugin
+    """LMCache MP on two ranks, r0's first store op reported late; the
+    prefix cache is reset (vLLM preempts r0) while the op still reads r0's
+    blocks. Stock resets; so does the plugin
     (the held blocks keep their hold and lose their keys), and r0 finishes
     with stock's tokens."""
     late = vf.Fault("r0", "store", 0, "late", 4)
