@@ -676,8 +676,10 @@ class MooncakeStoreSim(ConnectorSim):
 
     def may_reset(self) -> bool:
         # vLLM's own scheduler refuses a reset while a PUT pins blocks or a
-        # GET's request waits for its blocks (RuntimeError), plugin or not.
-        return not self.cs._pinned_saves and not any(t.live for t in self.transfers) and super().may_reset()
+        # GET's request waits for its blocks (RuntimeError), plugin or not;
+        # a PUT that pins nothing does not stand in its way.
+        pinned = any(blocks for blocks, _ in self.cs._pinned_saves.values())
+        return not pinned and super().may_reset()
 
     def plan(self, step: int, out: Any) -> None:
         meta = out.kv_connector_metadata
