@@ -1,12 +1,12 @@
-"""The seeded fault harness over LMCache (``tests/vllm_faults_lmcache.py``):
-on vLLM's real scheduler with LMCache 0.5.6's own scheduler code, the plugin
-(hazards on, and audit) serves every request stock vLLM serves with
-LMCache's in-process connector and with LMCache MP (one real LMCache worker
-per rank, two ranks joined by vLLM's ``KVOutputAggregator`` in either
-order, eager and lazy offload). ``BLOCKPOOL_FAULT_SCHEDULES`` sets the
-budget per connector (default 8). Needs vLLM and LMCache (skipped
-otherwise: run in ``.venv-lmcache``) and the shape-only model configs of
-``../shared/vllm-parity/hf``.
+"""The seeded fault harness's LMCache workers (``tests/vllm_faults_lmcache.py``)
+on vLLM's real scheduler with LMCache 0.5.6's own code: they register with
+the harness (whose CI test, ``tests/test_vllm_faults.py``, runs their
+schedules), their simulated store answers lookups as LMCache does, and
+schedules built by hand serve what stock serves: two requests filling one
+LMCache prefix in one step, and a prefix-cache reset while an LMCache MP
+store op still reads a running request's blocks. Needs vLLM and LMCache
+(skipped otherwise: run in ``.venv-lmcache``) and the shape-only model
+configs of ``../shared/vllm-parity/hf``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ if not os.environ.get("BLOCKPOOL_TEST_HF_FIXTURES"):
 
 from tests import vllm_faults as vf
 from tests import vllm_faults_lmcache as vl
-from tests.test_vllm_faults import BUDGET
-
-CONNECTORS = ("lmcache", "lmcache_mp")
 
 
 @pytest.fixture(autouse=True)
@@ -41,14 +38,6 @@ def _stand_ins_stopped() -> Iterator[None]:
         yield
     finally:
         vl.stand_ins_off()
-
-
-@pytest.mark.parametrize("connector", CONNECTORS)
-def test_the_plugin_serves_every_lmcache_schedule_stock_serves(connector: str) -> None:
-    t = vf.run_many(connector, range(BUDGET))
-    assert [
-        f"seed {v.schedule.seed}: {'; '.join(v.failures)}\n  replay: {v.replay()}" for v in t.failed
-    ] == []
 
 
 def test_both_lmcache_connectors_are_registered_with_the_harness() -> None:

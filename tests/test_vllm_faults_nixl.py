@@ -1,12 +1,12 @@
-"""The seeded fault harness over NIXL (``tests/vllm_faults_nixl.py``): on
-vLLM's real scheduler, the plugin (hazards on, and audit) serves every
-request stock vLLM serves with ``NixlConnector`` and with
-``MultiConnector([NixlConnector, MooncakeStoreConnector])``, and no
-MooncakeStore PUT reads a block before NIXL's post-receive kernels
-rewrote it; with the pool's tracking of those kernels removed, the harness
-finds the unordered PUT. ``BLOCKPOOL_FAULT_SCHEDULES`` sets the budget per
-connector (default 8). Needs vLLM (skipped otherwise) and the shape-only
-model configs of ``../shared/vllm-parity/hf``.
+"""The seeded fault harness's NIXL workers (``tests/vllm_faults_nixl.py``)
+on vLLM's real scheduler: they register with the harness (whose CI test,
+``tests/test_vllm_faults.py``, runs their schedules) for ``NixlConnector``
+and ``MultiConnector([NixlConnector, MooncakeStoreConnector])``; no
+MooncakeStore PUT reads a block before NIXL's post-receive kernels rewrote
+it, and with the pool's record of those kernels removed the harness finds
+the unordered PUT; a send the remote never reads is reaped at NIXL's lease
+and its blocks come back. Needs vLLM (skipped otherwise) and the
+shape-only model configs of ``../shared/vllm-parity/hf``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ if not os.environ.get("BLOCKPOOL_TEST_HF_FIXTURES"):
 
 from tests import vllm_faults as vf
 from tests import vllm_faults_nixl as vn
-from tests.test_vllm_faults import BUDGET
-
-CONNECTORS = [n for n in ("nixl", "nixl_mooncake") if n in vf.SIMS]
 
 
 def one_request(
@@ -44,14 +41,6 @@ def one_request(
     schedule.num_blocks = 16
     schedule.options.update(roles={"r0": role}, **options)
     return schedule
-
-
-@pytest.mark.parametrize("connector", CONNECTORS)
-def test_the_plugin_serves_every_nixl_schedule_stock_serves(connector: str) -> None:
-    t = vf.run_many(connector, range(BUDGET))
-    assert [
-        f"seed {v.schedule.seed}: {'; '.join(v.failures)}\n  replay: {v.replay()}" for v in t.failed
-    ] == []
 
 
 def test_both_nixl_pairs_are_registered_with_the_harness() -> None:
