@@ -150,7 +150,9 @@ def test_the_oracle_reports_other_tokens_a_stall_beyond_the_bound_and_a_leak() -
         "on: stalled 13 steps without scheduled work (stock's longest 3, bound 9)",
         "on: leaked blocks [4]",
     ]
-    same = vf.judge(_schedule(), {"stock": _run("stock", longest_idle=3), "on": _run("on", longest_idle=12)}, bound=9)
+    same = vf.judge(
+        _schedule(), {"stock": _run("stock", longest_idle=3), "on": _run("on", longest_idle=12)}, bound=9
+    )
     assert same.failures == []  # within the bound
 
 
@@ -162,3 +164,18 @@ def test_the_oracle_reports_stock_failures_apart_and_unfired_faults() -> None:
     assert v.stock_only == ["stock left ['r0'] unfinished", "stock leaked blocks [3]"]
     assert v.unfired == [fault]
     assert v.replay() == "python -m tests.vllm_faults --connector offloading --seed 0 --schedules 1 -v"
+
+
+def test_the_totals_count_each_failure_in_its_column() -> None:
+    v = vf.Verdict(_schedule(), {"stock": _run("stock")}, failures=[
+        "on: r0 failed (stock: FINISHED_LENGTH_CAPPED)",
+        "audit: r1 never finished (stock: FINISHED_LENGTH_CAPPED)",
+        "on: raised where stock did not: RuntimeError: Failed to reset",
+        "audit: stalled 40 steps without scheduled work (stock's longest 0, bound 18)",
+        "on: leaked blocks [3]",
+        "on: 2 block(s) reused under a live transfer (stock: 0): step 4: block 3",
+    ])  # fmt: skip
+    t = vf.Totals("offloading")
+    t.add(v)
+    assert (t.requests_failed, t.crashes, t.stalls, t.leaked, t.reused_live) == (2, 1, 1, 1, 1)
+    assert t.failed == [v] and t.schedules == 1

@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import re
 import sys
 import time
 import traceback
@@ -193,7 +194,9 @@ def make_schedule(seed: int, connector: str) -> Schedule:
     for j in range(rng.randint(1, 3)):
         src = rng.choice(requests)
         extra = [rng.randint(1, VOCAB) for _ in range(rng.choice((0, 3, 20)))]
-        requests.append(RequestSpec(f"r{n + j}", src.prompt + tuple(extra), rng.randint(1, 6), rng.randint(8, 30)))
+        requests.append(
+            RequestSpec(f"r{n + j}", src.prompt + tuple(extra), rng.randint(1, 6), rng.randint(8, 30))
+        )
     need = max(-(-(len(r.prompt) + r.max_tokens) // BS) for r in requests)
     num_blocks = rng.choice((need + 1, need + 2, need + 4, 2 * need, 64))
     kinds = [k for k in sim.fault_kinds]
@@ -436,9 +439,9 @@ class ConnectorSim:
 
     def busy(self) -> bool:
         """A transfer will still be reported."""
-        return any(
-            not r and d is not None for t in self.transfers for r, d in zip(t.reported, t.due)
-        ) or any(t.twice_at is not None for t in self.transfers)
+        return any(not r and d is not None for t in self.transfers for r, d in zip(t.reported, t.due)) or any(
+            t.twice_at is not None for t in self.transfers
+        )
 
     def never_live(self) -> list[SimTransfer]:
         """Transfers that will never be reported by some rank."""
@@ -474,14 +477,16 @@ class ConnectorSim:
         f = t.fault
         if f is None or t.flushed_at is not None and f.fault in ("late", "skew", "reorder"):
             return
-        if f.fault in ("fail", "fail_partial") and rank == 0:
+        fired = {
+            "fail": rank == 0,
+            "fail_partial": rank == 0,
+            "late": rank == 0 and step > t.planned + 1,
+            "skew": rank == 1 and t.reported[0],
+            # a transfer planned after it was reported in an earlier step
+            "reorder": rank == 0 and self._newest_reported > t.planned,
+        }
+        if fired.get(f.fault, False):
             self._fire(f)
-        elif f.fault == "late" and rank == 0 and step > t.planned + 1:
-            self._fire(f)
-        elif f.fault == "skew" and rank == 1 and t.reported[0]:
-            self._fire(f)
-        elif f.fault == "reorder" and rank == 0 and self._newest_reported > t.planned:
-            self._fire(f)  # a transfer planned after it was reported in an earlier step
 
     def _fire(self, f: Fault | None) -> None:
         if f is not None:
@@ -712,7 +717,9 @@ class MooncakeStoreSim(ConnectorSim):
                 self.begin(rm.req_id, "store", job, blocks, step, self.schedule.options["put_delay"])
 
     def encode(self, step: int, due: list[list[SimTransfer]], twice: list[list[SimTransfer]]) -> list[Any]:
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import MooncakeStoreWorkerMetadata
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+            MooncakeStoreWorkerMetadata,
+        )
         from vllm.v1.outputs import KVConnectorOutput
 
         outs = []
@@ -756,14 +763,21 @@ class SimpleCPUOffloadSim(ConnectorSim):
     @classmethod
     def scheduler_kwargs(cls, schedule: Schedule) -> dict[str, Any]:
         import torch
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+        )
 
         n = schedule.num_blocks
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
         page = spec.page_size_bytes
         kv = KVCacheConfig(
             num_blocks=n,
-            kv_cache_tensors=[KVCacheTensor(size=page * n, layers=["layer"], layer_stride=page * n, block_stride=page)],
+            kv_cache_tensors=[
+                KVCacheTensor(size=page * n, layers=["layer"], layer_stride=page * n, block_stride=page)
+            ],
             kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
         )
         extra = {"cpu_bytes_to_use": page * 4 * n, "lazy_offload": schedule.options.get("lazy", False)}
@@ -1224,6 +1238,10 @@ def run_schedule(seed: int, connector: str, modes: tuple[str, ...] = MODES, **kw
 # ----------------------------------------------------------------------
 
 
+_REQUEST_FAILED = re.compile(r"\S+ (never finished|failed \(stock|output )")
+"""A :func:`judge` line about a request stock served and a mode did not."""
+
+
 @dataclass
 class Totals:
     """Counts over many schedules of one connector."""
@@ -1255,11 +1273,11 @@ class Totals:
             self.failed.append(v)
         for line in v.failures:
             what = line.split(": ", 1)[1]
-            self.requests_failed += what.startswith(("r", "failed")) and ("never finished" in what or "failed" in what or "output" in what)
-            self.stalls += "stalled" in what
-            self.crashes += "raised" in what
-            self.leaked += "leaked" in what
-            self.reused_live += "reused under a live transfer" in what
+            self.requests_failed += bool(_REQUEST_FAILED.match(what))
+            self.stalls += what.startswith("stalled ")
+            self.crashes += what.startswith("raised ")
+            self.leaked += what.startswith("leaked ")
+            self.reused_live += " reused under a live transfer" in what
 
 
 def run_many(connector: str, seeds: range, modes: tuple[str, ...] = MODES, verbose: bool = False) -> Totals:
@@ -1287,8 +1305,10 @@ def run_many(connector: str, seeds: range, modes: tuple[str, ...] = MODES, verbo
 def format_totals(rows: list[Totals]) -> str:
     """The summary table (Markdown) of :func:`run_many` results."""
     lines = [
-        "| connector | schedules × modes | requests failed | stalls | crashes | leaked | reused live | "
-        "stock-only | faults fired / injected |",
+        (
+            "| connector | schedules × modes | requests failed | stalls | crashes | leaked | reused live | "
+            "stock-only | faults fired / injected |"
+        ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for t in rows:
@@ -1303,7 +1323,9 @@ def format_totals(rows: list[Totals]) -> str:
             groups.setdefault((t.connector, _stock_failure_kind(v.stock_only)), []).append(v.schedule.seed)
     if groups:
         lines.append("")
-        lines.append("Stock-only failures (stock itself crashed, left a request unfinished or leaked blocks):")
+        lines.append(
+            "Stock-only failures (stock itself crashed, left a request unfinished or leaked blocks):"
+        )
         for (connector, kind), seeds in sorted(groups.items()):
             shown = ", ".join(map(str, seeds[:5])) + (", ..." if len(seeds) > 5 else "")
             lines.append(f"- {connector}: {kind}: {len(seeds)} schedule(s) (seeds {shown})")
@@ -1323,10 +1345,14 @@ def _stock_failure_kind(lines: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--connector", action="append", help="a simulated connector's name (repeatable; default all)")
+    p.add_argument(
+        "--connector", action="append", help="a simulated connector's name (repeatable; default all)"
+    )
     p.add_argument("--schedules", type=int, default=50, help="schedules per connector (default 50)")
     p.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
-    p.add_argument("--long", action="store_true", help="thousands of schedules: --schedules 2000 unless given")
+    p.add_argument(
+        "--long", action="store_true", help="thousands of schedules: --schedules 2000 unless given"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="describe every schedule and run")
     args = p.parse_args(argv)
     load_sims()
@@ -1361,6 +1387,6 @@ if __name__ == "__main__":
     _quiet_logs()
     # The simulated workers of SIM_MODULES register into tests.vllm_faults,
     # not into this __main__ copy of it.
-    from tests import vllm_faults
+    import importlib
 
-    sys.exit(vllm_faults.main())
+    sys.exit(importlib.import_module("tests.vllm_faults").main())
