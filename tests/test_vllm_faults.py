@@ -6,9 +6,9 @@ more blocks handed out under a live transfer than stock; every fault kind a
 connector's simulated worker declares fires. Negative controls: with the
 plugin's deferral bound or its leases taken away, the harness reports the
 stall and the leak they prevent. ``BLOCKPOOL_FAULT_SCHEDULES`` sets the
-budget per connector (default 8; ``.ci/run`` raises it on vLLM 0.34). Needs
-vLLM (skipped otherwise) and the shape-only model configs of
-``../shared/vllm-parity/hf``.
+budget per connector (default 8; ``.ci/run`` raises it). Needs vLLM 0.34
+(skipped otherwise: the simulated workers follow its connectors' worker
+halves) and the shape-only model configs of ``../shared/vllm-parity/hf``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ pytest.importorskip("torch")
 if not os.environ.get("BLOCKPOOL_TEST_HF_FIXTURES"):
     pytest.skip("no shape-only model configs (../shared/vllm-parity/hf)", allow_module_level=True)
 
+from blockpool.integrations import vllm as plugin
 from tests import vllm_faults as vf
+
+if plugin.release_line(plugin.vllm_version()) != (0, 34):
+    pytest.skip(
+        f"the simulated workers follow vLLM 0.34's connectors (vLLM {plugin.vllm_version()} here)",
+        allow_module_level=True,
+    )
 
 BUDGET = int(os.environ.get("BLOCKPOOL_FAULT_SCHEDULES", "8"))
 """Schedules per connector."""
