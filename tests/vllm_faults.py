@@ -56,7 +56,7 @@ import time
 import traceback
 import zlib
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from unittest.mock import patch
@@ -1280,7 +1280,9 @@ class Totals:
             self.reused_live += " reused under a live transfer" in what
 
 
-def run_many(connector: str, seeds: range, modes: tuple[str, ...] = MODES, verbose: bool = False) -> Totals:
+def run_many(
+    connector: str, seeds: Iterable[int], modes: tuple[str, ...] = MODES, verbose: bool = False
+) -> Totals:
     """Run the schedules of ``seeds`` for ``connector``; print each failing
     one's seed, failures and replay command. O(schedules)."""
     totals = Totals(connector)
