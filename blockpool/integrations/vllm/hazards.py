@@ -1065,11 +1065,14 @@ class StepHazards:
     def end_schedule(self, scheduled: bool) -> int:
         """The scheduler wiring's call as each ``schedule()`` returns,
         ``scheduled`` telling whether the step scheduled any token. A step
-        that scheduled nothing while only held blocks stood in the way (a
-        running request waited for them, :meth:`defer_preemption`, or the
-        step's last allocation, :attr:`last_need` blocks, found too few free
-        blocks, and the blocks held back for host transfers would have
-        covered it) counts as held up; at the end of the :attr:`defer_steps`-th
+        that scheduled nothing while blocks are held back for host transfers
+        and an allocation was refused (a running request waited for them,
+        :meth:`defer_preemption`, or the step asked for :attr:`last_need`
+        blocks and got none) counts as held up, whatever the refusal's
+        arithmetic: vLLM also subtracts its watermark and the blocks it
+        reserves (prefills in flight, speculative decoding) from the free
+        count, and stock vLLM would have had the held blocks free on top
+        of it; at the end of the :attr:`defer_steps`-th
         such step in a row (the first, where it is 0), every transfer blocks
         are held back for is given up (:meth:`release_held`): stock vLLM
         would have reused those blocks at once, and the requests that need
@@ -1086,10 +1089,8 @@ class StepHazards:
             if need is None or not len(pool.holdback):
                 self._held_up = 0
                 return 0
-            free = pool.get_num_free_blocks()  # applies completions (they may release held blocks)
-            step = self.schedule_calls
-            waited = step in (self._defer_step, self._gave_up_step)  # a running request waited, or gave up
-            if not (waited or free < need <= free + len(pool.holdback)):
+            pool.get_num_free_blocks()  # applies completions (they may release held blocks)
+            if not len(pool.holdback):
                 self._held_up = 0
                 return 0
             self._held_up += 1
