@@ -146,6 +146,24 @@ def test_a_received_block_freed_before_the_next_step_keeps_the_write_for_its_nex
     assert hz.begin_load("s", again, "nic").fence.tokens == (after.forward,)
 
 
+def test_a_received_block_loaded_again_before_the_next_step_keeps_that_load_as_its_writer() -> None:
+    # The block is freed and handed out again, and a new read into it begins
+    # in the schedule() that learnt of the first read, before the step
+    # that would carry the rewrite is issued: the rewrite must not replace
+    # the new read in the block's shadow, or a free of it while that read
+    # is in flight would not be held back.
+    pool, hz, blocks, _ = received()
+    pool.free_blocks(blocks)
+    again = pool.get_new_blocks(2)
+    assert {b.block_id for b in again} == {b.block_id for b in blocks}
+    second = hz.begin_load("s", again, "nic")
+    assert hz.step_record(NS(total_num_scheduled_tokens=0)) is not None
+    assert [b.writer for b in again] == [second.token, second.token]
+    assert hz.blocks_rewritten_on_receive == 0
+    pool.free_blocks(again)
+    assert pool.held_block_ids() == sorted(b.block_id for b in again)
+
+
 def test_rewrites_on_receive_refuses_an_engine_never_added() -> None:
     _, hz = wired()
     with pytest.raises(UnknownStreamError):

@@ -998,11 +998,23 @@ class StepHazards:
         is ordered after it yet), freed ones too (the rewrite runs
         whatever the scheduler did since; a block handed out again keeps
         the write in its shadow, so its next user's transfers wait for
-        it). O(blocks)."""
+        it). A block another write began on since (a block handed out
+        again and loaded in the same ``schedule()``) keeps that write as
+        its writer: replacing it would let the block's next user skip a
+        transfer still in flight; that load runs unordered with the
+        rewrite, as in stock vLLM, and everything after it waits for it.
+        O(blocks)."""
         ids, self._received = self._received, []
-        own = self.pool.blocks
+        pool = self.pool
+        own = pool.blocks
         n = len(own)
-        blocks = [own[b] for b in dict.fromkeys(ids) if 0 < b < n]
+        blocks = []
+        for b in dict.fromkeys(ids):
+            if 0 < b < n:
+                block = own[b]
+                w = block.writer
+                if w is None or pool.is_ended(w):
+                    blocks.append(block)
         if blocks:
             self.pool.tag(blocks, token, AccessKind.WRITE)
             self.blocks_rewritten_on_receive += len(blocks)
