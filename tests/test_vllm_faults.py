@@ -210,3 +210,12 @@ def test_the_totals_count_each_failure_in_its_column() -> None:
     t.add(v)
     assert (t.requests_failed, t.crashes, t.stalls, t.leaked, t.reused_live) == (2, 1, 1, 1, 1)
     assert t.failed == [v] and t.schedules == 1
+
+
+def test_the_modes_after_stock_meet_exactly_the_faults_stock_met_on_its_requests() -> None:
+    by_request = vf.Fault("r1", "load", 0, "fail")
+    nth = vf.Fault("*", "store", 2, "never")
+    unmet = vf.Fault("r2", "store", 1, "late", 3)
+    stock = _run("stock", met={by_request, nth}, resolved={nth: vf.Fault("r0", "store", 1, "never")})
+    fixed = vf.resolved(_schedule([by_request, nth, unmet]), stock)
+    assert fixed.faults == [by_request, vf.Fault("r0", "store", 1, "never")]

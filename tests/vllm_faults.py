@@ -292,10 +292,14 @@ class ConnectorSim:
     due, as one ``KVConnectorOutput`` per rank). It may override
     :meth:`scheduler_kwargs` (``make_scheduler`` arguments),
     :meth:`prepare` (after the scheduler is built), :meth:`before_schedule`,
-    :meth:`request_params` (a request's ``kv_transfer_params``) and
-    :meth:`draw_options`. The base class keeps the transfers in flight,
-    applies the faults to their report steps and counts the faults fired
-    (:attr:`fired`)."""
+    :meth:`request_params` (a request's ``kv_transfer_params``),
+    :meth:`draw_options` (knobs of its own in :attr:`Schedule.options`),
+    :meth:`kinds_for` (the fault kinds a load or a store may meet),
+    :meth:`may_reset` (whether vLLM itself could reset its prefix cache
+    now) and :meth:`settle_never` (at the end of a run). The base class
+    keeps the transfers in flight, applies the faults to their report steps
+    (:meth:`begin`, :meth:`flush`, :meth:`report`), counts the faults that
+    met a transfer (:attr:`met`) and those that fired (:attr:`fired`)."""
 
     name: ClassVar[str] = ""
     connector: ClassVar[str] = ""
