@@ -40,13 +40,7 @@ schedules did not fire."""
 
 CONNECTORS = sorted(vf.load_sims())
 
-KNOWN_DEFECTS: dict[tuple[str, int], str] = {
-    ("nixl_mooncake", 554): (
-        "a NIXL read that fails under kv_load_failure_policy='recompute' in a MultiConnector with "
-        "MooncakeStore: with the plugin its request never finishes (every step schedules it again), "
-        "and a MooncakeStore PUT reads a block unordered after NIXL's post-receive write"
-    ),
-}
+KNOWN_DEFECTS: dict[tuple[str, int], str] = {}
 """Schedules the plugin fails on a defect not yet fixed, with the defect:
 left out of the budget's assertion, each skipped by name in
 :func:`test_a_schedule_of_a_known_defect`."""

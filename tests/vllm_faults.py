@@ -1021,7 +1021,6 @@ def serve(schedule: Schedule, mode: str, *, max_steps: int | None = None, hooks:
 
             aggregator = KVOutputAggregator(schedule.ranks)
         reqs: dict[str, Any] = {}
-        remote = RequestStatus.WAITING_FOR_REMOTE_KVS
         pending = sorted(schedule.requests, key=lambda r: r.arrival)
         events = list(schedule.events)
         started: set[str] = set()  # requests whose first transfer began
@@ -1069,7 +1068,10 @@ def serve(schedule: Schedule, mode: str, *, max_steps: int | None = None, hooks:
                         )
                 scheduler.update_from_output(out, _reported(scheduler, sim, aggregator, out, step))
                 waiting = scheduler.has_unfinished_requests()
-                loading = any(r.status == remote for r in scheduler.requests.values())
+                # a load the simulated worker has yet to report (vLLM's
+                # WAITING_FOR_REMOTE_KVS alone is no excuse: the plugin may
+                # be the one holding it)
+                loading = any(t.kind == "load" and t.live for t in sim.transfers)
                 if out.total_num_scheduled_tokens == 0 and waiting and not loading:
                     idle += 1
                     res.longest_idle = max(res.longest_idle, idle)
