@@ -167,6 +167,19 @@ def test_the_oracle_reports_a_request_stock_served_and_the_plugin_failed() -> No
     assert v.failures == ["on: r0 failed (stock: FINISHED_LENGTH_CAPPED)"]
 
 
+def test_the_oracle_reports_a_request_the_plugin_served_where_stock_failed_it_apart() -> None:
+    # The plugin's prefix cache may keep content stock evicted, so a load
+    # that fails in stock never runs: serving the request is no failure.
+    stock = _run("stock", outputs={"r0": ()}, status={"r0": "FINISHED_ERROR"})
+    v = vf.judge(_schedule(), {"stock": stock, "on": _run("on")})
+    assert v.failures == [] and v.ok
+    assert v.served_more == ["on: r0 served (stock: FINISHED_ERROR)"]
+    totals = vf.Totals("offloading")
+    totals.add(v)
+    assert totals.served_more == 1 and totals.requests_failed == 0
+    assert "served where stock failed them: offloading 1" in vf.format_totals([totals])
+
+
 def test_the_oracle_reports_other_tokens_a_stall_beyond_the_bound_and_a_leak() -> None:
     on = _run("on", outputs={"r0": (5, 7)}, longest_idle=3 + 10, leaked=[4])
     v = vf.judge(_schedule(), {"stock": _run("stock", longest_idle=3), "on": on}, bound=9)

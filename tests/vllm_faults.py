@@ -1151,13 +1151,17 @@ def _leaked(scheduler: Any) -> list[int]:
 class Verdict:
     """A schedule's outcome: ``failures`` (the plugin did worse than stock:
     one line each), ``stock_only`` (stock itself crashed, stalled or
-    leaked), ``unfired`` (faults that did not fire in the stock run)."""
+    leaked), ``unfired`` (faults that did not fire in the stock run),
+    ``served_more`` (requests a plugin mode served where stock failed them:
+    its prefix cache kept content stock had evicted, so the failing load
+    never ran; better than stock, reported apart)."""
 
     schedule: Schedule
     results: dict[str, RunResult]
     failures: list[str] = field(default_factory=list)
     stock_only: list[str] = field(default_factory=list)
     unfired: list[Fault] = field(default_factory=list)
+    served_more: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -1196,6 +1200,8 @@ def judge(schedule: Schedule, results: dict[str, RunResult], bound: int | None =
                 v.failures.append(f"{mode}: {rid} never finished (stock: {stock.status[rid]})")
             elif stock.status[rid] != "FINISHED_ERROR" and r.status.get(rid) == "FINISHED_ERROR":
                 v.failures.append(f"{mode}: {rid} failed (stock: {stock.status[rid]})")
+            elif stock.status[rid] == "FINISHED_ERROR" and r.status.get(rid) != "FINISHED_ERROR":
+                v.served_more.append(f"{mode}: {rid} served (stock: FINISHED_ERROR)")
             elif "FINISHED_ABORTED" in (stock.status[rid], r.status.get(rid)):
                 continue  # the tokens before an abort depend on when it lands
             elif r.outputs.get(rid) != toks:
@@ -1264,6 +1270,7 @@ class Totals:
     faults: dict[str, int] = field(default_factory=dict)  # kind -> injected
     fired: dict[str, int] = field(default_factory=dict)  # kind -> confirmed fired
     unfired_schedules: int = 0
+    served_more: int = 0  # requests a plugin mode served where stock failed them
     seconds: float = 0.0
 
     def add(self, v: Verdict) -> None:
@@ -1273,6 +1280,7 @@ class Totals:
             if f in v.results["stock"].fired:
                 self.fired[f.fault] = self.fired.get(f.fault, 0) + 1
         self.unfired_schedules += bool(v.unfired)
+        self.served_more += len(v.served_more)
         if v.stock_only:
             self.stock_only.append(v)
         if not v.ok:
@@ -1325,6 +1333,10 @@ def format_totals(rows: list[Totals]) -> str:
             f"| {t.connector} | {t.schedules} × {len(MODES)} | {t.requests_failed} | {t.stalls} | {t.crashes} | "
             f"{t.leaked} | {t.reused_live} | {len(t.stock_only)} | {fired} |"
         )
+    more = [f"{t.connector} {t.served_more}" for t in rows if t.served_more]
+    if more:
+        lines.append("")
+        lines.append("Requests a plugin mode served where stock failed them: " + ", ".join(more))
     groups: dict[tuple[str, str], list[int]] = {}
     for t in rows:
         for v in t.stock_only:
