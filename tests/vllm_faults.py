@@ -165,14 +165,21 @@ class Schedule:
     ranks: int
     policy: str  # kv_load_failure_policy: "fail" or "recompute"
     options: dict[str, Any] = field(default_factory=dict)  # per-connector knobs, drawn by the sim
+    async_scheduling: bool = False  # vLLM's AsyncScheduler
 
     def describe(self) -> str:
         reqs = ", ".join(f"{r.req_id}:{len(r.prompt)}+{r.max_tokens}@{r.arrival}" for r in self.requests)
         return (
             f"seed {self.seed} {self.connector}: {self.num_blocks} blocks, {self.ranks} rank(s), policy "
-            f"{self.policy}, options {self.options}; requests {reqs}; faults "
+            f"{self.policy}, async scheduling {self.async_scheduling}, options {self.options}; requests {reqs}; "
+            "faults "
             f"[{', '.join(map(str, self.faults))}]; events [{', '.join(map(str, self.events))}]"
         )
+
+
+ASYNC_SHARE = 0.3
+"""The share of schedules served by vLLM's ``AsyncScheduler`` (async
+scheduling), each mode alike."""
 
 
 def make_schedule(seed: int, connector: str) -> Schedule:
@@ -245,6 +252,8 @@ def make_schedule(seed: int, connector: str) -> Schedule:
         policy=rng.choice(("fail", "recompute")),
     )
     sched.options = sim.draw_options(rng, sched)
+    # Drawn apart, so that the draws above stay what they were for a seed.
+    sched.async_scheduling = sim.async_scheduling and random.Random(f"{connector}:{seed}:async").random() < ASYNC_SHARE
     return sched
 
 
@@ -305,6 +314,9 @@ class ConnectorSim:
     connector: ClassVar[str] = ""
     fault_kinds: ClassVar[tuple[str, ...]] = ()
     transfer_kinds: ClassVar[tuple[str, ...]] = ("load", "store")
+    # Whether schedules of this connector may draw vLLM's AsyncScheduler
+    # (ASYNC_SHARE of them).
+    async_scheduling: ClassVar[bool] = True
 
     @classmethod
     def kinds_for(cls, transfer_kind: str) -> tuple[str, ...]:
@@ -1000,6 +1012,7 @@ def serve(schedule: Schedule, mode: str, *, max_steps: int | None = None, hooks:
                 transfer_extra,
                 num_blocks=schedule.num_blocks,
                 max_num_batched_tokens=schedule.max_num_batched_tokens,
+                async_scheduling=schedule.async_scheduling,
                 **kwargs,
             )
             # make_scheduler builds the transfer config with the default

@@ -143,6 +143,9 @@ class LMCacheSim(vf.ConnectorSim):
     connector = "LMCacheConnectorV1"
     fault_kinds = ("fail", "fail_partial")
     transfer_kinds = ("load",)
+    # Not drawn: with vLLM's AsyncScheduler and a failed load under
+    # "recompute", stock itself leaves the request unfinished (seed 23).
+    async_scheduling = False
 
     @classmethod
     def kinds_for(cls, transfer_kind: str) -> tuple[str, ...]:
