@@ -109,7 +109,7 @@ def _aborted() -> Any:
 @pytest.mark.skipif(importlib.util.find_spec("lmcache") is None, reason="no LMCache: run in .venv-lmcache")
 @pytest.mark.parametrize("registered", [True], indirect=True)
 def test_a_reset_succeeds_while_an_lmcache_mp_store_op_is_not_yet_reported(registered: bool) -> None:
-    """The issue's reproduction: LMCache MP's store op of request C not yet
+    """A reset while LMCache MP's store op of request C is not yet
     reported; ``reset_prefix_cache(reset_running_requests=True)`` preempts C
     and resets (stock does); C's blocks stay held until the op is
     reported, then come back."""
