@@ -668,9 +668,11 @@ def test_two_requests_filling_one_shared_prefix_in_one_step_both_finish_under_th
     assert not scheduler.recompute_kv_load_failures  # kv_load_failure_policy="fail"
     fill_shared_in_one_step(scheduler, lookup)
     engine = FakeEngine(StandInDevice())
+    refused = lw.FALLBACKS.get(REFUSED, 0)
     statuses = serve(scheduler, engine)
     assert statuses == {"A": RequestStatus.FINISHED_LENGTH_CAPPED, "B": RequestStatus.FINISHED_LENGTH_CAPPED}
     assert "load A" in engine.log  # A's load ran; B read what it wrote
+    assert lw.FALLBACKS.get(REFUSED, 0) == refused  # the fill was accepted, not run on the fallback
 
 
 # ----------------------------------------------------------------------

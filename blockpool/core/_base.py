@@ -117,6 +117,7 @@ class PoolBase:
     load_groups: LoadGroups
     tracker: HazardTracker
     _fresh: set[KVCacheBlock]  # allocated, neither written nor published since
+    _track_fills: bool  # whether allocations enter _fresh: caching on, and a stream a load can run on
     _announced: set[KVCacheBlock]  # published before any write since their allocation
     kv_event_queue: list[KVCacheEvent]
     _counters: dict[str, int]

@@ -58,7 +58,7 @@ class RefCountOps(TokenOps):
                         self._removed([k for _, keys in dropped for k in keys], "evicted")
         pc.forget_marks(blocks)
         self.writes.rewritten(blocks)
-        if self.enable_caching:  # new content: unwritten, unpublished (a fill's target once published)
+        if self._track_fills:  # new content: unwritten, unpublished (a fill's target once published)
             if self._announced:
                 self._announced.difference_update(blocks)
             self._fresh.update(blocks)

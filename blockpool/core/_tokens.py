@@ -36,6 +36,7 @@ class TokenOps(FenceOps):
         """
         self._apply_completions()
         self.tracker.add_stream(name, kind)
+        self._track_fills = self.enable_caching and len(self.tracker.streams) > 1
 
     @property
     def streams(self) -> dict[str, StreamKind]:

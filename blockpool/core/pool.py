@@ -282,6 +282,11 @@ class HazardAwareBlockPool(RefCountOps):
         self.tracker = HazardTracker(self.pool_id)
         for name, kind in (streams if streams is not None else {"compute": _DEVICE}).items():
             self.tracker.add_stream(name, kind)
+        # A fill needs a load, which needs a stream beside the one the
+        # steps run on: until a second stream exists, allocations do not
+        # enter _fresh (nothing could fill them), so a pool without
+        # transfers pays nothing for the fill rule on its hot paths.
+        self._track_fills = bool(enable_caching) and len(self.tracker.streams) > 1
 
         self._counters = dict.fromkeys(_COUNTERS, 0)
         # _apply_completions tests these two: the completion inbox (a
