@@ -30,6 +30,11 @@ class TokenOps(FenceOps):
     def add_stream(self, name: ArgStr, kind: ArgStreamKind = StreamKind.DEVICE) -> None:
         """Register a stream (idempotent for the same kind). O(1).
 
+        The fill rule (:meth:`begin_load`) tracks blocks from the second
+        stream on: blocks allocated while the pool had one stream are not
+        fill targets (a load into them while shared is refused), so add the
+        streams transfers run on before allocating.
+
         Raises:
             InvalidArgumentError: empty name, bad kind, or the name is already
                 registered with another kind.
