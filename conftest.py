@@ -109,7 +109,9 @@ if _compiled_core():
 
             def walk(node: ast.AST, prefix: str):  # type: ignore[no-untyped-def]
                 doc = ast.get_docstring(node, clean=False) if hasattr(node, "body") else None  # type: ignore[arg-type]
-                if doc and isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                if doc and isinstance(
+                    node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+                ):
                     yield prefix, doc, node.body[0].lineno - 1  # type: ignore[attr-defined]
                 for child in getattr(node, "body", []):
                     if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -118,13 +120,19 @@ if _compiled_core():
             for name, doc, lineno in walk(tree, modname):
                 test = parser.get_doctest(doc, dict(module.__dict__), name, str(self.path), lineno)
                 if test.examples:
-                    yield _pytest_doctest.DoctestItem.from_parent(self, name=test.name, runner=runner, dtest=test)
+                    yield _pytest_doctest.DoctestItem.from_parent(
+                        self, name=test.name, runner=runner, dtest=test
+                    )
 
     @pytest.hookimpl(wrapper=True)
     def pytest_collect_file(file_path, parent):  # type: ignore[no-untyped-def]
         """Compiled build: the core's doctests through :class:`_CompiledCoreDoctests`."""
         found = yield
-        if file_path.suffix == ".py" and file_path.parent.name == "core" and file_path.parent.parent.name == "blockpool":
+        if (
+            file_path.suffix == ".py"
+            and file_path.parent.name == "core"
+            and file_path.parent.parent.name == "blockpool"
+        ):
             # nothing else (a .py named on the command line is also a test module to pytest)
             found = []
             if parent.config.getoption("doctestmodules"):
@@ -154,5 +162,6 @@ def pytest_collection_modifyitems(config: object, items: list) -> None:  # type:
 def pytest_terminal_summary(terminalreporter: object) -> None:
     if _PURE_ONLY:
         terminalreporter.write_line(  # type: ignore[attr-defined]
-            f"blockpool compiled build: {len(_PURE_ONLY)} pure_python_only tests skipped: " + ", ".join(_PURE_ONLY)
+            f"blockpool compiled build: {len(_PURE_ONLY)} pure_python_only tests skipped: "
+            + ", ".join(_PURE_ONLY)
         )

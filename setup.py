@@ -51,7 +51,9 @@ def _ext_modules() -> list:
     from mypyc.build import mypycify
 
     here = os.path.dirname(os.path.abspath(__file__))
-    paths = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "blockpool", "core", "*.py")))
+    paths = sorted(
+        os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "blockpool", "core", "*.py"))
+    )
     # --platform=mypyc: the compiled build's view of blockpool/core/_args.py
     return mypycify(["--platform=mypyc", *paths], opt_level="3", group_name="blockpool_core")
 

@@ -203,10 +203,14 @@ class _RecordingPool(HazardAwareBlockPool):
     # -- the driver's operations --
 
     def issue(self, stream: str) -> Token:
-        return self._call("issue", (stream,), lambda: super(_RecordingPool, self).issue(stream), lambda t: t.seq)
+        return self._call(
+            "issue", (stream,), lambda: super(_RecordingPool, self).issue(stream), lambda t: t.seq
+        )
 
     def complete(self, token: Token) -> None:
-        return self._call("complete", (_tok(token),), lambda: super(_RecordingPool, self).complete(token), _none)
+        return self._call(
+            "complete", (_tok(token),), lambda: super(_RecordingPool, self).complete(token), _none
+        )
 
     def fail(self, token: Token) -> None:
         return self._call("fail", (_tok(token),), lambda: super(_RecordingPool, self).fail(token), _none)
@@ -225,7 +229,9 @@ class _RecordingPool(HazardAwareBlockPool):
             "get_num_free_blocks", (), lambda: super(_RecordingPool, self).get_num_free_blocks(), lambda n: n
         )
 
-    def allocate_for(self, num_blocks: int, stream: str, *, hits: Any = (), access: AccessKind = AccessKind.WRITE) -> Any:
+    def allocate_for(
+        self, num_blocks: int, stream: str, *, hits: Any = (), access: AccessKind = AccessKind.WRITE
+    ) -> Any:
         hits = list(hits)
         return self._call(
             "allocate_for",
@@ -236,14 +242,19 @@ class _RecordingPool(HazardAwareBlockPool):
 
     def get_new_blocks(self, num_blocks: int) -> Any:
         return self._call(
-            "get_new_blocks", (num_blocks,), lambda: super(_RecordingPool, self).get_new_blocks(num_blocks), _ids
+            "get_new_blocks",
+            (num_blocks,),
+            lambda: super(_RecordingPool, self).get_new_blocks(num_blocks),
+            _ids,
         )
 
     def touch(self, blocks: Any) -> None:
         blocks = list(blocks)
         return self._call("touch", (_ids(blocks),), lambda: super(_RecordingPool, self).touch(blocks), _none)
 
-    def free_blocks(self, ordered_blocks: Any, token: Token | None = None, access: AccessKind = AccessKind.READ) -> None:
+    def free_blocks(
+        self, ordered_blocks: Any, token: Token | None = None, access: AccessKind = AccessKind.READ
+    ) -> None:
         blocks = list(ordered_blocks)
         return self._call(
             "free_blocks",
@@ -315,7 +326,9 @@ class _RecordingPool(HazardAwareBlockPool):
         if ti is None:
             ti = log.tables[id(blocks)] = len(log.table_objs)
             log.table_objs.append(blocks)
-        log.table_checks.append((ti, num_cached_blocks, num_full_blocks, tuple(_ids(blocks[num_cached_blocks:num_full_blocks]))))
+        log.table_checks.append(
+            (ti, num_cached_blocks, num_full_blocks, tuple(_ids(blocks[num_cached_blocks:num_full_blocks])))
+        )
         ki = log.keylists.get(id(block_hashes))
         if ki is None:
             ki = log.keylists[id(block_hashes)] = len(log.keylist_objs)
@@ -329,7 +342,9 @@ class _RecordingPool(HazardAwareBlockPool):
             _none,
         )
 
-    def cache_partial_block(self, block: Any, block_hash: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+    def cache_partial_block(
+        self, block: Any, block_hash: Any, num_tokens: int, *args: Any, **kwargs: Any
+    ) -> Any:
         assert _LOG is not None and not args and not kwargs
         return self._call(
             "cache_partial_block",
@@ -389,7 +404,9 @@ def record(path: Path, trace: Path = TRACE, limit: int = 2000, policy: str = "ex
         _LOG = None
     wall = time.perf_counter() - t0
     if not log.ops:
-        raise RuntimeError("the replay driver made no call on the recording pool (did it stop using machine.HazardAwareBlockPool?)")
+        raise RuntimeError(
+            "the replay driver made no call on the recording pool (did it stop using machine.HazardAwareBlockPool?)"
+        )
     tables = [_ids(t) for t in log.table_objs]
     for ti, lo, hi, ids in log.table_checks:
         if tuple(tables[ti][lo:hi]) != ids:
@@ -519,7 +536,9 @@ def _compile(log: OpLog, kind: str, pool: Any) -> tuple[Calls, Checks]:
                 add((_expect_no_space, (pool.allocate_for, n, stream, bl(hits))))
             else:
                 checks.append((len(calls), "ids0", res))
-                add((functools.partial(pool.allocate_for, hits=bl(hits), access=_ACCESS[access]), (n, stream)))
+                add(
+                    (functools.partial(pool.allocate_for, hits=bl(hits), access=_ACCESS[access]), (n, stream))
+                )
         elif name == "get_new_blocks":
             checks.append((len(calls), "ids", op[2]))
             add((pool.get_new_blocks, (op[1],)))

@@ -88,10 +88,15 @@ def _steps(kind: str, steps: int, events: bool, evict: Any) -> Iterator[dict[str
     if kind == "vllm":
         api = VLLM_BLOCK_POOL(NUM_BLOCKS, True, BLOCK_SIZE, enable_kv_cache_events=events)
     else:
-        pool = VllmBlockPool(NUM_BLOCKS, True, BLOCK_SIZE, enable_kv_cache_events=events, track_hazards=kind != "off")
+        pool = VllmBlockPool(
+            NUM_BLOCKS, True, BLOCK_SIZE, enable_kv_cache_events=events, track_hazards=kind != "off"
+        )
         api = pool.core if kind == "core" else pool
     n = 16 * BLOCK_SIZE + 3
-    reqs = [_request(f"r{i}", [i % 32] * 8 + list(range(1000 + i * 300, 1000 + i * 300 + n))) for i in range(steps)]
+    reqs = [
+        _request(f"r{i}", [i % 32] * 8 + list(range(1000 + i * 300, 1000 + i * 300 + n)))
+        for i in range(steps)
+    ]
     totals: dict[str, int] = {}
     clock = time.perf_counter_ns
 
@@ -142,7 +147,9 @@ def _steps(kind: str, steps: int, events: bool, evict: Any) -> Iterator[dict[str
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--kinds", default=",".join(KINDS), help=f"kinds of pool, comma-separated (default {','.join(KINDS)})")
+    p.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"kinds of pool, comma-separated (default {','.join(KINDS)})"
+    )
     p.add_argument("--steps", type=int, default=600, help="steps per kind (default 600)")
     p.add_argument("--warm", action="store_true", help="do not evict the caches between calls")
     p.add_argument("--no-events", action="store_true", help="KV cache events off (default on)")
@@ -150,7 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
     if bad or len(set(kinds)) != len(kinds) or args.steps < 1:
-        p.error(f"--kinds: distinct names among {', '.join(KINDS)}; --steps >= 1 (got {args.kinds!r}, {args.steps})")
+        p.error(
+            f"--kinds: distinct names among {', '.join(KINDS)}; --steps >= 1 (got {args.kinds!r}, {args.steps})"
+        )
     init_none_hash(sha256)
     evict = (lambda: None) if args.warm else _Evictor()
     runs = {k: _steps(k, args.steps, not args.no_events, evict) for k in kinds}

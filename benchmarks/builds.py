@@ -89,7 +89,11 @@ def main() -> int:
             env = dict(os.environ, PYTHONPATH=str(root))
             res = subprocess.run(
                 [sys.executable, "-c", _CHILD, str(args.oplog.resolve()), str(REPO / "benchmarks"), str(r)],
-                cwd=root, env=env, capture_output=True, text=True, check=True,
+                cwd=root,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
             )
             got = json.loads(res.stdout.strip().splitlines()[-1])
             assert got["compiled"] is (name != "pure"), got

@@ -81,7 +81,14 @@ POOL_METHODS = (
 )
 """vLLM's ``BlockPool`` methods its scheduler and KV cache managers call."""
 
-WIRING_METHODS = ("step_record", "skip_step", "end_step", "on_connector_output", "begin_copies", "tag_step_writes")
+WIRING_METHODS = (
+    "step_record",
+    "skip_step",
+    "end_step",
+    "on_connector_output",
+    "begin_copies",
+    "tag_step_writes",
+)
 """The :class:`StepHazards` calls the scheduler wiring makes (hazards on)."""
 
 
@@ -200,18 +207,24 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 if b["timing"].get("cpu_per_step_mean_us")
             ]
             out[mode]["attributed_ratios"] = [round(x, 3) for x in attributed]
-            out[mode]["attributed_ratio_median"] = round(statistics.median(attributed), 3) if attributed else None
+            out[mode]["attributed_ratio_median"] = (
+                round(statistics.median(attributed), 3) if attributed else None
+            )
             out[mode]["sched_cpu_paired_ratios"] = [round(x, 3) for x in med]
             out[mode]["sched_cpu_paired_ratio_median"] = round(statistics.median(med), 3) if med else None
             out[mode]["sched_cpu_mean_paired_ratios"] = [round(x, 3) for x in mean]
-            out[mode]["sched_cpu_mean_paired_ratio_median"] = round(statistics.median(mean), 3) if mean else None
+            out[mode]["sched_cpu_mean_paired_ratio_median"] = (
+                round(statistics.median(mean), 3) if mean else None
+            )
     return out
 
 
 def _paired(pairs: Sequence[tuple[dict[str, Any], dict[str, Any]]], key: str) -> list[float]:
     """``run / off run`` of the timing figure ``key`` for each pair where
     both have it (a run with no step timed has none). O(len(pairs))."""
-    return [r["timing"][key] / b["timing"][key] for r, b in pairs if r["timing"].get(key) and b["timing"].get(key)]
+    return [
+        r["timing"][key] / b["timing"][key] for r, b in pairs if r["timing"].get(key) and b["timing"].get(key)
+    ]
 
 
 def _pool_us(r: dict[str, Any]) -> float:
@@ -263,7 +276,9 @@ def format_table(summary: dict[str, Any]) -> str:
             f" {s['sched_cpu_mean_us_median']:>8.1f} {r_mean:>6}"
         )
     if base and len(summary) > 1:
-        lines.append("\npaired: each round's run / the same round's off run (median over rounds; the rounds' ratios)")
+        lines.append(
+            "\npaired: each round's run / the same round's off run (median over rounds; the rounds' ratios)"
+        )
         for mode, s in summary.items():
             if mode == "off" or s.get("sched_cpu_paired_ratio_median") is None:
                 continue
@@ -285,7 +300,9 @@ def format_table(summary: dict[str, Any]) -> str:
             f" (gc collections by generation, per run: {gcs}):"
         )
         for k, m in s["methods"].items():
-            lines.append(f"  {k:<28} {m['calls']:>7} calls {m['us_per_step']:>8.2f} µs/step {m['ns_per_call']:>8} ns/call")
+            lines.append(
+                f"  {k:<28} {m['calls']:>7} calls {m['us_per_step']:>8.2f} µs/step {m['ns_per_call']:>8} ns/call"
+            )
     return "\n".join(lines)
 
 
@@ -294,11 +311,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["--child"] and len(argv) == 3:
         return _child(argv[1], argv[2])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="off,on,hazards-off", help="modes, comma-separated (default off,on,hazards-off)")
+    p.add_argument(
+        "--modes", default="off,on,hazards-off", help="modes, comma-separated (default off,on,hazards-off)"
+    )
     p.add_argument("--repeat", type=int, default=3, help="runs per mode, interleaved (default 3)")
     p.add_argument("--requests", type=int, default=1536, help="the timing workload's requests (default 1536)")
     p.add_argument("--prefixes", type=int, default=32, help="the timing workload's prefixes (default 32)")
-    p.add_argument("--blockpool", metavar="DIR", help="serve from the package in DIR (e.g. build/compiled-suite)")
+    p.add_argument(
+        "--blockpool", metavar="DIR", help="serve from the package in DIR (e.g. build/compiled-suite)"
+    )
     p.add_argument("--model-dir", default=os.path.join(ROOT, ".cache", "vllm-engine", "tiny-llama"))
     p.add_argument("--log-dir", help="keep specs, logs and results here (default: a temp dir)")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON here")
@@ -325,12 +346,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     pkg = os.path.abspath(args.blockpool) if args.blockpool else ROOT
     want = None
     if args.blockpool:
-        want = "compiled (mypyc)" if any(f.endswith(".so") for f in os.listdir(os.path.join(pkg, "blockpool", "core"))) else "pure Python"
+        want = (
+            "compiled (mypyc)"
+            if any(f.endswith(".so") for f in os.listdir(os.path.join(pkg, "blockpool", "core")))
+            else "pure Python"
+        )
     runs: list[dict[str, Any]] = []
     for rep in range(1, args.repeat + 1):
         for mode in _rotated(modes, rep):
             tag = f"{mode}-{rep}"
-            spec_path, out_path, log_path = (os.path.join(work, f"{tag}.{x}") for x in ("spec.json", "result.json", "log"))
+            spec_path, out_path, log_path = (
+                os.path.join(work, f"{tag}.{x}") for x in ("spec.json", "result.json", "log")
+            )
             with open(spec_path, "w", encoding="utf-8") as f:
                 json.dump({"mode": mode, "workload": attrs.asdict(w), "model": attrs.asdict(model),
                            "model_dir": model_dir}, f)  # fmt: skip
@@ -339,7 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", spec_path, out_path]
             t0 = time.perf_counter()
             with open(log_path, "w", encoding="utf-8") as log:
-                subprocess.run(cmd, env=env, cwd=pkg, stdout=log, stderr=subprocess.STDOUT, timeout=900, check=False)
+                subprocess.run(
+                    cmd, env=env, cwd=pkg, stdout=log, stderr=subprocess.STDOUT, timeout=900, check=False
+                )
             try:
                 with open(out_path, encoding="utf-8") as f:
                     r = json.load(f)

@@ -46,7 +46,13 @@ def _loops(blocks: list, keymap: dict, keys: list) -> dict:  # type: ignore[type
         for b in blocks:
             b.ref_cnt = 0
 
-    return {"loop only": nothing, "+ attribute read": attr, "+ list append": append, "dict lookup by key": lookup, "+ attribute store": store}
+    return {
+        "loop only": nothing,
+        "+ attribute read": attr,
+        "+ list append": append,
+        "dict lookup by key": lookup,
+        "+ attribute store": store,
+    }
 
 
 def main() -> None:

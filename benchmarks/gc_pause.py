@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=100_000, help="cached blocks per pool (default 100000)")
     ap.add_argument("--reps", type=int, default=9, help="full collections timed before and after (default 9)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds, each pool once per round (default 5)")
-    ap.add_argument("--pools", default="vllm,adapter,core,core-off", help="comma-separated (default all four)")
+    ap.add_argument(
+        "--pools", default="vllm,adapter,core,core-off", help="comma-separated (default all four)"
+    )
     ap.add_argument("--json", metavar="OUT", help="write the rows here")
     args = ap.parse_args(argv)
     pools = [p for p in args.pools.split(",") if p]
@@ -92,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             row = json.loads(out.strip().splitlines()[-1])
             row["round"] = r
             rows.append(row)
-    print(f"full gc.collect() added by a pool of {args.blocks} cached free blocks (ms, median over {args.rounds} rounds)")
+    print(
+        f"full gc.collect() added by a pool of {args.blocks} cached free blocks (ms, median over {args.rounds} rounds)"
+    )
     by = {p: [x for x in rows if x["pool"] == p] for p in pools}
     for pool in pools:
         added = [float(x["added_ms"]) for x in by[pool]]

@@ -39,7 +39,9 @@ def _child(mode: str) -> dict[str, float]:
         pool = HazardAwareBlockPool(10_000, streams=streams)
         t = pool.get_new_blocks(1)
         calls = {
-            "get_new_blocks(1) + free_blocks, ns": lambda: pool.free_blocks(pool.get_new_blocks(1), token=None),
+            "get_new_blocks(1) + free_blocks, ns": lambda: pool.free_blocks(
+                pool.get_new_blocks(1), token=None
+            ),
             "begin_store(1 block), ns": lambda: pool.begin_store(t, "d2h"),
             "begin_load(1 block), ns": lambda: pool.begin_load(t, "h2d"),
             "cache_full_blocks(1 block), ns": lambda: pool.cache_full_blocks(t, ["k"], 0, 1, 16),
@@ -68,7 +70,9 @@ def _child(mode: str) -> dict[str, float]:
     table = pool.get_new_blocks(K)
     keys = [("k", i) for i in range(K)]
     out["begin_store(256), us"] = per_call(lambda: pool.begin_store(table, "d2h"), 100) * 1e6
-    out["cache_full_blocks(256, cached), us"] = per_call(lambda: pool.cache_full_blocks(table, keys, 0, K, 16)) * 1e6
+    out["cache_full_blocks(256, cached), us"] = (
+        per_call(lambda: pool.cache_full_blocks(table, keys, 0, K, 16)) * 1e6
+    )
     if on:
         g = pool.generations(table)
         out["begin_store(256, generations=), us"] = (

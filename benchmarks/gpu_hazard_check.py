@@ -248,8 +248,15 @@ class Buffers:
         # warm the caching allocator for the reads the checks enqueue behind delays
         idx = gpu.index(list(range(1, K + 1)))
         for _ in range(2):
-            gpu.enqueue(gpu.compute, lambda: box.setdefault("w", []).append(
-                (self.kv.index_select(0, idx).sum(dtype=torch.float64), self.kv.index_select(0, idx).sum())))
+            gpu.enqueue(
+                gpu.compute,
+                lambda: box.setdefault("w", []).append(
+                    (
+                        self.kv.index_select(0, idx).sum(dtype=torch.float64),
+                        self.kv.index_select(0, idx).sum(),
+                    )
+                ),
+            )
         gpu.compute.synchronize()
         box.clear()
 
@@ -321,7 +328,9 @@ def war_free_then_reload(gpu: Gpu, buf: Buffers, use_fence: bool) -> dict[str, A
         "corruption_observed": got != expected_old or not loaded,
     }
     if not out["reused_same_blocks"] or not fence:
-        RESULT["errors"].append(f"war_free_then_reload: vacuous run (blocks {ids} -> {new_ids}, fence {fence})")
+        RESULT["errors"].append(
+            f"war_free_then_reload: vacuous run (blocks {ids} -> {new_ids}, fence {fence})"
+        )
     return out
 
 
@@ -360,7 +369,9 @@ def cow_then_load(gpu: Gpu, buf: Buffers, use_fence: bool) -> dict[str, Any]:
             if not gpu.dry:
                 torch.cuda.set_device(gpu.device)
             f = Fence.from_wire(wire)
-            thread_out["waited_on"] = [str(t) for t in ledger.wait_host(f, timeout=WAIT_S)] if use_fence else []
+            thread_out["waited_on"] = (
+                [str(t) for t in ledger.wait_host(f, timeout=WAIT_S)] if use_fence else []
+            )
             gpu.enqueue(gpu.recv, lambda: kv[d.block_id].copy_(remote, non_blocking=True))
             gpu.recv.synchronize()  # the engine's own completion (its stream only)
             ledger.mark_host_complete(load_tok)
@@ -393,7 +404,9 @@ class OffloadHandler:
     runs ``_swap_blocks_batch`` with the copy stream current and records the
     job's end event."""
 
-    def __init__(self, gpu: Gpu, stream: Any, copy: Callable[[Any, Any], None], delay_ms: float = 0.0) -> None:
+    def __init__(
+        self, gpu: Gpu, stream: Any, copy: Callable[[Any, Any], None], delay_ms: float = 0.0
+    ) -> None:
         self.gpu, self.stream, self.delay_ms = gpu, stream, delay_ms
         self._transfers: list[Any] = []
         self._swap_blocks_batch = copy
@@ -422,7 +435,11 @@ def offload_store_then_reload(gpu: Gpu, buf: Buffers, use_fence: bool, audit: bo
     from blockpool.worker.torch_events import EventLedger
 
     torch = gpu.torch
-    streams = {"compute": StreamKind.DEVICE, "offload_d2h": StreamKind.DEVICE, "offload_h2d": StreamKind.DEVICE}
+    streams = {
+        "compute": StreamKind.DEVICE,
+        "offload_d2h": StreamKind.DEVICE,
+        "offload_h2d": StreamKind.DEVICE,
+    }
     pool = HazardAwareBlockPool(NUM_BLOCKS, enable_caching=False, streams=streams)
     ledger = EventLedger(gpu.event_factory(), streams={"compute": gpu.compute})
     wh = vw.WorkerHazards(ledger, gpu.current_stream, timeout=WAIT_S, audit=Audit() if audit else None)
@@ -490,7 +507,9 @@ def offload_store_then_reload(gpu: Gpu, buf: Buffers, use_fence: bool, audit: bo
     if audit:  # the fences are only observed: vLLM's own ordering alone, counted
         out["audit_would_have_raced"] = wh.audit.totals()[2]
     if not out["reused_same_blocks"] or [str(t) for t in fence] != [str(store_tok)]:
-        RESULT["errors"].append(f"offload_store_then_reload: unexpected run (blocks {ids} -> {new_ids}, fence {fence})")
+        RESULT["errors"].append(
+            f"offload_store_then_reload: unexpected run (blocks {ids} -> {new_ids}, fence {fence})"
+        )
     return out
 
 

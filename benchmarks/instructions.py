@@ -59,8 +59,16 @@ def _count(root: Path, oplog: Path, kind: str, replay: bool) -> int:
     """Instructions of one child process under callgrind. O(the child)."""
     env = dict(os.environ, PYTHONPATH=str(root), PYTHONHASHSEED="0")
     cmd = [
-        "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-        sys.executable, "-c", _CHILD, str(oplog), str(REPO / "benchmarks"), kind, "1" if replay else "0",
+        "valgrind",
+        "--tool=callgrind",
+        "--callgrind-out-file=/dev/null",
+        sys.executable,
+        "-c",
+        _CHILD,
+        str(oplog),
+        str(REPO / "benchmarks"),
+        kind,
+        "1" if replay else "0",
     ]
     res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=True)
     m = _COLLECTED.search(res.stderr)

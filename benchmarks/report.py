@@ -96,7 +96,9 @@ def _vllm_name(data: dict[str, Any]) -> str:
     return f"vLLM {version}" if version else "vLLM"
 
 
-def build(data: dict[str, Any], rows: dict[tuple[str, str], dict[str, Any]], order: list[str]) -> tuple[str, list[tuple[str, float | None, float | None, float | None]]]:
+def build(
+    data: dict[str, Any], rows: dict[tuple[str, str], dict[str, Any]], order: list[str]
+) -> tuple[str, list[tuple[str, float | None, float | None, float | None]]]:
     def med(scen: str, kind: str) -> float | None:
         r = rows.get((scen, kind))
         return None if r is None else r["median"]
@@ -122,7 +124,10 @@ def build(data: dict[str, Any], rows: dict[tuple[str, str], dict[str, Any]], ord
             continue
         out += [f"## {TITLES[sec]}", ""]
         if sec == "memory":
-            out += ["| figure | on | off | vLLM | on / vLLM | off / vLLM | on / off |", "|---|---|---|---|---|---|---|"]
+            out += [
+                "| figure | on | off | vLLM | on / vLLM | off / vLLM | on / off |",
+                "|---|---|---|---|---|---|---|",
+            ]
             for scen in scens:
                 vals = {k: rows.get((scen, k)) for k in ("on", "off", "vllm")}
                 for key, label in (
@@ -142,7 +147,14 @@ def build(data: dict[str, Any], rows: dict[tuple[str, str], dict[str, Any]], ord
                     f"{_ratio(m['on'], m['vllm'])} | {_ratio(m['off'], m['vllm'])} | {_ratio(m['on'], m['off'])} |"
                 )
                 b = {k: (r["bytes_per_block"] if r else None) for k, r in vals.items()}
-                chart.append(("bytes per block", _r(b["on"], b["vllm"]), _r(b["off"], b["vllm"]), _r(b["on"], b["off"])))
+                chart.append(
+                    (
+                        "bytes per block",
+                        _r(b["on"], b["vllm"]),
+                        _r(b["off"], b["vllm"]),
+                        _r(b["on"], b["off"]),
+                    )
+                )
             out.append("")
             continue
         if sec in ("policy", "adapter"):
@@ -185,7 +197,9 @@ def _policy_rows(rows: dict[tuple[str, str], dict[str, Any]], scens: list[str]) 
         for kind, r in mine:
             ns = r["median"] * 1e9 / r["blocks_per_call"]
             ratio = _ratio(r["median"], base["median"] if base else None)
-            out.append(f"| {scen} | {kind}{' (baseline)' if kind == base_kind else ''} | {_num(ns)} | {ratio} |")
+            out.append(
+                f"| {scen} | {kind}{' (baseline)' if kind == base_kind else ''} | {_num(ns)} | {ratio} |"
+            )
     return out + [""]
 
 
@@ -220,21 +234,38 @@ def _targets(rows: dict[tuple[str, str], dict[str, Any]], order: list[str]) -> l
     trace = next((s for s in order if rows.get((s, "on"), {}).get("section") == "trace"), None)
     if trace:
         r = _r(med(trace, "on"), med(trace, "vllm"))
-        out.append(_target_row("trace op log, hazards on / vLLM", f"≤ {TARGETS['trace_vs_vllm']}", r, TARGETS["trace_vs_vllm"]))
+        out.append(
+            _target_row(
+                "trace op log, hazards on / vLLM",
+                f"≤ {TARGETS['trace_vs_vllm']}",
+                r,
+                TARGETS["trace_vs_vllm"],
+            )
+        )
         r = _r(med(trace, "on"), med(trace, "off"))
-        out.append(_target_row("trace op log, hazards on / off", f"≤ {TARGETS['on_vs_off']}", r, TARGETS["on_vs_off"]))
+        out.append(
+            _target_row(
+                "trace op log, hazards on / off", f"≤ {TARGETS['on_vs_off']}", r, TARGETS["on_vs_off"]
+            )
+        )
     mem = next((s for s in order if rows.get((s, "on"), {}).get("section") == "memory"), None)
     if mem:
         on, v = rows.get((mem, "on")), rows.get((mem, "vllm"))
         r = _r(on["bytes_per_block"] if on else None, v["bytes_per_block"] if v else None)
-        out.append(_target_row("bytes per block at 10^6, hazards on / vLLM", "≤ 1", r, TARGETS["bytes_vs_vllm"]))
+        out.append(
+            _target_row("bytes per block at 10^6, hazards on / vLLM", "≤ 1", r, TARGETS["bytes_vs_vllm"])
+        )
     groups: dict[str, dict[int, float]] = defaultdict(dict)
     for (scen, kind), rr in rows.items():
         if kind == "on" and rr.get("section") == "scale":
             groups[rr["order"]][rr["blocks"]] = rr["median"]
     for o, by_size in groups.items():
         r = _r(by_size[max(by_size)], by_size[min(by_size)])
-        out.append(_target_row(f"ns per block at 10^6 / 10^4, hazards on, {o}", f"≤ {TARGETS['scale']}", r, TARGETS["scale"]))
+        out.append(
+            _target_row(
+                f"ns per block at 10^6 / 10^4, hazards on, {o}", f"≤ {TARGETS['scale']}", r, TARGETS["scale"]
+            )
+        )
     return out + [""]
 
 
@@ -245,7 +276,9 @@ def _target_row(name: str, goal: str, r: float | None, limit: float) -> str:
     return f"| {name} | {goal} | {shown} | {'yes' if r <= limit else 'no'} |"
 
 
-def chart_png(chart: list[tuple[str, float | None, float | None, float | None]], path: Path, title: str) -> str | None:
+def chart_png(
+    chart: list[tuple[str, float | None, float | None, float | None]], path: Path, title: str
+) -> str | None:
     try:
         import matplotlib
 
@@ -254,7 +287,11 @@ def chart_png(chart: list[tuple[str, float | None, float | None, float | None]],
     except ImportError as exc:
         return f"no chart: matplotlib is not importable ({exc})"
     labels = [c[0] for c in chart]
-    series = [("blockpool, hazards on / vLLM", 1, "#1f77b4"), ("blockpool, hazards off / vLLM", 2, "#aec7e8"), ("hazards on / off", 3, "#ff7f0e")]
+    series = [
+        ("blockpool, hazards on / vLLM", 1, "#1f77b4"),
+        ("blockpool, hazards off / vLLM", 2, "#aec7e8"),
+        ("hazards on / off", 3, "#ff7f0e"),
+    ]
     h = 0.26
     fig, ax = plt.subplots(figsize=(10, 0.55 * len(labels) + 1.6))
     for j, (name, idx, color) in enumerate(series):
@@ -289,7 +326,9 @@ def _wrap(s: str, width: int = 48) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Markdown table and PNG chart from a pytest-benchmark JSON file.")
+    ap = argparse.ArgumentParser(
+        description="Markdown table and PNG chart from a pytest-benchmark JSON file."
+    )
     ap.add_argument("json", type=Path)
     ap.add_argument("--md", type=Path, help="write the Markdown here (default: next to the JSON, report.md)")
     ap.add_argument("--png", type=Path, help="write the chart here (default: next to the JSON, ratios.png)")

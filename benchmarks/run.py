@@ -56,7 +56,10 @@ def _interpreter(explicit: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "out" / "bench"), help="output directory (default out/bench)")
-    ap.add_argument("--python", help="interpreter for the suite (default: .venv-vllm034/bin/python, else .venv-vllm/bin/python, if present)")
+    ap.add_argument(
+        "--python",
+        help="interpreter for the suite (default: .venv-vllm034/bin/python, else .venv-vllm/bin/python, if present)",
+    )
     ap.add_argument("--timer", default="process_time", choices=["process_time", "perf_counter"])
     ap.add_argument("-k", dest="keyword", help="pytest -k expression (run part of the suite)")
     ap.add_argument("--no-report", action="store_true", help="only run the suite")
@@ -67,9 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     py = _interpreter(args.python)
     files = sorted(str(p.relative_to(REPO)) for p in BENCH.glob("test_*.py"))
     cmd = [
-        py, "-m", "pytest",
-        "-o", "addopts=",  # no doctest collection, no coverage of the default run's options
-        "-p", "no:cacheprovider",
+        py,
+        "-m",
+        "pytest",
+        "-o",
+        "addopts=",  # no doctest collection, no coverage of the default run's options
+        "-p",
+        "no:cacheprovider",
         "-q",
         f"--benchmark-json={json_path}",
         f"--benchmark-timer=time.{args.timer}",
@@ -86,7 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     rc = subprocess.call(cmd, cwd=REPO, env=env)
     if args.no_report or not json_path.exists():
         return rc
-    report = [sys.executable, str(BENCH / "report.py"), str(json_path), "--md", str(out / "report.md"), "--png", str(out / "ratios.png")]
+    report = [
+        sys.executable,
+        str(BENCH / "report.py"),
+        str(json_path),
+        "--md",
+        str(out / "report.md"),
+        "--png",
+        str(out / "ratios.png"),
+    ]
     print("+", " ".join(report), flush=True)
     rc2 = subprocess.call(report, cwd=REPO)
     return rc or rc2

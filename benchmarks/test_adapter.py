@@ -60,8 +60,12 @@ def test_free_blocks_own_block_check(benchmark: Any, variant: str) -> None:
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (pool.get_new_blocks(N), *extra), {}
 
-    scenario = f"vLLM adapter: free_blocks({N}) with the own-block check, {POOL_BLOCKS - 1:,} blocks, per block"
+    scenario = (
+        f"vLLM adapter: free_blocks({N}) with the own-block check, {POOL_BLOCKS - 1:,} blocks, per block"
+    )
     benchmark.group = scenario
-    benchmark.extra_info.update(scenario=scenario, kind=variant, blocks_per_call=N, section="adapter", baseline="core")
+    benchmark.extra_info.update(
+        scenario=scenario, kind=variant, blocks_per_call=N, section="adapter", baseline="core"
+    )
     benchmark.pedantic(pool.free_blocks, setup=setup, rounds=400, warmup_rounds=20)
     assert pool.get_num_free_blocks() == free

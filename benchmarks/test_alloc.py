@@ -87,8 +87,10 @@ def test_alloc_free(benchmark: Any, kind: str, n: int, mode: str) -> None:
     assert pool.get_num_free_blocks() == before == POOL_BLOCKS - 1
     if mode == "caching on, evicting" and kind != "vllm":
         assert pool.stats().evictions >= 4 * n
-    scenario = f"get_new_blocks({n}) + free_blocks, {mode}" if mode != "caching on, evicting" else (
-        f"get_new_blocks({n}) + cache_full_blocks + free_blocks, evicting"
+    scenario = (
+        f"get_new_blocks({n}) + free_blocks, {mode}"
+        if mode != "caching on, evicting"
+        else (f"get_new_blocks({n}) + cache_full_blocks + free_blocks, evicting")
     )
     benchmark.group = scenario
     benchmark.extra_info.update(scenario=scenario, kind=kind, blocks_per_call=n, section="alloc")

@@ -84,7 +84,9 @@ def test_eviction_cost(benchmark: Any, eviction: str) -> None:
     assert pool.get_num_free_blocks() == POOL_BLOCKS - 1
     scenario = f"eviction: get_new_blocks({N}) evicting + cache_full_blocks + touch({N} hits) + free_blocks, per block"
     benchmark.group = scenario
-    benchmark.extra_info.update(scenario=scenario, kind=eviction, blocks_per_call=2 * N, section="policy", baseline="lru")
+    benchmark.extra_info.update(
+        scenario=scenario, kind=eviction, blocks_per_call=2 * N, section="policy", baseline="lru"
+    )
     benchmark(cycle)
 
 
@@ -141,5 +143,7 @@ def test_placement_cost(benchmark: Any, placement: str, queue: str) -> None:
 
     scenario = f"placement: allocate_for({N}, h2d) on {QUEUES[queue]}, per block"
     benchmark.group = scenario
-    benchmark.extra_info.update(scenario=scenario, kind=placement, blocks_per_call=N, section="policy", baseline="lru")
+    benchmark.extra_info.update(
+        scenario=scenario, kind=placement, blocks_per_call=N, section="policy", baseline="lru"
+    )
     benchmark.pedantic(alloc, setup=setup, rounds=ROUNDS, iterations=1, warmup_rounds=2)

@@ -70,7 +70,9 @@ def _core_compiled() -> bool:
     import sys
 
     suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
-    core = [m for n, m in list(sys.modules.items()) if n == "blockpool.core" or n.startswith("blockpool.core.")]
+    core = [
+        m for n, m in list(sys.modules.items()) if n == "blockpool.core" or n.startswith("blockpool.core.")
+    ]
     return bool(core) and all(str(getattr(m, "__file__", "")).endswith(suffixes) for m in core)
 
 

@@ -148,9 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OUT.png",
         help="write a PNG of the cumulative load-start delays per policy (nothing when no policy made loads)",
     )
-    p.add_argument("--events", metavar="OUT.jsonl", help="write every issue, wait, access and completion here")
-    p.add_argument("--skip-bad-lines", action="store_true", help="skip bad trace lines (counted) instead of failing")
-    p.add_argument("--jobs", type=int, default=None, help="policies run in parallel (default: min(policies, CPUs))")
+    p.add_argument(
+        "--events", metavar="OUT.jsonl", help="write every issue, wait, access and completion here"
+    )
+    p.add_argument(
+        "--skip-bad-lines", action="store_true", help="skip bad trace lines (counted) instead of failing"
+    )
+    p.add_argument(
+        "--jobs", type=int, default=None, help="policies run in parallel (default: min(policies, CPUs))"
+    )
     p.add_argument(
         "--quiet", action="store_true",
         help="no progress on stderr: neither the bar (a terminal) nor the progress lines (a log or a pipe)",
@@ -194,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
         "'local' starts a local Ray instance; needs the 'ray' extra (pip install 'blockpool[ray]')",
     )  # fmt: skip
     w.add_argument("--json", metavar="OUT", help="write every row here (schema blockpool.sweep/1)")
-    w.add_argument("--quiet", action="store_true", help="no progress on stderr (the 'sweep: N/M cells' lines)")
+    w.add_argument(
+        "--quiet", action="store_true", help="no progress on stderr (the 'sweep: N/M cells' lines)"
+    )
     # Imports neither torch nor vLLM: only the check's runs do, in subprocesses.
     from blockpool.integrations.vllm.engine_check import add_arguments as add_check_vllm_arguments
 
@@ -274,7 +282,9 @@ def _sweep(args: argparse.Namespace) -> int:
             raise ValueError(f"--jobs must be >= 1, got {jobs}")
         if args.ray is not None:
             if not args.ray.strip():
-                raise ValueError("--ray takes a Ray address ('local', 'auto', 'HOST:PORT', 'ray://HOST:PORT')")
+                raise ValueError(
+                    "--ray takes a Ray address ('local', 'auto', 'HOST:PORT', 'ray://HOST:PORT')"
+                )
             require_ray()  # Ray not installed: status 2 before any cell
         if args.json:
             args.trace, args.plot, args.events = None, None, None
@@ -350,8 +360,7 @@ class _ProgressLines:
             f"{self.n / runs:,.0f}/{self.total // runs:,} requests x {runs} runs"
         )  # fmt: skip
         print(
-            f"replay: {done} ({pct:.0f}%), {rate:.1f} req/s, "
-            f"elapsed {_hms(elapsed)}, ETA {eta}",
+            f"replay: {done} ({pct:.0f}%), {rate:.1f} req/s, elapsed {_hms(elapsed)}, ETA {eta}",
             file=self.stream,
             flush=True,
         )
@@ -388,7 +397,9 @@ def _progress_bar(
     except ImportError:
         return None, lambda: None
     desc = "replay" if runs == 1 else f"replay ({runs} runs)"
-    bar: Any = tqdm(total=total, unit="req", unit_scale=1 / max(1, runs), desc=desc, file=sys.stderr, mininterval=0.5)
+    bar: Any = tqdm(
+        total=total, unit="req", unit_scale=1 / max(1, runs), desc=desc, file=sys.stderr, mininterval=0.5
+    )
 
     def update(n: int) -> None:
         if n > bar.n:
@@ -436,13 +447,17 @@ def _check_outputs(args: argparse.Namespace) -> None:
             continue
         d = os.path.dirname(full)
         if not os.path.isdir(d):
-            raise ValueError(f"cannot write {opt} {out}: no such directory {d} (create it first: mkdir -p {d})")
+            raise ValueError(
+                f"cannot write {opt} {out}: no such directory {d} (create it first: mkdir -p {d})"
+            )
         if os.path.exists(full) and not os.access(full, os.W_OK):
             raise ValueError(f"cannot write {opt} {out}: permission denied")
         try:
             fd, probe = tempfile.mkstemp(prefix=".blockpool-probe-", dir=d)
         except OSError as e:
-            raise ValueError(f"cannot write {opt} {out}: cannot create a file in {d}: {e.strerror or e}") from None
+            raise ValueError(
+                f"cannot write {opt} {out}: cannot create a file in {d}: {e.strerror or e}"
+            ) from None
         os.close(fd)
         os.remove(probe)
         if opt == "--plot" and os.path.splitext(full)[1].lower() != ".png":
@@ -544,7 +559,10 @@ def _replay(args: argparse.Namespace) -> int:
 
             write_atomic(args.json, write_json)
         if args.plot and not any(r.load_delays_ms for r in report.results):
-            print(f"blockpool replay: --plot: no loads: nothing to plot ({args.plot} not written)", file=sys.stderr)
+            print(
+                f"blockpool replay: --plot: no loads: nothing to plot ({args.plot} not written)",
+                file=sys.stderr,
+            )
         elif args.plot:
             from blockpool.replay.plot import PlotUnavailableError, plot_report
 
@@ -600,6 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise Terminated()
 
         previous = signal.signal(signal.SIGTERM, on_term)
+
     def stopped(msg: str) -> None:  # one line, naming the command that was stopped
         print(f"blockpool {args.command}: error: {msg}", file=sys.stderr)
 

@@ -35,7 +35,9 @@ def temporary_enable_log_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture()
-def caplog_vllm(temporary_enable_log_propagate: None, caplog: pytest.LogCaptureFixture) -> Generator[Any, None, None]:
+def caplog_vllm(
+    temporary_enable_log_propagate: None, caplog: pytest.LogCaptureFixture
+) -> Generator[Any, None, None]:
     """An INFO-level ``caplog`` that sees vLLM's log records."""
     with caplog.at_level(logging.INFO):
         yield caplog

@@ -60,5 +60,12 @@ def public_methods(cls: type) -> list[str]:
 
 def _compiled_function(f: object) -> bool:
     # mypyc: a method is a callable object of its own generated type, or a builtin
-    return callable(f) and not isinstance(f, type) and (inspect.isbuiltin(f) or inspect.ismethoddescriptor(f)
-                                                        or type(f).__module__.startswith("blockpool."))
+    return (
+        callable(f)
+        and not isinstance(f, type)
+        and (
+            inspect.isbuiltin(f)
+            or inspect.ismethoddescriptor(f)
+            or type(f).__module__.startswith("blockpool.")
+        )
+    )

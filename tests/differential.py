@@ -71,7 +71,8 @@ class CountingModel(HBModel):
             if all(self._covered(t, rest) for t in req):
                 COUNTS["redundant"] += 1
         want_host = bool(tokens) and (
-            self.kinds[stream] is StreamKind.HOST or any(self.kinds[t.stream] is StreamKind.HOST for t in tokens)
+            self.kinds[stream] is StreamKind.HOST
+            or any(self.kinds[t.stream] is StreamKind.HOST for t in tokens)
         )
         if fence.needs_host_wait != want_host:
             COUNTS["host_mark_wrong"] += 1
@@ -143,7 +144,9 @@ def run(sequences: int, steps: int = 50) -> dict[str, object]:
     COUNTS.clear()
     t0 = time.perf_counter()
     with _no_local_constants():
-        run_state_machine_as_test(DifferentialMachine, settings=_settings(sequences, steps, phases=[Phase.generate]))
+        run_state_machine_as_test(
+            DifferentialMachine, settings=_settings(sequences, steps, phases=[Phase.generate])
+        )
     wall = time.perf_counter() - t0
     counts = dict(COUNTS)
     # the invariant runs once after setup and once after every rule

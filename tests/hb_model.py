@@ -129,9 +129,12 @@ class HBModel:
                 f"redundant wait on {f}: required {sorted(map(str, req))}, fence {sorted(map(str, tokens))}"
             )
         want_host = bool(tokens) and (
-            self.kinds[stream] is StreamKind.HOST or any(self.kinds[t.stream] is StreamKind.HOST for t in tokens)
+            self.kinds[stream] is StreamKind.HOST
+            or any(self.kinds[t.stream] is StreamKind.HOST for t in tokens)
         )
-        assert fence.needs_host_wait == want_host, f"needs_host_wait={fence.needs_host_wait}, want {want_host}"
+        assert fence.needs_host_wait == want_host, (
+            f"needs_host_wait={fence.needs_host_wait}, want {want_host}"
+        )
 
     # -- failures and content ------------------------------------------------
 

@@ -32,8 +32,12 @@ def _backend():  # type: ignore[no-untyped-def]
     return mod
 
 
-@pytest.mark.parametrize(("value", "on"), [("1", True), ("yes", True), ("0", False), ("", False), (None, False)])
-def test_the_switch_asks_for_mypy_only_when_set(monkeypatch: pytest.MonkeyPatch, value: str | None, on: bool) -> None:
+@pytest.mark.parametrize(
+    ("value", "on"), [("1", True), ("yes", True), ("0", False), ("", False), (None, False)]
+)
+def test_the_switch_asks_for_mypy_only_when_set(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, on: bool
+) -> None:
     pytest.importorskip("setuptools")
     backend = _backend()
     if value is None:

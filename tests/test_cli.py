@@ -76,7 +76,9 @@ def test_trace_file_replay_exits_zero(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "12 requests (mooncake" in capsys.readouterr().out
 
 
-def test_exact_races_give_exit_status_one(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_exact_races_give_exit_status_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(WaitPolicy, "waits", lambda self, fence, consumer, transfer=False: ())
     assert main(["replay", *SMALL, "--policy", "exact"]) == 1
     assert "exact policy shows" in capsys.readouterr().err
@@ -142,7 +144,11 @@ def test_progress_bar_is_skipped_without_tqdm(monkeypatch: pytest.MonkeyPatch) -
 
 def test_python_dash_m_blockpool_runs_the_command() -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "blockpool", "replay", "--help"], cwd=ROOT, capture_output=True, text=True, check=False
+        [sys.executable, "-m", "blockpool", "replay", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert res.returncode == 0 and "--skip-bad-lines" in res.stdout
 
@@ -223,7 +229,14 @@ def test_one_path_for_two_outputs_or_the_trace_is_refused(
 
 def test_outputs_are_written_whole_with_no_part_file_left(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    args = ["--json", str(tmp_path / "r.json"), "--events", str(tmp_path / "e.jsonl"), "--plot", str(tmp_path / "r.png")]
+    args = [
+        "--json",
+        str(tmp_path / "r.json"),
+        "--events",
+        str(tmp_path / "e.jsonl"),
+        "--plot",
+        str(tmp_path / "r.png"),
+    ]
     assert main(["replay", *SMALL, "--policy", "exact,blind", "--jobs", "2", *args]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.jsonl", "r.json", "r.png"]
 
@@ -237,11 +250,16 @@ def test_progress_lines_when_stderr_is_not_a_terminal(
     assert main(["replay", *SMALL[:-1], "--limit", "200", "--policy", "exact"]) == 0
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("replay: ")]
     assert len(lines) >= 2
-    assert all(re.fullmatch(r"replay: \d+/200 requests \(\d+%\), [\d.]+ req/s, elapsed \S+, ETA \S+", x) for x in lines)
+    assert all(
+        re.fullmatch(r"replay: \d+/200 requests \(\d+%\), [\d.]+ req/s, elapsed \S+, ETA \S+", x)
+        for x in lines
+    )
     assert lines[-1].startswith("replay: 200/200 requests (100%)")
 
 
-def test_no_progress_lines_with_quiet(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_progress_lines_with_quiet(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from blockpool import cli
 
     monkeypatch.setattr(cli, "PROGRESS_INTERVAL_S", 0.0)
@@ -315,7 +333,9 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
-@pytest.mark.parametrize(("sig", "status", "jobs"), [("SIGINT", 130, "2"), ("SIGTERM", 143, "2"), ("SIGINT", 130, "1")])
+@pytest.mark.parametrize(
+    ("sig", "status", "jobs"), [("SIGINT", 130, "2"), ("SIGTERM", 143, "2"), ("SIGINT", 130, "1")]
+)
 @pytest.mark.usefixtures("sigint_as_in_a_terminal")
 def test_interrupt_exits_with_the_conventional_status_and_leaves_nothing(
     sig: str, status: int, jobs: str, tmp_path: Path
@@ -343,7 +363,9 @@ def test_interrupt_exits_with_the_conventional_status_and_leaves_nothing(
     proc.send_signal(getattr(signal, sig))
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == status, err
-    assert err.splitlines() == [f"blockpool replay: error: {'interrupted' if sig == 'SIGINT' else 'terminated'} ({sig})"]
+    assert err.splitlines() == [
+        f"blockpool replay: error: {'interrupted' if sig == 'SIGINT' else 'terminated'} ({sig})"
+    ]
     assert "Traceback" not in err and out == ""
     assert list(tmp_path.iterdir()) == []
     time.sleep(0.2)
@@ -361,7 +383,11 @@ def small_report():  # type: ignore[no-untyped-def]
     from blockpool.replay.run import replay
     from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
 
-    rep = replay(synthetic_trace(SyntheticSpec(num_requests=40)), "exact,step-event,blind", ReplayConfig(num_blocks=1024))
+    rep = replay(
+        synthetic_trace(SyntheticSpec(num_requests=40)),
+        "exact,step-event,blind",
+        ReplayConfig(num_blocks=1024),
+    )
     no_loads = attrs.evolve(rep.result("step-event"), loads=0, loads_empty_fence=0, load_delays_ms=())
     return attrs.evolve(rep, results=(rep.results[0], no_loads, rep.results[2]))
 
@@ -484,7 +510,12 @@ def test_json_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_path: P
     assert _kind(link) == "lnk" and link.readlink() == target
     assert _kind(dangling) == "lnk" and _kind(tmp_path / "new.jsonl") == "reg"
     assert list(json.loads(target.read_text())["policies"]) == ["exact"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.jsonl", "link.json", "new.jsonl", "real.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "dangling.jsonl",
+        "link.json",
+        "new.jsonl",
+        "real.json",
+    ]
 
 
 def test_outputs_into_a_character_device_are_written_through_and_it_stays_a_device(tmp_path: Path) -> None:
@@ -495,7 +526,9 @@ def test_outputs_into_a_character_device_are_written_through_and_it_stays_a_devi
     assert sorted(p.name for p in tmp_path.iterdir()) == ["null"]  # no part file beside it
 
 
-def test_a_full_device_fails_the_write_and_stays_a_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_full_device_fails_the_write_and_stays_a_device(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     full = _char_device(tmp_path, "full", 7)
     assert main(["replay", *SMALL, "--policy", "exact", "--json", str(full)]) == 3
     assert "No space left on device" in capsys.readouterr().err
@@ -553,11 +586,26 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) 
     ("argv", "codes"),
     [
         ([], ["0 done", "1 the exact policy showed a race", "2 bad usage", "3 the run failed", "130", "143"]),
-        (["replay"], ["0    done", "1    the exact policy", "2    bad usage", "3    the replay failed", "130  ", "143  "]),
-        (["sweep"], ["0    done", "1    an exact cell", "2    bad usage", "3    a cell failed", "130  ", "143  "]),
+        (
+            ["replay"],
+            [
+                "0    done",
+                "1    the exact policy",
+                "2    bad usage",
+                "3    the replay failed",
+                "130  ",
+                "143  ",
+            ],
+        ),
+        (
+            ["sweep"],
+            ["0    done", "1    an exact cell", "2    bad usage", "3    a cell failed", "130  ", "143  "],
+        ),
     ],
 )
-def test_help_lists_the_exit_statuses(argv: list[str], codes: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_the_exit_statuses(
+    argv: list[str], codes: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
         main([*argv, "--help"])
     out = capsys.readouterr().out
@@ -583,7 +631,19 @@ def test_ctrl_c_during_sweep_says_blockpool_sweep_interrupted(tmp_path: Path) ->
         # Cells of 30,000 requests: minutes each, so a Ctrl-C that waited for
         # the running cells (forked workers inherited the CLI's SIGTERM
         # handler and ran on) cannot end within the 20 s allowed below.
-        [sys.executable, "-m", "blockpool", "sweep", "--seed", "0,1,2,3", "--limit", "30000", "--jobs", "2", "--quiet"],
+        [
+            sys.executable,
+            "-m",
+            "blockpool",
+            "sweep",
+            "--seed",
+            "0,1,2,3",
+            "--limit",
+            "30000",
+            "--jobs",
+            "2",
+            "--quiet",
+        ],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
@@ -663,7 +723,9 @@ def test_plot_without_matplotlib_is_refused_before_the_replay_and_writes_nothing
     rc = main(["replay", *SMALL, "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
     assert rc == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and "--plot needs matplotlib" in err[0] and "pip install 'blockpool[replay]'" in err[0]
+    assert (
+        len(err) == 1 and "--plot needs matplotlib" in err[0] and "pip install 'blockpool[replay]'" in err[0]
+    )
     assert list(tmp_path.iterdir()) == []  # no JSON written either
 
 
@@ -685,7 +747,20 @@ def test_sweep_refuses_a_bad_line_past_the_first_before_any_cell(
 def test_sweep_skip_bad_lines_replays_and_counts_them_per_row(tmp_path: Path) -> None:
     trace = _trace(tmp_path, "{not json")
     out = tmp_path / "s.json"
-    rc = main(["sweep", str(trace), "--num-blocks", "1024", "--skip-bad-lines", "--json", str(out), "--quiet", "--jobs", "1"])
+    rc = main(
+        [
+            "sweep",
+            str(trace),
+            "--num-blocks",
+            "1024",
+            "--skip-bad-lines",
+            "--json",
+            str(out),
+            "--quiet",
+            "--jobs",
+            "1",
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     assert [(r["requests"], r["skipped"]) for r in doc["rows"]] == [(12, 1)]
@@ -712,7 +787,10 @@ def test_plurals_read_right() -> None:
     from blockpool.replay.report import plural
 
     assert [plural(1, "time"), plural(2, "time"), plural(1234, "race"), plural(0, "race")] == [
-        "1 time", "2 times", "1,234 races", "0 races",
+        "1 time",
+        "2 times",
+        "1,234 races",
+        "0 races",
     ]
     assert plural(1, "copy-on-write copy", "copy-on-write copies") == "1 copy-on-write copy"
 
@@ -723,7 +801,9 @@ def test_a_verdict_names_a_racing_exact_policy_as_a_bug(small_report) -> None:  
     from blockpool.replay.report import verdict
 
     bad = attrs.evolve(small_report, results=(attrs.evolve(small_report.results[0], races=1),))
-    assert verdict(bad).startswith("exact: 1 race in ") and verdict(bad).endswith(": the exact policy raced (a bug)")
+    assert verdict(bad).startswith("exact: 1 race in ") and verdict(bad).endswith(
+        ": the exact policy raced (a bug)"
+    )
 
 
 def test_progress_lines_count_requests_as_the_summary_does() -> None:
@@ -782,7 +862,9 @@ def test_plot_named_other_than_png_is_refused_before_the_replay(
     monkeypatch.setattr(run_mod, "replay", lambda *a, **k: pytest.fail("the replay started"))
     out = tmp_path / "out.jpg"
     assert main(["replay", *SMALL, "--plot", str(out)]) == 2
-    assert f"cannot write --plot {out}: the plot is a PNG; give a name ending in .png" in capsys.readouterr().err
+    assert (
+        f"cannot write --plot {out}: the plot is a PNG; give a name ending in .png" in capsys.readouterr().err
+    )
     assert list(tmp_path.iterdir()) == []
 
 

@@ -8,7 +8,9 @@ import importlib.util
 import os
 from typing import Any
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "engine_pool_time.py")
+_PATH = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "engine_pool_time.py"
+)
 _spec = importlib.util.spec_from_file_location("engine_pool_time", _PATH)
 assert _spec is not None and _spec.loader is not None
 ept: Any = importlib.util.module_from_spec(_spec)
@@ -28,7 +30,11 @@ def _run(mode: str, rnd: int, median_us: float, mean_us: float) -> dict[str, Any
 def test_every_mode_runs_once_in_every_position_over_as_many_rounds() -> None:
     modes = ["off", "on", "hazards-off"]
     orders = [ept._rotated(modes, r) for r in (1, 2, 3, 4)]
-    assert orders[:3] == [["off", "on", "hazards-off"], ["on", "hazards-off", "off"], ["hazards-off", "off", "on"]]
+    assert orders[:3] == [
+        ["off", "on", "hazards-off"],
+        ["on", "hazards-off", "off"],
+        ["hazards-off", "off", "on"],
+    ]
     assert orders[3] == orders[0]
     assert all(sorted(o[i] for o in orders[:3]) == sorted(modes) for i in range(3))
 
@@ -43,13 +49,18 @@ def test_paired_ratios_divide_each_round_by_the_same_rounds_off_run() -> None:
     ]  # fmt: skip
     s = ept.summarize(runs)
     assert s["on"]["sched_cpu_paired_ratios"] == [1.1, 1.1, 1.1]
-    assert (s["on"]["sched_cpu_paired_ratio_median"], s["on"]["sched_cpu_mean_paired_ratio_median"]) == (1.1, 1.1)
+    assert (s["on"]["sched_cpu_paired_ratio_median"], s["on"]["sched_cpu_mean_paired_ratio_median"]) == (
+        1.1,
+        1.1,
+    )
     assert s["off"]["sched_cpu_paired_ratio_median"] == 1.0
     assert "on           scheduler CPU, median step 1.100 (1.10, 1.10, 1.10)" in ept.format_table(s)
 
 
 def test_per_method_figures_are_medians_over_runs_and_the_pool_delta_is_paired() -> None:
-    runs = [_run("off", r, 1000.0, 1000.0) for r in (1, 2, 3)] + [_run("on", r, 1000.0, 1000.0) for r in (1, 2, 3)]
+    runs = [_run("off", r, 1000.0, 1000.0) for r in (1, 2, 3)] + [
+        _run("on", r, 1000.0, 1000.0) for r in (1, 2, 3)
+    ]
     for r in runs[:3]:
         r["pool_time"] = {"pool.get_new_blocks": [10, 10_000]}  # 1 µs a step
     for r, ns in zip(runs[3:], (20_000, 90_000, 30_000)):
@@ -59,7 +70,9 @@ def test_per_method_figures_are_medians_over_runs_and_the_pool_delta_is_paired()
         "pool.get_new_blocks": {"calls": 10, "us_per_step": 3.0, "ns_per_call": 3000},  # the middle run's
         "wiring.end_step": {"calls": 10, "us_per_step": 0.5, "ns_per_call": 500},
     }
-    assert s["on"]["pool_paired_delta_us"] == [1.5, 8.5, 2.5] and s["on"]["pool_paired_delta_us_median"] == 2.5
+    assert (
+        s["on"]["pool_paired_delta_us"] == [1.5, 8.5, 2.5] and s["on"]["pool_paired_delta_us_median"] == 2.5
+    )
 
 
 def test_a_round_without_an_off_run_is_left_out_of_the_pairs() -> None:
@@ -67,7 +80,6 @@ def test_a_round_without_an_off_run_is_left_out_of_the_pairs() -> None:
     s = ept.summarize(runs)
     assert s["on"]["sched_cpu_paired_ratios"] == [1.2] and s["on"]["sched_cpu_mean_paired_ratios"] == [1.3]
     assert s["on"]["sched_cpu_us_runs"] == [1200.0, 900.0]
-
 
 
 def test_attributed_ratio_adds_the_paired_pool_excess_to_offs_mean_step() -> None:
@@ -85,4 +97,7 @@ def test_attributed_ratio_adds_the_paired_pool_excess_to_offs_mean_step() -> Non
     s = ept.summarize(runs)
     assert s["on"]["attributed_ratios"] == [1.025, 1.04, 1.03]
     assert s["on"]["attributed_ratio_median"] == 1.03 and s["off"]["attributed_ratio_median"] == 1.0
-    assert "attributed (off's mean step plus the pool's and wiring's excess, over off's mean step) 1.030" in ept.format_table(s)
+    assert (
+        "attributed (off's mean step plus the pool's and wiring's excess, over off's mean step) 1.030"
+        in ept.format_table(s)
+    )

@@ -81,7 +81,9 @@ def test_free_of_free_block_is_rejected() -> None:
 def test_free_of_foreign_block_is_rejected() -> None:
     pool, other = busy_pool(), make_pool(10)
     (theirs,) = other.get_new_blocks(1)
-    assert_rejected(pool, lambda: pool.free_blocks([pool.blocks[3], theirs]), ForeignBlockError, "another|belong")
+    assert_rejected(
+        pool, lambda: pool.free_blocks([pool.blocks[3], theirs]), ForeignBlockError, "another|belong"
+    )
 
 
 def test_free_of_non_block_is_invalid_argument() -> None:
@@ -160,7 +162,10 @@ def test_full_key_conflict_is_rejected() -> None:
 def test_cache_full_blocks_with_too_few_hashes_is_rejected() -> None:
     pool = busy_pool()
     assert_rejected(
-        pool, lambda: pool.cache_full_blocks(pool.blocks[3:5], ["x"], 0, 2), InvalidArgumentError, "1 block hashes"
+        pool,
+        lambda: pool.cache_full_blocks(pool.blocks[3:5], ["x"], 0, 2),
+        InvalidArgumentError,
+        "1 block hashes",
     )
 
 
@@ -192,14 +197,20 @@ def test_evict_blocks_out_of_range_is_rejected() -> None:
 def test_fence_for_bad_access_kind_is_rejected() -> None:
     pool = busy_pool()
     assert_rejected(
-        pool, lambda: pool.fence_for([pool.blocks[3]], "compute", "write"), InvalidArgumentError, "AccessKind"  # type: ignore[arg-type]
+        pool,
+        lambda: pool.fence_for([pool.blocks[3]], "compute", "write"),
+        InvalidArgumentError,
+        "AccessKind",  # type: ignore[arg-type]
     )
 
 
 def test_move_block_hashes_onto_cached_block_is_rejected() -> None:
     pool = busy_pool()
     assert_rejected(
-        pool, lambda: pool.move_block_hashes(pool.blocks[1], pool.blocks[2]), HashConflictError, "already holds"
+        pool,
+        lambda: pool.move_block_hashes(pool.blocks[1], pool.blocks[2]),
+        HashConflictError,
+        "already holds",
     )
 
 
@@ -236,7 +247,11 @@ def test_every_exception_class_of_the_package_is_rooted_in_block_pool_error() ->
                 continue
             mod = importlib.import_module(info.name)
             for _, cls in inspect.getmembers(mod, inspect.isclass):
-                if cls.__module__ == info.name and issubclass(cls, Exception) and not issubclass(cls, Warning):
+                if (
+                    cls.__module__ == info.name
+                    and issubclass(cls, Exception)
+                    and not issubclass(cls, Warning)
+                ):
                     found.append(cls)
     assert len(found) > 20
     assert [c.__qualname__ for c in found if not issubclass(c, BlockPoolError)] == []
@@ -258,7 +273,9 @@ def _pool_with_queued_completions() -> tuple[HazardAwareBlockPool, list[object]]
     return pool, blocks
 
 
-def _failing_calls(pool: HazardAwareBlockPool, blocks: list[object]) -> list[tuple[str, Callable[[], object]]]:
+def _failing_calls(
+    pool: HazardAwareBlockPool, blocks: list[object]
+) -> list[tuple[str, Callable[[], object]]]:
     other = make_pool(4)
     return [
         ("get_new_blocks", lambda: pool.get_new_blocks(10**6)),
@@ -295,7 +312,9 @@ def test_a_refused_completion_report_applies_nothing_and_changes_nothing(call: s
     pool, _ = _pool_with_queued_completions()
     before = pool.snapshot()
     with pytest.raises(UnknownTokenError):
-        getattr(pool, call)(Token("compute", 99))  # complete / fail only queue (any thread): nothing is applied
+        getattr(pool, call)(
+            Token("compute", 99)
+        )  # complete / fail only queue (any thread): nothing is applied
     assert pool.snapshot() == before
     pool.poll()
     reference, _ = _pool_with_queued_completions()

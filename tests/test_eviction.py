@@ -30,7 +30,9 @@ def cached_pool(eviction: str, n: int = 8) -> tuple[HazardAwareBlockPool, list]:
 def test_lru_is_the_plain_queue_and_the_class_touch():
     p = HazardAwareBlockPool(9)
     assert type(p.free_block_queue) is FreeBlockQueue
-    assert "_touch" not in getattr(p, "__dict__", {})  # no per-instance hook (a compiled pool has no __dict__)
+    assert "_touch" not in getattr(
+        p, "__dict__", {}
+    )  # no per-instance hook (a compiled pool has no __dict__)
     assert p.eviction == "lru" and p.placement == "lru"
 
 
@@ -53,7 +55,9 @@ def test_hit_blocks_survive_under_non_lru(eviction):
     p.touch(bl[:2])  # blocks 1, 2 are prefix hits
     p.free_blocks(bl[:2], token=None)
     p.free_blocks(bl, token=None)  # all free; 1, 2 were hit
-    assert ids(p.free_block_queue) == ([1, 2, 3, 4, 5, 6, 7, 8] if eviction == "lru" else [3, 4, 5, 6, 7, 8, 1, 2])
+    assert ids(p.free_block_queue) == (
+        [1, 2, 3, 4, 5, 6, 7, 8] if eviction == "lru" else [3, 4, 5, 6, 7, 8, 1, 2]
+    )
     taken = p.get_new_blocks(3)
     assert ids(taken) == ([1, 2, 3] if eviction == "lru" else [3, 4, 5])
     assert p.get_cached_block(101) is (None if eviction == "lru" else p.blocks[2])
@@ -74,7 +78,8 @@ def test_unkeyed_blocks_first_under_every_policy():
 
 def test_2q_never_hit_first_then_hit_blocks_in_lru_order():
     p, bl = cached_pool("2q", 6)
-    p.touch([bl[4]]); p.touch([bl[1]])  # hits on 5 and 2
+    p.touch([bl[4]])
+    p.touch([bl[1]])  # hits on 5 and 2
     p.free_blocks([bl[4], bl[1]], token=None)
     p.free_blocks([bl[5], bl[4], bl[3], bl[2], bl[1], bl[0]], token=None)  # freed 6,5,4,3,2,1
     q = p.free_block_queue
@@ -220,8 +225,9 @@ def _cached_generations(placement: str, eviction: str = "lru") -> HazardAwareBlo
     """8 usable blocks, all cached (keys 10..17): 1, 2 freed while step 1
     still reads them (coldest), then 3, 4 freed by an ended step, then 5..8
     freed while step 1 reads them (hottest). No unkeyed block is free."""
-    p = HazardAwareBlockPool(9, streams=STREAMS, placement=placement, eviction=eviction,
-                             enable_kv_cache_events=True)
+    p = HazardAwareBlockPool(
+        9, streams=STREAMS, placement=placement, eviction=eviction, enable_kv_cache_events=True
+    )
     bl = p.get_new_blocks(8)
     p.cache_full_blocks(bl, list(range(10, 18)), 0, 8, 16)
     e0 = p.issue("compute")
@@ -248,8 +254,7 @@ def test_ready_first_cached_takes_the_coldest_ready_cached_blocks():
 
 
 def test_ready_first_cached_skips_not_ready_cold_blocks():
-    p = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first_cached",
-                             enable_kv_cache_events=True)
+    p = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first_cached", enable_kv_cache_events=True)
     bl = p.get_new_blocks(8)
     p.cache_full_blocks(bl, list(range(10, 18)), 0, 8, 16)
     e = p.issue("compute")
@@ -292,7 +297,9 @@ def test_ready_first_cached_unkeyed_ready_first_then_cached_then_front():
     p.check()
 
 
-@pytest.mark.parametrize(("window", "want", "waits"), [(1, [1, 2], True), (2, [1, 2], True), (3, [5, 1], True), (4, [5, 6], False)])
+@pytest.mark.parametrize(
+    ("window", "want", "waits"), [(1, [1, 2], True), (2, [1, 2], True), (3, [5, 1], True), (4, [5, 6], False)]
+)
 def test_ready_first_cached_window_bounds_the_scan(window, want, waits):
     p = HazardAwareBlockPool(9, streams=STREAMS, placement="ready_first_cached")
     p.CACHED_SCAN = window  # looks at the n + window coldest cached blocks
@@ -352,8 +359,10 @@ def test_ready_first_cached_keeps_invariants_and_counts(eviction, ops):
     check() after every call, hands out as many blocks as an LRU pool
     driven the same way, and every block it hands out is fresh (unkeyed,
     ref count 1)."""
-    pools = [HazardAwareBlockPool(13, streams=STREAMS, eviction=eviction, placement=pl)
-             for pl in ("lru", "ready_first_cached")]
+    pools = [
+        HazardAwareBlockPool(13, streams=STREAMS, eviction=eviction, placement=pl)
+        for pl in ("lru", "ready_first_cached")
+    ]
     drive(pools, ops)
     assert pools[0].get_num_free_blocks() == pools[1].get_num_free_blocks()
     assert pools[0].placed_cached == 0

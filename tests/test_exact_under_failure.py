@@ -273,7 +273,9 @@ def test_old_wire_form_decodes_to_an_unbound_token_any_pool_accepts(pool: Hazard
     assert pool.is_ended(t)
 
 
-@pytest.mark.parametrize("bad", [("c", 1, "device", -1), ("c", 1, "device", True), ("c", 1), ("c", 1, "device", 1, 2)])
+@pytest.mark.parametrize(
+    "bad", [("c", 1, "device", -1), ("c", 1, "device", True), ("c", 1), ("c", 1, "device", 1, 2)]
+)
 def test_malformed_wire_token_is_refused(bad: tuple) -> None:  # type: ignore[type-arg]
     with pytest.raises((ValueError, TypeError)):
         Token.from_wire(bad)

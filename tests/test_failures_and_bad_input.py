@@ -62,7 +62,9 @@ def test_failed_load_restores_the_accesses_it_replaced(pool: HazardAwareBlockPoo
     assert toks(fence) == {"d2h:1"}
 
 
-def test_failed_load_over_a_pending_host_write_holds_the_freed_block_again(pool: HazardAwareBlockPool) -> None:
+def test_failed_load_over_a_pending_host_write_holds_the_freed_block_again(
+    pool: HazardAwareBlockPool,
+) -> None:
     (b,) = pool.get_new_blocks(1)
     l1, _ = pool.begin_load([b], "rdma")
     l2, fence = pool.begin_load([b], "h2d")  # ordered after l1 by a host wait
@@ -182,7 +184,9 @@ def test_two_failed_writes_in_a_row_restore_the_access_before_both(pool: HazardA
     pool.check()
 
 
-@pytest.mark.parametrize("kw", [{"token": None, "access": "WRITE"}, {"access": 42}, {"token": None, "access": None}])
+@pytest.mark.parametrize(
+    "kw", [{"token": None, "access": "WRITE"}, {"access": 42}, {"token": None, "access": None}]
+)
 def test_free_blocks_checks_access_even_when_no_token_is_recorded(kw: dict) -> None:  # type: ignore[type-arg]
     pool = make_pool(4)
     blocks = pool.get_new_blocks(2)

@@ -116,7 +116,9 @@ def test_host_engine_never_gets_a_block_with_pending_step_and_empty_fence(pool: 
 # and is not ordered before the consumer; reads only need live *writes*.)
 
 
-def test_read_fence_waits_on_a_live_load_though_its_stream_since_only_read(pool: HazardAwareBlockPool) -> None:
+def test_read_fence_waits_on_a_live_load_though_its_stream_since_only_read(
+    pool: HazardAwareBlockPool,
+) -> None:
     loaded, other = pool.get_new_blocks(1), pool.get_new_blocks(1)
     load, _ = pool.begin_load(loaded, "h2d")  # h2d:1 writes
     pool.tag(other, pool.issue("h2d"), AccessKind.READ)  # h2d:2 only reads
@@ -126,7 +128,9 @@ def test_read_fence_waits_on_a_live_load_though_its_stream_since_only_read(pool:
     pool.check()
 
 
-def test_read_fence_is_empty_when_other_streams_only_read_and_write_fence_is_not(pool: HazardAwareBlockPool) -> None:
+def test_read_fence_is_empty_when_other_streams_only_read_and_write_fence_is_not(
+    pool: HazardAwareBlockPool,
+) -> None:
     blocks = pool.get_new_blocks(2)
     load, _ = pool.begin_load(blocks, "h2d")
     pool.complete(load)  # the only write of h2d ended
@@ -171,7 +175,9 @@ def test_check_reports_a_writer_above_its_streams_last_write(pool: HazardAwareBl
 # 6. A fence for the work of a token issued before the wait -------------------
 
 
-def test_step_token_issued_before_its_fence_ends_the_fence_when_it_completes(pool: HazardAwareBlockPool) -> None:
+def test_step_token_issued_before_its_fence_ends_the_fence_when_it_completes(
+    pool: HazardAwareBlockPool,
+) -> None:
     b, c = pool.get_new_blocks(2)
     store, _ = pool.begin_store([b, c], "rdma")  # a host store reads b and c
     step = pool.issue("compute")  # step N scheduled: eN issued before its forward's fence

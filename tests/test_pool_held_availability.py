@@ -45,7 +45,9 @@ def test_a_reset_with_only_held_blocks_busy_succeeds_and_they_keep_their_hold() 
     pool.check()
 
 
-def test_a_reset_with_a_block_in_use_still_fails_and_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_reset_with_a_block_in_use_still_fails_and_changes_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     pool = make_pool()
     _stored_and_freed(pool, 1, ["h0"])
     (used,) = pool.get_new_blocks(1)
@@ -69,7 +71,9 @@ def test_a_held_block_freed_with_evict_first_goes_to_the_front_when_released() -
     blocks, store = _stored_and_freed(pool, 2, ["h0", "h1"], evict_first=True)
     pool.complete(store)
     assert pool.held_block_ids() == []
-    assert [b.block_id for b in pool.free_block_queue][:2] == ids(blocks)  # evicted first, in the listed order
+    assert [b.block_id for b in pool.free_block_queue][:2] == ids(
+        blocks
+    )  # evicted first, in the listed order
     assert pool.get_new_blocks(2) == blocks
     pool.check()
 

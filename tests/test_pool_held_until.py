@@ -97,7 +97,9 @@ def test_a_step_that_waited_on_a_load_brings_back_the_loads_blocks(pool: HazardA
     blocks = pool.get_new_blocks(2)
     load, _ = pool.begin_load(blocks, "rdma")
     step = pool.issue("compute")
-    fence = pool.fence_for(blocks, "compute", AccessKind.READ, token=step)  # the forward host-waits on the load
+    fence = pool.fence_for(
+        blocks, "compute", AccessKind.READ, token=step
+    )  # the forward host-waits on the load
     assert list(fence) == [load]
     pool.tag(blocks, step, AccessKind.READ)
     pool.free_blocks(blocks)
@@ -137,7 +139,9 @@ def test_reclaimable_after_takes_a_fence(pool: HazardAwareBlockPool) -> None:
     assert fence.needs_host_wait and pool.reclaimable_after(fence) == 3
 
 
-def test_reclaimable_after_applies_a_completion_reported_since_the_last_call(pool: HazardAwareBlockPool) -> None:
+def test_reclaimable_after_applies_a_completion_reported_since_the_last_call(
+    pool: HazardAwareBlockPool,
+) -> None:
     _, s1 = freed_under_store(pool, 2)
     pool.complete(s1)  # queued, not applied yet
     assert pool.reclaimable_after(s1) == 0
@@ -169,7 +173,9 @@ def test_held_until_maps_tokens_that_share_every_block_to_zero(pool: HazardAware
     assert pool.stats().held == 2
 
 
-def test_held_until_counts_a_block_under_every_token_whose_completion_frees_it(pool: HazardAwareBlockPool) -> None:
+def test_held_until_counts_a_block_under_every_token_whose_completion_frees_it(
+    pool: HazardAwareBlockPool,
+) -> None:
     a, b = pool.get_new_blocks(2)
     l1, _ = pool.begin_load([a, b], "rdma")
     l2, _ = pool.begin_load([b], "rdma")
@@ -234,7 +240,9 @@ def test_reclaimable_after_refuses_bad_input_and_changes_nothing(
     assert pool.snapshot() == before
 
 
-def test_reclaimable_after_refuses_another_pools_token_and_changes_nothing(pool: HazardAwareBlockPool) -> None:
+def test_reclaimable_after_refuses_another_pools_token_and_changes_nothing(
+    pool: HazardAwareBlockPool,
+) -> None:
     _, theirs = freed_under_store(make_pool(), 1)
     freed_under_store(pool, 1)
     before = pool.snapshot()
@@ -309,7 +317,9 @@ def _run(ops: Sequence[Op]) -> tuple[HazardAwareBlockPool, list[Token]]:
     return pool, issued
 
 
-def _freed_by(ops: Sequence[Op], which: Sequence[int], end: Callable[[HazardAwareBlockPool, Token], None]) -> int:
+def _freed_by(
+    ops: Sequence[Op], which: Sequence[int], end: Callable[[HazardAwareBlockPool, Token], None]
+) -> int:
     """Blocks the free queue gains when the tokens ``which`` (indices into
     the issued tokens) end, on a replay of ``ops``."""
     pool, issued = _run(ops)
@@ -321,7 +331,9 @@ def _freed_by(ops: Sequence[Op], which: Sequence[int], end: Callable[[HazardAwar
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_ops(), st.data())
-def test_reclaimable_after_is_exactly_what_completing_the_tokens_frees(ops: list[Op], data: st.DataObject) -> None:
+def test_reclaimable_after_is_exactly_what_completing_the_tokens_frees(
+    ops: list[Op], data: st.DataObject
+) -> None:
     pool, issued = _run(ops)
     if not issued:
         return

@@ -264,7 +264,9 @@ def test_the_query_applies_a_failure_reported_since_the_last_call(pool: HazardAw
         (Token("h2d", 1, StreamKind.HOST), InvalidArgumentError),  # kind is not the stream's
     ],
 )
-def test_a_bad_token_is_refused_and_changes_nothing(pool: HazardAwareBlockPool, bad: object, error: type[Exception]) -> None:
+def test_a_bad_token_is_refused_and_changes_nothing(
+    pool: HazardAwareBlockPool, bad: object, error: type[Exception]
+) -> None:
     failed_load(pool)
     pool.poll()
     before = pool.snapshot()

@@ -136,7 +136,9 @@ def test_publish_full_blocks_publishes_as_cache_full_blocks_and_queues_no_stored
         table = [a[0], a[1], pool.null_block, a[2], a[3]]
         keys = ["h0", "h1", "hn", "h2", "h3"]
         if publish:
-            got.append(pool.publish_full_blocks(table, keys, 0, 5, 16, block_mask=[True, True, True, False, True]))
+            got.append(
+                pool.publish_full_blocks(table, keys, 0, 5, 16, block_mask=[True, True, True, False, True])
+            )
         else:
             pool.cache_full_blocks(table, keys, 0, 5, 16, block_mask=[True, True, True, False, True])
         got.append(pool.take_events())
@@ -151,7 +153,10 @@ def test_publish_full_blocks_publishes_as_cache_full_blocks_and_queues_no_stored
     ]
     assert twins[0].snapshot() == twins[1].snapshot()
     assert [twins[0].get_cached_block(k) for k in ("h0", "h3", "p3", "h2")] == [
-        twins[0].blocks[1], twins[0].blocks[4], None, None,
+        twins[0].blocks[1],
+        twins[0].blocks[4],
+        None,
+        None,
     ]
 
 
@@ -243,7 +248,9 @@ def test_get_new_blocks_with_removed_keys_returns_the_keys_get_new_blocks_would_
     # them, and returns the keys of the removed events the first queues after
     # those, in order; the pools stay equal. Keys repeat across blocks (with
     # "last" a key is reported once no block holds it), loads fail.
-    twins = [make_pool(8, removal_events=removal_events, streams={"compute": StreamKind.DEVICE}) for _ in range(2)]
+    twins = [
+        make_pool(8, removal_events=removal_events, streams={"compute": StreamKind.DEVICE}) for _ in range(2)
+    ]
     held: list[list[KVCacheBlock]] = [[], []]
     loads: list[list[Token]] = [[], []]
     for op, n, k in ops:
@@ -255,8 +262,12 @@ def test_get_new_blocks_with_removed_keys_returns_the_keys_get_new_blocks_would_
                 # the last call (a failure) is applied by the allocation.
                 before = list(pool.kv_event_queue)
                 pool.kv_event_queue.clear()
-                n = min(n, pool.free_block_queue.num_free_blocks)  # one stream, a device one: nothing is held back
-                got, removed = (pool.get_new_blocks(n), None) if i == 0 else pool.get_new_blocks_with_removed_keys(n)
+                n = min(
+                    n, pool.free_block_queue.num_free_blocks
+                )  # one stream, a device one: nothing is held back
+                got, removed = (
+                    (pool.get_new_blocks(n), None) if i == 0 else pool.get_new_blocks_with_removed_keys(n)
+                )
                 calls.append((before, [b.block_id for b in got], removed, pool.take_events()))
                 mine.extend(got)
             elif op == 1:  # publish the newest uncached blocks, one key each (of 4: shared)
@@ -309,7 +320,11 @@ def test_get_new_blocks_with_removed_keys_returns_no_keys_with_events_off() -> N
 
 @pytest.mark.parametrize(
     ("num_blocks", "error", "match"),
-    [(-1, InvalidArgumentError, ">= 0"), (1.5, InvalidArgumentError, "int"), (4, NoFreeBlocksError, "Cannot get 4")],
+    [
+        (-1, InvalidArgumentError, ">= 0"),
+        (1.5, InvalidArgumentError, "int"),
+        (4, NoFreeBlocksError, "Cannot get 4"),
+    ],
 )
 def test_get_new_blocks_with_removed_keys_refuses_a_bad_count_changing_nothing(
     num_blocks: object, error: type[Exception], match: str

@@ -127,7 +127,9 @@ def test_assert_no_races_lists_a_race_on_several_blocks_once_naming_the_blocks(h
         h.assert_no_races()
     lines = str(info.value).splitlines()
     assert lines[0] == "blockpool race oracle: 2 race(s)"
-    assert lines[1::3] == ["  RAW race on blocks 1-2: forward (read) by compute:1 is not ordered after load (write) by h2d:1"]
+    assert lines[1::3] == [
+        "  RAW race on blocks 1-2: forward (read) by compute:1 is not ordered after load (write) by h2d:1"
+    ]
 
 
 def test_assert_no_races_lists_each_access_pair_apart(h: RaceHarness) -> None:
@@ -340,9 +342,16 @@ def test_a_race_names_the_file_and_line_of_both_accesses_and_the_fence_that_fixe
     h.load(again, "h2d")  # first + 4: forgot waits=fence
     with pytest.raises(AssertionError) as info:
         h.assert_no_races()
-    rel = str(pathlib.Path(here).relative_to(pathlib.Path.cwd())) if here.is_relative_to(pathlib.Path.cwd()) else str(here)
+    rel = (
+        str(pathlib.Path(here).relative_to(pathlib.Path.cwd()))
+        if here.is_relative_to(pathlib.Path.cwd())
+        else str(here)
+    )
     lines = str(info.value).splitlines()
-    assert lines[1] == "  WAW race on block 1: load (write) by h2d:1 is not ordered after forward (write) by compute:1"
+    assert (
+        lines[1]
+        == "  WAW race on block 1: load (write) by h2d:1 is not ordered after forward (write) by compute:1"
+    )
     assert lines[2] == f"    load by h2d:1 at {rel}:{first + 4}; forward by compute:1 at {rel}:{first + 1}"
     assert lines[3] == f"    fix: pass `waits=fence` from `allocate_for` at {rel}:{first + 3}"
     assert len(lines) == 4  # the read by compute:1 recorded at the free is the same token's: one race
@@ -355,7 +364,9 @@ def test_a_transfer_that_dropped_its_own_fence_is_told_to_honour_it() -> None:
     line = sys._getframe().f_lineno + 1
     h.load([b], "rdma", honour_fence=False)
     (v,) = h.violations
-    assert h.fix_for(v).startswith("honour the fence of `load` at ") and h.fix_for(v).endswith(f":{line} (drop honour_fence=False)")
+    assert h.fix_for(v).startswith("honour the fence of `load` at ") and h.fix_for(v).endswith(
+        f":{line} (drop honour_fence=False)"
+    )
     assert e1 in h.last_fence
 
 
@@ -365,7 +376,10 @@ def test_sites_are_off_on_request_and_the_message_is_the_plain_one() -> None:
     h.load(blocks, "h2d")
     h.step(reads=blocks)
     assert h.site_of(h.violations[0].token, 1, h.violations[0].kind) is None
-    assert h.explain(h.violations).splitlines() == ["blockpool race oracle: 1 race(s)", f"  {h.violations[0]}"]
+    assert h.explain(h.violations).splitlines() == [
+        "blockpool race oracle: 1 race(s)",
+        f"  {h.violations[0]}",
+    ]
 
 
 def test_plugin_shows_the_tests_own_lines_for_a_race(pytester: pytest.Pytester) -> None:

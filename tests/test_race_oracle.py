@@ -431,8 +431,10 @@ def test_a_key_splits_a_group(oracle: RaceOracle) -> None:
 def test_a_violation_on_one_block_reads_as_one_block(oracle: RaceOracle) -> None:
     run(oracle, "compute:1", [7], R, "forward")
     (v,) = run(oracle, "h2d:1", [7], W)
-    assert str(v) == describe_group(v, [7]) == (
-        "WAR race on block 7: load (write) by h2d:1 is not ordered after forward (read) by compute:1"
+    assert (
+        str(v)
+        == describe_group(v, [7])
+        == ("WAR race on block 7: load (write) by h2d:1 is not ordered after forward (read) by compute:1")
     )
 
 

@@ -39,7 +39,9 @@ def report(synthetic: Trace) -> ReplayReport:
 
 
 @pytest.mark.parametrize("policy", ["exact", "step-event", "device-sync"])
-def test_synthetic_replay_shows_no_race_under_a_hazard_aware_policy(report: ReplayReport, policy: str) -> None:
+def test_synthetic_replay_shows_no_race_under_a_hazard_aware_policy(
+    report: ReplayReport, policy: str
+) -> None:
     assert report.result(policy).races == 0, report.result(policy).race_examples
 
 
@@ -78,7 +80,12 @@ def test_every_request_finishes_or_is_aborted(report: ReplayReport, policy: str)
 
 def test_small_pool_preempts_loads_evicts_and_copies_on_write(report: ReplayReport) -> None:
     r = report.result("exact")
-    assert (r.counts["preemptions"] > 0, r.loads > 0, r.pool_stats["evictions"] > 0, r.counts["cow_copies"] > 0) == (
+    assert (
+        r.counts["preemptions"] > 0,
+        r.loads > 0,
+        r.pool_stats["evictions"] > 0,
+        r.counts["cow_copies"] > 0,
+    ) == (
         True,
         True,
         True,
@@ -102,13 +109,17 @@ def test_blind_pool_holds_nothing_back(report: ReplayReport) -> None:
     assert report.result("blind").pool_stats["host_wait_fences"] == 0
 
 
-def test_dropping_the_exact_fences_is_caught_by_the_oracle(synthetic: Trace, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dropping_the_exact_fences_is_caught_by_the_oracle(
+    synthetic: Trace, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(WaitPolicy, "waits", lambda self, fence, consumer, transfer=False: ())
     assert run_policy(synthetic.requests[:100], "exact", SMALL).races > 0
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not CONVERSATION.exists(), reason=f"Mooncake conversation trace not found at {CONVERSATION}")
+@pytest.mark.skipif(
+    not CONVERSATION.exists(), reason=f"Mooncake conversation trace not found at {CONVERSATION}"
+)
 def test_conversation_trace_prefix_races_per_policy() -> None:
     trace = read_trace(CONVERSATION, limit=150)
     rep = replay(trace, POLICIES, ReplayConfig(check_every=200), jobs=2)
@@ -127,10 +138,17 @@ def test_conversation_trace_prefix_races_per_policy() -> None:
 def test_report_json_carries_every_figure_per_policy(report: ReplayReport, policy: str) -> None:
     fig = report.to_json()["policies"][policy]  # type: ignore[index]
     r = report.result(policy)
-    assert (fig["races"], fig["loads"], fig["counts"], fig["pool_stats"]) == (r.races, r.loads, r.counts, r.pool_stats)
+    assert (fig["races"], fig["loads"], fig["counts"], fig["pool_stats"]) == (
+        r.races,
+        r.loads,
+        r.counts,
+        r.pool_stats,
+    )
     assert fig["loads_empty_fence_pct"] == round(100 * r.loads_empty_fence / r.loads, 3)
     assert fig["throughput_tok_s"] == round(r.tokens_served / r.makespan_s, 3)
-    assert {op: f["calls"] for op, f in fig["pool_ops"].items()} == {op: c for op, (c, _) in r.pool_ops.items()}
+    assert {op: f["calls"] for op, f in fig["pool_ops"].items()} == {
+        op: c for op, (c, _) in r.pool_ops.items()
+    }
     assert {
         "races",
         "loads_empty_fence_pct",
@@ -147,13 +165,19 @@ def test_report_json_is_serialisable(report: ReplayReport) -> None:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_pool_operations_are_counted_as_the_workload_implies_and_timed(report: ReplayReport, policy: str) -> None:
+def test_pool_operations_are_counted_as_the_workload_implies_and_timed(
+    report: ReplayReport, policy: str
+) -> None:
     r = report.result(policy)
     calls = {op: c for op, (c, _) in r.pool_ops.items()}
     assert all(ns > 0 for _, ns in r.pool_ops.values())
     c, st = r.counts, r.pool_stats
     assert (calls["issue"], calls["tag"]) == (c["steps"], c["steps"])  # one step token per step
-    assert (calls["begin_load"], calls["begin_store"], calls["begin_copy"]) == (r.loads, c["stores"], c["cow_copies"])
+    assert (calls["begin_load"], calls["begin_store"], calls["begin_copy"]) == (
+        r.loads,
+        c["stores"],
+        c["cow_copies"],
+    )
     assert (calls["get_cached_block"], calls["fail"]) == (st["lookups"], st["failed_tokens"])
     assert calls["allocate_for"] > 0
 
@@ -178,7 +202,11 @@ def events(synthetic: Trace, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 
 def test_event_log_starts_with_a_versioned_header(events: tuple[list[dict], ReplayReport]) -> None:  # type: ignore[type-arg]
     head = events[0][0]
-    assert (head["schema"], head["policies"], head["streams"]["rdma"]) == (EVENTS_SCHEMA, ["exact", "blind"], "host")
+    assert (head["schema"], head["policies"], head["streams"]["rdma"]) == (
+        EVENTS_SCHEMA,
+        ["exact", "blind"],
+        "host",
+    )
 
 
 def test_event_log_names_only_issued_tokens(events: tuple[list[dict], ReplayReport]) -> None:  # type: ignore[type-arg]
@@ -208,10 +236,16 @@ def test_event_log_trailer_counts_the_lines_before_it(events) -> None:  # type: 
 def test_event_log_has_the_block_table_reads_of_every_step(events) -> None:  # type: ignore[no-untyped-def]
     body, _, _ = events
     for policy in ("exact", "blind"):
-        steps = {e["token"] for e in body[1:] if e["ev"] == "issue" and e["policy"] == policy and e["what"] == "forward"}
+        steps = {
+            e["token"]
+            for e in body[1:]
+            if e["ev"] == "issue" and e["policy"] == policy and e["what"] == "forward"
+        }
         tables = [e for e in body[1:] if e["ev"] == "table" and e["policy"] == policy]
         assert {e["token"] for e in tables} == steps  # every step reads a block
-        assert all(e["blocks"] and decode_runs(e["blocks"]) == sorted(set(decode_runs(e["blocks"]))) for e in tables)
+        assert all(
+            e["blocks"] and decode_runs(e["blocks"]) == sorted(set(decode_runs(e["blocks"]))) for e in tables
+        )
     # more reads than the oracle's once-per-block-at-free ones
     reads = sum(
         len(decode_runs(e["blocks"]))
@@ -240,7 +274,9 @@ def test_event_log_records_every_fence_with_its_call_blocks_and_tokens(events) -
     fences = [e for e in body[1:] if e["ev"] == "fence"]
     assert {e["call"] for e in fences} >= {"allocate_for", "fence_for", "begin_load"}
     for e in fences:
-        assert isinstance(e["blocks"], list) and all(isinstance(b, int) and b > 0 for b in decode_runs(e["blocks"]))
+        assert isinstance(e["blocks"], list) and all(
+            isinstance(b, int) and b > 0 for b in decode_runs(e["blocks"])
+        )
         host = kinds[e["stream"]] == "host" or any(kinds[t.split(":")[0]] == "host" for t in e["tokens"])
         assert e["needs_host_wait"] == (bool(e["tokens"]) and host), e
     # blind runs with track_hazards=False: its fences are empty
@@ -274,11 +310,18 @@ def test_event_log_lets_an_independent_oracle_reach_the_same_verdict(
 # -- policies and configuration ---------------------------------------------------------
 
 
-KINDS = {"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE, "d2h": StreamKind.DEVICE, "rdma": StreamKind.HOST}
+KINDS = {
+    "compute": StreamKind.DEVICE,
+    "h2d": StreamKind.DEVICE,
+    "d2h": StreamKind.DEVICE,
+    "rdma": StreamKind.HOST,
+}
 NEWEST = {"compute": Token("compute", 9), "h2d": Token("h2d", 4), "d2h": Token("d2h", 2)}
 
 
-def _waits(policy: str, fence: tuple[Token, ...], consumer: str, transfer: bool = False, ended: tuple = ()) -> list[str]:  # type: ignore[type-arg]
+def _waits(
+    policy: str, fence: tuple[Token, ...], consumer: str, transfer: bool = False, ended: tuple = ()
+) -> list[str]:  # type: ignore[type-arg]
     from blockpool.core.hazards import Fence
 
     p = WaitPolicy(policy, KINDS, NEWEST, lambda t: t in ended)
@@ -333,9 +376,10 @@ def test_config_rejects_a_fraction_above_one() -> None:
 
 def test_request_too_long_for_the_pool_is_rejected_not_replayed(synthetic: Trace) -> None:
     r = run_policy(synthetic.requests[:20], "exact", ReplayConfig(num_blocks=64))
-    assert r.counts["rejected"] > 0 and r.counts.get("finished", 0) + r.counts.get("aborted", 0) + r.counts[
-        "rejected"
-    ] == 20
+    assert (
+        r.counts["rejected"] > 0
+        and r.counts.get("finished", 0) + r.counts.get("aborted", 0) + r.counts["rejected"] == 20
+    )
 
 
 def test_requests_ready_after_loads_that_fill_the_pool_are_requeued_not_stalled() -> None:

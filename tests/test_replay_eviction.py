@@ -57,7 +57,10 @@ def test_eviction_changes_what_is_evicted(grid) -> None:
 
 def test_cli_grid_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
-    assert main(["replay", *SMALL, "--policy", "exact", "--eviction", "s3fifo,lru,s3fifo", "--json", str(out)]) == 0
+    assert (
+        main(["replay", *SMALL, "--policy", "exact", "--eviction", "s3fifo,lru,s3fifo", "--json", str(out)])
+        == 0
+    )
     rep = json.loads(out.read_text())
     assert list(rep["policies"]) == ["exact/s3fifo/lru", "exact/lru/lru"]
     table = capsys.readouterr().out

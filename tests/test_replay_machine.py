@@ -11,7 +11,11 @@ READ, WRITE = AccessKind.READ, AccessKind.WRITE
 
 
 def _machine() -> Machine:
-    streams = {"compute": StreamSpec(DEV), "h2d": StreamSpec(DEV, bandwidth=1e9), "d2h": StreamSpec(DEV, bandwidth=1e9)}
+    streams = {
+        "compute": StreamSpec(DEV),
+        "h2d": StreamSpec(DEV, bandwidth=1e9),
+        "d2h": StreamSpec(DEV, bandwidth=1e9),
+    }
     return Machine("exact", streams, num_blocks=8, block_size=16, seed=0)
 
 

@@ -197,7 +197,9 @@ def test_a_write_recorded_again_keeps_the_read_of_a_stream_that_waited_on_it() -
 
 
 @pytest.mark.parametrize("access", [R, W])
-def test_a_write_by_an_older_token_of_a_stream_after_a_newer_tokens_access_is_refused(access: AccessKind) -> None:
+def test_a_write_by_an_older_token_of_a_stream_after_a_newer_tokens_access_is_refused(
+    access: AccessKind,
+) -> None:
     pool = HazardAwareBlockPool(4, streams={"compute": StreamKind.DEVICE, "h2d": StreamKind.DEVICE})
     blocks = pool.get_new_blocks(2)
     e1, e2 = pool.issue("compute"), pool.issue("compute")

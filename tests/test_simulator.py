@@ -221,7 +221,9 @@ def test_decode_step_is_bound_by_reading_the_weights() -> None:
 
 def test_prefill_step_is_bound_by_flops() -> None:
     cm = CostModel()
-    assert cm.step_seconds(8192, 8192) == pytest.approx(cm.step_overhead_s + 2 * 8.03e9 * 8192 / (989e12 * 0.5))
+    assert cm.step_seconds(8192, 8192) == pytest.approx(
+        cm.step_overhead_s + 2 * 8.03e9 * 8192 / (989e12 * 0.5)
+    )
 
 
 def test_cost_model_rejects_a_non_positive_bandwidth() -> None:

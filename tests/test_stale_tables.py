@@ -77,7 +77,14 @@ def test_without_generations_the_stale_table_is_accepted_as_before() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["begin_store", "begin_load", "begin_copy_src", "begin_copy_dst", "cache_full_blocks", "cache_partial_block"],
+    [
+        "begin_store",
+        "begin_load",
+        "begin_copy_src",
+        "begin_copy_dst",
+        "cache_full_blocks",
+        "cache_partial_block",
+    ],
 )
 def test_every_transfer_and_publish_refuses_a_stale_table_and_changes_nothing(name: str) -> None:
     pool, t, gens, y = window_freed_and_reused()
@@ -89,8 +96,12 @@ def test_every_transfer_and_publish_refuses_a_stale_table_and_changes_nothing(na
     calls: dict[str, Callable[[], object]] = {
         "begin_store": lambda: pool.begin_store(t, "d2h", generations=gens),
         "begin_load": lambda: pool.begin_load(t, "h2d", generations=gens),
-        "begin_copy_src": lambda: pool.begin_copy([(t[0], fresh[0]), (t[4], fresh[0])], generations=[(gens[0], g_fresh), (gens[4], g_fresh)]),
-        "begin_copy_dst": lambda: pool.begin_copy([(fresh[0], t[3])], "compute", generations=[(g_fresh, gens[3])]),
+        "begin_copy_src": lambda: pool.begin_copy(
+            [(t[0], fresh[0]), (t[4], fresh[0])], generations=[(gens[0], g_fresh), (gens[4], g_fresh)]
+        ),
+        "begin_copy_dst": lambda: pool.begin_copy(
+            [(fresh[0], t[3])], "compute", generations=[(g_fresh, gens[3])]
+        ),
         "cache_full_blocks": lambda: pool.cache_full_blocks(t, KEYS, 2, 6, 16, generations=gens),
         "cache_partial_block": lambda: pool.cache_partial_block(t[4], "p", 3, generation=gens[4]),
     }
@@ -98,7 +109,9 @@ def test_every_transfer_and_publish_refuses_a_stale_table_and_changes_nothing(na
     assert_refused(pool, calls[name], stale.block_id)
 
 
-@pytest.mark.parametrize("name", ["begin_store", "begin_load", "cache_full_blocks", "cache_partial_block", "begin_copy"])
+@pytest.mark.parametrize(
+    "name", ["begin_store", "begin_load", "cache_full_blocks", "cache_partial_block", "begin_copy"]
+)
 def test_a_fresh_table_with_generations_does_what_it_does_without(name: str) -> None:
     def run(with_gens: bool) -> object:
         pool = make_pool(16)
@@ -221,7 +234,10 @@ def test_malformed_generations_are_invalid_arguments_and_change_nothing(bad: Cal
         "begin_load": lambda: pool.begin_load(t, "h2d", generations=g),
         "cache_full_blocks": lambda: pool.cache_full_blocks(t, KEYS, 0, 4, 16, generations=g),
         "begin_copy": lambda: pool.begin_copy(
-            [(t[0], t[1]), (t[2], t[3])], generations=g if not isinstance(g, (list, tuple)) else [tuple(g[i : i + 2]) for i in range(0, len(g), 2)]  # type: ignore[arg-type,misc]
+            [(t[0], t[1]), (t[2], t[3])],
+            generations=g
+            if not isinstance(g, (list, tuple))
+            else [tuple(g[i : i + 2]) for i in range(0, len(g), 2)],  # type: ignore[arg-type,misc]
         ),
     }
     before = pool.snapshot()
@@ -272,7 +288,13 @@ def test_check_catches_a_corrupted_generation_array() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("aaffggsscct"), st.integers(0, 64), st.integers(1, 6)), min_size=8, max_size=60))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("aaffggsscct"), st.integers(0, 64), st.integers(1, 6)),
+        min_size=8,
+        max_size=60,
+    )
+)
 def test_a_tables_generations_stay_valid_exactly_while_none_of_its_blocks_was_reallocated(
     ops: list[tuple[str, int, int]],
 ) -> None:

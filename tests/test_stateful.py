@@ -413,7 +413,9 @@ class DroppingMachine(PoolMachine):
     pool_cls = _DroppingPool
 
 
-def run_negative_control(machine: type[PoolMachine], match: str, exc: type[Exception] = AssertionError) -> None:
+def run_negative_control(
+    machine: type[PoolMachine], match: str, exc: type[Exception] = AssertionError
+) -> None:
     """Run ``machine`` until the judge (or the pool, with ``exc``) fails;
     the failure must match."""
     run = machine.TestCase("runTest")

@@ -35,7 +35,9 @@ def test_old_submodules_are_not_attributes_of_their_package() -> None:
         " hasattr(blockpool.integrations, 'vllm_pool'))\n"
         "print(any(type(f).__module__.startswith('blockpool') for f in sys.meta_path))\n"
     )
-    out = subprocess.run([sys.executable, "-c", "import sys\n" + code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys\n" + code], capture_output=True, text=True, check=True
+    )
     assert out.stdout.split() == ["False", "False", "False", "False"]  # and no import hook of ours
 
 

@@ -26,7 +26,12 @@ from blockpool.replay.synthetic import SyntheticSpec, synthetic_trace
 from blockpool.replay.traces import TraceNotFoundError
 
 GRID = SweepSpec(
-    traces="synthetic", policies=("exact", "blind"), evictions=("lru", "2q"), num_blocks=(256, 512), seeds=0, limit=30
+    traces="synthetic",
+    policies=("exact", "blind"),
+    evictions=("lru", "2q"),
+    num_blocks=(256, 512),
+    seeds=0,
+    limit=30,
 )
 
 
@@ -46,7 +51,9 @@ def test_eight_cells_in_grid_order(rows) -> None:
     ]  # fmt: skip
     for r in rows:
         assert list(r) == list(COLUMNS)
-        assert r["trace"] == "synthetic" and r["placement"] == "lru" and r["seed"] == 0 and r["requests"] == 30
+        assert (
+            r["trace"] == "synthetic" and r["placement"] == "lru" and r["seed"] == 0 and r["requests"] == 30
+        )
 
 
 def test_exact_never_races_and_blind_does(rows) -> None:
@@ -67,7 +74,9 @@ def test_a_cell_is_the_replay_of_its_config(rows) -> None:
 
 
 def test_jobs_do_not_change_rows(rows) -> None:
-    one = sweep(SweepSpec(traces="synthetic", policies="exact", evictions="2q", num_blocks=512, limit=30), jobs=1)
+    one = sweep(
+        SweepSpec(traces="synthetic", policies="exact", evictions="2q", num_blocks=512, limit=30), jobs=1
+    )
     strip = lambda r: {k: v for k, v in r.items() if k != "wall_s"}
     assert [strip(r) for r in one] == [strip(rows[3])]
 
@@ -162,7 +171,10 @@ def test_ray_not_installed_is_a_typed_error_before_any_cell(monkeypatch, tmp_pat
     assert main(["sweep", *GRID_ARGV, "--ray", "local", "--quiet", "--json", str(out)]) == 2
     assert not out.exists()
     err = capsys.readouterr().err
-    assert err.startswith("blockpool sweep: error: a sweep on Ray needs Ray installed") and "blockpool[ray]" in err
+    assert (
+        err.startswith("blockpool sweep: error: a sweep on Ray needs Ray installed")
+        and "blockpool[ray]" in err
+    )
 
 
 @pytest.mark.parametrize("bad", ["", "  ", 6379, b"local"])
@@ -218,7 +230,9 @@ def test_ray_that_cannot_start_is_a_typed_error(monkeypatch, capsys) -> None:
         sweep(SMALL, ray="head:6379", jobs=4)
     assert isinstance(ei.value, ConnectionError) and ei.value.address == "head:6379"
     assert isinstance(ei.value.__cause__, ConnectionError)
-    assert ray.calls == [("init", {"address": "head:6379", "log_to_driver": False})]  # no num_cpus off-machine
+    assert ray.calls == [
+        ("init", {"address": "head:6379", "log_to_driver": False})
+    ]  # no num_cpus off-machine
     assert main(["sweep", "--limit", "5", "--quiet", "--ray", "local", "--jobs", "3"]) == 2
     assert ray.calls[-1] == ("init", {"address": "local", "log_to_driver": False, "num_cpus": 3,
                                       "include_dashboard": False})  # fmt: skip
@@ -235,7 +249,9 @@ def test_ray_task_that_never_ran_its_cell_is_a_typed_error(monkeypatch) -> None:
 
     ray.get = get
     monkeypatch.setitem(sys.modules, "ray", ray)
-    with pytest.raises(ClusterUnavailableError, match="No module named 'blockpool'.*importable on every Ray worker"):
+    with pytest.raises(
+        ClusterUnavailableError, match="No module named 'blockpool'.*importable on every Ray worker"
+    ):
         sweep(SMALL, ray="local")
     assert ray.calls[1:] == [("cancel", 1), ("cancel", 2), ("shutdown",)]
 
@@ -284,7 +300,9 @@ def test_cli_ray_local_gives_the_local_process_rows(rows, no_ray_connection, tmp
 def test_ray_uses_an_open_connection_and_keeps_a_cell_error_type(rows, ray_connection) -> None:
     ray = ray_connection
     done: list[tuple[int, int]] = []
-    got = sweep(GRID, ray="this address is not used: connected already", progress=lambda d, t: done.append((d, t)))
+    got = sweep(
+        GRID, ray="this address is not used: connected already", progress=lambda d, t: done.append((d, t))
+    )
     assert strip_wall(got) == strip_wall(rows)
     assert done == [(i, 8) for i in range(1, 9)]
     assert ray.is_initialized()  # not ours to shut down

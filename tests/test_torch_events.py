@@ -377,7 +377,11 @@ def test_a_pinned_event_is_reused_once_released(dev: StandInDevice) -> None:
 
 
 def test_device_consumer_enqueues_wait_event_on_its_stream_for_each_token(
-    ledger: EventLedger, compute: StandInStream, d2h_stream: StandInStream, h2d: StandInStream, dev: StandInDevice
+    ledger: EventLedger,
+    compute: StandInStream,
+    d2h_stream: StandInStream,
+    h2d: StandInStream,
+    dev: StandInDevice,
 ) -> None:
     kernel(compute)
     ledger.record(c(1))
@@ -528,9 +532,7 @@ def test_host_consumer_synchronizes_each_device_token_in_its_own_thread(
     )
 
 
-def test_host_consumer_returns_after_the_tokens_work_ran(
-    ledger: EventLedger, compute: StandInStream
-) -> None:
+def test_host_consumer_returns_after_the_tokens_work_ran(ledger: EventLedger, compute: StandInStream) -> None:
     out: list[str] = []
     kernel(compute, out, "copy")
     ledger.record(c(1))
@@ -787,6 +789,10 @@ def test_gpu_check_dry_run_counts_the_offload_race_in_audit_mode(capsys: pytest.
     _load("benchmarks/gpu_hazard_check.py").main(["--dry-run-cpu"])
     result = json.loads(capsys.readouterr().out)
     audit = result["offload_store_then_reload"]["audit"]
-    assert (audit["fenced_waits"], audit["corruption_observed"], audit["audit_would_have_raced"]) == (0, True, 1)
+    assert (audit["fenced_waits"], audit["corruption_observed"], audit["audit_would_have_raced"]) == (
+        0,
+        True,
+        1,
+    )
     assert result["summary"]["audit_would_have_raced"] == 1
     assert result["offload_store_then_reload"]["with_fence"]["corruption_observed"] is False

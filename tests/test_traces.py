@@ -81,7 +81,9 @@ BAD_LINES = [
 
 
 @pytest.mark.parametrize(("line", "reason"), BAD_LINES, ids=[r for _, r in BAD_LINES])
-def test_mooncake_bad_line_raises_error_naming_file_and_line(tmp_path: Path, line: object, reason: str) -> None:
+def test_mooncake_bad_line_raises_error_naming_file_and_line(
+    tmp_path: Path, line: object, reason: str
+) -> None:
     p = _jsonl(tmp_path, GOOD, line)
     with pytest.raises(TraceFormatError) as ei:
         read_mooncake(p)
@@ -91,7 +93,9 @@ def test_mooncake_bad_line_raises_error_naming_file_and_line(tmp_path: Path, lin
 
 
 @pytest.mark.parametrize(("line", "reason"), BAD_LINES, ids=[r for _, r in BAD_LINES])
-def test_mooncake_bad_line_is_skipped_and_counted_with_skip_flag(tmp_path: Path, line: object, reason: str) -> None:
+def test_mooncake_bad_line_is_skipped_and_counted_with_skip_flag(
+    tmp_path: Path, line: object, reason: str
+) -> None:
     tr = read_mooncake(_jsonl(tmp_path, GOOD, line, GOOD), skip_bad_lines=True)
     assert [r.line for r in tr.requests] == [1, 3]
     assert [(s.line, reason in s.reason) for s in tr.skipped] == [(2, True)]
@@ -130,7 +134,9 @@ def test_negative_limit_is_rejected(tmp_path: Path) -> None:
 
 
 def test_azure_rows_become_requests_with_relative_arrivals(tmp_path: Path) -> None:
-    tr = read_azure(_csv(tmp_path, "2023-11-16 18:17:03.9799600,4808,10", "2023-11-16 18:17:04.0319600,3180,8"))
+    tr = read_azure(
+        _csv(tmp_path, "2023-11-16 18:17:03.9799600,4808,10", "2023-11-16 18:17:04.0319600,3180,8")
+    )
     assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.line) for r in tr.requests] == [
         (0.0, 4808, 10, 2),
         (0.052, 3180, 8, 3),
@@ -172,7 +178,9 @@ def test_azure_bad_row_raises_error_naming_file_and_line(tmp_path: Path, row: st
 
 @pytest.mark.parametrize(("row", "reason"), AZURE_BAD, ids=[r for _, r in AZURE_BAD])
 def test_azure_bad_row_is_skipped_and_counted_with_skip_flag(tmp_path: Path, row: str, reason: str) -> None:
-    tr = read_azure(_csv(tmp_path, "2023-11-16 18:17:03,10,1", row, "2023-11-16 18:17:05,10,1"), skip_bad_lines=True)
+    tr = read_azure(
+        _csv(tmp_path, "2023-11-16 18:17:03,10,1", row, "2023-11-16 18:17:05,10,1"), skip_bad_lines=True
+    )
     assert [r.line for r in tr.requests] == [2, 4]
     assert [(s.line, reason in s.reason) for s in tr.skipped] == [(3, True)]
 
@@ -198,7 +206,12 @@ def test_read_trace_sniffs_json_objects_without_suffix(tmp_path: Path) -> None:
 def test_each_512_token_hash_id_gives_32_sub_block_keys_of_16_tokens() -> None:
     keys = BlockKeys([(3, 512), (9, 512)], 16)
     assert len(keys) == 64
-    assert [k[1:] for k in keys.full[:2]] + [k[1:] for k in keys.full[31:33]] == [(3, 0), (3, 1), (3, 31), (9, 0)]
+    assert [k[1:] for k in keys.full[:2]] + [k[1:] for k in keys.full[31:33]] == [
+        (3, 0),
+        (3, 1),
+        (3, 31),
+        (9, 0),
+    ]
 
 
 def test_sub_block_key_is_parent_digest_hash_id_and_index() -> None:

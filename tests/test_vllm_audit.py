@@ -26,14 +26,22 @@ GET = Token("mooncake_store", 2, StreamKind.HOST)
 
 def test_a_transfer_started_while_its_fence_runs_is_counted_with_its_example() -> None:
     audit = Audit(rank=3)
-    running = audit.observe("offloading", "load", [E1, D2H], lambda t: t == E1, token=Token("offload_h2d", 1),
-                            request_id="req-7", block_ids=[5, 6])
+    running = audit.observe(
+        "offloading",
+        "load",
+        [E1, D2H],
+        lambda t: t == E1,
+        token=Token("offload_h2d", 1),
+        request_id="req-7",
+        block_ids=[5, 6],
+    )
     assert running == (D2H,)
     assert audit.counts == {("offloading", "load"): AuditCounts(started=1, fenced=1, raced=1)}
     (ex,) = audit.examples
     assert ex == RaceExample("offloading", "load", "req-7", (5, 6), Token("offload_h2d", 1), (D2H,), ex.at)
-    assert audit.to_json()["examples"][0]["running"] == [{"token": "offload_d2h:4", "stream": "offload_d2h",
-                                                          "kind": "device"}]
+    assert audit.to_json()["examples"][0]["running"] == [
+        {"token": "offload_d2h:4", "stream": "offload_d2h", "kind": "device"}
+    ]
 
 
 def test_a_transfer_started_after_its_fence_ended_is_not_counted_as_a_race() -> None:
@@ -48,8 +56,12 @@ def test_tokens_vllms_own_stream_wait_orders_first_are_not_races() -> None:
     covered = device_covered_by(frozenset({"compute"}), {"compute": 1}.get)
     assert covered(E1) and not covered(Token("compute", 2)) and not covered(D2H)
     audit = Audit()
-    assert audit.observe("offloading", "load", [E1], lambda t: False, token=Token("offload_h2d", 1),
-                         covered=covered) == ()
+    assert (
+        audit.observe(
+            "offloading", "load", [E1], lambda t: False, token=Token("offload_h2d", 1), covered=covered
+        )
+        == ()
+    )
     assert audit.totals() == (1, 1, 0)
 
 
@@ -61,7 +73,9 @@ def test_only_the_first_examples_are_kept() -> None:
     assert [e.token.seq for e in audit.examples] == [1, 2]
 
 
-def test_the_report_is_one_line_and_a_json_file_per_rank(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_report_is_one_line_and_a_json_file_per_rank(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     audit = Audit(rank=1, path=str(tmp_path / "audit-{rank}.json"))
     audit.observe("mooncake_store", "store", [E1], lambda t: False, token=GET, request_id="A", block_ids=[1])
     audit.observe("mooncake_store", "load", [], lambda t: False, token=GET)
@@ -79,7 +93,9 @@ def test_the_report_is_one_line_and_a_json_file_per_rank(tmp_path: Any, caplog: 
     assert data["examples"][0]["request_id"] == "A"
 
 
-def test_reports_come_at_most_once_per_interval_and_only_when_counts_changed(caplog: pytest.LogCaptureFixture) -> None:
+def test_reports_come_at_most_once_per_interval_and_only_when_counts_changed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     now = [0.0]
     audit = Audit(interval=10.0, clock=lambda: now[0])
     with caplog.at_level(logging.INFO, logger="vllm.plugins.blockpool"):
@@ -96,7 +112,9 @@ def test_reports_come_at_most_once_per_interval_and_only_when_counts_changed(cap
 
 
 def test_audit_is_configured_by_the_environment() -> None:
-    a = Audit.from_env(2, {"BLOCKPOOL_VLLM_AUDIT_FILE": "/x/audit-{rank}.json", "BLOCKPOOL_VLLM_AUDIT_INTERVAL": "5"})
+    a = Audit.from_env(
+        2, {"BLOCKPOOL_VLLM_AUDIT_FILE": "/x/audit-{rank}.json", "BLOCKPOOL_VLLM_AUDIT_INTERVAL": "5"}
+    )
     assert (a.rank, a.path, a.interval) == (2, "/x/audit-2.json", 5.0)
     assert Audit.from_env(0, {"BLOCKPOOL_VLLM_AUDIT_INTERVAL": "soon"}).interval == 60.0
     assert Audit.from_env(0, {}).path is None
@@ -116,10 +134,16 @@ def rank() -> Any:
     from blockpool.worker.torch_events import EventLedger
 
     dev = StandInDevice()
-    ns = SimpleNamespace(dev=dev, compute=dev.new_stream("compute"), copy=dev.new_stream("copy"), audit=Audit())
+    ns = SimpleNamespace(
+        dev=dev, compute=dev.new_stream("compute"), copy=dev.new_stream("copy"), audit=Audit()
+    )
     ns.current = ns.compute
-    ns.wh = vw.WorkerHazards(EventLedger(dev.new_event, streams={"compute": ns.compute}), lambda: ns.current,
-                             timeout=5.0, audit=ns.audit)
+    ns.wh = vw.WorkerHazards(
+        EventLedger(dev.new_event, streams={"compute": ns.compute}),
+        lambda: ns.current,
+        timeout=5.0,
+        audit=ns.audit,
+    )
     vw.install(ns.wh)
     yield ns
     vw.install(None)
@@ -142,7 +166,9 @@ def load_meta(fence: list[Token], token: Token = GET) -> Any:
 
 
 @pytest.mark.parametrize("ended", [False, True])
-def test_audit_mooncake_get_runs_at_once_and_counts_a_race_only_while_its_fence_runs(rank: Any, ended: bool) -> None:
+def test_audit_mooncake_get_runs_at_once_and_counts_a_race_only_while_its_fence_runs(
+    rank: Any, ended: bool
+) -> None:
     from blockpool.integrations.vllm import worker as vw
 
     rank.compute.enqueue(lambda: None, "CoW copy into the GET's block")
@@ -151,8 +177,10 @@ def test_audit_mooncake_get_runs_at_once_and_counts_a_race_only_while_its_fence_
         rank.dev.run()
     ran: list[bool] = []
     handle = made(vw._wire_mooncake)["_handle_request"](lambda thread, m: ran.append(True))
-    t = threading.Thread(target=handle, args=(SimpleNamespace(done_task_lock=threading.Lock(), _failed_requests=set()),
-                                              load_meta([E1])))
+    t = threading.Thread(
+        target=handle,
+        args=(SimpleNamespace(done_task_lock=threading.Lock(), _failed_requests=set()), load_meta([E1])),
+    )
     t.start()
     t.join(10)
     assert ran == [True]
@@ -186,8 +214,9 @@ def test_audit_mooncake_put_keeps_vllms_event_and_is_checked_after_it(rank: Any)
     meta = SimpleNamespace(requests=[req])
     setattr(meta, vc.META_STEP, (step.to_wire(), Fence().to_wire()))
     sent: list[Any] = []
-    store_worker = SimpleNamespace(_capacity_only=False, can_put=True,
-                                   kv_send_thread=SimpleNamespace(add_request=sent.append))
+    store_worker = SimpleNamespace(
+        _capacity_only=False, can_put=True, kv_send_thread=SimpleNamespace(add_request=sent.append)
+    )
     rank.compute.enqueue(lambda: None, "step 1 forward")
     with patch.object(vw.torch.cuda, "Event", StockEvent):
         made(vw._wire_mooncake)["wait_for_save"](None)(store_worker, meta)
@@ -259,7 +288,9 @@ def test_audit_forward_adds_no_wait(rank: Any) -> None:
     assert rank.audit.counts == {("compute", "forward"): AuditCounts(1, 1, 1)}
 
 
-def test_audit_mode_installs_the_wiring_and_says_so_in_the_registration_line(caplog: pytest.LogCaptureFixture) -> None:
+def test_audit_mode_installs_the_wiring_and_says_so_in_the_registration_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     pytest.importorskip("vllm.v1.core.sched.scheduler")
     import os
 

@@ -595,7 +595,9 @@ def test_lmcache_mp_transfers_are_given_up_at_lmcaches_own_mq_timeout(mode: str)
     assert hz.give_up_time(mp.LOAD_STREAM) == hz.give_up_time(mp.STORE_STREAM) == 300.0
 
 
-@pytest.mark.parametrize("need", [0, 2, 3], ids=["free blocks cover it", "held blocks cover it", "neither covers it"])
+@pytest.mark.parametrize(
+    "need", [0, 2, 3], ids=["free blocks cover it", "held blocks cover it", "neither covers it"]
+)
 def test_a_refused_allocation_with_blocks_held_counts_as_held_up_whatever_the_arithmetic(need: int) -> None:
     # vLLM refuses an allocation against its free count less its watermark
     # and the blocks it reserves (prefills in flight, speculative decoding),

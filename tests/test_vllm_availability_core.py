@@ -39,14 +39,18 @@ def _running_request_with_a_host_store(scheduler: Any, blocks_stored: int = 2) -
     out1 = scheduler.schedule()
     scheduler.update_from_output(out1, model_output(out1))
     pool = scheduler.kv_cache_manager.block_pool
-    table = [b.block_id for b in scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["A"]]
+    table = [
+        b.block_id for b in scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["A"]
+    ]
     hz = pool.hazards
     store = hz.begin_store("A", hz.blocks_of(table[:blocks_stored]), vc.MOONCAKE, key=("put", 1))
     return pool, store, table
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
-def test_a_reset_with_running_requests_succeeds_while_a_host_store_holds_their_blocks(registered: bool) -> None:
+def test_a_reset_with_running_requests_succeeds_while_a_host_store_holds_their_blocks(
+    registered: bool,
+) -> None:
     scheduler = make_scheduler("MooncakeStoreConnector", num_blocks=N, role="kv_consumer")
     pool, store, table = _running_request_with_a_host_store(scheduler)
     assert all(pool.blocks[b].block_hash is not None for b in table[:2])

@@ -76,7 +76,16 @@ def make_scheduler(
     init_none_hash(sha256)
     with _triton_gate_passed():
         return _build_scheduler(
-            connector, extra, num_blocks, role, kv, block_size, dcp, pcp, max_num_batched_tokens, async_scheduling
+            connector,
+            extra,
+            num_blocks,
+            role,
+            kv,
+            block_size,
+            dcp,
+            pcp,
+            max_num_batched_tokens,
+            async_scheduling,
         )
 
 
@@ -148,7 +157,9 @@ def _build_scheduler(
     config.parallel_config.prefill_context_parallel_size = pcp
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
     if kv is None:
-        kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+        kv = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+        )
     config.cache_config.num_gpu_blocks = num_blocks
     cls: Any = Scheduler
     if async_scheduling:
@@ -165,7 +176,9 @@ def _build_scheduler(
         )
 
 
-def make_request(rid: str, tokens: list[int], max_tokens: int = 64, transfer: dict[str, Any] | None = None) -> Any:
+def make_request(
+    rid: str, tokens: list[int], max_tokens: int = 64, transfer: dict[str, Any] | None = None
+) -> Any:
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -278,7 +291,10 @@ def run_seed_scenario(scheduler: Any) -> tuple[Any, Any, list[int], int]:
     scheduler.add_request(b)
     out2 = scheduler.schedule()
     (meta,) = [rm for rm in out2.kv_connector_metadata.requests if rm.req_id == "B"]
-    table = [blk.block_id for blk in scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["B"]]
+    table = [
+        blk.block_id
+        for blk in scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["B"]
+    ]
     return out2, meta, table, a_third.block_id
 
 
@@ -289,7 +305,10 @@ def test_mooncake_get_into_a_cow_destination_waits_for_exactly_the_copy(register
     d = table[2]
     assert [(c.src_block_id, c.dst_block_id) for c in out2.kv_cache_block_copies] == [(src, d)]
     step = StepRecord.from_wire(getattr(out2.kv_connector_metadata, vc.META_STEP)[0])
-    assert step.copies is not None and (step.copies.stream, step.copies.kind) == ("compute", StreamKind.DEVICE)
+    assert step.copies is not None and (step.copies.stream, step.copies.kind) == (
+        "compute",
+        StreamKind.DEVICE,
+    )
     load = Transfer.from_wire(getattr(meta, vc.META_LOAD))
     assert load.block_ids == (d, table[3])
     assert load.token.stream == "mooncake_store" and load.token.kind is StreamKind.HOST
@@ -304,7 +323,9 @@ def test_hazards_off_leaves_mooncake_metadata_as_vllm_builds_it(registered: bool
     assert not hasattr(out2.kv_connector_metadata, vc.META_STEP)
 
 
-def replay_get_on_worker(out2: Any, meta: Any, table: list[int], fenced: bool) -> tuple[dict[int, str], list[str]]:
+def replay_get_on_worker(
+    out2: Any, meta: Any, table: list[int], fenced: bool
+) -> tuple[dict[int, str], list[str]]:
     """The worker half on stand-ins: the step's CoW copy is enqueued on the
     compute stream (it has not run yet), the step's metadata is bound, then
     MooncakeStore's receive thread handles B's GET through the plugin's
@@ -337,9 +358,15 @@ def replay_get_on_worker(out2: Any, meta: Any, table: list[int], fenced: bool) -
         wh.ledger.poll()
         waited.extend(t for t in (copy_token,) if wh.ledger.is_complete(t))
         oracle.record(get_token, after=waited)
-        races.extend(map(str, oracle.tag(get_token, list(load.block_ids) if load else table[2:4],
-                                            AccessKind.WRITE, "mooncake GET")))
-        for b in (load.block_ids if load else table[2:4]):
+        races.extend(
+            map(
+                str,
+                oracle.tag(
+                    get_token, list(load.block_ids) if load else table[2:4], AccessKind.WRITE, "mooncake GET"
+                ),
+            )
+        )
+        for b in load.block_ids if load else table[2:4]:
             kv[b] = "remote KV"
 
     handle = wrapper(vw._wire_mooncake, "KVCacheStoreRecvingThread", "_handle_request", get)
@@ -371,7 +398,9 @@ def test_seed_scenario_races_without_the_fence(registered: bool) -> None:
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
-def test_mooncake_store_waits_on_the_step_that_wrote_its_blocks_not_the_whole_forward(registered: bool) -> None:
+def test_mooncake_store_waits_on_the_step_that_wrote_its_blocks_not_the_whole_forward(
+    registered: bool,
+) -> None:
     scheduler = make_scheduler("MooncakeStoreConnector")
     cs = scheduler.connector.connector_scheduler
     cs.client.lookup.return_value = lookup(0)
@@ -381,7 +410,9 @@ def test_mooncake_store_waits_on_the_step_that_wrote_its_blocks_not_the_whole_fo
     step1 = StepRecord.from_wire(getattr(out1.kv_connector_metadata, vc.META_STEP)[0])
     (store_meta,) = [rm for rm in out1.kv_connector_metadata.requests if rm.can_save]
     store = Transfer.from_wire(getattr(store_meta, vc.META_STORE))
-    a_blocks = [b.block_id for b in scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["A"]]
+    a_blocks = [
+        b.block_id for b in scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["A"]
+    ]
     # The send thread reads the two full blocks (32 of 40 tokens), after step 1 wrote them.
     assert store.block_ids == tuple(a_blocks[:2])
     assert store.fence.tokens == (step1.forward,)
@@ -411,7 +442,9 @@ def test_mooncake_send_thread_synchronizes_on_the_stores_own_fence(registered: b
         )
         wait_for_save = wrapper(vw._wire_mooncake, "MooncakeStoreWorker", "wait_for_save", None)
         vllm_event = SimpleNamespace(record=lambda: None, synchronize=lambda: None, query=lambda: True)
-        with patch.object(vw.torch.cuda, "Event", lambda: vllm_event):  # recorded as vLLM does, kept as fallback
+        with patch.object(
+            vw.torch.cuda, "Event", lambda: vllm_event
+        ):  # recorded as vLLM does, kept as fallback
             wait_for_save(store_worker, meta)
         (req,) = sent
         assert isinstance(req.current_event, vw.FenceWait)
@@ -449,7 +482,9 @@ def test_mooncake_completions_end_the_transfers_in_the_pool(registered: bool) ->
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
-def test_scheduler_binding_an_unwired_connector_logs_one_line(registered: bool, caplog: pytest.LogCaptureFixture) -> None:
+def test_scheduler_binding_an_unwired_connector_logs_one_line(
+    registered: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     import logging
 
     vc._LOGGED.discard("ExampleConnector")
@@ -568,7 +603,9 @@ def offload_step(scheduler: Any, out: Any, completed: dict[int, int] | None = No
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
     meta = OffloadingWorkerMetadata(completed_jobs=completed) if completed else None
-    scheduler.update_from_output(out, model_output(out, kv_connector_worker_meta=meta) if meta else model_output(out))
+    scheduler.update_from_output(
+        out, model_output(out, kv_connector_worker_meta=meta) if meta else model_output(out)
+    )
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
@@ -579,7 +616,9 @@ def test_offload_store_waits_on_the_step_that_wrote_its_blocks(registered: bool)
     step1 = StepRecord.from_wire(getattr(out1.kv_connector_metadata, vc.META_STEP)[0])
     ((job_id, job),) = out1.kv_connector_metadata.store_jobs.items()
     store = Transfer.from_wire(getattr(job, vc.META_STORE))
-    a_blocks = [b.block_id for b in scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["A"]]
+    a_blocks = [
+        b.block_id for b in scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["A"]
+    ]
     assert store.block_ids == tuple(a_blocks[:2])
     assert (store.token.stream, store.token.kind) == ("offload_d2h", StreamKind.DEVICE)
     assert store.fence.tokens == (step1.forward,)
@@ -667,7 +706,9 @@ def test_a_failed_offload_copy_fails_its_token_and_its_blocks_are_not_published(
     assert hashed == (set() if failed else set(load.block_ids))
     cs = scheduler.connector.connector_scheduler
     assert job_id not in cs._jobs  # vLLM's own bookkeeping ended the job too
-    assert vc.wiring_of(cs).failed_reports == set() and (vc.OFFLOADING, job_id) not in vc.wiring_of(cs).pending
+    assert (
+        vc.wiring_of(cs).failed_reports == set() and (vc.OFFLOADING, job_id) not in vc.wiring_of(cs).pending
+    )
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
@@ -751,7 +792,11 @@ def nixl_worker_wrappers() -> tuple[Any, Any]:
             self.transport_failures = 0
 
         def _handle_failed_transfer(  # vLLM's signature (0.32 to 0.34)
-            self, req_id: str, handle: Any, failed_req_ids: set[str] | None = None, record_failed_transfer: bool = True
+            self,
+            req_id: str,
+            handle: Any,
+            failed_req_ids: set[str] | None = None,
+            record_failed_transfer: bool = True,
         ) -> bool:
             posted.append(f"failed {req_id}")
             self.transport_failures += record_failed_transfer
@@ -759,7 +804,9 @@ def nixl_worker_wrappers() -> tuple[Any, Any]:
                 failed_req_ids.add(req_id)
             return handle is None
 
-    PullWorker._read_blocks_for_req = made["_read_blocks_for_req"](lambda self, r, m: posted.append(f"READ {r}"))
+    PullWorker._read_blocks_for_req = made["_read_blocks_for_req"](
+        lambda self, r, m: posted.append(f"READ {r}")
+    )
     PullWorker.start_load_kv = made["start_load_kv"](lambda self, *a: posted.append("start_load_kv"))
     return PullWorker(), posted
 
@@ -793,7 +840,11 @@ def test_nixl_read_with_an_ended_fence_is_posted_at_once() -> None:
     wh = worker(dev, dev.new_stream("compute"))
     try:
         meta = SimpleNamespace()
-        setattr(meta, vc.META_LOAD, Transfer("B", "load", Token("nixl", 1, StreamKind.HOST), Fence(), (3,)).to_wire())
+        setattr(
+            meta,
+            vc.META_LOAD,
+            Transfer("B", "load", Token("nixl", 1, StreamKind.HOST), Fence(), (3,)).to_wire(),
+        )
         pull, posted = nixl_worker_wrappers()
         pull._read_blocks_for_req("B", meta)
         assert posted == ["READ B"] and wh.deferred == 0
@@ -832,7 +883,9 @@ def test_nixl_read_whose_fence_never_ends_is_failed_never_posted() -> None:
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
-def test_deferred_frees_are_not_tagged_with_a_later_step_so_a_nixl_read_does_not_wait(registered: bool) -> None:
+def test_deferred_frees_are_not_tagged_with_a_later_step_so_a_nixl_read_does_not_wait(
+    registered: bool,
+) -> None:
     """vLLM's consumer with overlapping batches (defer_block_free) returns a
     request's blocks only after every step that could touch them ended; the
     step still running then never touched them (the reviewer's case: the
@@ -868,6 +921,7 @@ def test_the_step_token_is_recorded_after_the_forward_before_the_async_loads() -
     wh = worker(dev, compute)
     order: list[str] = []
     try:
+
         @contextmanager
         def vllm_lifecycle(scheduler_output: Any, defer_finalize: bool = False) -> Iterator[None]:
             order.append("bind")
@@ -875,7 +929,9 @@ def test_the_step_token_is_recorded_after_the_forward_before_the_async_loads() -
             order.append("start_load_kv")  # async loads: NIXL posts its READs here
             order.append("wait_for_save")
 
-        lifecycle = wrapper(vw._wire_runner, "KVConnectorModelRunnerMixin", "_get_kv_connector_output", vllm_lifecycle)
+        lifecycle = wrapper(
+            vw._wire_runner, "KVConnectorModelRunnerMixin", "_get_kv_connector_output", vllm_lifecycle
+        )
         step = StepRecord(1, Token("compute", 1))
         meta = SimpleNamespace()
         setattr(meta, vc.META_STEP, (step.to_wire(), Fence().to_wire()))
@@ -914,7 +970,9 @@ def test_model_runner_v2_records_the_step_token_after_the_forward_before_the_asy
     runner._disabled = False
     runner._pending_load_kwargs = {}
     runner._start_load_kv = lambda: seen("start_load_kv")
-    post_forward = wrapper(vw._wire_runner, "ActiveKVConnector", "post_forward", v2.ActiveKVConnector.post_forward)
+    post_forward = wrapper(
+        vw._wire_runner, "ActiveKVConnector", "post_forward", v2.ActiveKVConnector.post_forward
+    )
     try:
         post_forward(runner, set())
         assert order == [("start_load_kv", True), ("wait_for_save", True)]
@@ -952,7 +1010,9 @@ def test_simple_cpu_offload_store_begins_on_the_pool_and_ends_when_every_worker_
     page = spec.page_size_bytes
     kv = KVCacheConfig(
         num_blocks=16,
-        kv_cache_tensors=[KVCacheTensor(size=page * 16, layers=["layer"], layer_stride=page * 16, block_stride=page)],
+        kv_cache_tensors=[
+            KVCacheTensor(size=page * 16, layers=["layer"], layer_stride=page * 16, block_stride=page)
+        ],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
     scheduler = make_scheduler("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": page * 8}, kv=kv)
@@ -973,7 +1033,9 @@ def test_simple_cpu_offload_store_begins_on_the_pool_and_ends_when_every_worker_
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
-def test_simple_cpu_offload_lazy_store_ends_before_its_blocks_return_to_the_eviction_end(registered: bool) -> None:
+def test_simple_cpu_offload_lazy_store_ends_before_its_blocks_return_to_the_eviction_end(
+    registered: bool,
+) -> None:
     """vLLM 0.34's SimpleCPUOffload in lazy mode stores cached blocks near
     the eviction end of the free queue and, once every worker reported the
     store, frees them back there (``free_blocks(..., evict_first=True)``):
@@ -993,7 +1055,9 @@ def test_simple_cpu_offload_lazy_store_ends_before_its_blocks_return_to_the_evic
     page = spec.page_size_bytes
     kv = KVCacheConfig(
         num_blocks=n,
-        kv_cache_tensors=[KVCacheTensor(size=page * n, layers=["layer"], layer_stride=page * n, block_stride=page)],
+        kv_cache_tensors=[
+            KVCacheTensor(size=page * n, layers=["layer"], layer_stride=page * n, block_stride=page)
+        ],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
     s = make_scheduler("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": page * 8, "lazy_offload": True}, kv=kv,

@@ -335,9 +335,13 @@ def test_pool_and_served_expectations() -> None:
     # that is the wiring at work (StepHazards.step_tokens), not a difference.
     assert diffs_of("on", lambda x: x["served"].update(steps_issued=0, steps_untokened=4)) == []
     # ... but a wired KV connector registers streams: its steps need tokens.
-    (d,) = diffs_of("on", lambda x: (x.update(kv_connector="offloading"), x["served"].update(steps_untokened=4)))
+    (d,) = diffs_of(
+        "on", lambda x: (x.update(kv_connector="offloading"), x["served"].update(steps_untokened=4))
+    )
     assert d.what == "served" and "offloading wired, but steps went without tokens" in d.detail
-    diffs = diffs_of("on", lambda x: (x.update(kv_connector="offloading"), x["served"].update(steps_issued=0)))
+    diffs = diffs_of(
+        "on", lambda x: (x.update(kv_connector="offloading"), x["served"].update(steps_issued=0))
+    )
     assert {d.what for d in diffs} == {"served"} and any("without tokens" in d.detail for d in diffs)
     assert diffs_of("on", lambda x: x.update(kv_connector="offloading")) == []
 
@@ -494,7 +498,9 @@ def test_size_flags_override_every_selected_workload(monkeypatch: pytest.MonkeyP
 def test_repetitions_are_interleaved_compared_and_the_best_timing_reported(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    medians = iter([900.0, 1200.0, 1100.0, 1150.0, 800.0, 1000.0, 1300.0, 1250.0])  # off, on, hazards-off, audit, ..., x2
+    medians = iter(
+        [900.0, 1200.0, 1100.0, 1150.0, 800.0, 1000.0, 1300.0, 1250.0]
+    )  # off, on, hazards-off, audit, ..., x2
 
     def edit(workload: str, mode: str, r: dict[str, Any]) -> None:
         r["timing"] = dict(r["timing"], per_step_median_us=next(medians))
@@ -581,7 +587,9 @@ def test_importing_the_check_and_the_cli_loads_neither_torch_nor_vllm() -> None:
 def test_kv_connector_runs_are_workload_variants_served_in_every_mode() -> None:
     p = argparse.ArgumentParser()
     ec.add_arguments(p)
-    ws = ec._workloads(p.parse_args(["--workload", "quick", "--kv-connector", "offloading,simple_cpu_offload"]))
+    ws = ec._workloads(
+        p.parse_args(["--workload", "quick", "--kv-connector", "offloading,simple_cpu_offload"])
+    )
     assert [(w.name, w.kv_connector) for w in ws] == [
         ("quick", None), ("quick+offloading", "offloading"), ("quick+simple_cpu_offload", "simple_cpu_offload"),
     ]  # fmt: skip

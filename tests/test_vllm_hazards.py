@@ -218,11 +218,15 @@ class BlockState:
 class StepOut(Out):
     """A SchedulerOutput with the fields step-write tagging reads."""
 
-    def __init__(self, scheduled: dict[str, int], computed: dict[str, int], tables: dict[str, tuple[list[int], ...]]) -> None:
+    def __init__(
+        self, scheduled: dict[str, int], computed: dict[str, int], tables: dict[str, tuple[list[int], ...]]
+    ) -> None:
         super().__init__(sum(scheduled.values()))
         self.num_scheduled_tokens = scheduled
         self.scheduled_new_reqs = []
-        self.scheduled_cached_reqs = type("Cached", (), {"req_ids": list(computed), "num_computed_tokens": list(computed.values())})()
+        self.scheduled_cached_reqs = type(
+            "Cached", (), {"req_ids": list(computed), "num_computed_tokens": list(computed.values())}
+        )()
         self.kv_connector_block_state = BlockState(tables)
 
 
@@ -320,7 +324,11 @@ def test_transfers_that_end_with_their_step_end_when_its_output_comes_back_not_b
     hz.end_with_step(("lmcache", 2))
     assert [pool.token_status(t.token).value for t in (load, store, later)] == ["pending"] * 3
     hz.end_step(s1)
-    assert [pool.token_status(t.token).value for t in (load, store, later)] == ["completed", "completed", "pending"]
+    assert [pool.token_status(t.token).value for t in (load, store, later)] == [
+        "completed",
+        "completed",
+        "pending",
+    ]
     assert hz.pending_transfers() == [later]
 
 

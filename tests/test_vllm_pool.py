@@ -67,7 +67,11 @@ def state(pool: Any) -> tuple[object, ...]:
     # a block or a {block_id: block} dict.
     dups = getattr(pool.cached_block_hash_to_block, "_dup_ids", {})
     cache = {
-        k: sorted(dups[k]) if k in dups else sorted(v) if isinstance(v, dict) else [v if isinstance(v, int) else v.block_id]
+        k: sorted(dups[k])
+        if k in dups
+        else sorted(v)
+        if isinstance(v, dict)
+        else [v if isinstance(v, int) else v.block_id]
         for k, v in pool.cached_block_hash_to_block._cache.items()
     }
     return (
@@ -128,15 +132,22 @@ def test_the_block_id_and_is_null_vllm_reads_are_the_ones_the_core_reads() -> No
     (stored,) = ours.core.take_events()
     assert list(stored.block_ids) == [b.block_id for b in blocks] == [1, 2, 3, 4, 5]
     copies = [pickle.loads(pickle.dumps(b)) for b in (ours.null_block, blocks[4])]
-    assert [(c.block_id, c.is_null, type(c)) for c in copies] == [(0, True, VllmNullBlock), (5, False, VllmKVCacheBlock)]
+    assert [(c.block_id, c.is_null, type(c)) for c in copies] == [
+        (0, True, VllmNullBlock),
+        (5, False, VllmKVCacheBlock),
+    ]
 
 
-def test_the_free_count_is_the_cores_own_unless_the_class_has_another(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_free_count_is_the_cores_own_unless_the_class_has_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     ours = VllmBlockPool(10, True, BS)
     assert ours.get_num_free_blocks == ours.core.get_num_free_blocks
     ours.get_new_blocks(3)
     assert (ours.get_num_free_blocks(), ours.get_usage()) == (6, pytest.approx(3 / 9))
-    monkeypatch.setattr(ours, "get_num_free_blocks", lambda: 8)  # an instance patch: get_usage reads it, as vLLM's
+    monkeypatch.setattr(
+        ours, "get_num_free_blocks", lambda: 8
+    )  # an instance patch: get_usage reads it, as vLLM's
     assert ours.get_usage() == pytest.approx(1 / 9)
 
     class SevenFree(VllmBlockPool):
@@ -145,7 +156,9 @@ def test_the_free_count_is_the_cores_own_unless_the_class_has_another(monkeypatc
 
     seven = SevenFree(10, True, BS)
     assert (seven.get_num_free_blocks(), seven.get_usage()) == (7, pytest.approx(2 / 9))
-    monkeypatch.setattr(VllmBlockPool, "get_num_free_blocks", lambda self: 5)  # a class patch before the pool is built
+    monkeypatch.setattr(
+        VllmBlockPool, "get_num_free_blocks", lambda self: 5
+    )  # a class patch before the pool is built
     assert VllmBlockPool(10, True, BS).get_num_free_blocks() == 5
 
 
@@ -197,7 +210,13 @@ def test_blocks_pickle_as_vllm_kv_cache_blocks_of_no_pool() -> None:
     ours.core.cache_full_blocks([blk], [key], 0, 1, BS)
     for c in (pickle.loads(pickle.dumps(blk)), copy.copy(blk), copy.deepcopy(blk)):
         assert type(c) is VllmKVCacheBlock and c.pool is None
-        assert (c.block_id, c.ref_cnt, c.block_hash, c.block_hash_num_tokens, c.is_null) == (1, 1, key, BS, False)
+        assert (c.block_id, c.ref_cnt, c.block_hash, c.block_hash_num_tokens, c.is_null) == (
+            1,
+            1,
+            key,
+            BS,
+            False,
+        )
         assert c.prev_free_block is None and c.next_free_block is None
         with pytest.raises(ForeignBlockError):
             ours.free_blocks([c])
@@ -548,7 +567,9 @@ def test_a_failed_loads_removals_reach_take_events_when_nothing_else_is_queued()
     ours.take_events()
     ours.core.fail(load.token)
     removed = [e for e in ours.take_events() if isinstance(e, BlockRemoved)]
-    assert [h for e in removed for h in e.block_hashes] == [maybe_convert_block_hash(h) for h in r.block_hashes[:2]]
+    assert [h for e in removed for h in e.block_hashes] == [
+        maybe_convert_block_hash(h) for h in r.block_hashes[:2]
+    ]
     assert ours.get_cached_block(r.block_hashes[0], [0]) is None
 
 
@@ -605,7 +626,12 @@ def test_the_cores_removals_and_resets_moved_together_keep_their_order() -> None
     core.cache_full_blocks(core.get_new_blocks(1), keys, 0, 1, BS)
     core.evict_blocks([b.block_id for b in core.blocks if b.block_hash is not None])
     events = ours.take_events()
-    assert [type(e).__name__ for e in events] == ["BlockRemoved", "BlockRemoved", "AllBlocksCleared", "BlockRemoved"]
+    assert [type(e).__name__ for e in events] == [
+        "BlockRemoved",
+        "BlockRemoved",
+        "AllBlocksCleared",
+        "BlockRemoved",
+    ]
     assert [e.block_hashes for e in events if isinstance(e, BlockRemoved)] == [
         [maybe_convert_block_hash(h)] for h in (r.block_hashes[0], r.block_hashes[1], r.block_hashes[0])
     ]

@@ -68,7 +68,9 @@ def test_a_refused_store_of_a_failed_load_is_not_begun_and_keeps_vllms_own_path(
     assert w.pending == {("job", 3)}
 
 
-def test_an_accepted_transfer_is_unchanged_by_the_refusal_checks(wired: tuple[HazardAwareBlockPool, ConnectorWiring]) -> None:
+def test_an_accepted_transfer_is_unchanged_by_the_refusal_checks(
+    wired: tuple[HazardAwareBlockPool, ConnectorWiring],
+) -> None:
     pool, w = wired
     ids = [b.block_id for b in pool.get_new_blocks(2)]
     wire = w.load("req-3", ids, MOONCAKE, key=("job", 4))

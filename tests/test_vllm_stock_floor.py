@@ -129,8 +129,11 @@ def test_mooncake_put_of_blocks_a_step_writes_waits_on_that_step_at_any_dcp_size
     out2 = s.schedule()  # tokens 128..200: blocks 4..6 (6 partial), step 1 ended
     e2 = step_of(out2).forward
     table = table_of(s, "A")
-    stores = [Transfer.from_wire(getattr(rm, vc.META_STORE)) for rm in out2.kv_connector_metadata.requests
-              if getattr(rm, vc.META_STORE, None) is not None]
+    stores = [
+        Transfer.from_wire(getattr(rm, vc.META_STORE))
+        for rm in out2.kv_connector_metadata.requests
+        if getattr(rm, vc.META_STORE, None) is not None
+    ]
     assert len(stores) == 1
     (store,) = stores
     assert set(table[4:6]) <= set(store.block_ids) <= set(table)
@@ -142,8 +145,9 @@ def test_mooncake_put_of_blocks_a_step_writes_waits_on_that_step_at_any_dcp_size
 def test_step_writes_are_tagged_by_the_managers_block_size_under_dcp(registered: bool) -> None:
     """The forward's writes (tag_step_writes) use 32-token blocks at DCP 2:
     an offload store of step 2's blocks waits on step 2."""
-    s = make_scheduler("OffloadingConnector", {**OFFLOAD, "block_size": 32}, block_size=16, dcp=2,
-                       max_num_batched_tokens=128)
+    s = make_scheduler(
+        "OffloadingConnector", {**OFFLOAD, "block_size": 32}, block_size=16, dcp=2, max_num_batched_tokens=128
+    )
     s.add_request(make_request("A", list(range(1, 201))))
     out1 = s.schedule()
     offload_step(s, out1)
@@ -160,7 +164,10 @@ def test_stock_waits_are_kept_where_the_fences_are_not_shown_exact() -> None:
     ns = SimpleNamespace
     plain = ns(speculative_config=None, parallel_config=ns(prefill_context_parallel_size=1))
     assert vc.stock_waits_reason(plain, (32,)) is None
-    assert vc.stock_waits_reason(plain, None) == "the KV cache groups' block sizes could not be read from the scheduler"
+    assert (
+        vc.stock_waits_reason(plain, None)
+        == "the KV cache groups' block sizes could not be read from the scheduler"
+    )
     spec = ns(speculative_config=object(), parallel_config=ns(prefill_context_parallel_size=1))
     assert vc.stock_waits_reason(spec, (32,)) == "speculative decoding is on"
     pcp = ns(speculative_config=None, parallel_config=ns(prefill_context_parallel_size=2))
@@ -248,13 +255,21 @@ def test_with_spec_decode_the_step_token_is_recorded_after_the_draft_model(regis
             order.append("wait_for_save")
 
     record, meta = step_meta(1)
-    connector = SimpleNamespace(_connector_metadata=meta, wait_for_save=lambda: order.append("wait_for_save"),
-                                clear_connector_metadata=lambda: order.append("clear"))
-    lifecycle = wrapper(vw._wire_runner, "KVConnectorModelRunnerMixin", "_get_kv_connector_output", vllm_lifecycle)
+    connector = SimpleNamespace(
+        _connector_metadata=meta,
+        wait_for_save=lambda: order.append("wait_for_save"),
+        clear_connector_metadata=lambda: order.append("clear"),
+    )
+    lifecycle = wrapper(
+        vw._wire_runner, "KVConnectorModelRunnerMixin", "_get_kv_connector_output", vllm_lifecycle
+    )
     finalize = mixin.KVConnectorModelRunnerMixin.finalize_kv_connector  # the plugin's wrapper of vLLM's own
     assert getattr(finalize, "__blockpool_wrapped__", False)
-    with Rank() as rank, patch.object(mixin, "has_kv_transfer_group", lambda: True), \
-            patch.object(mixin, "get_kv_transfer_group", lambda: connector):
+    with (
+        Rank() as rank,
+        patch.object(mixin, "has_kv_transfer_group", lambda: True),
+        patch.object(mixin, "get_kv_transfer_group", lambda: connector),
+    ):
         with lifecycle.__func__(SimpleNamespace(kv_connector_metadata=meta), defer_finalize=True):
             rank.compute.enqueue(lambda: order.append("target KV writes"), "target forward")
         assert rank.wh.ledger.event_of(record.forward) is None
@@ -331,7 +346,9 @@ class CopyHandler:
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
-def test_offload_load_planned_in_an_empty_step_waits_on_its_fence_and_records_its_token(registered: bool) -> None:
+def test_offload_load_planned_in_an_empty_step_waits_on_its_fence_and_records_its_token(
+    registered: bool,
+) -> None:
     s = make_scheduler("OffloadingConnector", OFFLOAD, num_blocks=5, role="kv_producer")  # no deferred frees
     offload_prefix_to_cpu(s, list(range(1, 41)))
     since = Rank.issued(s)  # the steps before are not replayed on the rank
@@ -399,7 +416,9 @@ def abort_during_next_step(s: Any) -> tuple[Any, Any, Token]:
 def test_async_offload_load_into_an_aborted_requests_blocks_waits_for_exactly_the_step_in_flight(
     registered: bool,
 ) -> None:
-    s = make_scheduler("OffloadingConnector", OFFLOAD, num_blocks=5, role="kv_producer", async_scheduling=True)
+    s = make_scheduler(
+        "OffloadingConnector", OFFLOAD, num_blocks=5, role="kv_producer", async_scheduling=True
+    )
     offload_prefix_to_cpu(s, list(range(1, 41)))
     since = Rank.issued(s)  # the steps before are not replayed on the rank
     out_n, out_n1, e_n1 = abort_during_next_step(s)
@@ -455,8 +474,9 @@ def test_async_mooncake_get_into_an_aborted_requests_blocks_waits_for_exactly_th
             got.append(event.query())  # step N+1 has ended when the GET runs
 
         handle = wrapper(vw._wire_mooncake, "KVCacheStoreRecvingThread", "_handle_request", get)
-        t = threading.Thread(target=handle, args=(SimpleNamespace(done_task_lock=threading.Lock(),
-                                                                  _failed_requests=set()), rm))
+        t = threading.Thread(
+            target=handle, args=(SimpleNamespace(done_task_lock=threading.Lock(), _failed_requests=set()), rm)
+        )
         t.start()
         t.join(10)
         assert got == [True]
@@ -468,7 +488,10 @@ def test_a_device_token_the_rank_never_records_is_reported_not_left_to_a_timeout
         rank.wh.record(Token("compute", 1))
         rank.wh.record(Token("compute", 3))  # compute:2 was lost
         assert rank.wh.skipped == {"compute": [2]}
-        assert rank.wh.unrecorded({"compute": 5, "offload_h2d": 1}) == {"compute": [2, 4, 5], "offload_h2d": [1]}
+        assert rank.wh.unrecorded({"compute": 5, "offload_h2d": 1}) == {
+            "compute": [2, 4, 5],
+            "offload_h2d": [1],
+        }
 
 
 def test_a_worker_leaves_scheduler_only_streams_to_vllms_own_waits() -> None:
@@ -510,11 +533,19 @@ def test_async_simple_cpu_offload_load_into_an_aborted_requests_blocks_names_exa
     page = spec.page_size_bytes
     kv = KVCacheConfig(
         num_blocks=n,
-        kv_cache_tensors=[KVCacheTensor(size=page * n, layers=["layer"], layer_stride=page * n, block_stride=page)],
+        kv_cache_tensors=[
+            KVCacheTensor(size=page * n, layers=["layer"], layer_stride=page * n, block_stride=page)
+        ],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
-    s = make_scheduler("SimpleCPUOffloadConnector", {"cpu_bytes_to_use": page * 8}, kv=kv, num_blocks=n,
-                       role="kv_producer", async_scheduling=True)
+    s = make_scheduler(
+        "SimpleCPUOffloadConnector",
+        {"cpu_bytes_to_use": page * 8},
+        kv=kv,
+        num_blocks=n,
+        role="kv_producer",
+        async_scheduling=True,
+    )
     s.add_request(make_request("P", list(range(1, 41)), max_tokens=3))
     out1 = s.schedule()
     s.update_from_output(out1, model_output(out1))
@@ -534,7 +565,9 @@ def test_async_simple_cpu_offload_load_into_an_aborted_requests_blocks_names_exa
 
 
 @pytest.mark.parametrize("registered", [True], indirect=True)
-def test_a_cow_copy_in_a_step_with_no_scheduled_token_is_recorded_so_the_get_into_it_runs(registered: bool) -> None:
+def test_a_cow_copy_in_a_step_with_no_scheduled_token_is_recorded_so_the_get_into_it_runs(
+    registered: bool,
+) -> None:
     """The seed scenario when nothing else runs: the step that ships B's
     copy schedules no token (B waits for its GET), but vLLM's runner still
     enqueues the copy before it returns early; the step needs a record, or
@@ -566,10 +599,15 @@ def test_a_cow_copy_in_a_step_with_no_scheduled_token_is_recorded_so_the_get_int
         rank.wh.on_bind(out2.kv_connector_metadata)  # kv_connector_no_forward
         rank.wh.forward_done(out2.kv_connector_metadata)
         got: list[bool] = []
-        handle = wrapper(vw._wire_mooncake, "KVCacheStoreRecvingThread", "_handle_request",
-                         lambda thread, m: got.append(True))
-        t = threading.Thread(target=handle, args=(SimpleNamespace(done_task_lock=threading.Lock(),
-                                                                  _failed_requests=set()), rm))
+        handle = wrapper(
+            vw._wire_mooncake,
+            "KVCacheStoreRecvingThread",
+            "_handle_request",
+            lambda thread, m: got.append(True),
+        )
+        t = threading.Thread(
+            target=handle, args=(SimpleNamespace(done_task_lock=threading.Lock(), _failed_requests=set()), rm)
+        )
         t.start()
         t.join(10)
         assert got == [True]
@@ -594,12 +632,24 @@ def test_a_non_writer_rank_records_the_store_jobs_vllm_flushes_and_completes_at_
     setattr(job, vc.META_STORE, Transfer("A", "store", s1, Fence([e1]), (3,)).to_wire())
     meta = SimpleNamespace(load_jobs={}, store_jobs={1: job}, jobs_to_flush={1})
     setattr(meta, STEP, (StepRecord(1, e1).to_wire(), Fence().to_wire()))
-    me = SimpleNamespace(_is_store_writer=False, _connector_worker_meta=OffloadingWorkerMetadata(),
-                         _unsubmitted_store_jobs=[], worker=MagicMock())
-    handle_preemptions = wrapper(vw._wire_offloading, "OffloadingConnectorWorker", "handle_preemptions",
-                                 ow.OffloadingConnectorWorker.handle_preemptions)
-    prepare_store_kv = wrapper(vw._wire_offloading, "OffloadingConnectorWorker", "prepare_store_kv",
-                               ow.OffloadingConnectorWorker.prepare_store_kv)
+    me = SimpleNamespace(
+        _is_store_writer=False,
+        _connector_worker_meta=OffloadingWorkerMetadata(),
+        _unsubmitted_store_jobs=[],
+        worker=MagicMock(),
+    )
+    handle_preemptions = wrapper(
+        vw._wire_offloading,
+        "OffloadingConnectorWorker",
+        "handle_preemptions",
+        ow.OffloadingConnectorWorker.handle_preemptions,
+    )
+    prepare_store_kv = wrapper(
+        vw._wire_offloading,
+        "OffloadingConnectorWorker",
+        "prepare_store_kv",
+        ow.OffloadingConnectorWorker.prepare_store_kv,
+    )
     with Rank() as rank:
         handle_preemptions(me, meta)
         assert me._connector_worker_meta.completed_jobs == {1: 1}  # vLLM completed it on this rank
@@ -661,7 +711,10 @@ def vllm_copy_handler(rank: Rank, swap: Any) -> tuple[Any, Any]:
             rank.current = saved
 
     platform = SimpleNamespace(
-        current_stream=lambda: rank.current, stream=stream_ctx, Stream=rank.dev.new_stream, is_xpu=lambda: False
+        current_stream=lambda: rank.current,
+        stream=stream_ctx,
+        Stream=rank.dev.new_stream,
+        is_xpu=lambda: False,
     )
     h = object.__new__(gmod.SingleDirectionOffloadingHandler)
     h.gpu_to_cpu, h.blocks_per_chunk, h.layer_refs_per_group = False, 1, [[None]]
@@ -698,8 +751,13 @@ def test_vllm_034_offload_copy_waits_on_exactly_its_fence_before_its_kernels(cop
     import numpy as np
 
     gmod = pytest.importorskip("vllm.v1.kv_offload.cpu.gpu_worker")
-    if "device_ptrs" not in inspect.signature(gmod.SingleDirectionOffloadingHandler.transfer_async).parameters:
-        pytest.skip("this vLLM's transfer_async takes GPU and CPU specs (before 0.34): stand-in handlers cover it")
+    if (
+        "device_ptrs"
+        not in inspect.signature(gmod.SingleDirectionOffloadingHandler.transfer_async).parameters
+    ):
+        pytest.skip(
+            "this vLLM's transfer_async takes GPU and CPU specs (before 0.34): stand-in handlers cover it"
+        )
     ran: list[str] = []
     with Rank() as rank:
         d2h = rank.dev.new_stream("d2h")
@@ -761,7 +819,9 @@ def test_with_pipeline_parallelism_a_rank_that_does_not_draft_records_the_step_t
         yield None
 
     record, meta = step_meta(1)
-    lifecycle = wrapper(vw._wire_runner, "KVConnectorModelRunnerMixin", "_get_kv_connector_output", vllm_lifecycle)
+    lifecycle = wrapper(
+        vw._wire_runner, "KVConnectorModelRunnerMixin", "_get_kv_connector_output", vllm_lifecycle
+    )
     for last_rank, recorded in ((False, True), (True, False)):
         group = SimpleNamespace(is_last_rank=last_rank)
         with Rank() as rank, patch("vllm.distributed.parallel_state.get_pp_group", lambda g=group: g):
@@ -794,7 +854,9 @@ def test_a_put_whose_fence_the_rank_cannot_wait_on_waits_on_vllms_event_and_rais
         rank.compute.enqueue(lambda: None, "forward")
         stock = StockEvent(rank)
         stock.record()
-        t = Transfer("A", "store", Token("mooncake_store", 1, StreamKind.HOST), Fence([Token("compute", 9)]), (1,))
+        t = Transfer(
+            "A", "store", Token("mooncake_store", 1, StreamKind.HOST), Fence([Token("compute", 9)]), (1,)
+        )
         vw.FenceWait(rank.wh, t, stock).synchronize()
         assert rank.wh.stock_fallbacks == 1
         assert [op[2] for op in rank.dev.log if op[0] == "synchronize"] == [stock.event.name]

@@ -71,7 +71,11 @@ def test_the_lines_differ_where_vllm_changed() -> None:
 def test_every_connector_function_the_wiring_wraps_has_a_body_fingerprint() -> None:
     for surface in vs.SURFACES.values():
         for n in surface.names:
-            if n.connector in vs.CONNECTOR_NAMES and n.use == "wrapped" and ".bind_gpu_block_pool" not in n.target:
+            if (
+                n.connector in vs.CONNECTOR_NAMES
+                and n.use == "wrapped"
+                and ".bind_gpu_block_pool" not in n.target
+            ):
                 assert n.fingerprints, (surface.line, n.target)
 
 
@@ -122,7 +126,9 @@ def test_fingerprint_ignores_comments_docstrings_and_layout_but_not_the_body(tmp
     assert vs.fingerprint(len) is None  # no Python source
 
 
-def test_fingerprint_source_gives_the_imported_functions_fingerprint_decorators_included(tmp_path: Any) -> None:
+def test_fingerprint_source_gives_the_imported_functions_fingerprint_decorators_included(
+    tmp_path: Any,
+) -> None:
     source = (
         "import functools\n\n"
         "class C:\n"
@@ -136,7 +142,9 @@ def test_fingerprint_source_gives_the_imported_functions_fingerprint_decorators_
     )
     module = _function(tmp_path, "m", source + "f = C.__dict__['f'].__func__\n")
     assert vs.fingerprint_source(source, "C.f") == vs.fingerprint(module)
-    assert vs.fingerprint_source(source, "f") == vs.fingerprint(_function(tmp_path, "n", "def f(x):\n    return x + 2\n"))
+    assert vs.fingerprint_source(source, "f") == vs.fingerprint(
+        _function(tmp_path, "n", "def f(x):\n    return x + 2\n")
+    )
     assert vs.fingerprint_source(source, "C.g") is None
     assert vs.fingerprint_source(source, "C") is None  # a class, not a function
     with pytest.raises(InvalidArgumentError):
@@ -157,7 +165,9 @@ def test_select_refuses_an_undeclared_line_unless_asked_to_try() -> None:
     assert issubclass(vs.SurfaceError, BlockPoolError)
 
 
-def test_surface_report_without_vllm_says_so_with_status_2(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+def test_surface_report_without_vllm_says_so_with_status_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
     monkeypatch.setattr(plugin, "vllm_version", lambda: None)
     assert cli_main(["check-vllm", "--surface"]) == 2
     assert capsys.readouterr().out == "vLLM is not installed here\n"
@@ -218,13 +228,18 @@ def test_check_vllm_surface_prints_the_table_with_status_0(vllm_installed: str, 
     assert cli_main(["check-vllm", "--surface"]) == 0
     out = capsys.readouterr().out.splitlines()
     surface = vs.select(vllm_installed)
-    assert out[0] == f"vLLM {vllm_installed}: declared surface of vLLM {surface.line} ({len(surface.all_names())} names)"
+    assert (
+        out[0]
+        == f"vLLM {vllm_installed}: declared surface of vLLM {surface.line} ({len(surface.all_names())} names)"
+    )
     absent = [row for row in out[2:] if row.startswith("unavailable here")]
     assert len(out) == len(surface.all_names()) + 3 + len(absent)
     assert all(row.startswith(("ok ", "unavailable ")) for row in out[2 : -1 - len(absent)])
 
 
-def test_fingerprint_source_agrees_with_the_import_on_every_fingerprinted_vllm_name(vllm_installed: str) -> None:
+def test_fingerprint_source_agrees_with_the_import_on_every_fingerprinted_vllm_name(
+    vllm_installed: str,
+) -> None:
     """The rows of a line not installed here are fingerprinted from its
     release's source with :func:`fingerprint_source`: on the installed line
     it gives what the import gives, for every fingerprinted name vLLM's
@@ -294,7 +309,9 @@ def _snapshot() -> dict[Any, Any]:
     """Every vLLM module's BlockPool binding, and every class attribute the
     plugin may wrap (by identity)."""
     snap: dict[Any, Any] = {
-        name: mod.__dict__.get("BlockPool") for name, mod in list(sys.modules.items()) if name.startswith("vllm")
+        name: mod.__dict__.get("BlockPool")
+        for name, mod in list(sys.modules.items())
+        if name.startswith("vllm")
     }
     for n in vs.active().names:
         module, _, qualname = n.target.partition(":")
@@ -350,7 +367,9 @@ def test_a_renamed_core_name_refuses_the_install_whole(
     assert _snapshot() == before
     assert plugin.install_state().refused == "surface" and not plugin.is_installed()
     (line,) = [m for lvl, m in log if lvl == "ERROR"]
-    assert "BlockPool.get_usage: missing" in line and "get_usage_fraction" in line  # members: the new name shown
+    assert (
+        "BlockPool.get_usage: missing" in line and "get_usage_fraction" in line
+    )  # members: the new name shown
 
 
 def test_a_changed_body_of_a_borrowed_core_helper_refuses_the_install(
@@ -363,7 +382,11 @@ def test_a_changed_body_of_a_borrowed_core_helper_refuses_the_install(
     def _emit_block_removed_events(self: Any, block_hashes: Any) -> None:
         orig(self, list(block_hashes)[:1])  # same parameters, another body
 
-    _doctor(monkeypatch, "vllm.v1.core.block_pool:BlockPool._emit_block_removed_events", _emit_block_removed_events)
+    _doctor(
+        monkeypatch,
+        "vllm.v1.core.block_pool:BlockPool._emit_block_removed_events",
+        _emit_block_removed_events,
+    )
     plugin.register()
     assert plugin.install_state().refused == "surface"
     (line,) = [m for lvl, m in log if lvl == "ERROR"]
@@ -391,7 +414,9 @@ def test_a_changed_body_of_a_connector_function_leaves_that_connector_unwired_an
     assert worker.MooncakeStoreWorker.__dict__["wait_for_save"] is wait_for_save
     assert dict(scheduler.MooncakeStoreScheduler.__dict__) == sched_before
     warnings = [m for lvl, m in log if lvl == "WARNING"]
-    assert len(warnings) == 1 and warnings[0].startswith("blockpool: KV connector mooncake_store left unwired: ")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "blockpool: KV connector mooncake_store left unwired: "
+    )
 
 
 def test_the_plugin_wraps_no_name_its_line_does_not_declare(

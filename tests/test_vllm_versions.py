@@ -525,8 +525,12 @@ def test_a_connector_name_missing_leaves_only_that_connector_unwired(
             assert [(o, a) for o, a, _ in rest if after[(o, a)] is before[(o, a)]] == []
             warnings = log.at_least(logging.WARNING)
             assert len(warnings) == 1 and warnings[0][0] == "WARNING"
-            assert connector in warnings[0][1] and attr in warnings[0][1] and warnings[0][1].endswith(
-                "it runs as vLLM built it, its transfers are not fenced, until its wiring is reviewed for this vLLM"
+            assert (
+                connector in warnings[0][1]
+                and attr in warnings[0][1]
+                and warnings[0][1].endswith(
+                    "it runs as vLLM built it, its transfers are not fenced, until its wiring is reviewed for this vLLM"
+                )
             )
             plugin.unregister()
         _assert_same(outer, _snapshot(reference["all"]))
@@ -628,7 +632,9 @@ def test_registration_line_names_the_build_and_the_compiled_core_installs(
     installed: list[bool] = []
     monkeypatch.setattr(plugin, "vllm_version", lambda: "0.33.0")
     monkeypatch.setattr(plugin, "_install", lambda hazards, drifted=None: installed.append(hazards))
-    monkeypatch.setattr(vllm_surface, "select", lambda version, any_version=False: vllm_surface.SURFACES["0.33"])
+    monkeypatch.setattr(
+        vllm_surface, "select", lambda version, any_version=False: vllm_surface.SURFACES["0.33"]
+    )
     monkeypatch.setattr(vllm_surface, "check", lambda surface, names=None: [])
     monkeypatch.setattr(blockpool, "__compiled__", compiled)
     plugin.register()

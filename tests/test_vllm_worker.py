@@ -27,7 +27,9 @@ def dev() -> StandInDevice:
 @pytest.fixture
 def wh(dev: StandInDevice) -> Iterator[vw.WorkerHazards]:
     compute = dev.new_stream("compute")
-    hazards = vw.WorkerHazards(EventLedger(dev.new_event, streams={"compute": compute}), lambda: compute, timeout=5.0)
+    hazards = vw.WorkerHazards(
+        EventLedger(dev.new_event, streams={"compute": compute}), lambda: compute, timeout=5.0
+    )
     vw.install(hazards)
     yield hazards
     vw.install(None)
@@ -40,11 +42,16 @@ def step_meta(index: int, forward: int, copies: int | None, forward_fence: Fence
     return meta
 
 
-def test_bind_records_the_copy_token_and_forward_done_the_step_token(dev: StandInDevice, wh: vw.WorkerHazards) -> None:
+def test_bind_records_the_copy_token_and_forward_done_the_step_token(
+    dev: StandInDevice, wh: vw.WorkerHazards
+) -> None:
     meta = step_meta(1, forward=2, copies=1)
     wh.on_bind(meta)
     wh.forward_done(meta)
-    assert [op for op in dev.log if op[0] == "record"] == [("record", "compute", "ev0"), ("record", "compute", "ev1")]
+    assert [op for op in dev.log if op[0] == "record"] == [
+        ("record", "compute", "ev0"),
+        ("record", "compute", "ev1"),
+    ]
     assert [wh.ledger.event_of(Token("compute", i)).name for i in (1, 2)] == ["ev0", "ev1"]  # type: ignore[union-attr]
 
 
@@ -56,7 +63,9 @@ def test_a_step_carried_by_two_connectors_is_recorded_once(dev: StandInDevice, w
     assert [op[0] for op in dev.log].count("record") == 1
 
 
-def test_bind_orders_the_compute_stream_after_the_forwards_fence(dev: StandInDevice, wh: vw.WorkerHazards) -> None:
+def test_bind_orders_the_compute_stream_after_the_forwards_fence(
+    dev: StandInDevice, wh: vw.WorkerHazards
+) -> None:
     d2h = dev.new_stream("d2h")
     store = Token("d2h", 1)
     d2h.enqueue(lambda: None, "store reads a block the step appends to")
@@ -77,7 +86,9 @@ def test_fence_wait_synchronizes_exactly_the_stores_fence(dev: StandInDevice, wh
     wh.record(Token("compute", 1))
     compute.enqueue(lambda: done.append("step 2"), "step 2")
     wh.record(Token("compute", 2))
-    t = Transfer("A", "store", Token("mooncake_store", 1, StreamKind.HOST), Fence([Token("compute", 1)]), (1,))
+    t = Transfer(
+        "A", "store", Token("mooncake_store", 1, StreamKind.HOST), Fence([Token("compute", 1)]), (1,)
+    )
     vw.FenceWait(wh, t).synchronize()
     # Synchronized on step 1's event, not on an event after all compute has queued.
     assert [op for op in dev.log if op[0] == "synchronize"] == [("synchronize", "MainThread", "ev0")]
@@ -124,7 +135,9 @@ def test_offload_copy_stream_waits_on_exactly_the_jobs_fence_then_records_the_jo
     assert ran == ["d2h copy"]
 
 
-def test_offload_job_without_a_transfer_runs_vllms_code_unchanged(dev: StandInDevice, wh: vw.WorkerHazards) -> None:
+def test_offload_job_without_a_transfer_runs_vllms_code_unchanged(
+    dev: StandInDevice, wh: vw.WorkerHazards
+) -> None:
     calls: list[int] = []
     assert vw.offload_transfer_async(lambda self, job_id: calls.append(job_id) or True)(SimpleNamespace(), 7)
     assert calls == [7] and dev.log == []

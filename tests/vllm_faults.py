@@ -253,7 +253,9 @@ def make_schedule(seed: int, connector: str) -> Schedule:
     )
     sched.options = sim.draw_options(rng, sched)
     # Drawn apart, so that the draws above stay what they were for a seed.
-    sched.async_scheduling = sim.async_scheduling and random.Random(f"{connector}:{seed}:async").random() < ASYNC_SHARE
+    sched.async_scheduling = (
+        sim.async_scheduling and random.Random(f"{connector}:{seed}:async").random() < ASYNC_SHARE
+    )
     return sched
 
 

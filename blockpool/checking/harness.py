@@ -142,7 +142,9 @@ class RaceHarness:
         if site is not None:
             self._issued_at[token] = site
 
-    def _fence_made(self, call: str, site: str | None, stream: str, fence: Fence, ids: Iterable[int], honoured: bool) -> None:
+    def _fence_made(
+        self, call: str, site: str | None, stream: str, fence: Fence, ids: Iterable[int], honoured: bool
+    ) -> None:
         if site is not None and fence.tokens:
             self._fences.append((call, site, stream, fence, frozenset(ids), honoured))
 
@@ -416,7 +418,8 @@ class RaceHarness:
 
         def names(fence: Fence) -> bool:
             return any(
-                t == prior or (t.stream == prior.stream and t.kind is StreamKind.DEVICE and t.seq >= prior.seq)
+                t == prior
+                or (t.stream == prior.stream and t.kind is StreamKind.DEVICE and t.seq >= prior.seq)
                 for t in fence
             )
 

@@ -98,7 +98,15 @@ class RaceViolation:
         """What makes two violations the same race on different blocks: the
         hazard and both accesses (token, kind, agent), without the block.
         O(1)."""
-        return (self.hazard, self.prior_token, self.prior_kind, self.prior_what, self.token, self.kind, self.what)
+        return (
+            self.hazard,
+            self.prior_token,
+            self.prior_kind,
+            self.prior_what,
+            self.token,
+            self.kind,
+            self.what,
+        )
 
 
 def block_ranges(block_ids: Iterable[int]) -> str:
@@ -455,9 +463,7 @@ class RaceOracle:
 
     # -- accesses ----------------------------------------------------------------
 
-    def tag(
-        self, token: Token, block_ids: Iterable[int], kind: AccessKind, what: str
-    ) -> list[RaceViolation]:
+    def tag(self, token: Token, block_ids: Iterable[int], kind: AccessKind, what: str) -> list[RaceViolation]:
         """Check, then record, that the recorded work of ``token`` reads or
         writes ``block_ids``; ``what`` names the agent (``"forward"``,
         ``"cow-copy"``, ``"load"``, ``"store"``...). A read is checked against
@@ -543,7 +549,9 @@ class RaceOracle:
                 # Accesses the write raced with stay in the shadow: they are
                 # not ordered before it, so a later access ordered after it
                 # may still race with them, and must be reported too.
-                prior = {o: ow for o, ow in others.items() if o != t and not c.covers(o) and not self._before(t, o)}
+                prior = {
+                    o: ow for o, ow in others.items() if o != t and not c.covers(o) and not self._before(t, o)
+                }
                 if w is not None and w[0] != t and not c.covers(w[0]):
                     prior[w[0]] = w[1]
                 sh.writer, sh.readers, sh.others = (t, what), racy, prior

@@ -214,7 +214,9 @@ class PoolBase:
     # blocks in and out of the free queue
     # ------------------------------------------------------------------
 
-    def _enqueue_free(self, blocks: list[KVCacheBlock], to_tail: bool = False, evict_first: bool = False) -> None:
+    def _enqueue_free(
+        self, blocks: list[KVCacheBlock], to_tail: bool = False, evict_first: bool = False
+    ) -> None:
         """Put blocks that reached ref count 0 in the free queue (unkeyed to
         the front, keyed to the back; all to the back with ``to_tail``, all
         to the front with ``evict_first``) or, when a host-engine access on
@@ -262,7 +264,9 @@ class PoolBase:
             medium = self.medium
             self.kv_event_queue.extend([BlockRemoved((k,), medium, reason) for k in keys])
 
-    def _stored(self, keys: tuple[Hashable, ...], parent: Hashable | None, size: int | None, ids: tuple[int, ...]) -> None:
+    def _stored(
+        self, keys: tuple[Hashable, ...], parent: Hashable | None, size: int | None, ids: tuple[int, ...]
+    ) -> None:
         """Queue a stored event (events on). O(len(keys))."""
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockStored(keys, parent, size, ids, self.medium))
@@ -277,7 +281,9 @@ class PoolBase:
         after applying queued completions (a failed load's removed events).
         ``kv_event_queue`` stays the same list (emptied in place), so a
         reference to it held by an adapter stays good. O(events)."""
-        if self._due:  # hot call (once a step, and after each adapter call): _apply_completions' test, hoisted
+        if (
+            self._due
+        ):  # hot call (once a step, and after each adapter call): _apply_completions' test, hoisted
             self._apply_completions()
         if not self.enable_kv_cache_events:
             return []

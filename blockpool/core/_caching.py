@@ -492,5 +492,7 @@ class CacheOps(IntrospectionOps):
         if not busy:
             self.writes.clear_invalid()  # every block is free: each is rewritten before it is published
         self._cleared()
-        logger.info("Successfully reset prefix cache%s", f" ({busy} blocks in use or held kept)" if busy else "")
+        logger.info(
+            "Successfully reset prefix cache%s", f" ({busy} blocks in use or held kept)" if busy else ""
+        )
         return True

@@ -251,7 +251,12 @@ class FenceOps(CacheOps):
             self._check_valid_content(data, what)
 
     def _begin_fresh_transfer(
-        self, blocks: Iterable[KVCacheBlock], stream: str, access: AccessKind, what: str, generations: Iterable[int]
+        self,
+        blocks: Iterable[KVCacheBlock],
+        stream: str,
+        access: AccessKind,
+        what: str,
+        generations: Iterable[int],
     ) -> tuple[Token, Fence]:
         """:meth:`_begin_transfer` of a table checked against its
         ``generations`` first (the fast path stays as it was)."""

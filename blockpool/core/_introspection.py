@@ -391,13 +391,10 @@ class IntrospectionOps(PoolBase):
             if b.block_id in free_set and b.ref_cnt != 0:
                 raise InvariantError(f"free block {b.block_id} has ref count {b.ref_cnt}")
         used = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
-        zero_not_free = sum(
-            1 for b in self.blocks[1:] if b.ref_cnt == 0 and b.block_id not in free_set
-        )
+        zero_not_free = sum(1 for b in self.blocks[1:] if b.ref_cnt == 0 and b.block_id not in free_set)
         if zero_not_free != len(held):
             raise InvariantError(
-                f"{zero_not_free} unreferenced blocks are outside the free queue but "
-                f"{len(held)} are held"
+                f"{zero_not_free} unreferenced blocks are outside the free queue but {len(held)} are held"
             )
         if len(free_set) + len(held) + used != self.num_gpu_blocks - 1:
             raise InvariantError("free + held + used != total")
@@ -410,7 +407,9 @@ class IntrospectionOps(PoolBase):
             self._gens._check(self.num_gpu_blocks)
         for b in (*self._fresh, *self._announced):
             if b.is_null or self.blocks[b.block_id] is not b:
-                raise InvariantError(f"block {b.block_id} is marked for a fill but is not this pool's data block")
+                raise InvariantError(
+                    f"block {b.block_id} is marked for a fill but is not this pool's data block"
+                )
         if not self._fresh.isdisjoint(self._announced):
             raise InvariantError("a block is marked both unpublished and announced")
 

@@ -30,7 +30,9 @@ class RefCountOps(TokenOps):
         them (``keys_out``: as there). O(n)."""
         return self._claim(self.free_block_queue.popleft_n(n), keys_out)
 
-    def _claim(self, blocks: list[KVCacheBlock], keys_out: list[Hashable] | None = None) -> list[KVCacheBlock]:
+    def _claim(
+        self, blocks: list[KVCacheBlock], keys_out: list[Hashable] | None = None
+    ) -> list[KVCacheBlock]:
         """Blocks just taken off the free queue: evict their keys (removed
         events, or with ``keys_out`` and events on, the removed keys
         appended there and no event), give each ref count 1, forget the old
@@ -148,7 +150,9 @@ class RefCountOps(TokenOps):
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         blocks = (
-            ordered_blocks if isinstance(ordered_blocks, (list, tuple)) else _as_list(ordered_blocks, "blocks")
+            ordered_blocks
+            if isinstance(ordered_blocks, (list, tuple))
+            else _as_list(ordered_blocks, "blocks")
         )
         record = False
         if access is not _READ and access is not _WRITE:

@@ -195,7 +195,9 @@ class TokenOps(FenceOps):
         if self.track_hazards:
             # A block written again since keeps that write's content.
             seq, stream = token.seq, token.stream
-            bad = [b for b in bad if b.writer is not None and b.writer.seq == seq and b.writer.stream == stream]
+            bad = [
+                b for b in bad if b.writer is not None and b.writer.seq == seq and b.writer.stream == stream
+            ]
         self.writes.mark_invalid(bad, token)
         for b in bad:
             self._drop_keys(b)

@@ -78,8 +78,7 @@ class KVCacheBlock:
 
     def __repr__(self) -> str:
         return (
-            f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
-            f"block_hash={self.block_hash!r})"
+            f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, block_hash={self.block_hash!r})"
         )
 
     def __reduce__(self) -> tuple[object, ...]:
@@ -333,7 +332,5 @@ class FreeBlockQueue:
         if self.tail.prev_free_block is not prev:
             raise InvariantError("free queue tail link is broken")
         if len(seen) != self.num_free_blocks:
-            raise InvariantError(
-                f"num_free_blocks={self.num_free_blocks} but {len(seen)} blocks are linked"
-            )
+            raise InvariantError(f"num_free_blocks={self.num_free_blocks} but {len(seen)} blocks are linked")
         return seen

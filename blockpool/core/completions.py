@@ -94,9 +94,7 @@ class CompletionReport:
     failed: tuple[WireToken, ...] = attr.ib(default=(), converter=_wire_tuple)
 
     @classmethod
-    def of(
-        cls, rank: int, completed: Iterable[Token] = (), failed: Iterable[Token] = ()
-    ) -> CompletionReport:
+    def of(cls, rank: int, completed: Iterable[Token] = (), failed: Iterable[Token] = ()) -> CompletionReport:
         """Build a report from tokens. O(number of tokens)."""
         return cls(rank, tuple(completed), tuple(failed))  # type: ignore[arg-type]
 

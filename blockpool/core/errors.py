@@ -90,7 +90,9 @@ class StaleBlockError(BlockPoolError, ValueError):
         table_generation: The generation the table recorded for it.
     """
 
-    def __init__(self, message: str, block_id: int = -1, generation: int = 0, table_generation: int = 0) -> None:
+    def __init__(
+        self, message: str, block_id: int = -1, generation: int = 0, table_generation: int = 0
+    ) -> None:
         super().__init__(message)
         self.block_id = block_id
         self.generation = generation
@@ -205,7 +207,9 @@ class FenceFailedError(BlockPoolError, RuntimeError):
         waited: The tokens actually waited on before raising.
     """
 
-    def __init__(self, message: str, tokens: tuple[object, ...] = (), waited: tuple[object, ...] = ()) -> None:
+    def __init__(
+        self, message: str, tokens: tuple[object, ...] = (), waited: tuple[object, ...] = ()
+    ) -> None:
         super().__init__(message)
         self.tokens = tokens
         self.waited = waited

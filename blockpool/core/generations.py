@@ -91,9 +91,11 @@ def check_fresh(
             "pass the tuple pool.generations(blocks) returned for this table"
         )
     gens = now._gens if now is not None else None
-    if gens is not None and [gens[b.block_id] for b in blocks] == list(generations) and set(
-        map(type, generations)
-    ) <= {int}:
+    if (
+        gens is not None
+        and [gens[b.block_id] for b in blocks] == list(generations)
+        and set(map(type, generations)) <= {int}
+    ):
         return  # the usual answer, in one pass and two C-level comparisons
     for b, g in zip(blocks, generations):
         if type(g) is not int:

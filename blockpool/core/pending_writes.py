@@ -231,7 +231,11 @@ class PendingWrites:
         w, r, group = groups[gi]
         groups[gi : gi + 1] = [
             g
-            for g in ((w, r, group[:k]), (writer, merge_readers(readers, r, is_ended), [b]), (w, r, group[k + 1 :]))
+            for g in (
+                (w, r, group[:k]),
+                (writer, merge_readers(readers, r, is_ended), [b]),
+                (w, r, group[k + 1 :]),
+            )
             if g[2]
         ]
 
@@ -279,7 +283,9 @@ class PendingWrites:
                     for _w, _r, group in groups:
                         for b in group:
                             if not 0 <= b.block_id < len(blocks) or blocks[b.block_id] is not b or b.is_null:
-                                raise InvariantError(f"{stream}:{seq} saved the shadow of a foreign or null block")
+                                raise InvariantError(
+                                    f"{stream}:{seq} saved the shadow of a foreign or null block"
+                                )
         for stream, per_dest in self._dests.items():
             st = tracker.streams.get(stream)
             if st is None:
@@ -292,4 +298,3 @@ class PendingWrites:
                 raise InvariantError(f"invalid mark on {bid!r}, not a data block")
             if t.stream not in tracker.streams or not tracker.is_ended(t):
                 raise InvariantError(f"block {bid} is marked invalid by {t}, which has not ended")
-

@@ -43,9 +43,25 @@ from blockpool.core.block import FreeBlockQueue, KVCacheBlock
 from blockpool.core.shadows import shadow_ready
 from blockpool.core.tracker import HazardTracker, StreamState
 
-__all__ = ["CACHED_SCAN", "PLACEMENTS", "PLACEMENT_SCAN", "RUN_SCAN", "fewest_runs", "find_ready", "find_runs", "run_spans"]
+__all__ = [
+    "CACHED_SCAN",
+    "PLACEMENTS",
+    "PLACEMENT_SCAN",
+    "RUN_SCAN",
+    "fewest_runs",
+    "find_ready",
+    "find_runs",
+    "run_spans",
+]
 
-PLACEMENTS: tuple[str, ...] = ("lru", "ready_first", "ready_first_cached", "runs", "runs_cached", "ready_first_runs")
+PLACEMENTS: tuple[str, ...] = (
+    "lru",
+    "ready_first",
+    "ready_first_cached",
+    "runs",
+    "runs_cached",
+    "ready_first_runs",
+)
 """Placement modes of :meth:`HazardAwareBlockPool.allocate_for`."""
 
 PLACEMENT_SCAN = 4096
@@ -111,7 +127,11 @@ def _window(
         scanned += 1
         b = b.next_free_block
     cached: list[KVCacheBlock] = []
-    if cached_scan is not None and len(found) < n and (b is tail or b.block_hash is not None or b.block_id < 0):  # type: ignore[union-attr]
+    if (
+        cached_scan is not None
+        and len(found) < n
+        and (b is tail or b.block_hash is not None or b.block_id < 0)
+    ):  # type: ignore[union-attr]
         # The unkeyed front was scanned whole: the cached part, from the
         # eviction end (its coldest block), within the window.
         need = n - len(found)

@@ -23,6 +23,7 @@ Example (doctest)::
     >>> pool.fence_for(again, "h2d")
     Fence(tokens=(), needs_host_wait=False)
 """
+
 from __future__ import annotations
 
 import secrets
@@ -324,7 +325,9 @@ class HazardAwareBlockPool(RefCountOps):
         """
         return self._new_blocks(num_blocks, None)
 
-    def get_new_blocks_with_removed_keys(self, num_blocks: ArgInt) -> tuple[list[KVCacheBlock], list[Hashable]]:
+    def get_new_blocks_with_removed_keys(
+        self, num_blocks: ArgInt
+    ) -> tuple[list[KVCacheBlock], list[Hashable]]:
         """:meth:`get_new_blocks` for an adapter that sends its own removed
         events (vLLM's adapter: vLLM's events, by vLLM's own helper): the
         same blocks, checks and errors, but with events on the keys the

@@ -159,7 +159,9 @@ class PrefixCache:
 
     # -- changes -----------------------------------------------------------------
 
-    def publish(self, key: Hashable, block: KVCacheBlock, num_tokens: int | None, partial: bool = False) -> bool:
+    def publish(
+        self, key: Hashable, block: KVCacheBlock, num_tokens: int | None, partial: bool = False
+    ) -> bool:
         """Make ``block`` reachable under ``key``: its primary key (covering
         ``num_tokens``; a partial-block key when ``partial``) if it has none,
         else an extra key. Returns False, changing nothing, if it already

@@ -208,7 +208,9 @@ def _live(busy: set[str], st: StreamState, own: str | None, tracker: HazardTrack
     return False, writes
 
 
-def tag(blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind, ended: Callable[[Token], bool]) -> None:
+def tag(
+    blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind, ended: Callable[[Token], bool]
+) -> None:
     """Write ``token`` into the shadows of ``blocks`` (the caller left out
     null blocks, or resets theirs). A write replaces the shadow
     (:func:`write`, what it replaced left unkept); a read joins the readers
@@ -273,7 +275,9 @@ def write(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock | Non
     return replaced
 
 
-def settle(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock, ended: Callable[[Token], bool]) -> None:
+def settle(
+    blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock, ended: Callable[[Token], bool]
+) -> None:
     """A write by ``token``, which has ended, recorded late: ``token``
     becomes the writer of each block (``null`` skipped) whose writer is
     ``None``, or has ended and is not a later token of ``token``'s own

@@ -64,6 +64,8 @@ class PoolSnapshot:
     cache: tuple[tuple[int, str, int | None], ...]
     shadows: tuple[tuple[int, str, tuple[str, ...]], ...]
     events: tuple[object, ...]
-    marks: tuple[tuple[str, int, int, int, tuple[int, ...]], ...]  # (stream, last seq, mark, last write, done)
+    marks: tuple[
+        tuple[str, int, int, int, tuple[int, ...]], ...
+    ]  # (stream, last seq, mark, last write, done)
     clocks: tuple[tuple[str, tuple[tuple[str, int], ...], tuple[str, ...]], ...]
     counters: tuple[tuple[str, int], ...]

@@ -210,9 +210,7 @@ class HazardTracker:
         cur = self.streams.get(name)
         if cur is not None:
             if cur.kind is not kind:
-                raise InvalidArgumentError(
-                    f"stream {name!r} is already registered as {cur.kind.value}"
-                )
+                raise InvalidArgumentError(f"stream {name!r} is already registered as {cur.kind.value}")
             return
         self.streams[name] = st = StreamState(name, kind)
         if kind is _HOST:
@@ -230,9 +228,7 @@ class HazardTracker:
         except TypeError:
             raise InvalidArgumentError(f"a stream is named by a str, got {stream!r}") from None
         if st is None:
-            raise UnknownStreamError(
-                f"unknown stream {stream!r}; registered: {sorted(self.streams)}"
-            )
+            raise UnknownStreamError(f"unknown stream {stream!r}; registered: {sorted(self.streams)}")
         return st
 
     def issue(self, stream: ArgStr, after: Iterable[Token] = ()) -> Token:
@@ -402,7 +398,9 @@ class HazardTracker:
             raise InvariantError(f"busy streams {sorted(self.busy)}, expected {sorted(busy)}")
         for n, s in self.streams.items():
             if not s.mark <= s.last_seq or not s.last_write <= s.last_seq:
-                raise InvariantError(f"stream {n!r}: mark {s.mark} or last write {s.last_write} past {s.last_seq}")
+                raise InvariantError(
+                    f"stream {n!r}: mark {s.mark} or last write {s.last_write} past {s.last_seq}"
+                )
         for w in writers:
             if w is not None:
                 st = self.streams.get(w.stream)

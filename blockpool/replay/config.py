@@ -11,7 +11,14 @@ from blockpool.core.errors import BlockPoolError, InvalidArgumentError
 from blockpool.core.hazards import StreamKind
 from blockpool.sim.simulator import DEFAULT_STREAM_SPECS, CostModel, StreamSpec
 
-__all__ = ["DEFAULT_NUM_BLOCKS", "SYNTHETIC_NUM_BLOCKS", "ReplayConfig", "ReplayError", "check_fits", "request_blocks"]
+__all__ = [
+    "DEFAULT_NUM_BLOCKS",
+    "SYNTHETIC_NUM_BLOCKS",
+    "ReplayConfig",
+    "ReplayError",
+    "check_fits",
+    "request_blocks",
+]
 
 DEFAULT_NUM_BLOCKS = 16384
 """Default pool size for a trace: 16,384 blocks of 16 tokens (262,144 tokens,
@@ -78,7 +85,9 @@ def _known_eviction(v: object) -> None:
     from blockpool.core.eviction import EVICTION_POLICIES, UnknownEvictionPolicyError
 
     if v not in EVICTION_POLICIES:
-        raise UnknownEvictionPolicyError(f"unknown eviction policy {v!r}; choose from {', '.join(EVICTION_POLICIES)}")
+        raise UnknownEvictionPolicyError(
+            f"unknown eviction policy {v!r}; choose from {', '.join(EVICTION_POLICIES)}"
+        )
 
 
 def _known_placement(v: object) -> None:
@@ -145,7 +154,9 @@ class ReplayConfig:
     store_capacity_blocks: int | None = 262_144
     sched_overhead_s: float = 0.5e-3
     cost: CostModel = attrs.field(factory=CostModel)
-    streams: Mapping[str, StreamSpec] = attrs.field(factory=lambda: dict(DEFAULT_STREAM_SPECS), eq=False, hash=False)
+    streams: Mapping[str, StreamSpec] = attrs.field(
+        factory=lambda: dict(DEFAULT_STREAM_SPECS), eq=False, hash=False
+    )
     load_streams: tuple[str, str] = ("h2d", "rdma")
     store_streams: tuple[str, str] = ("d2h", "xfer")
     check_every: int = attrs.field(default=0, validator=_int_at_least(0))

@@ -45,6 +45,7 @@ from blockpool.sim.simulator import Work
 
 __all__ = ["run_policy"]
 
+
 class _Scheduler(StepBuilder):
     """One policy's replay of one trace (see the module docstring)."""
 
@@ -185,7 +186,12 @@ class _Scheduler(StepBuilder):
             token, entries = self.inflight.popleft()
             assert token == w.token
             for r, epoch, produces, gen in entries:
-                if produces and r.phase is Phase.RUNNING and r.epoch == epoch and gen >= r.trace.output_tokens:
+                if (
+                    produces
+                    and r.phase is Phase.RUNNING
+                    and r.epoch == epoch
+                    and gen >= r.trace.output_tokens
+                ):
                     self._finish(r)
         elif what == "load":
             lr = self.loading.pop(w.token, None)
@@ -262,7 +268,11 @@ class _Scheduler(StepBuilder):
             if n and ntok <= keys.num_tokens and j < len(r.blocks):
                 self.pool.cache_partial_block(r.blocks[j], keys.partial(j, n), ntok)
         full = min(done // bs, len(keys.full))
-        idx = [i for i in range(full) if keys.full[i] not in self.store and keys.full[i] not in self.store_pending]
+        idx = [
+            i
+            for i in range(full)
+            if keys.full[i] not in self.store and keys.full[i] not in self.store_pending
+        ]
         if idx:
             blocks = [r.blocks[i] for i in idx]
             w = self.m.store(blocks, self.cfg.store_streams[r.remote], self.block_bytes)

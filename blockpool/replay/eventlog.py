@@ -91,7 +91,9 @@ def iter_runs(runs: Iterable[object]) -> Iterable[int]:
     for item in runs:
         if type(item) is int:
             yield item
-        elif type(item) is list and len(item) == 2 and all(type(x) is int for x in item) and item[0] <= item[1]:
+        elif (
+            type(item) is list and len(item) == 2 and all(type(x) is int for x in item) and item[0] <= item[1]
+        ):
             yield from range(item[0], item[1] + 1)
         else:
             raise ValueError(f"not a block run: {item!r}")
@@ -156,7 +158,9 @@ class EventLog:
     def close(self) -> None:
         """Write the trailer line: the lines before it and the counts per ``ev``."""
         self._fp.write(
-            self._dumps({"trailer": EVENTS_SCHEMA, "lines": self.lines, "counts": dict(sorted(self.counts.items()))})
+            self._dumps(
+                {"trailer": EVENTS_SCHEMA, "lines": self.lines, "counts": dict(sorted(self.counts.items()))}
+            )
         )
         self._fp.write("\n")
 
@@ -194,7 +198,9 @@ class EventLog:
         """``token``'s work waited on ``on`` (a stream wait, or a host wait)."""
         self._write({"ev": "wait", "policy": policy, "token": token, "on": list(on), "host": host})
 
-    def access(self, policy: str, token: str, stream: str, blocks: Iterable[int], access: str, what: str) -> None:
+    def access(
+        self, policy: str, token: str, stream: str, blocks: Iterable[int], access: str, what: str
+    ) -> None:
         """``token``'s work reads or writes ``blocks``."""
         self._write(
             {
@@ -210,10 +216,18 @@ class EventLog:
 
     def table(self, policy: str, token: str, stream: str, blocks: Iterable[int]) -> None:
         """The step ``token`` reads the block table ``blocks`` (every step)."""
-        self._write({"ev": "table", "policy": policy, "token": token, "stream": stream, "blocks": encode_runs(blocks)})
+        self._write(
+            {"ev": "table", "policy": policy, "token": token, "stream": stream, "blocks": encode_runs(blocks)}
+        )
 
     def fence(
-        self, policy: str, call: str, stream: str, blocks: Iterable[int], tokens: Iterable[str], needs_host_wait: bool
+        self,
+        policy: str,
+        call: str,
+        stream: str,
+        blocks: Iterable[int],
+        tokens: Iterable[str],
+        needs_host_wait: bool,
     ) -> None:
         """The pool handed out a fence for ``call`` on ``stream`` over ``blocks``."""
         self._write(

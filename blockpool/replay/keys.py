@@ -85,7 +85,9 @@ class BlockKeys:
             try:
                 cid, n = seg
             except (TypeError, ValueError):
-                raise InvalidArgumentError(f"a segment is a (content_id, num_tokens) pair, got {seg!r}") from None
+                raise InvalidArgumentError(
+                    f"a segment is a (content_id, num_tokens) pair, got {seg!r}"
+                ) from None
             if not isinstance(cid, int) or not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise InvalidArgumentError(f"bad segment {seg!r}: need (int, int >= 1)")
             segs.append((cid, n))
@@ -112,7 +114,9 @@ class BlockKeys:
             off = 0
             while off < length:
                 if fill == 0 and length - off >= bs:
-                    key: tuple[int, ...] = (parent, cid, off // bs) if off % bs == 0 else (parent, cid, off, bs)
+                    key: tuple[int, ...] = (
+                        (parent, cid, off // bs) if off % bs == 0 else (parent, cid, off, bs)
+                    )
                     append(key)
                     parent = hash(key)
                     off += bs

@@ -35,7 +35,6 @@ _HOST = StreamKind.HOST
 _FENCE_CALLS = ("allocate_for", "fence_for", "begin_load", "begin_store", "begin_copy")
 
 
-
 def runs(blocks: Sequence[KVCacheBlock]) -> int:
     """Runs of consecutive block ids in ``blocks``, in their order (null
     blocks skipped): the descriptors a transfer of them posts when each run
@@ -83,6 +82,7 @@ def min_runs(ids: Iterable[int], n: int) -> int:
         got += lengths[k]
         k += 1
     return k
+
 
 class Machine:
     """Pool + simulator + oracle (+ event log) for one policy.
@@ -168,7 +168,12 @@ class Machine:
                 fence, ids = out[1], [b.block_id for b in args[0]]
             assert self.events is not None
             self.events.fence(
-                self.policy_name, call, stream, [i for i in ids if i], [str(t) for t in fence], fence.needs_host_wait
+                self.policy_name,
+                call,
+                stream,
+                [i for i in ids if i],
+                [str(t) for t in fence],
+                fence.needs_host_wait,
             )
             return out
 
@@ -235,11 +240,24 @@ class Machine:
         t0 = time.perf_counter_ns()
         self.oracle.record(token, waits)
         self.oracle_ns += time.perf_counter_ns() - t0
-        w = self.sim.submit(token, ready=self.now, duration=duration, num_bytes=num_bytes, waits=waits, what=what)
+        w = self.sim.submit(
+            token, ready=self.now, duration=duration, num_bytes=num_bytes, waits=waits, what=what
+        )
         ev = self.events
         if ev is not None:
             name = self.policy_name
-            ev.issue(name, str(token), token.stream, token.seq, token.kind.value, what, self.now, w.start, w.end, w.failed)
+            ev.issue(
+                name,
+                str(token),
+                token.stream,
+                token.seq,
+                token.kind.value,
+                what,
+                self.now,
+                w.start,
+                w.end,
+                w.failed,
+            )
             if waits:
                 host = token.kind is _HOST or any(t.kind is _HOST for t in waits)
                 ev.wait(name, str(token), [str(t) for t in waits], host)
@@ -262,7 +280,9 @@ class Machine:
         them and the blocks still free (:func:`min_runs`). Call it right
         after the allocation, before anything else is freed. O(free log free)."""
         ids = [b.block_id for b in blocks if not b.is_null]
-        return min_runs([*ids, *(f.block_id for f in self.raw_pool.free_block_queue if f.block_id > 0)], len(ids))
+        return min_runs(
+            [*ids, *(f.block_id for f in self.raw_pool.free_block_queue if f.block_id > 0)], len(ids)
+        )
 
     def load(
         self,
@@ -283,7 +303,9 @@ class Machine:
         ``floor``: :meth:`runs_floor` taken when the blocks were placed
         (else taken now)."""
         token, fence = self.pool.begin_load(blocks, stream)
-        w, waits = self.enqueue(token, "load", fence=fence, transfer=True, num_bytes=len(blocks) * block_bytes)
+        w, waits = self.enqueue(
+            token, "load", fence=fence, transfer=True, num_bytes=len(blocks) * block_bytes
+        )
         self.tag(token, blocks, _WRITE, "load")
         self.loads += 1
         if self.loads == 1:

@@ -17,7 +17,6 @@ ZERO_LINTHRESH_MS = 0.01
 """Below this delay (ms) the x axis is linear, so 0 ms is a point on it."""
 
 
-
 class PlotUnavailableError(BlockPoolError, ImportError):
     """matplotlib is not installed (``pip install 'blockpool[replay]'``)."""
 
@@ -36,7 +35,9 @@ def require_matplotlib() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot
     except ImportError as e:
-        raise PlotUnavailableError(f"--plot needs matplotlib ({e}); pip install 'blockpool[replay]'") from None
+        raise PlotUnavailableError(
+            f"--plot needs matplotlib ({e}); pip install 'blockpool[replay]'"
+        ) from None
 
 
 def plot_report(report: ReplayReport, path: str | os.PathLike[str]) -> None:
@@ -74,7 +75,9 @@ def figure(report: ReplayReport):  # type: ignore[no-untyped-def]
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise PlotUnavailableError(f"--plot needs matplotlib ({e}); pip install 'blockpool[replay]'") from None
+        raise PlotUnavailableError(
+            f"--plot needs matplotlib ({e}); pip install 'blockpool[replay]'"
+        ) from None
 
     fig, ax1 = plt.subplots(1, 1, figsize=(12, 5.5))
     no_loads = []

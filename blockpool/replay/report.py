@@ -185,7 +185,9 @@ class PolicyResult:
             "tokens_served": self.tokens_served,
             "output_tokens": self.output_tokens,
             "throughput_tok_s": round(self.throughput_tok_s, 3),
-            "output_throughput_tok_s": round(self.output_tokens / self.makespan_s, 3) if self.makespan_s else 0.0,
+            "output_throughput_tok_s": round(self.output_tokens / self.makespan_s, 3)
+            if self.makespan_s
+            else 0.0,
             "counts": dict(self.counts),
             "pool_stats": dict(self.pool_stats),
         }
@@ -294,7 +296,18 @@ def format_table(report: ReplayReport) -> str:
     measured (``meas``: real time on this machine); the negative control is
     labelled as such; a policy with no loads shows ``n/a`` for the load
     figures. Ends with the :func:`verdict` line. O(policies)."""
-    head = ("policy", "races", "loads", "empty%", "mean ms", "p99 ms", "hit%", "makespan s", "tok/s", "wall s")
+    head = (
+        "policy",
+        "races",
+        "loads",
+        "empty%",
+        "mean ms",
+        "p99 ms",
+        "hit%",
+        "makespan s",
+        "tok/s",
+        "wall s",
+    )
     kind = ("", "", "", "", "sim", "sim", "count", "sim", "sim", "meas")
     rows = [head, kind]
     for r in report.results:
@@ -314,7 +327,10 @@ def format_table(report: ReplayReport) -> str:
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
     lines = [x.rstrip() for x in lines]
     lines.insert(2, "  ".join("-" * w for w in widths))
     first = report.results[0] if report.results else None
@@ -335,13 +351,17 @@ def format_table(report: ReplayReport) -> str:
         lines.append("loads that waited while fewer ready free blocks existed than they needed")
         lines.append(
             "  (no placement avoids those): "
-            + ", ".join(f"{r.policy} {r.loads_short_of_ready}/{r.loads - r.loads_empty_fence}" for r in waited)
+            + ", ".join(
+                f"{r.policy} {r.loads_short_of_ready}/{r.loads - r.loads_empty_fence}" for r in waited
+            )
         )
     lines.append("sim: cost model on the simulated clock (ms: load-start delay); meas: real time here;")
     lines.append("count: counted (hit%: prefix-cache hits over looked-up blocks)")
     lines.append("runs per load and store, pool ns/op and every other figure: --json")
     if any(r.policy == NEGATIVE_CONTROL for r in report.results):
-        lines.append(f"{NEGATIVE_CONTROL} waits on nothing: its races show the hazards the other policies avoid")
+        lines.append(
+            f"{NEGATIVE_CONTROL} waits on nothing: its races show the hazards the other policies avoid"
+        )
     if report.skipped:
         lines.append(f"skipped {plural(len(report.skipped), 'bad line')}, first: {report.skipped[0]}")
     lines.append(verdict(report))

@@ -73,7 +73,10 @@ def _one(
 
 
 def units(
-    names: Sequence[str], evictions: Sequence[str] | None, placements: Sequence[str] | None, config: ReplayConfig
+    names: Sequence[str],
+    evictions: Sequence[str] | None,
+    placements: Sequence[str] | None,
+    config: ReplayConfig,
 ) -> list[tuple[str, str, str, str]]:
     """The runs of a replay: ``(label, policy, eviction, placement)`` for
     every policy x eviction x placement, in that nesting order. The label
@@ -141,12 +144,16 @@ def replay(
     runs = units(names, evictions, placements, cfg)
     labels = tuple(u[0] for u in runs)
     requests = trace.requests
-    part_dir = None  # the policies' event logs: beside a regular output, in a temporary directory for a device
+    part_dir = (
+        None  # the policies' event logs: beside a regular output, in a temporary directory for a device
+    )
     part_base = ""
     if events is not None:
         target, kind = output_kind(events)
         part_dir = None if kind == OUTPUT_FILE else tempfile.mkdtemp(prefix="blockpool-events-")
-        part_base = target if part_dir is None else os.path.join(part_dir, os.path.basename(target) or "events")
+        part_base = (
+            target if part_dir is None else os.path.join(part_dir, os.path.basename(target) or "events")
+        )
     parts: list[str | None] = [
         f"{part_base}.{u[0].replace('/', '_')}.part" if events is not None else None for u in runs
     ]

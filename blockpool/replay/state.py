@@ -130,7 +130,9 @@ class ExternalStore:
 
     def __init__(self, capacity_blocks: int | None = None) -> None:
         if capacity_blocks is not None and (not isinstance(capacity_blocks, int) or capacity_blocks < 1):
-            raise InvalidArgumentError(f"capacity_blocks must be an int >= 1 or None, got {capacity_blocks!r}")
+            raise InvalidArgumentError(
+                f"capacity_blocks must be an int >= 1 or None, got {capacity_blocks!r}"
+            )
         self.capacity = capacity_blocks
         self._keys: OrderedDict[Hashable, None] = OrderedDict()
         self.dropped = 0

@@ -234,7 +234,9 @@ class StepBuilder:
             return None
         new, fence = pool.allocate_for(n_new, "compute", hits=pins)
         self.m.device_fence(fence, "compute")
-        ready_free = self.m.raw_pool.num_ready_free_blocks(stream) if j > h else 0  # not timed: replay bookkeeping
+        ready_free = (
+            self.m.raw_pool.num_ready_free_blocks(stream) if j > h else 0
+        )  # not timed: replay bookkeeping
         if j > h and self.cfg.placement != "lru":
             # Placed for the load's stream (ready blocks first).
             loaded, lfence = pool.allocate_for(j - h, stream)
@@ -265,7 +267,14 @@ class StepBuilder:
         return n_tok
 
     def _load(
-        self, r: Request, loaded: list[KVCacheBlock], stream: str, lo: int, hi: int, ready_free: int, floor: int
+        self,
+        r: Request,
+        loaded: list[KVCacheBlock],
+        stream: str,
+        lo: int,
+        hi: int,
+        ready_free: int,
+        floor: int,
     ) -> None:
         assert r.keys is not None
         w = self.m.load(loaded, stream, self.block_bytes, ready_free=ready_free, floor=floor)

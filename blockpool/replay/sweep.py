@@ -126,7 +126,9 @@ class SweepSpec:
                 )
         for p in self.placements:
             if p not in PLACEMENTS:
-                raise UnknownEvictionPolicyError(f"unknown placement {p!r}; choose from {', '.join(PLACEMENTS)}")
+                raise UnknownEvictionPolicyError(
+                    f"unknown placement {p!r}; choose from {', '.join(PLACEMENTS)}"
+                )
         for n in self.num_blocks:
             if n is not None and (type(n) is not int or n < 2):
                 raise InvalidArgumentError(f"sweep pool sizes must be ints >= 2, got {n!r}")
@@ -258,7 +260,9 @@ def sweep(
     if type(jobs) is not int or jobs < 1:
         raise InvalidArgumentError(f"jobs must be an int >= 1, got {jobs!r}")
     if ray is not None and (not isinstance(ray, str) or not ray.strip()):
-        raise InvalidArgumentError(f"ray must be a Ray address (e.g. 'local', 'auto', 'HOST:PORT'), got {ray!r}")
+        raise InvalidArgumentError(
+            f"ray must be a Ray address (e.g. 'local', 'auto', 'HOST:PORT'), got {ray!r}"
+        )
     grid = cells(spec)
     if ray is not None:
         return _sweep_ray(spec, grid, ray.strip(), jobs, progress)
@@ -271,7 +275,10 @@ def sweep(
         return rows  # type: ignore[return-value]
     ex = concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(grid)), initializer=_ignore_sigint)
     try:
-        futs = {ex.submit(_run_cell, c, spec.limit, spec.block_size, spec.skip_bad_lines): i for i, c in enumerate(grid)}
+        futs = {
+            ex.submit(_run_cell, c, spec.limit, spec.block_size, spec.skip_bad_lines): i
+            for i, c in enumerate(grid)
+        }
         for done, f in enumerate(concurrent.futures.as_completed(futs), 1):
             rows[futs[f]] = f.result()
             if progress is not None:
@@ -334,7 +341,9 @@ def _sweep_ray(
         try:
             ray_mod.init(**kw)
         except Exception as e:
-            raise ClusterUnavailableError(f"cannot join or start Ray at {address!r}: {e}", address=address) from e
+            raise ClusterUnavailableError(
+                f"cannot join or start Ray at {address!r}: {e}", address=address
+            ) from e
     try:
         task = ray_mod.remote(num_cpus=1)(_run_cell)
         index = {}
@@ -371,7 +380,9 @@ def _sweep_ray(
             ray_mod.shutdown()
 
 
-def sweep_json(spec: SweepSpec, rows: Sequence[dict[str, Any]], wall_s: float | None = None) -> dict[str, Any]:
+def sweep_json(
+    spec: SweepSpec, rows: Sequence[dict[str, Any]], wall_s: float | None = None
+) -> dict[str, Any]:
     """The JSON document of a sweep (schema :data:`SCHEMA`): the grid and
     one row per cell. O(cells)."""
     return {
@@ -413,7 +424,9 @@ def format_sweep(rows: Sequence[dict[str, Any]]) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(_HEAD))]
     lines = []
     for j, row in enumerate(table):
-        lines.append("  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        lines.append(
+            "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        )
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)

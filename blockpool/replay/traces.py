@@ -212,7 +212,9 @@ def _mooncake_request(obj: object, index: int, line: int) -> TraceRequest:
     return TraceRequest(index, ts / 1000.0, n_in, n_out, segs, -(index + 1), line)
 
 
-def read_mooncake(path: str | os.PathLike[str], *, limit: int | None = None, skip_bad_lines: bool = False) -> Trace:
+def read_mooncake(
+    path: str | os.PathLike[str], *, limit: int | None = None, skip_bad_lines: bool = False
+) -> Trace:
     """Read a Mooncake JSONL trace (see the module docstring).
 
     Args:
@@ -292,7 +294,9 @@ def _azure_count(row: dict[str, str | None], field: str) -> int:
     return _count({field: n}, field)
 
 
-def read_azure(path: str | os.PathLike[str], *, limit: int | None = None, skip_bad_lines: bool = False) -> Trace:
+def read_azure(
+    path: str | os.PathLike[str], *, limit: int | None = None, skip_bad_lines: bool = False
+) -> Trace:
     """Read an Azure LLM inference CSV trace (see the module docstring).
 
     Arrival = seconds after the earliest ``TIMESTAMP`` read. Each request
@@ -335,14 +339,18 @@ def read_azure(path: str | os.PathLike[str], *, limit: int | None = None, skip_b
             if None in row:
                 raise ValueError(f"{len(row[None]) + len(fields or ())} fields, expected {len(fields or ())}")  # type: ignore[arg-type, index]
             ts = _azure_time(row.get("TIMESTAMP"))
-            rows.append((lineno, ts, _azure_count(row, "ContextTokens"), _azure_count(row, "GeneratedTokens")))
+            rows.append(
+                (lineno, ts, _azure_count(row, "ContextTokens"), _azure_count(row, "GeneratedTokens"))
+            )
         except ValueError as e:
             if not skip_bad_lines:
                 raise TraceFormatError(str(p), lineno, str(e)) from None
             skipped.append(SkippedLine(str(p), lineno, str(e)))
     s0, f0 = min((r[1] for r in rows), default=(0, 0.0))
     reqs = tuple(
-        TraceRequest(i, round((ts[0] - s0) + (ts[1] - f0), 7), n_in, n_out, ((-(2 * i + 1), n_in),), -(2 * i + 2), line)
+        TraceRequest(
+            i, round((ts[0] - s0) + (ts[1] - f0), 7), n_in, n_out, ((-(2 * i + 1), n_in),), -(2 * i + 2), line
+        )
         for i, (line, ts, n_in, n_out) in enumerate(rows)
     )
     return Trace(str(p), "azure", reqs, tuple(skipped))

@@ -156,10 +156,14 @@ DEFAULT_STREAM_SPECS: Mapping[str, StreamSpec] = {
     # One 400 Gb/s NIC (NVIDIA ConnectX-7 datasheet: 50 GB/s line rate);
     # 40 GB/s achieved, 4 queue pairs, 50 us per posting, +-20% jitter and
     # 1% failed GETs are assumptions.
-    "rdma": StreamSpec(StreamKind.HOST, bandwidth=40e9, latency=50e-6, lanes=4, jitter=0.2, failure_rate=0.01),
+    "rdma": StreamSpec(
+        StreamKind.HOST, bandwidth=40e9, latency=50e-6, lanes=4, jitter=0.2, failure_rate=0.01
+    ),
     # A background transfer thread pool doing remote-store PUTs: 2 threads,
     # 20 GB/s, 100 us per posting, +-20% jitter, 1% failures (assumptions).
-    "xfer": StreamSpec(StreamKind.HOST, bandwidth=20e9, latency=100e-6, lanes=2, jitter=0.2, failure_rate=0.01),
+    "xfer": StreamSpec(
+        StreamKind.HOST, bandwidth=20e9, latency=100e-6, lanes=2, jitter=0.2, failure_rate=0.01
+    ),
 }
 """The default machine: ``compute`` (forward steps and copy-on-write),
 ``h2d``/``d2h`` (CPU offload DMA), ``rdma`` (remote-store GETs, out of

@@ -137,7 +137,9 @@ class StreamSimulator:
         if not isinstance(timeline, int) or timeline < 0:
             raise InvalidArgumentError(f"timeline must be an int >= 0, got {timeline!r}")
         self._timeline_cap = timeline
-        self._ring: dict[str, collections.deque[Work]] = {n: collections.deque(maxlen=timeline) for n in self.specs}
+        self._ring: dict[str, collections.deque[Work]] = {
+            n: collections.deque(maxlen=timeline) for n in self.specs
+        }
         self._frozen: list[Work] | None = None
         self._after = dict.fromkeys(self.specs, 0)
         self.timeline_mark: float | None = None

@@ -143,8 +143,10 @@ def run(device: str, drop_fence: bool) -> int:
 
     # -- the connector loads into the same destination d, by a receive thread ------
     load_tok, load_fence = pool.begin_load([d], "recv")
-    print(f"pool handed the load {load_tok} the fence {[str(t) for t in load_fence]} "
-          f"(needs_host_wait={load_fence.needs_host_wait})")
+    print(
+        f"pool handed the load {load_tok} the fence {[str(t) for t in load_fence]} "
+        f"(needs_host_wait={load_fence.needs_host_wait})"
+    )
     wire = load_fence.to_wire()  # what crosses to the worker's receive thread
     errors: list[BaseException] = []
 
@@ -170,8 +172,10 @@ def run(device: str, drop_fence: bool) -> int:
     # -- step 2 appends a token's KV into d; the scheduler offloads d right away ----
     step_fence = pool.fence_for([d], "compute", AccessKind.WRITE)
     waited = ledger.wait_device(step_fence, compute, allow_host_wait=True)
-    print(f"step 2 (compute) fence {[str(t) for t in step_fence]}: the load ended, "
-          f"compute waited on {[str(t) for t in waited]}")
+    print(
+        f"step 2 (compute) fence {[str(t) for t in step_fence]}: the load ended, "
+        f"compute waited on {[str(t) for t in waited]}"
+    )
     be.busy(compute)
     be.enqueue(compute, lambda: kv[d.block_id][:, -1].fill_(7.0))
     e2: Token = pool.issue("compute")

@@ -303,7 +303,9 @@ def register() -> None:
             drifts = [d for d in vllm_surface.check(chosen) if not d.ok]
         except Exception as exc:  # noqa: BLE001  (no declared line fits: keep vLLM as it is)
             _refuse("surface")
-            logger.error("blockpool: vLLM %s: %s; nothing patched, vLLM keeps its own BlockPool", version or "?", exc)
+            logger.error(
+                "blockpool: vLLM %s: %s; nothing patched, vLLM keeps its own BlockPool", version or "?", exc
+            )
             return
         refusing = [d for d in drifts if d.refuses_install]
         if refusing:
@@ -313,7 +315,9 @@ def register() -> None:
                 "patched, vLLM keeps its own BlockPool ('blockpool check-vllm --surface' prints the table)",
                 version or "?",
                 chosen.line,
-                "; ".join(f"{d.name.target}: {d.status}, expected {d.expected}, found {d.found}" for d in refusing),
+                "; ".join(
+                    f"{d.name.target}: {d.status}, expected {d.expected}, found {d.found}" for d in refusing
+                ),
             )
             return
         drifted: dict[str, list[str]] = {}  # group (a connector, or the shared worker hooks) -> drifted names
@@ -324,7 +328,9 @@ def register() -> None:
             else:
                 drifted.setdefault(d.name.connector or "", []).append(f"{d.name.target} ({d.status})")
         for name in sorted(unavailable - set(drifted)):
-            logger.debug("blockpool: %s not available in this environment (a package it needs is missing)", name)
+            logger.debug(
+                "blockpool: %s not available in this environment (a package it needs is missing)", name
+            )
             drifted[name] = []
         for name in sorted(set(vllm_surface.CONNECTOR_NAMES) - set(chosen.connectors)):
             drifted.setdefault(name, []).append(f"its wiring is not reviewed for vLLM {chosen.line}")
@@ -738,7 +744,9 @@ def _wire_scheduler() -> None:
     _patch(Scheduler, "__init__", wrap_init)
     surface = _STATE.surface
     if surface is None or surface.declares(Scheduler.__module__, "Scheduler._drain_deferred_frees"):
-        _patch(Scheduler, "_drain_deferred_frees", wrap_drain)  # without it: frees tagged with the newest step
+        _patch(
+            Scheduler, "_drain_deferred_frees", wrap_drain
+        )  # without it: frees tagged with the newest step
     _patch(Scheduler, "schedule", wrap_schedule)
     _patch(Scheduler, "update_from_output", wrap_update)
     _patch(KVCacheManager, "take_kv_cache_block_copies", wrap_take_copies)

@@ -214,7 +214,9 @@ class Audit:
                 c.raced += 1
                 if len(self.examples) < self.max_examples:
                     self.examples.append(
-                        RaceExample(connector, kind, request_id, tuple(block_ids), token, running, time.time())
+                        RaceExample(
+                            connector, kind, request_id, tuple(block_ids), token, running, time.time()
+                        )
                     )
         self.maybe_report()
         return running

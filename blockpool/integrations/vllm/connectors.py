@@ -355,7 +355,9 @@ def _binder(name: str, inner: str | None, config_attr: str, default_size: Callab
     return make
 
 
-def _planner(plan: Callable[[Any, ConnectorWiring, Any, Any], None], before: Callable[[Any], Any] | None = None) -> Any:
+def _planner(
+    plan: Callable[[Any, ConnectorWiring, Any, Any], None], before: Callable[[Any], Any] | None = None
+) -> Any:
     """Wrap ``build_connector_meta``: issue the step's tokens and tag its
     writes, run vLLM's code, then ``plan(self, wiring, meta, before(self))``
     begins the transfers vLLM planned; the step's record goes on the
@@ -474,7 +476,9 @@ def _mooncake_saves_done(sched: Any, w: ConnectorWiring, saves: dict[int, int], 
 
 def _patch_mooncake_store(mod: Any, patch: Patcher) -> None:
     cls = mod.MooncakeStoreScheduler
-    patch(cls, "bind_gpu_block_pool", _binder(MOONCAKE, None, "kv_cache_config", lambda s: s._block_size or 16))
+    patch(
+        cls, "bind_gpu_block_pool", _binder(MOONCAKE, None, "kv_cache_config", lambda s: s._block_size or 16)
+    )
     patch(cls, "build_connector_meta", _planner(_plan_mooncake, lambda s: set(s._pinned_saves)))
     patch(cls, "update_connector_output", _reporter("completed_saves", _mooncake_saves_done))
 
@@ -502,7 +506,9 @@ def _mooncake_store_reads(sched: Any, rm: Any, sizes: Sequence[int]) -> list[int
     skip = getattr(sched, "_boundary_state_group_ids", frozenset())
     keep = [i for i in range(len(rm.block_ids)) if i not in skip]
     groups = [rm.block_ids[i] for i in keep]
-    ids = load_block_ids(groups, 0, end, [sizes[i] if i < len(sizes) else bs for i in keep]) if end > 0 else []
+    ids = (
+        load_block_ids(groups, 0, end, [sizes[i] if i < len(sizes) else bs for i in keep]) if end > 0 else []
+    )
     ids.extend(p.block_id for p in rm.boundary_puts or ())
     return list(dict.fromkeys(ids))
 
@@ -515,13 +521,21 @@ def _mooncake_store_reads(sched: Any, rm: Any, sizes: Sequence[int]) -> list[int
 def _plan_offloading(sched: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
     for job_id, job in meta.load_jobs.items():
         stream = OFFLOAD_H2D_SYNC if getattr(job, "sync", False) else OFFLOAD_H2D
-        _put(job, META_LOAD, w.load(job.req_id, _spec_block_ids(job.dst_spec), stream, key=(OFFLOADING, job_id)))
+        _put(
+            job,
+            META_LOAD,
+            w.load(job.req_id, _spec_block_ids(job.dst_spec), stream, key=(OFFLOADING, job_id)),
+        )
     # Tokens of one stream are issued in the order its worker submits the
     # jobs: store jobs this step flushes go first (the worker submits them
     # at once), the others at the next step's start.
     flush = meta.jobs_to_flush or ()
     for job_id, job in sorted(meta.store_jobs.items(), key=lambda item: item[0] not in flush):
-        _put(job, META_STORE, w.store(job.req_id, _spec_block_ids(job.src_spec), OFFLOAD_D2H, key=(OFFLOADING, job_id)))
+        _put(
+            job,
+            META_STORE,
+            w.store(job.req_id, _spec_block_ids(job.src_spec), OFFLOAD_D2H, key=(OFFLOADING, job_id)),
+        )
 
 
 def _offload_jobs_done(sched: Any, w: ConnectorWiring, jobs: dict[int, int], worker_meta: Any) -> None:
@@ -722,7 +736,9 @@ def wire(patch: Patcher, errors: dict[str, str] | None = None, skip: Iterable[st
                 if errors is not None:
                     errors[name] = refused
             else:
-                logger.info("blockpool: %s left unwired by %s: its transfers are not fenced", name, ENV_UNWIRED)
+                logger.info(
+                    "blockpool: %s left unwired by %s: its transfers are not fenced", name, ENV_UNWIRED
+                )
             continue
         undo: list[Callable[[], None]] = []
 

@@ -242,7 +242,11 @@ class Workload:
             f"generated each; {self.num_blocks} blocks of {self.block_size} tokens, "
             f"max_num_seqs {self.max_num_seqs}"
             + (f"; KV connector {KV_CONNECTORS[self.kv_connector]}" if self.kv_connector else "")
-            + (f"; tiny hybrid model, sliding window {self.sliding_window} tokens" if self.sliding_window else "")
+            + (
+                f"; tiny hybrid model, sliding window {self.sliding_window} tokens"
+                if self.sliding_window
+                else ""
+            )
         )
 
 
@@ -587,7 +591,10 @@ def _expectations(mode: str, r: Mapping[str, Any]) -> list[tuple[str, str]]:
     untokened = served.get("steps_untokened") or not served.get("steps_issued")
     if want_hazards and r.get("kv_connector") and untokened:
         out.append(
-            ("served", f"KV connector {r['kv_connector']} wired, but steps went without tokens ({_short(served)})")
+            (
+                "served",
+                f"KV connector {r['kv_connector']} wired, but steps went without tokens ({_short(served)})",
+            )
         )
     if not want_hazards and seen:
         out.append(("served", f"hazards off, but the scheduler wiring saw {seen} steps"))
@@ -1134,7 +1141,9 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     bad = [k for k in kvs if k not in KV_CONNECTORS]
     if bad:
         raise ValueError(f"unknown --kv-connector {', '.join(bad)} (known: {', '.join(KV_CONNECTORS)})")
-    out += [attrs.evolve(w, name=f"{w.name}+{k}", kv_connector=k) for k in dict.fromkeys(kvs) for w in list(out)]
+    out += [
+        attrs.evolve(w, name=f"{w.name}+{k}", kv_connector=k) for k in dict.fromkeys(kvs) for w in list(out)
+    ]
     return out
 
 

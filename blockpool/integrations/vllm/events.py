@@ -136,7 +136,9 @@ class VllmEvents:
         for i in published:
             new_hashes.append(maybe_convert_block_hash(block_hashes[i]))  # type: ignore[arg-type]
             start = i * block_size
-            extra_keys, curr_mm_idx = self._generate_event_extra_keys(request, start, start + block_size, curr_mm_idx)
+            extra_keys, curr_mm_idx = self._generate_event_extra_keys(
+                request, start, start + block_size, curr_mm_idx
+            )
             extra_keys_list.append(extra_keys)
             if lookahead is not None:
                 lookahead.append(self._lookahead_token_ids(request, start + block_size))
@@ -154,7 +156,9 @@ class VllmEvents:
             )
         )
 
-    def _queue_partial_block_stored(self, request: Any, block_hash: bytes, num_tokens: int, group_id: int) -> None:
+    def _queue_partial_block_stored(
+        self, request: Any, block_hash: bytes, num_tokens: int, group_id: int
+    ) -> None:
         """After ``cache_partial_block``: move the core's events, then, if
         the core stored the key, queue vLLM's ``BlockStored`` for it
         (vLLM's code). O(events + multimodal features)."""
@@ -177,7 +181,9 @@ class VllmEvents:
                 kv_cache_group_id=group_id,
                 extra_keys_list=[extra_keys],
                 **_lookahead_arg(
-                    [self._lookahead_token_ids(request, num_tokens)] if self.num_hash_lookahead_tokens else None
+                    [self._lookahead_token_ids(request, num_tokens)]
+                    if self.num_hash_lookahead_tokens
+                    else None
                 ),
             )
         )
@@ -192,7 +198,9 @@ class VllmEvents:
     _generate_event_extra_keys = (
         getattr(VLLM_BLOCK_POOL, _SURFACE.event_extra_keys)
         if _SURFACE.event_extra_keys is not None
-        else staticmethod(generate_block_hash_extra_keys)  # 0.32's own computation, no frame of ours per block
+        else staticmethod(
+            generate_block_hash_extra_keys
+        )  # 0.32's own computation, no frame of ours per block
     )
     _lookahead_token_ids = (
         getattr(VLLM_BLOCK_POOL, _SURFACE.lookahead_token_ids)

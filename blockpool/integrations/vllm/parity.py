@@ -117,7 +117,15 @@ class ParityBlockPool(VllmBlockPool):
         kv_cache_group_id: int,
         block_mask: list[bool] | None = None,
     ) -> None:
-        args = (request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask)
+        args = (
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            block_mask,
+        )
         if num_cached_blocks < num_full_blocks and self._foreign(*blocks[num_cached_blocks:num_full_blocks]):
             self._loose_keys = True
             return VLLM_BLOCK_POOL.cache_full_blocks(self, *args)  # type: ignore[no-any-return]

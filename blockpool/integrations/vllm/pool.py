@@ -305,7 +305,9 @@ class VllmBlockPool(VllmEvents):
                 nothing changes.
         """
         if evict_first and not _EVICT_FIRST:
-            raise InvalidArgumentError(f"evict_first: vLLM {_SURFACE.line}'s free_blocks has no such argument")
+            raise InvalidArgumentError(
+                f"evict_first: vLLM {_SURFACE.line}'s free_blocks has no such argument"
+            )
         blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         hz = self.hazards
         token = hz.free_token() if hz is not None else None
@@ -441,7 +443,9 @@ class VllmBlockPool(VllmEvents):
         if self.enable_kv_cache_events:
             if self._core_events:  # the promotions' removals first, as vLLM's loop queues them
                 self._pull_events()
-            self._queue_full_blocks_stored(request, block_hashes, published, lo, hi, block_size, kv_cache_group_id)
+            self._queue_full_blocks_stored(
+                request, block_hashes, published, lo, hi, block_size, kv_cache_group_id
+            )
 
     def cache_partial_block(
         self,

@@ -165,7 +165,10 @@ class WorkerHazards:
                     # know; say so rather than alias silently.
                     self.out_of_order += 1
                     logger.warning(
-                        "blockpool: %s recorded after %s:%d; waits on it are not exact", token, token.stream, last
+                        "blockpool: %s recorded after %s:%d; waits on it are not exact",
+                        token,
+                        token.stream,
+                        last,
                     )
                 return False
             self._recorded[token.stream] = token.seq
@@ -180,7 +183,9 @@ class WorkerHazards:
                 if first:
                     logger.warning(
                         "blockpool: %s:%d..%d were never recorded on this rank; waits on them are not exact",
-                        token.stream, last + 1, token.seq - 1,
+                        token.stream,
+                        last + 1,
+                        token.seq - 1,
                     )
         self.ledger.record(token, self.current_stream() if stream is None else stream)
         return True
@@ -240,7 +245,9 @@ class WorkerHazards:
         fence = self.waitable(Fence.from_wire(step[1]))
         if self.audit is not None:
             # The forward runs on compute, after every compute token recorded so far.
-            self.observe("compute", "forward", record.forward, fence, covered=frozenset({record.forward.stream}))
+            self.observe(
+                "compute", "forward", record.forward, fence, covered=frozenset({record.forward.stream})
+            )
         elif fence:
             self.wait_device_or_stock(fence, self.current_stream(), "the forward")
         return record
@@ -310,7 +317,9 @@ class WorkerHazards:
             covered=device_covered_by(covered, lambda stream: self._recorded.get(stream, 0)),
         )
 
-    def observe_transfer(self, connector: str, transfer: Transfer, covered: frozenset[str] = frozenset()) -> None:
+    def observe_transfer(
+        self, connector: str, transfer: Transfer, covered: frozenset[str] = frozenset()
+    ) -> None:
         """:meth:`observe` for a connector's :class:`Transfer`."""
         self.observe(
             connector,
@@ -409,7 +418,9 @@ class FenceWait:
 
     __slots__ = ("hazards", "keep_stock", "stock", "transfer")
 
-    def __init__(self, hazards: WorkerHazards, transfer: Transfer, stock: Any = None, keep_stock: bool = False) -> None:
+    def __init__(
+        self, hazards: WorkerHazards, transfer: Transfer, stock: Any = None, keep_stock: bool = False
+    ) -> None:
         self.hazards = hazards
         self.transfer = transfer
         self.stock = stock
@@ -613,7 +624,9 @@ def _wire_runner(patch: Patcher) -> None:
         return finalize_step
 
     patch(v2.ActiveKVConnector, "post_forward", wrap_post)
-    if surface.declares(v2.__name__, "ActiveKVConnector.finalize_step"):  # 0.33 and later (0.32's V2 never defers)
+    if surface.declares(
+        v2.__name__, "ActiveKVConnector.finalize_step"
+    ):  # 0.33 and later (0.32's V2 never defers)
         patch(v2.ActiveKVConnector, "finalize_step", wrap_finalize_step)
 
 
@@ -678,7 +691,9 @@ def _wire_mooncake(patch: Patcher) -> None:
                 elif wh.audit is not None:  # checked once the send thread passed vLLM's event
                     request.current_event = AuditedEvent(wh, Transfer.from_wire(wire_form), coarse)
                 else:
-                    request.current_event = FenceWait(wh, Transfer.from_wire(wire_form), coarse, keep_stock=stock)
+                    request.current_event = FenceWait(
+                        wh, Transfer.from_wire(wire_form), coarse, keep_stock=stock
+                    )
                 self.kv_send_thread.add_request(request)
             return None
 
@@ -740,7 +755,9 @@ def _carries_hazards(metadata: object, items: Iterable[object]) -> bool:
     still carry their fences and tokens. O(items)."""
     if getattr(metadata, META_STEP, None) is not None:
         return True
-    return any(getattr(i, META_LOAD, None) is not None or getattr(i, META_STORE, None) is not None for i in items)
+    return any(
+        getattr(i, META_LOAD, None) is not None or getattr(i, META_STORE, None) is not None for i in items
+    )
 
 
 def _failed_of(thread: Any) -> Iterable[str]:
@@ -827,7 +844,11 @@ def _wire_offloading(patch: Patcher) -> None:
             wh = current() if _carries_hazards(metadata, jobs) else None
             if wh is not None:
                 wh.add_jobs(OFFLOADING, metadata.load_jobs, META_LOAD)
-                flushed = {j: metadata.store_jobs[j] for j in metadata.jobs_to_flush or () if j in metadata.store_jobs}
+                flushed = {
+                    j: metadata.store_jobs[j]
+                    for j in metadata.jobs_to_flush or ()
+                    if j in metadata.store_jobs
+                }
                 if getattr(self, "_is_store_writer", True):
                     wh.add_jobs(OFFLOADING, flushed, META_STORE)
                 else:
@@ -855,7 +876,9 @@ def _wire_nixl(patch: Patcher) -> None:
     mod = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker")
     deferred: list[tuple[Any, str, Any, Transfer, float]] = []
 
-    def post(orig: Any, self: Any, req_id: str, meta: Any, transfer: Transfer | None, wh: WorkerHazards) -> Any:
+    def post(
+        orig: Any, self: Any, req_id: str, meta: Any, transfer: Transfer | None, wh: WorkerHazards
+    ) -> Any:
         if transfer is not None:
             try:
                 wh.wait(transfer)
@@ -864,7 +887,9 @@ def _wire_nixl(patch: Patcher) -> None:
                 # load fails; the scheduler fails its token): not counted as a
                 # transport failure of the remote engine, which did nothing wrong.
                 logger.exception("blockpool: NIXL read of %s not posted: its fence did not end", req_id)
-                return self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
+                return self._handle_failed_transfer(
+                    req_id, None, self._recv_failures, record_failed_transfer=False
+                )
         return orig(self, req_id, meta)
 
     def wrap_read(orig: Any) -> Any:
