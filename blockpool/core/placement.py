@@ -130,8 +130,8 @@ def _window(
     if (
         cached_scan is not None
         and len(found) < n
-        and (b is tail or b.block_hash is not None or b.block_id < 0)
-    ):  # type: ignore[union-attr]
+        and (b is tail or b.block_hash is not None or b.block_id < 0)  # type: ignore[union-attr]
+    ):
         # The unkeyed front was scanned whole: the cached part, from the
         # eviction end (its coldest block), within the window.
         need = n - len(found)
