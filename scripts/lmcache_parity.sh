@@ -36,7 +36,7 @@
 # stays; numba 0.68 (LMCache's CPU kernels) supports it.
 #
 # The tests: LMCache's sdist (its tests live only there; its wheel has
-# none), fetched with curl from pip's index page for lmcache (the URL and
+# none), fetched from pip's index page for lmcache (the URL and
 # its sha256 from the page's link, checked against LMCACHE_SDIST_SHA256)
 # into $LMCACHE_SRC_CACHE, unpacked once. Each run copies its tests/ and
 # pytest.ini into a fresh directory and runs pytest there (not from the
@@ -90,8 +90,9 @@
 #   LMCACHE_PARITY_PYTHON    interpreter that asks pip for its index [python3.11]
 set -euo pipefail
 
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$REPO_ROOT"
+LOG_TAG=lmcache-parity
+# shellcheck source=scripts/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # REPO_ROOT (the working directory), log, die, timed, ...
 
 LMCACHE_VERSION=0.5.6
 # sha256 of lmcache-0.5.6.tar.gz, as the index publishes it.
@@ -113,7 +114,6 @@ LMCACHE_PINS=(
   redis==8.1.0           # LMCache's conftest patches redis.* in every test
 )
 
-abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$REPO_ROOT/$1" ;; esac; }
 VENV="$(abspath "${LMCACHE_VENV:-.venv-lmcache}")"
 BASE_VENV="$(abspath "${VLLM034_VENV:-.venv-vllm034}")"
 SRC_CACHE="$(abspath "${LMCACHE_SRC_CACHE:-.cache/lmcache-src}")"
@@ -192,21 +192,6 @@ DESELECT=(
   "tests/v1/multiprocess/test_free_locks.py::test_free_locks_request_transport[grpc]"
 )
 
-log() { printf '[lmcache-parity] %s\n' "$*" >&2; }
-die() { log "ERROR: $*"; exit 2; }
-now() { date +%s; }
-
-declare -A TIMINGS=()
-timed() { # timed LABEL cmd...
-  local label=$1; shift
-  local t0; t0=$(now)
-  "$@"
-  TIMINGS[$label]=$(( $(now) - t0 ))
-  log "$label: ${TIMINGS[$label]} s"
-}
-
-site_packages() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
-
 # ---------------------------------------------------------------------------
 # 1. the venv: a clone of the vLLM 0.34 parity venv, plus LMCache
 # ---------------------------------------------------------------------------
@@ -220,10 +205,7 @@ EOF
 
 ensure_base_venv() {
   base_venv_ok && return 0
-  log "venv $BASE_VENV has no vllm $VLLM_VERSION: building it with scripts/vllm_parity.sh (no test pass;" \
-      "about 2 min, 2.1 GB)"
-  VLLM_PARITY_VERSION="$VLLM_VERSION" VLLM_VENV="$BASE_VENV" VLLM_PARITY_PASSES=" " \
-    bash "$REPO_ROOT/scripts/vllm_parity.sh" || die "scripts/vllm_parity.sh could not build $BASE_VENV"
+  build_parity_venv "$VLLM_VERSION" "$BASE_VENV" "about 2 min, 2.1 GB"
   base_venv_ok || die "vllm $VLLM_VERSION does not import in $BASE_VENV"
 }
 
@@ -242,9 +224,9 @@ EOF
 # site-packages' entries) or the pins do. Nothing in the clone is written in
 # place (pip replaces files), so the parity venv's files stay as they are.
 clone_stamp() {
-  [[ -x "$BASE_VENV/bin/python" ]] || { echo none; return 0; }
-  printf '%s %s %s\n' "$(cat "$BASE_VENV/.freeze-sha256" 2>/dev/null || echo none)" \
-    "$(stat -c %Y "$(site_packages "$BASE_VENV")")" "$(printf '%s\n' "${LMCACHE_PINS[@]}" | sha256sum | cut -d' ' -f1)"
+  local base; base="$(venv_stamp "$BASE_VENV")"
+  [[ $base != none ]] || { echo none; return 0; }
+  printf '%s %s\n' "$base" "$(printf '%s\n' "${LMCACHE_PINS[@]}" | sha256sum | cut -d' ' -f1)"
 }
 
 build_venv() {
@@ -255,11 +237,7 @@ build_venv() {
   fi
   ensure_base_venv
   stamp="$(clone_stamp)"
-  log "cloning $BASE_VENV into $VENV (hard links)"
-  rm -rf "$VENV"
-  cp -al "$BASE_VENV" "$VENV" 2>/dev/null || { rm -rf "$VENV"; cp -a "$BASE_VENV" "$VENV"; } \
-    || die "cannot copy $BASE_VENV to $VENV"
-  [[ "$(site_packages "$VENV")" == "$VENV"/* ]] || die "the clone $VENV does not run as a venv of its own"
+  clone_venv "$BASE_VENV" "$VENV"
   mkdir -p "$RESULTS_DIR"
   log "pip install --no-deps ${LMCACHE_PINS[*]}"
   "$VENV_PY" -m pip install --no-input --no-deps "${LMCACHE_PINS[@]}" >"$RESULTS_DIR/pip-install.log" 2>&1 \
@@ -274,70 +252,19 @@ build_venv() {
 # blockpool from this checkout (CI's parity venv has it already, installed
 # editable by scripts/vllm_parity.sh); from / so the checkout itself is not
 # on sys.path.
-install_blockpool() {
-  if (cd / && "$VENV_PY" -c 'import os, sys, blockpool; sys.exit(os.path.dirname(blockpool.__file__) != sys.argv[1])' \
-      "$REPO_ROOT/blockpool") >/dev/null 2>&1; then
-    return 0
-  fi
-  log "pip install --no-deps -e $REPO_ROOT into $VENV"
-  "$VENV_PY" -m pip install --no-input --no-deps -e "$REPO_ROOT" >"$RESULTS_DIR/pip-blockpool.log" 2>&1 \
-    || { tail -n 20 "$RESULTS_DIR/pip-blockpool.log" >&2; die "cannot install blockpool into $VENV"; }
-  (cd / && "$VENV_PY" -c "import $PLUGIN_MODULE") >/dev/null 2>&1 || die "$PLUGIN_MODULE does not import in $VENV"
-}
+# (install_blockpool, scripts/lib.sh; its vLLM plugin must import after an
+# install.)
 
 # ---------------------------------------------------------------------------
 # 2. LMCache's sdist (its tests), from pip's index, sha256-checked
 # ---------------------------------------------------------------------------
-sdist_ok() { [[ -f "$SDIST_ROOT/.unpacked-ok" && -f "$SDIST_ROOT/tests/conftest.py" ]]; }
-sha256_of() { sha256sum "$1" | cut -d' ' -f1; }
-
-fetch_sdist() {
-  if sdist_ok; then
-    log "sdist tree $SDIST_ROOT is ready"
-    return 0
-  fi
-  mkdir -p "$SRC_CACHE"
-  local name="lmcache-$LMCACHE_VERSION.tar.gz"
-  local tarball="$SRC_CACHE/$name"
-  if [[ -f "$tarball" && "$(sha256_of "$tarball")" != "$LMCACHE_SDIST_SHA256" ]]; then
-    log "discarding $tarball (sha256 mismatch)"
-    rm -f "$tarball"
-  fi
-  if [[ ! -f "$tarball" ]]; then
-    # pip's index (its configured index-url, else pip's default, asked of
-    # pip so no host is written here); the page's link carries the sha256.
-    local index cert page href url sha
-    index="${PIP_INDEX_URL:-$("$BASE_PYTHON" -m pip config get global.index-url 2>/dev/null || true)}"
-    [[ -n "$index" ]] || index="$("$BASE_PYTHON" -c 'from pip._internal.models.index import PyPI; print(PyPI.simple_url)')"
-    cert="${PIP_CERT:-$("$BASE_PYTHON" -m pip config get global.cert 2>/dev/null || true)}"
-    page="${index%/}/lmcache/"
-    log "fetching $name from pip's index"
-    href="$(curl -fsSL --retry 3 --max-time 120 ${cert:+--cacert "$cert"} "$page" \
-            | grep -o "href=\"[^\"]*/$name#sha256=[0-9a-f]*\"" | head -n 1)" \
-      || die "$name is not listed on $page"
-    href="${href#href=\"}"; href="${href%\"}"; href="${href//&amp;/&}"
-    url="${href%%#*}"; sha="${href##*#sha256=}"
-    case "$url" in http*) ;; /*) url="${page%%://*}://$(cut -d/ -f3 <<<"$page")$url" ;; *) url="$page$url" ;; esac
-    [[ "$sha" == "$LMCACHE_SDIST_SHA256" ]] || die "the index lists $name with sha256 $sha, not $LMCACHE_SDIST_SHA256"
-    curl -fsSL --retry 3 --max-time 600 ${cert:+--cacert "$cert"} -o "$tarball.part" "$url" \
-      || { rm -f "$tarball.part"; die "could not download $url"; }
-    [[ "$(sha256_of "$tarball.part")" == "$sha" ]] || { rm -f "$tarball.part"; die "$name: sha256 mismatch"; }
-    mv "$tarball.part" "$tarball"
-  fi
-  local stage; stage="$(mktemp -d "$SRC_CACHE/.unpack.XXXXXX")"
-  tar -xzf "$tarball" -C "$stage" --no-same-owner
-  [[ -f "$stage/lmcache-$LMCACHE_VERSION/tests/conftest.py" ]] || die "unexpected sdist layout in $tarball"
-  rm -rf "$SDIST_ROOT"
-  mv "$stage/lmcache-$LMCACHE_VERSION" "$SDIST_ROOT"
-  rmdir "$stage"
-  touch "$SDIST_ROOT/.unpacked-ok"
-  log "unpacked sdist to $SDIST_ROOT"
-}
+# (fetch_sdist, scripts/lib.sh: unpacked into $SDIST_ROOT, this file its
+# marker.)
+SDIST_MARKER=tests/conftest.py
 
 # ---------------------------------------------------------------------------
 # 3. the passes
 # ---------------------------------------------------------------------------
-declare -A PASS_RC=()
 TEST_ROOT=""  # a fresh copy of the sdist's tests/ and pytest.ini (set in main)
 
 # run_pass NAME [env VAR=value ...] -- [extra pytest args ...]
@@ -346,29 +273,19 @@ run_pass() {
   local envs=()
   while [[ $# -gt 0 && $1 != -- ]]; do envs+=("$1"); shift; done
   [[ $# -gt 0 ]] && shift
-  local probe="$RESULTS_DIR/$name.probe.json" deselect=() d rc=0
+  local probe="$RESULTS_DIR/$name.probe.json" deselect=() d
   rm -f "$probe"
   for d in "${DESELECT[@]}"; do deselect+=(--deselect "$d"); done
   log "pass $name: pytest $* <${#TEST_PATHS[@]} test files> (log: $RESULTS_DIR/$name.log)"
-  env -u BLOCKPOOL_VLLM_HAZARDS -u BLOCKPOOL_VLLM_UNWIRED -u BLOCKPOOL_VLLM_PLUGIN \
+  runner_pass "$name" "$TEST_ROOT" -u BLOCKPOOL_VLLM_HAZARDS -u BLOCKPOOL_VLLM_UNWIRED -u BLOCKPOOL_VLLM_PLUGIN \
       VLLM_TARGET_DEVICE=cpu VLLM_PLUGINS= HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
       LMCACHE_TRACK_USAGE=false PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$SCRIPTS_DIR" \
       LMCACHE_PARITY_PROBE="$probe" KNOWN_IDS= KNOWN_MSGS= FLAKY_IDS= "${envs[@]}" \
-    timeout "$(( PASS_TIMEOUT + 2 * STALL_TIMEOUT + 120 ))" \
-    "$VENV_PY" "$SCRIPTS_DIR/vllm_parity_pass.py" --name "$name" --results "$RESULTS_DIR" \
-      --cwd "$TEST_ROOT" --python "$VENV_PY" --budget "$PASS_TIMEOUT" --stall "$STALL_TIMEOUT" \
-      --merge-json-env LMCACHE_PARITY_PROBE -- \
+    -- --merge-json-env LMCACHE_PARITY_PROBE -- \
       -p vllm_parity_progress -p no:cacheprovider -p no:blockpool "$@" -p lmcache_parity_probe \
       -o log_cli=false --timeout="$TEST_TIMEOUT" --timeout-method=thread -q -rfEs \
       "${deselect[@]}" "${TEST_PATHS[@]}" \
-    || rc=$?
-  if [[ $rc -ne 0 ]]; then
-    log "pass $name did not complete (exit status $rc), see $RESULTS_DIR/$name.log"
-    tail -n 30 "$RESULTS_DIR/$name.log" >&2 || true
-    PASS_RC[$name]=1
-    return 0
-  fi
-  PASS_RC[$name]=0
+    || return 0
   if [[ -s "$RESULTS_DIR/$name.unexpected" && $name == lmcache-plugin-off ]]; then
     log "$name: $(wc -l <"$RESULTS_DIR/$name.unexpected") tests fail with vLLM's own pool (an environment problem):"
     head -n 20 "$RESULTS_DIR/$name.unexpected" >&2
@@ -441,10 +358,8 @@ compare_passes() {
   local off="$RESULTS_DIR/lmcache-plugin-off.outcomes" on="$RESULTS_DIR/lmcache-plugin-on.outcomes"
   [[ -f "$off" && -f "$on" ]] || return 0
   local report="$RESULTS_DIR/pass-set-diff.txt" only_off only_on
-  awk -F'\t' '$2 == "passed" { print $1 }' "$off" | sort >"$RESULTS_DIR/lmcache-plugin-off.passed"
-  awk -F'\t' '$2 == "passed" { print $1 }' "$on" | sort >"$RESULTS_DIR/lmcache-plugin-on.passed"
-  { comm -23 "$RESULTS_DIR/lmcache-plugin-off.passed" "$RESULTS_DIR/lmcache-plugin-on.passed" | sed 's/^/only off\t/'
-    comm -13 "$RESULTS_DIR/lmcache-plugin-off.passed" "$RESULTS_DIR/lmcache-plugin-on.passed" | sed 's/^/only on\t/'
+  { passed_not_in "$off" "$on" | cut -f1 | sed 's/^/only off\t/'
+    passed_not_in "$on" "$off" | cut -f1 | sed 's/^/only on\t/'
   } >"$report"
   only_off=$(grep -c '^only off' "$report" || true)
   only_on=$(grep -c '^only on' "$report" || true)
@@ -464,13 +379,12 @@ compare_passes() {
 main() {
   local start; start=$(now)
   log "lmcache $LMCACHE_VERSION on vLLM $VLLM_VERSION: venv $VENV, results $RESULTS_DIR, passes: $PASSES"
-  command -v curl >/dev/null || die "curl not found"
   mkdir -p "$RESULTS_DIR"
   # Nothing of an earlier run is compared.
   rm -f "$RESULTS_DIR"/lmcache-plugin-*.{outcomes,probe.json,passed} "$RESULTS_DIR/pass-set-diff.txt"
   timed "venv" build_venv
-  timed "blockpool install" install_blockpool
-  timed "sdist fetch" fetch_sdist
+  timed "blockpool install" install_blockpool "$VENV" "$RESULTS_DIR/pip-blockpool.log" "$PLUGIN_MODULE"
+  timed "sdist fetch" fetch_sdist lmcache "$LMCACHE_VERSION" "$LMCACHE_SDIST_SHA256" "$SRC_CACHE" "$SDIST_MARKER"
   TEST_ROOT="$(mktemp -d "${TMPDIR:-/tmp}/lmcache-tests.XXXXXX")"
   trap 'rm -rf "$TEST_ROOT"' EXIT
   cp -r "$SDIST_ROOT/tests" "$SDIST_ROOT/pytest.ini" "$TEST_ROOT/"
@@ -483,16 +397,8 @@ main() {
     esac
   done
   compare_passes
-  local k t=""
-  for k in "venv" "blockpool install" "sdist fetch" "plugin-off tests" "plugin-on tests"; do
-    [[ -z "${TIMINGS[$k]:-}" ]] || t+="$k ${TIMINGS[$k]}s; "
-  done
-  log "timings: ${t}total $(( $(now) - start ))s"
-  local rc=0 n
-  for n in "${!PASS_RC[@]}"; do
-    [[ ${PASS_RC[$n]} == 0 ]] || { log "FAILED: $n"; rc=1; }
-  done
-  return "$rc"
+  log_timings "$start"
+  passes_verdict
 }
 
 main "$@"

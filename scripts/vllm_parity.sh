@@ -95,8 +95,9 @@
 #                                copied to a temp dir per pass
 set -euo pipefail
 
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$REPO_ROOT"
+LOG_TAG=vllm-parity
+# shellcheck source=scripts/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # REPO_ROOT (the working directory), log, die, timed, ...
 
 VLLM_VERSION="${VLLM_PARITY_VERSION:-0.34.0}"
 TORCH_VERSION=2.13.0
@@ -185,7 +186,6 @@ EXTRA_PINS=(
 )
 
 # Make the dirs absolute (the test passes run from the sdist root).
-abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$REPO_ROOT/$1" ;; esac; }
 VENV_DIR="$(abspath "$VENV_DIR")"
 # The default venv of another version is used only with the version named:
 # a caller that predates VLLM_PARITY_VERSION and names .venv-vllm (0.33's)
@@ -266,19 +266,6 @@ if [[ "$WITH_CONNECTORS" == 1 ]]; then
   TEST_PATHS+=("${CONNECTOR_PATHS[@]}")
   for p in "${CONNECTOR_IGNORES[@]}"; do IGNORE_ARGS+=("--ignore=$p"); done
 fi
-
-log() { printf '[vllm-parity] %s\n' "$*" >&2; }
-die() { log "ERROR: $*"; exit 2; }
-now() { date +%s; }
-
-declare -A TIMINGS=()
-timed() { # timed LABEL cmd...
-  local label=$1; shift
-  local t0; t0=$(now)
-  "$@"
-  TIMINGS[$label]=$(( $(now) - t0 ))
-  log "$label: ${TIMINGS[$label]} s"
-}
 
 check_inputs() {
   if [[ $OWN_ONLY == 1 ]]; then
@@ -406,88 +393,10 @@ EOF
 # ---------------------------------------------------------------------------
 # 2. vLLM sdist (the tests live only there), unpacked into $SRC_CACHE
 # ---------------------------------------------------------------------------
-sdist_ok() {
-  [[ -f "$SDIST_ROOT/.unpacked-ok" && -f "$SDIST_ROOT/tests/v1/core/test_prefix_caching.py" ]]
-}
-
-fetch_sdist() {
-  if sdist_ok; then
-    log "sdist tree $SDIST_ROOT is ready"
-    return 0
-  fi
-  mkdir -p "$SRC_CACHE"
-  local tarball="$SRC_CACHE/vllm-$VLLM_VERSION.tar.gz"
-  if [[ -f "$tarball" ]] && ! sha256_matches "$tarball"; then
-    log "discarding $tarball (sha256 mismatch)"
-    rm -f "$tarball"
-  fi
-  if [[ ! -f "$tarball" ]] && ! download_sdist_via_index "$tarball"; then
-    # download_sdist_via_pip either leaves the tarball or unpacks the tree.
-    download_sdist_via_pip "$tarball" || die "could not fetch vllm-$VLLM_VERSION.tar.gz"
-    sdist_ok && return 0
-  fi
-  sha256_matches "$tarball" || die "$tarball: sha256 mismatch"
-  local stage; stage="$(mktemp -d "$SRC_CACHE/.unpack.XXXXXX")"
-  tar -xzf "$tarball" -C "$stage" --no-same-owner
-  [[ -f "$stage/vllm-$VLLM_VERSION/tests/v1/core/test_prefix_caching.py" ]] \
-    || die "unexpected sdist layout in $tarball"
-  rm -rf "$SDIST_ROOT"
-  mv "$stage/vllm-$VLLM_VERSION" "$SDIST_ROOT"
-  rmdir "$stage"
-  touch "$SDIST_ROOT/.unpacked-ok"
-  log "unpacked sdist to $SDIST_ROOT"
-}
-
-sha256_matches() { [[ "$(sha256sum "$1" | cut -d' ' -f1)" == "$VLLM_SDIST_SHA256" ]]; }
-
-# Primary route: PyPI's simple index (PEP 691 JSON, PEP 503 HTML fallback)
-# gives the sdist URL; download it with the stdlib. Honours pip's index-url
-# and cert settings.
-download_sdist_via_index() {
-  local dest=$1
-  local index cert
-  index="${PIP_INDEX_URL:-$("$BASE_PYTHON" -m pip config get global.index-url 2>/dev/null || true)}"
-  # Else pip's own default index (asked of pip, so no host is written here).
-  [[ -n "$index" ]] || index="$("$BASE_PYTHON" -c 'from pip._internal.models.index import PyPI; print(PyPI.simple_url)')"
-  cert="${PIP_CERT:-$("$BASE_PYTHON" -m pip config get global.cert 2>/dev/null || true)}"
-  log "fetching vllm-$VLLM_VERSION.tar.gz from pip's index"
-  "$BASE_PYTHON" - "$index" "$cert" "$VLLM_VERSION" "$dest" <<'EOF'
-import hashlib, json, os, re, ssl, sys, urllib.parse, urllib.request
-index, cert, version, dest = sys.argv[1:]
-ctx = ssl.create_default_context(cafile=cert or None)
-name = f"vllm-{version}.tar.gz"
-page = index.rstrip("/") + "/vllm/"
-req = urllib.request.Request(page, headers={
-    "Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
-with urllib.request.urlopen(req, timeout=120, context=ctx) as r:
-    ctype = r.headers.get("Content-Type", "")
-    body = r.read().decode()
-url = sha = None
-if "json" in ctype:
-    for f in json.loads(body)["files"]:
-        if f["filename"] == name:
-            url, sha = f["url"], f["hashes"].get("sha256")
-else:
-    for href in re.findall(r'href="([^"]+)"', body):
-        href = href.replace("&amp;", "&")
-        if urllib.parse.urlsplit(href).path.endswith("/" + name):
-            url, _, frag = href.partition("#")
-            sha = frag.partition("sha256=")[2] or None
-if not url:
-    sys.exit(f"{name} not listed on {page}")
-url = urllib.parse.urljoin(page, url)
-tmp = dest + ".part"
-h = hashlib.sha256()
-with urllib.request.urlopen(url, timeout=600, context=ctx) as r, open(tmp, "wb") as out:
-    while chunk := r.read(1 << 20):
-        h.update(chunk)
-        out.write(chunk)
-if sha and h.hexdigest() != sha:
-    os.unlink(tmp)
-    sys.exit(f"sha256 mismatch for {url}")
-os.replace(tmp, dest)
-EOF
-}
+# fetch_sdist (scripts/lib.sh) takes it from pip's index (PEP 691 JSON,
+# PEP 503 HTML), sha256-checked, honouring pip's index-url and cert
+# settings; where that fails, from pip itself (download_sdist_via_pip).
+SDIST_MARKER=tests/v1/core/test_prefix_caching.py
 
 # Fallback route (see shared README): pip fetches and unpacks the sdist, then
 # fails at its metadata step (building metadata would need a CUDA torch);
@@ -616,7 +525,7 @@ DOCUMENTED_DIFFERENCES=(
 *) DOCUMENTED_DIFFERENCES=() ;;
 esac
 
-declare -A PASS_RC=()   # pass name -> 0 ok / 1 failed
+# PASS_RC (scripts/lib.sh): pass name -> 0 ok / 1 failed
 # 0.34: a temp dir holding the Triton gate as sitecustomize.py, on the off
 # and on passes' PYTHONPATH (set up in main, removed at exit); "" otherwise.
 SITE_DIR=""
@@ -643,7 +552,6 @@ run_pass() {
   cp -r "$HF_FIXTURES" "$hf_tmp/hf"
   chmod -R u+w "$hf_tmp"
   log "pass $name: pytest $* <${#TEST_PATHS[@]} test paths> (log: $log)"
-  local rc=0
   # Run from the sdist root: the tests import `tests.v1.core...` helpers.
   # `python -m pytest` puts the sdist root first on sys.path, so `vllm` is
   # the sdist's source tree in every pass (its Python files are identical to
@@ -671,29 +579,19 @@ run_pass() {
   for kv in "${PASS_ENV[@]}"; do
     [[ $kv != BLOCKPOOL_VLLM_SERVED=* ]] || merge=(--merge-json-env BLOCKPOOL_VLLM_SERVED)
   done
-  env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \
+  # PASS_RC[NAME] (set by runner_pass): 0 the pass completed (its tests'
+  # outcomes are judged by the callers); 1 it did not (collection error, a
+  # hang it could not get past, its time ran out).
+  runner_pass "$name" "$SDIST_ROOT" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \
       HF_HOME="$hf_tmp/hf" PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$FIXTURES_DIR${SITE_DIR:+:$SITE_DIR}" "${PASS_ENV[@]}" \
       KNOWN_IDS="$known_ids" KNOWN_MSGS="$known_msgs" FLAKY_IDS="$flaky" \
-    timeout "$(( PASS_TIMEOUT + 2 * STALL_TIMEOUT + 120 ))" \
-    "$VENV_PY" "$FIXTURES_DIR/vllm_parity_pass.py" --name "$name" --results "$RESULTS_DIR" \
-      --cwd "$SDIST_ROOT" --python "$VENV_PY" --budget "$PASS_TIMEOUT" --stall "$STALL_TIMEOUT" \
-      "${merge[@]}" -- \
+    -- "${merge[@]}" -- \
       --confcutdir=tests/v1 -p "$FIXTURES_MODULE" -p vllm_parity_progress \
       -p no:cacheprovider -p no:blockpool --timeout="$TEST_TIMEOUT" --timeout-method=thread -q -rA \
       "$@" "${IGNORE_ARGS[@]}" "${TEST_PATHS[@]}" \
-    || rc=$?
+    || true
   rm -rf "$hf_tmp"
   PASS_ENV=()
-  # 0: the pass completed (its tests' outcomes are judged by the callers);
-  # anything else: it did not (collection error, a hang it could not get
-  # past, its time ran out).
-  if [[ $rc -ne 0 ]]; then
-    log "pass $name did not complete (exit status $rc), see $log"
-    tail -n 30 "$log" >&2 || true
-    PASS_RC[$name]=1
-    return 0
-  fi
-  PASS_RC[$name]=0
 }
 
 
@@ -857,9 +755,7 @@ compare_passes() {
   local off="$RESULTS_DIR/plugin-off.outcomes" on="$RESULTS_DIR/plugin-on.outcomes"
   [[ -n "${PASS_RC[plugin-on]:-}" && -f "$off" && -f "$on" ]] || return 0
   local report="$RESULTS_DIR/plugin-regressions.txt"
-  awk -F'\t' 'NR == FNR { on[$1] = $2; next }
-              $2 == "passed" && on[$1] != "passed" { print $1 "\t" (($1 in on) ? on[$1] : "missing") }' \
-      "$on" "$off" >"$report"
+  passed_not_in "$off" "$on" >"$report"
   diff "$off" "$on" >"$RESULTS_DIR/plugin-diff.txt" || true
   # KNOWN_FLAKY regressions are moved to their own report, not judged.
   local flaky_report="$RESULTS_DIR/plugin-flaky.txt"
@@ -883,8 +779,7 @@ compare_passes() {
   fi
   local n; n=$(wc -l <"$report")
   local gained
-  gained=$(awk -F'\t' 'NR == FNR { off[$1] = $2; next }
-                       $2 == "passed" && off[$1] != "passed" { n++ } END { print n + 0 }' "$off" "$on")
+  gained=$(passed_not_in "$on" "$off" | wc -l)
   printf 'pass-set diff: %d tests passed with plugin off but not on; %d passed with plugin on but not off\n' \
     "$n" "$gained"
   if [[ $n -eq 0 ]]; then
@@ -910,7 +805,8 @@ main() {
     [[ $p == own ]] || need_sdist=1
   done
   if [[ $need_sdist == 1 ]]; then
-    timed "sdist fetch" fetch_sdist
+    timed "sdist fetch" fetch_sdist vllm "$VLLM_VERSION" "$VLLM_SDIST_SHA256" "$SRC_CACHE" "$SDIST_MARKER" \
+      download_sdist_via_pip
     setup_site_dir
   fi
   for p in $PASSES; do
@@ -922,17 +818,9 @@ main() {
     esac
   done
   compare_passes
-  local k t=""
-  for k in "venv build" "sdist fetch" "plugin-off tests" "repo install" "plugin-on tests" "own tests"; do
-    [[ -z "${TIMINGS[$k]:-}" ]] || t+="$k ${TIMINGS[$k]}s; "
-  done
-  log "timings: ${t}total $(( $(now) - start ))s"
+  log_timings "$start"
   log "results in $RESULTS_DIR"
-  local rc=0 n
-  for n in "${!PASS_RC[@]}"; do
-    [[ ${PASS_RC[$n]} == 0 ]] || { log "FAILED: pass $n"; rc=1; }
-  done
-  return "$rc"
+  passes_verdict "pass "
 }
 
 main "$@"
