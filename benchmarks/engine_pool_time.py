@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The pool's part of a real vLLM engine's scheduler time, per step and per method.
 
-The engine check's yardstick (``python -m blockpool.integrations.vllm.engine_check
+The engine check's yardstick (``python -m blockpool.checking.vllm_engine
 --workload timing``) times the whole of ``Scheduler.schedule`` and
 ``update_from_output``; run to run it drifts by 10-15% on a shared machine,
 more than the 5% it is asked to resolve. This script serves the same
@@ -129,7 +129,7 @@ def time_calls(
 def _child(spec_path: str, out_path: str) -> int:
     """One engine run: the engine check's child, with the pool's and the
     wiring's methods timed; the totals go into the result as ``pool_time``."""
-    from blockpool.integrations.vllm import engine_check as ec
+    from blockpool.checking import vllm_engine as ec
 
     totals: dict[str, list[int]] = {}
     depth = [0]
@@ -329,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import attrs
 
-    from blockpool.integrations.vllm import engine_check as ec
+    from blockpool.checking import vllm_engine as ec
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:

@@ -308,9 +308,9 @@ def wiring_counts(meta: Any, counts: dict[str, int]) -> None:
 def _child(spec_path: str, out_path: str) -> int:
     """One run: build the scheduler in this process's mode, serve the
     workload, write the result as JSON."""
+    from blockpool.checking import vllm_engine as ec
     from blockpool.integrations import vllm as plugin
     from blockpool.integrations.vllm import connectors as vc
-    from blockpool.integrations.vllm import engine_check as ec
 
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
@@ -487,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import attrs
 
-    from blockpool.integrations.vllm import engine_check as ec
+    from blockpool.checking import vllm_engine as ec
 
     model = ec.ModelSpec()
     w = ec.Workload(name="connector", num_blocks=args.num_blocks, requests=args.requests, prefixes=args.prefixes,

@@ -10,7 +10,7 @@ extra), and prints one row per cell (:mod:`blockpool.replay.sweep`). See
 ``docs/replay.md``. ``blockpool check-vllm`` serves a tiny model on the vLLM
 installed here with the vLLM plugin off, on, and on without hazard tracking,
 and compares tokens, prefix-cache hits and KV events
-(:mod:`blockpool.integrations.vllm.engine_check`; its own exit statuses: 0
+(:mod:`blockpool.checking.vllm_engine`; its own exit statuses: 0
 identical, 1 a difference, 2 setup error; ``docs/vllm-plugin.md``).
 
 Exit status: 0 done; 1 the ``exact`` policy showed a race; 2 bad usage or
@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quiet", action="store_true", help="no progress on stderr (the 'sweep: N/M cells' lines)"
     )
     # Imports neither torch nor vLLM: only the check's runs do, in subprocesses.
-    from blockpool.integrations.vllm.engine_check import add_arguments as add_check_vllm_arguments
+    from blockpool.checking.vllm_engine import add_arguments as add_check_vllm_arguments
 
     c = sub.add_parser(
         "check-vllm",
@@ -582,7 +582,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _check_vllm(args: argparse.Namespace) -> int:
-    """``blockpool check-vllm``: :func:`blockpool.integrations.vllm.engine_check.run`;
+    """``blockpool check-vllm``: :func:`blockpool.checking.vllm_engine.run`;
     with ``--surface``, :func:`blockpool.integrations.vllm.surface.report`."""
     if args.surface:
         from blockpool.integrations.vllm.surface import report
@@ -590,7 +590,7 @@ def _check_vllm(args: argparse.Namespace) -> int:
         status, lines = report()
         print("\n".join(lines))
         return status
-    from blockpool.integrations.vllm.engine_check import run
+    from blockpool.checking.vllm_engine import run
 
     return run(args)
 

@@ -1,5 +1,5 @@
 """The engine check's comparison and report logic
-(blockpool.integrations.vllm.engine_check), on hand-made run results: no
+(blockpool.checking.vllm_engine), on hand-made run results: no
 vLLM, torch or model needed (the engine runs themselves are
 scripts/vllm_engine_check.sh)."""
 
@@ -15,9 +15,8 @@ from typing import Any
 import attrs
 import pytest
 
-from blockpool.cli import main as cli_main
-from blockpool.integrations.vllm import engine_check as ec
-from blockpool.integrations.vllm.engine_check import (
+from blockpool.checking import vllm_engine as ec
+from blockpool.checking.vllm_engine import (
     CONNECTOR_MODE,
     EXIT_MISMATCH,
     EXIT_PASS,
@@ -37,6 +36,7 @@ from blockpool.integrations.vllm.engine_check import (
     plugin_lines,
     step_stats,
 )
+from blockpool.cli import main as cli_main
 
 
 def stored(hashes: list[int], parent: int | None = None, tokens: list[int] | None = None) -> dict[str, Any]:
@@ -577,7 +577,7 @@ def test_format_report_of_a_failed_run() -> None:
 
 def test_importing_the_check_and_the_cli_loads_neither_torch_nor_vllm() -> None:
     code = (
-        "import sys, blockpool.cli, blockpool.integrations.vllm.engine_check as e; "
+        "import sys, blockpool.cli, blockpool.checking.vllm_engine as e; "
         "blockpool.cli.build_parser(); e.build_prompts(e.WORKLOADS['timing']); "
         "assert 'torch' not in sys.modules and 'vllm' not in sys.modules and 'transformers' not in sys.modules"
     )

@@ -169,7 +169,7 @@ def test_failed_recving_fails_every_groups_part_of_the_request(manager: KVCacheM
 def test_the_engine_checks_hybrid_model_alternates_sliding_window_and_full_attention(tmp_path: Any) -> None:
     import json
 
-    from blockpool.integrations.vllm.engine_check import WORKLOADS, ModelSpec, _ensure_model
+    from blockpool.checking.vllm_engine import WORKLOADS, ModelSpec, _ensure_model
 
     w = WORKLOADS["hybrid"]
     w.validate(ModelSpec())

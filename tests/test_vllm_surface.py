@@ -168,7 +168,7 @@ def test_select_refuses_an_undeclared_line_unless_asked_to_try() -> None:
 def test_surface_report_without_vllm_says_so_with_status_2(
     monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    monkeypatch.setattr(plugin, "vllm_version", lambda: None)
+    monkeypatch.setattr("blockpool.integrations.vllm.wiring.vllm_version", lambda: None)
     assert cli_main(["check-vllm", "--surface"]) == 2
     assert capsys.readouterr().out == "vLLM is not installed here\n"
 

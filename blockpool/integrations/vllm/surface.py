@@ -2375,7 +2375,7 @@ def select(version: str | None, *, any_version: bool = False) -> Surface:
             ``any_version``) no line's markers are all present, or
             (without) the version's line is not declared.
     """
-    from blockpool.integrations.vllm import release_line
+    from blockpool.integrations.vllm.wiring import release_line
 
     rl = release_line(version)
     line = None if rl is None else f"{rl[0]}.{rl[1]}"
@@ -2408,7 +2408,7 @@ def active() -> Surface:
     """
     global _ACTIVE
     if _ACTIVE is None:
-        from blockpool.integrations.vllm import vllm_version
+        from blockpool.integrations.vllm.wiring import vllm_version
 
         _ACTIVE = select(vllm_version(), any_version=True)
     return _ACTIVE
@@ -2430,7 +2430,7 @@ def report(version: str | None = None) -> tuple[int, list[str]]:
     names the connectors a valid setting leaves unwired), 2 no vLLM
     installed or no declared line fits.
     """
-    from blockpool.integrations.vllm import vllm_version
+    from blockpool.integrations.vllm.wiring import vllm_version
 
     version = version if version is not None else vllm_version()
     if version is None:
@@ -2475,7 +2475,7 @@ def _unwired_setting() -> tuple[bool, str | None]:
     import os
 
     from blockpool.core.errors import InvalidArgumentError
-    from blockpool.integrations.vllm import connectors
+    from blockpool.integrations.vllm import wiring as connectors
 
     raw = os.environ.get(connectors.ENV_UNWIRED, "").strip()
     try:

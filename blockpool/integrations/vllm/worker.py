@@ -70,22 +70,20 @@ import torch
 
 from blockpool.core.errors import BlockPoolError
 from blockpool.core.hazards import Fence, StreamKind, Token
-from blockpool.integrations.vllm import ENV_HAZARDS
-from blockpool.integrations.vllm import lmcache as lmcache_wiring
-from blockpool.integrations.vllm import lmcache_mp as lmcache_mp_wiring
 from blockpool.integrations.vllm.audit import MODE_AUDIT, Audit, device_covered_by
-from blockpool.integrations.vllm.connectors import (
+from blockpool.integrations.vllm.connectors import MOONCAKE, NIXL, OFFLOADING
+from blockpool.integrations.vllm.hazards import StepRecord, Transfer
+from blockpool.integrations.vllm.wiring import (
     CONNECTORS,
+    ENV_HAZARDS,
     META_LOAD,
     META_STEP,
     META_STOCK,
     META_STORE,
-    MOONCAKE,
-    NIXL,
-    OFFLOADING,
+    WORKER_HALVES,
+    Patcher,
+    register_worker_half,
 )
-from blockpool.integrations.vllm.hazards import StepRecord, Transfer
-from blockpool.integrations.vllm.lmcache import LMCACHE
 from blockpool.worker.torch_events import EventLedger, event_factory
 
 __all__ = [
@@ -527,8 +525,6 @@ def _rank() -> int:
 # the wrappers
 # ----------------------------------------------------------------------
 
-Patcher = Callable[[Any, str, Callable[[Any], Any]], None]
-
 
 def _wire_base(patch: Patcher) -> None:
     base = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
@@ -938,21 +934,20 @@ def _wire_nixl(patch: Patcher) -> None:
     patch(mod.NixlPullConnectorWorker, "start_load_kv", wrap_start)
 
 
-_WORKER_WIRING: dict[str, Callable[[Patcher], None]] = {
-    MOONCAKE: _wire_mooncake,
-    OFFLOADING: _wire_offloading,
-    NIXL: _wire_nixl,
-    LMCACHE: lmcache_wiring.wire_worker,
-    lmcache_mp_wiring.LMCACHE_MP: lmcache_mp_wiring.wire_worker,
-}
+register_worker_half(MOONCAKE, _wire_mooncake)
+register_worker_half(OFFLOADING, _wire_offloading)
+register_worker_half(NIXL, _wire_nixl)
 
 SCHEDULER_ONLY_STREAMS: frozenset[str] = frozenset(
-    stream for name, spec in CONNECTORS.items() if name not in _WORKER_WIRING for stream in spec.streams
+    stream for name, spec in CONNECTORS.items() if name not in WORKER_HALVES for stream in spec.streams
 )
 """Streams of connectors wired on the scheduler only (SimpleCPUOffload's
 ``simple_cpu_h2d``, ``simple_cpu_d2h``): no worker records their tokens, so
 worker-side waits leave them out (:meth:`WorkerHazards.waitable`) and
-vLLM's own synchronisation orders those transfers, as in stock vLLM."""
+vLLM's own synchronisation orders those transfers, as in stock vLLM. Read
+from the registries when this module is imported: the package's
+``__init__`` imports every connector module (each registers its halves)
+before anything can import this one."""
 
 
 def wire(patch: Patcher, connectors: Iterable[str], errors: dict[str, str] | None = None) -> list[str]:
@@ -972,7 +967,7 @@ def wire(patch: Patcher, connectors: Iterable[str], errors: dict[str, str] | Non
     scheduler half). O(connectors).
     """
     named = list(connectors)
-    names = [n for n in named if n in _WORKER_WIRING]
+    names = [n for n in named if n in WORKER_HALVES]
     if not names:
         return named
     failed: set[str] = set()
@@ -1014,7 +1009,7 @@ def wire(patch: Patcher, connectors: Iterable[str], errors: dict[str, str] | Non
         left_out(names, shared)
     else:
         for name in names:
-            exc = attempt((_WORKER_WIRING[name],))
+            exc = attempt((WORKER_HALVES[name],))
             if exc is not None:
                 left_out([name], exc)
     return [n for n in named if n not in failed]

@@ -1,6 +1,6 @@
 """Proof by serving a model: a real vLLM engine, plugin off and on.
 
-``python -m blockpool.integrations.vllm.engine_check`` (or ``blockpool
+``python -m blockpool.checking.vllm_engine`` (or ``blockpool
 check-vllm``) starts vLLM's engine in this environment on a tiny Llama built
 locally (random weights, seeded; nothing from a model hub) and serves the
 same workload of token-id prompts once per mode (:data:`MODES`), each run in its own
@@ -1045,7 +1045,7 @@ def _run_one(
     with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
     env = mode_env(mode, os.environ, off_by)
-    cmd = [sys.executable, "-m", "blockpool.integrations.vllm.engine_check", "--child", spec_path, out_path]
+    cmd = [sys.executable, "-m", "blockpool.checking.vllm_engine", "--child", spec_path, out_path]
     name = f"{w.name}/{mode}" + (f" (repetition {rep})" if rep > 1 else "")
     _progress(f"{name}: starting vLLM (log: {log_path})")
     t0 = time.perf_counter()
@@ -1300,13 +1300,13 @@ def _find_spec(name: str) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m blockpool.integrations.vllm.engine_check [options]``: parse
+    """``python -m blockpool.checking.vllm_engine [options]``: parse
     ``argv`` and :func:`run`. (``--child SPEC OUT`` is the run subprocess.)"""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--child"] and len(argv) == 3:
         return _child(argv[1], argv[2])
     p = argparse.ArgumentParser(
-        prog="python -m blockpool.integrations.vllm.engine_check",
+        prog="python -m blockpool.checking.vllm_engine",
         description="Serve a tiny model on this vLLM with the blockpool plugin off, on, and on without hazard "
         "tracking; compare tokens, prefix-cache hits and KV events.",
     )
