@@ -67,7 +67,7 @@ from typing import Final, Generic, Literal, TypeVar
 from blockpool.core.errors import InvalidArgumentError, InvariantError
 from blockpool.core.hazards import EMPTY_FENCE, Fence, Token
 
-__all__ = ["UNKNOWN", "PageAccount", "as_fence"]
+__all__ = ["UNKNOWN", "PageAccount", "TransferCounters", "as_fence", "classify"]
 
 logger = logging.getLogger("blockpool.integrations.sglang")
 
@@ -488,6 +488,80 @@ class PageAccount(Generic[T]):
         if free_len is None and staged_len is None:
             return self._armed
         return self.check(self._free if free_len is None else free_len, staged_len)
+
+
+def classify(fence: frozenset[int] | None, tail: int) -> Literal["early", "tail", "unknown"]:
+    """How a transfer's exact fence compares with the stream tail SGLang's
+    ``wait_stream`` waits on, for integer tags that count forwards (the
+    ``n``-th forward enqueued is tag ``n``; ``tail`` is the newest enqueued).
+
+    ``"unknown"``: no fence (the transfer keeps ``wait_stream``);
+    ``"early"``: the fence is empty or names only forwards before the tail,
+    so the transfer may start before the tail forward ends; ``"tail"``: it
+    names the tail itself (no gain). O(len(fence)).
+
+    >>> classify(frozenset({3, 4}), 5), classify(frozenset({5}), 5), classify(None, 5)
+    ('early', 'tail', 'unknown')
+    """
+    if fence is None:
+        return "unknown"
+    return "early" if not fence or max(fence) < tail else "tail"
+
+
+class TransferCounters:
+    """Counts of HiCache transfers by how their exact fence compares with
+    the stream tail (:func:`classify`), for loads (host to device) and
+    writes (device to host): what audit mode reports and what the SGLang
+    replay (:mod:`blockpool.replay.sglang`) computes.
+
+    Attributes (ints, each a count since construction): ``loads``,
+    ``loads_early``, ``loads_unknown``, ``load_pages``,
+    ``load_pages_early``, and the same five for ``writes``.
+    """
+
+    __slots__ = (
+        "load_pages",
+        "load_pages_early",
+        "loads",
+        "loads_early",
+        "loads_unknown",
+        "write_pages",
+        "write_pages_early",
+        "writes",
+        "writes_early",
+        "writes_unknown",
+    )
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+    def record(
+        self, kind: Literal["load", "write"], pages: int, verdict: Literal["early", "tail", "unknown"]
+    ) -> None:
+        """Count one transfer of ``pages`` pages with ``verdict`` (from
+        :func:`classify`). O(1).
+
+        Raises:
+            InvalidArgumentError: ``kind`` or ``verdict`` is not one of
+                the names above, or ``pages`` is not an int ``>= 0``
+                (nothing counted).
+        """
+        _count(pages, "pages")
+        if kind not in ("load", "write") or verdict not in ("early", "tail", "unknown"):
+            raise InvalidArgumentError(f"unknown transfer kind {kind!r} or verdict {verdict!r}")
+        p = kind + "s"
+        setattr(self, p, getattr(self, p) + 1)
+        setattr(self, kind + "_pages", getattr(self, kind + "_pages") + pages)
+        if verdict == "early":
+            setattr(self, p + "_early", getattr(self, p + "_early") + 1)
+            setattr(self, kind + "_pages_early", getattr(self, kind + "_pages_early") + pages)
+        elif verdict == "unknown":
+            setattr(self, p + "_unknown", getattr(self, p + "_unknown") + 1)
+
+    def as_dict(self) -> dict[str, int]:
+        """The counts by name. O(1)."""
+        return {name: getattr(self, name) for name in sorted(self.__slots__)}
 
 
 def as_fence(tags: Iterable[Token]) -> Fence:

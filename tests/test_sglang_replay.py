@@ -1,0 +1,95 @@
+"""The SGLang replay (:mod:`blockpool.replay.sglang`) on small workloads
+whose counts can be followed by hand, and the counters it shares with audit
+mode (:class:`TransferCounters`, :func:`classify`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockpool.core.errors import InvalidArgumentError
+from blockpool.integrations.sglang.account import TransferCounters, classify
+from blockpool.replay.sglang import SGLangReplayConfig, main, replay_sglang, tiny_workload
+
+
+def test_one_request_writes_its_prompt_pages() -> None:
+    # Admitted at step 1, prefill forward 2, one decode forward 3. Its 4 prompt pages are
+    # written when forward 2's result is processed (step 3: the tail is forward 3).
+    req = tiny_workload()[:1]
+    free = replay_sglang(req, SGLangReplayConfig(device_pages=12))
+    assert (free.steps, free.requests, free.evictions) == (4, 1, 0)
+    assert (free.counters["writes"], free.counters["writes_early"], free.counters["loads"]) == (4, 0, 0)
+    node = replay_sglang(req, SGLangReplayConfig(device_pages=12, tags="node"))
+    assert node.counters["writes_early"] == 4  # their writer, forward 2, is older than the tail
+
+
+@pytest.mark.parametrize(
+    ("tags", "placement", "loads_early", "load_pages_early", "writes_early"),
+    [
+        ("free", "lifo", 0, 0, 0),
+        ("free", "cold", 1, 2, 0),
+        ("node", "lifo", 0, 0, 15),
+        ("node", "cold", 1, 2, 15),
+    ],
+)
+def test_tiny_workload(
+    tags: str, placement: str, loads_early: int, load_pages_early: int, writes_early: int
+) -> None:
+    cfg = SGLangReplayConfig(device_pages=12, tags=tags, placement=placement, max_running=2)
+    r = replay_sglang(tiny_workload(), cfg)
+    assert (r.steps, r.requests, r.skipped, r.evictions) == (13, 6, 0, 9)
+    c = r.counters
+    assert (c["loads"], c["load_pages"], c["writes"], c["write_pages"]) == (
+        2,
+        5,
+        15,
+        15,
+    )  # 15 distinct blocks
+    assert (c["loads_early"], c["load_pages_early"], c["writes_early"]) == (
+        loads_early,
+        load_pages_early,
+        writes_early,
+    )
+    assert c["loads_unknown"] == c["writes_unknown"] == 0
+
+
+def test_requests_larger_than_the_pool_are_skipped() -> None:
+    r = replay_sglang(tiny_workload(), SGLangReplayConfig(device_pages=5, max_running=1))
+    assert (r.requests, r.skipped) == (3, 3)  # 5-block prompts plus a scratch page do not fit
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"device_pages": 0}, {"tags": "tail"}, {"placement": "fifo"}, {"max_running": True}]
+)
+def test_bad_config(kwargs: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        SGLangReplayConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_config_type() -> None:
+    with pytest.raises(InvalidArgumentError):
+        replay_sglang(tiny_workload(), {"device_pages": 4})  # type: ignore[arg-type]
+
+
+def test_main_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--device-pages", "12", "--max-running", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[4] == "| node | lifo | 2 | 0 (0.0%) | 0 (0.0%) | 15 | 15 (100.0%) | 13 | 9 |"
+
+
+def test_classify_and_counters() -> None:
+    assert classify(frozenset(), 3) == "early"
+    assert classify(frozenset({2}), 3) == "early"
+    assert classify(frozenset({1, 3}), 3) == "tail"
+    assert classify(None, 3) == "unknown"
+    c = TransferCounters()
+    c.record("load", 3, "early")
+    c.record("load", 2, "tail")
+    c.record("write", 1, "unknown")
+    d = c.as_dict()
+    assert (d["loads"], d["loads_early"], d["load_pages"], d["load_pages_early"]) == (2, 1, 5, 3)
+    assert (d["writes"], d["writes_unknown"], d["writes_early"]) == (1, 1, 0)
+    with pytest.raises(InvalidArgumentError):
+        c.record("copy", 1, "early")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        c.record("load", -1, "early")
+    assert c.as_dict() == d
