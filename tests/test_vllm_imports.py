@@ -29,7 +29,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("events", "blocks"),
     ("surface",),
     ("wiring",),
-    ("hazards", "audit", "served"),
+    ("hazards", "audit"),
+    ("served",),
 )
 """The integration's modules by layer, top first (``__init__``: the
 package's own module, the plugin's entry point)."""

@@ -85,6 +85,7 @@ from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import InvalidArgumentError, UnknownStreamError
 from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, StreamKind, Token
 from blockpool.core.pool import HazardAwareBlockPool
+from blockpool.integrations.vllm.served import SERVED
 
 __all__ = [
     "COMPUTE",
@@ -814,8 +815,7 @@ class StepHazards:
             self._lease(stream, k, t)
         if len(parts) > 1:
             self.pool.link_loads([p.token for p in parts])
-        self.transfers_begun += 1
-        self.fences_nonempty += bool(fence.tokens)
+        self._count_begun(t)
         return t
 
     def begin_store(
@@ -837,9 +837,21 @@ class StepHazards:
         self._stores.setdefault(k, []).append(t)
         if stream in self._give_up:
             self._lease(stream, k, t)
-        self.transfers_begun += 1
-        self.fences_nonempty += bool(fence.tokens)
+        self._count_begun(t)
         return t
+
+    def _count_begun(self, t: Transfer) -> None:
+        """The one count of a transfer begun (:meth:`begin_load`,
+        :meth:`begin_store`): this pool's ``transfers_begun`` and
+        ``fences_nonempty``, and the process's
+        :data:`~blockpool.integrations.vllm.served.SERVED` (``transfers_fenced``,
+        ``fences_nonempty``), which the connector wirings read instead of
+        counting their own. O(1)."""
+        nonempty = bool(t.fence.tokens)
+        self.transfers_begun += 1
+        self.fences_nonempty += nonempty
+        SERVED.transfers_fenced += 1
+        SERVED.fences_nonempty += nonempty
 
     def finish(self, key: Hashable, *, failed: bool = False) -> int:
         """End every load and store begun under ``key`` (for connectors that
@@ -848,11 +860,14 @@ class StepHazards:
         keys are ignored. Returns the number of transfers ended. O(transfers
         under ``key``).
         """
+        pool = self.pool
         n = 0
-        end = self.pool.fail if failed else self.pool.complete
         for table in (self._loads, self._stores):
             for t in table.pop(key, ()):
-                end(t.token)
+                if failed:
+                    pool.fail(t.token)
+                else:
+                    pool.complete(t.token)
                 n += 1
         return n
 

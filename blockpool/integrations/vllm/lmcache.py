@@ -171,7 +171,6 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
     """Begin the loads and stores LMCache planned in ``meta`` (see the
     module docstring); they end with the step's output."""
     from blockpool.core.errors import UnsafeTransferError
-    from blockpool.integrations.vllm.served import SERVED
 
     impl = conn._lmcache_engine
     requests = getattr(meta, "requests", None)
@@ -209,8 +208,6 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
                     _run_as_stock(hz, w, rm.req_id, blocks, exc)
                 else:
                     begun.append(key)
-                    SERVED.transfers_fenced += 1
-                    SERVED.fences_nonempty += bool(t.fence.tokens)
                     setattr(rm, META_LOAD, t.to_wire())
         ss = rm.save_spec
         if role == "kv_consumer" or not (role == "kv_producer" or (ss is not None and ss.can_save)):
@@ -228,8 +225,6 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
                 ss.can_save = False
             continue
         begun.append(key)
-        SERVED.transfers_fenced += 1
-        SERVED.fences_nonempty += bool(t.fence.tokens)
         setattr(rm, META_STORE, t.to_wire())
     for key in dict.fromkeys(begun):
         hz.end_with_step(key)

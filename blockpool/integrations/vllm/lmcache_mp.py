@@ -196,7 +196,6 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
     """Begin the retrieves and stores LMCache planned in ``meta`` (see the
     module docstring)."""
     from blockpool.core.errors import UnsafeTransferError
-    from blockpool.integrations.vllm.served import SERVED
 
     requests = getattr(meta, "requests", None)
     if not requests:
@@ -221,8 +220,6 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
                     # consumes the lookup's locks as it does in stock.
                     fall_back(w.name, "load refused by the pool", f"request {rm.request_id!r}: {exc}")
                     continue
-                SERVED.transfers_fenced += 1
-                SERVED.fences_nonempty += bool(t.fence.tokens)
                 setattr(rm, META_LOAD, t.to_wire())
         elif rm.direction == "STORE":
             n = conn.__dict__.get("_blockpool_stores_begun", 0) + 1

@@ -4,8 +4,9 @@ Written by three parts of the integration, none of which owns it: the pool
 adapter (:class:`~blockpool.integrations.vllm.pool.VllmBlockPool`:
 allocations, frees, hits, blocks cached), the scheduler wiring
 (:mod:`blockpool.integrations.vllm`: steps issued and ended, copy batches)
-and the connector wiring (:mod:`~blockpool.integrations.vllm.connectors`:
-fenced transfers). Read by the parity harness's pytest plugin
+and the hazard wiring (:class:`~blockpool.integrations.vllm.hazards.StepHazards`:
+each connector transfer begun is counted once, where it begins on the pool,
+in that pool's ``transfers_begun`` and ``fences_nonempty`` and here). Read by the parity harness's pytest plugin
 (:mod:`~blockpool.integrations.vllm.pytest_plugin`) as the proof that the
 core, not vLLM's pool, did the work. Imports neither vLLM nor torch.
 """

@@ -26,7 +26,8 @@ Layers, top to bottom (each imports only from below it)::
     pool, events, blocks        (vLLM)
     surface
     wiring
-    hazards, audit, served
+    hazards, audit
+    served
 
 ``tests/test_vllm_imports.py`` holds the package to them.
 """
@@ -44,9 +45,9 @@ from typing import Any
 
 import attrs
 
+from blockpool.core.errors import UnsafeTransferError
 from blockpool.core.hazards import StreamKind
-from blockpool.integrations.vllm.hazards import StepHazards, Transfer, engine_give_up
-from blockpool.integrations.vllm.served import SERVED
+from blockpool.integrations.vllm.hazards import StepHazards, engine_give_up
 
 __all__ = [
     "CONNECTORS",
@@ -202,14 +203,38 @@ class ConnectorWiring:
         return record.to_wire(), forward_fence.to_wire()
 
     def load(self, request_id: str, block_ids: Iterable[int], stream: str, key: Hashable = None) -> Any:
-        """Begin a load into ``block_ids`` (unusable ids skipped); its wire
-        form, or ``None`` when no block is left."""
-        return self._begin(self.hazards.begin_load, request_id, block_ids, stream, key)
+        """Begin a load into ``block_ids`` (unusable ids skipped) on the
+        pool (:meth:`StepHazards.begin_load`, which counts it); its wire
+        form, or ``None`` when no block is left or the pool refused it
+        (:meth:`_refused`)."""
+        blocks = self.hazards.blocks_of(block_ids)
+        if not blocks:
+            return None
+        try:
+            t = self.hazards.begin_load(request_id, blocks, stream, key=key)
+        except UnsafeTransferError as exc:
+            self._refused("load", request_id, exc)
+            return None
+        if key is not None:
+            self.pending.add(key)
+        return t.to_wire()
 
     def store(self, request_id: str, block_ids: Iterable[int], stream: str, key: Hashable = None) -> Any:
-        """Begin a store from ``block_ids`` (unusable ids skipped); its wire
-        form, or ``None`` when no block is left."""
-        return self._begin(self.hazards.begin_store, request_id, block_ids, stream, key)
+        """Begin a store from ``block_ids`` (unusable ids skipped) on the
+        pool (:meth:`StepHazards.begin_store`, which counts it); its wire
+        form, or ``None`` when no block is left or the pool refused it
+        (:meth:`_refused`)."""
+        blocks = self.hazards.blocks_of(block_ids)
+        if not blocks:
+            return None
+        try:
+            t = self.hazards.begin_store(request_id, blocks, stream, key=key)
+        except UnsafeTransferError as exc:
+            self._refused("store", request_id, exc)
+            return None
+        if key is not None:
+            self.pending.add(key)
+        return t.to_wire()
 
     def finish(self, key: Hashable, *, failed: bool = False) -> int:
         """End the transfers begun under ``key``; see :meth:`StepHazards.finish`."""
@@ -237,37 +262,16 @@ class ConnectorWiring:
             return 0
         return self.finish(key, failed=key in self.failed_reports)
 
-    def _begin(
-        self,
-        begin: Callable[..., Transfer],
-        request_id: str,
-        block_ids: Iterable[int],
-        stream: str,
-        key: Hashable,
-    ) -> Any:
-        from blockpool.core.errors import UnsafeTransferError
-
-        blocks = self.hazards.blocks_of(block_ids)
-        if not blocks:
-            return None
-        try:
-            t = begin(request_id, blocks, stream, key=key)
-        except UnsafeTransferError as exc:
-            # The pool refused it (a load into a block another request still
-            # reads, a store of content a failed load left bad): not begun in
-            # the pool, nothing changed there, and no exception out of vLLM's
-            # scheduler. Without a wire form the worker keeps vLLM's own path
-            # for it (vLLM's own waits, as stock: never weaker).
-            logger.warning(
-                "blockpool: %s: %s of request %r not fenced, left to vLLM's own path: %s",
-                self.name, begin.__name__.removeprefix("begin_"), request_id, exc,
-            )  # fmt: skip
-            return None
-        if key is not None:
-            self.pending.add(key)
-        SERVED.transfers_fenced += 1
-        SERVED.fences_nonempty += bool(t.fence.tokens)
-        return t.to_wire()
+    def _refused(self, kind: str, request_id: str, exc: UnsafeTransferError) -> None:
+        """The pool refused a ``kind`` transfer (a load into a block another
+        request still reads, a store of content a failed load left bad): not
+        begun in the pool, nothing changed there, and no exception out of
+        vLLM's scheduler. Without a wire form the worker keeps vLLM's own
+        path for it (vLLM's own waits, as stock: never weaker). One warning."""
+        logger.warning(
+            "blockpool: %s: %s of request %r not fenced, left to vLLM's own path: %s",
+            self.name, kind, request_id, exc,
+        )  # fmt: skip
 
 
 def wiring_of(obj: object) -> ConnectorWiring | None:
