@@ -81,12 +81,10 @@ def test_every_connector_function_the_wiring_wraps_has_a_body_fingerprint() -> N
 
 # The bodies a replaced wait or a step wrapper relies on, with the group a
 # drift of each affects (None: the install is refused whole).
+_MOONCAKE_W = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker"
 _RELIED_ON = {
-    "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker:KVCacheStoreSendingThread._handle_request": (
-        "mooncake_store"
-    ),
-    "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker:"
-    "KVCacheStoreSendingThread._maybe_offload_boundary_states": "mooncake_store",
+    f"{_MOONCAKE_W}:KVCacheStoreSendingThread._handle_request": "mooncake_store",
+    f"{_MOONCAKE_W}:KVCacheStoreSendingThread._maybe_offload_boundary_states": "mooncake_store",
     "vllm.v1.core.kv_cache_manager:KVCacheManager.take_kv_cache_block_copies": None,
     "vllm.v1.core.sched.scheduler:Scheduler.schedule": None,
     "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": None,
@@ -228,10 +226,8 @@ def test_check_vllm_surface_prints_the_table_with_status_0(vllm_installed: str, 
     assert cli_main(["check-vllm", "--surface"]) == 0
     out = capsys.readouterr().out.splitlines()
     surface = vs.select(vllm_installed)
-    assert (
-        out[0]
-        == f"vLLM {vllm_installed}: declared surface of vLLM {surface.line} ({len(surface.all_names())} names)"
-    )
+    count = len(surface.all_names())
+    assert out[0] == f"vLLM {vllm_installed}: declared surface of vLLM {surface.line} ({count} names)"
     absent = [row for row in out[2:] if row.startswith("unavailable here")]
     assert len(out) == len(surface.all_names()) + 3 + len(absent)
     assert all(row.startswith(("ok ", "unavailable ")) for row in out[2 : -1 - len(absent)])
@@ -446,7 +442,7 @@ def test_a_changed_body_of_the_mooncake_send_threads_handle_request_leaves_moonc
     def _handle_request(self: Any, req_meta: Any) -> None:
         return None  # same parameters, another body: no wait at all
 
-    target = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker:KVCacheStoreSendingThread._handle_request"
+    target = f"{_MOONCAKE_W}:KVCacheStoreSendingThread._handle_request"
     _doctor(monkeypatch, target, _handle_request)
     (drift,) = [d for d in vs.check(vs.select(vllm_installed)) if d.name.target == target]
     assert (drift.status, drift.found) == ("body", f"body {vs.fingerprint(_handle_request)}")

@@ -10,10 +10,29 @@ switches of :class:`Surface`) instead of probing vLLM for names.
 
 A line is recognised by the presence of its own names (its
 :attr:`Surface.markers`, each with its signature), never by the absence of
-another line's. Adding a release line is one new declaration (usually
-``attrs.evolve`` of the newest one with the names that changed) plus the
-code for what really changed; ``blockpool check-vllm --surface`` against
-the new release prints every drifted name.
+another line's.
+
+One table, and each later line as its changes: the first declared line
+(0.32) is written out whole, one :class:`Name` per row; every later line
+is :func:`derive` of the line before it with only what its release
+changed: the rows whose signature, body fingerprint or use changed (each
+replacing the row of the same target in place), the rows it added (after
+a named row), the targets it removed, and the switches that differ. A
+row, a switch or a connector not named in a line's delta is inherited
+unchanged. Adding the next vLLM line is therefore::
+
+    _LINE_035 = derive(
+        _LINE_034,
+        "0.35",
+        changed=(_n(f"{_SCHED}:Scheduler.schedule", "self, throttle_prefills", fp="...", use="wrapped"),),
+        removed=(f"{_MGR}:KVCacheManager.get_blocks",),
+        evict_first=True,
+    )
+
+plus the code for what really changed; ``blockpool check-vllm --surface``
+against the new release prints every drifted row (the rows to put in
+``changed``), and ``derive`` refuses a delta row that changes nothing or
+names a row the line before does not have.
 
 What a drift does (:func:`check`, at ``register()``):
 
@@ -57,7 +76,8 @@ import hashlib
 import importlib
 import inspect
 import textwrap
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -134,11 +154,16 @@ class Surface:
     """The vLLM names of one release line, and the switches for what
     differs between lines.
 
+    A line is one table of rows (:attr:`rows`, one :class:`Name` per
+    target); its rows whose ``use`` is ``"marker"`` are its
+    :attr:`markers`, the others its :attr:`names`. The first declared line
+    is written out whole; :func:`derive` builds each later one from the
+    line before it and the rows that changed.
+
     Attributes:
         line: ``"major.minor"`` (``"0.34"``).
-        markers: Names (with signatures) only this line has: the line is
-            recognised by their presence.
-        names: Every other name the plugin depends on in this line.
+        rows: Every name the plugin depends on in this line, markers
+            included, in table order.
         event_extra_keys: ``BlockPool``'s method computing a block's event
             extra keys (``"generate_event_extra_keys"``), or ``None`` where
             the pool has none and ``kv_cache_utils.generate_block_hash_extra_keys``
@@ -159,11 +184,18 @@ class Surface:
             copies in ``failed_jobs``.
         connectors: The KV connectors whose wiring was reviewed against
             this line; the plugin leaves any other connector unwired here.
+        markers: The rows whose ``use`` is ``"marker"``, in table order:
+            names (with signatures) only this line has, by whose presence
+            it is recognised (computed from :attr:`rows`).
+        names: The other rows, in table order (computed).
+
+    Raises:
+        InvalidArgumentError: two rows name one target, or no row is a
+            marker (a line nothing would recognise).
     """
 
     line: str
-    markers: tuple[Name, ...]
-    names: tuple[Name, ...]
+    rows: tuple[Name, ...]
     event_extra_keys: str | None
     lookahead_token_ids: str | None
     access_hook_on_null: bool
@@ -172,15 +204,33 @@ class Surface:
     v1_model_runner: bool
     offloading_failed_jobs: bool
     connectors: tuple[str, ...] = ()
+    markers: tuple[Name, ...] = attrs.field(init=False, default=(), eq=False, repr=False)
+    names: tuple[Name, ...] = attrs.field(init=False, default=(), eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        counts = Counter(n.target for n in self.rows)
+        twice = sorted(t for t, c in counts.items() if c > 1)
+        if twice:
+            raise InvalidArgumentError(f"vLLM {self.line}: rows declared twice: {', '.join(twice)}")
+        markers = tuple(n for n in self.rows if n.use == "marker")
+        if not markers:
+            raise InvalidArgumentError(f"vLLM {self.line}: no marker row (nothing would recognise the line)")
+        object.__setattr__(self, "markers", markers)
+        object.__setattr__(self, "names", tuple(n for n in self.rows if n.use != "marker"))
 
     def all_names(self) -> tuple[Name, ...]:
-        """Markers then names. O(names)."""
+        """Markers then names (the order :func:`check` and the printed
+        table use). O(names)."""
         return self.markers + self.names
+
+    def row(self, target: str) -> Name | None:
+        """The row declaring ``target`` (``"module:Qualified.name"``), or
+        ``None``. O(names)."""
+        return next((n for n in self.rows if n.target == target), None)
 
     def declares(self, module: str, qualname: str) -> bool:
         """Whether ``module:qualname`` is declared (a marker or a name). O(names)."""
-        target = f"{module}:{qualname}"
-        return any(n.target == target for n in self.all_names())
+        return self.row(f"{module}:{qualname}") is not None
 
     def connector_names(self, connector: str) -> tuple[Name, ...]:
         """The names that belong to ``connector``. O(names)."""
@@ -404,13 +454,98 @@ def check(surface: Surface, names: Iterable[Name] | None = None) -> list[Drift]:
 
 
 # ----------------------------------------------------------------------
+# deriving a line from the one before
+# ----------------------------------------------------------------------
+
+
+def derive(
+    base: Surface,
+    line: str,
+    *,
+    changed: Iterable[Name] = (),
+    added: Mapping[str, Iterable[Name]] | None = None,
+    removed: Iterable[str] = (),
+    **switches: Any,
+) -> Surface:
+    """The release line ``line`` as the rows its release changed from
+    ``base``'s: every other row, and every switch not given, is
+    ``base``'s.
+
+    - each row of ``changed`` replaces ``base``'s row of the same target,
+      in its place in the table (a marker of ``base`` that is a plain name
+      in ``line`` is a changed row, and so is a name that becomes a
+      marker);
+    - ``added`` maps the target of a row to the new rows that follow it in
+      the table, in order (the anchor may be a changed or an added row);
+    - each target of ``removed`` leaves the table;
+    - ``switches`` are :class:`Surface` fields other than ``line`` and
+      ``rows`` (``evict_first=True``, ``connectors=(...)``).
+
+    ``base`` is not changed. O(rows + delta).
+
+    >>> old = Surface("9.0", (Name("m:f", ("x",), use="marker"), Name("m:g")), None, None,
+    ...               False, False, False, False, False)
+    >>> new = derive(old, "9.1", changed=(Name("m:f", ("x", "y"), use="marker"),),
+    ...              added={"m:f": (Name("m:h"),)}, removed=("m:g",), evict_first=True)
+    >>> [(n.target, n.params) for n in new.rows], new.evict_first, len(old.rows)
+    ([('m:f', ('x', 'y')), ('m:h', None)], True, 2)
+
+    Raises:
+        InvalidArgumentError: a changed row names a target ``base`` does
+            not declare, or is the same as ``base``'s row; an added row
+            names a target the line already declares; an anchor of
+            ``added`` or a removed target is not in the table; a target is
+            both changed and removed; a switch is not a :class:`Surface`
+            field (or is ``line`` or ``rows``); or the line would declare
+            no marker.
+    """
+    changed, gone = tuple(changed), set(removed)
+    table = list(base.rows)
+    where = {n.target: i for i, n in enumerate(table)}
+    for row in changed:
+        i = where.get(row.target)
+        if i is None:
+            raise InvalidArgumentError(
+                f"vLLM {line}: changed row {row.target} is not declared in {base.line}"
+            )
+        if table[i] == row:
+            raise InvalidArgumentError(f"vLLM {line}: changed row {row.target} is as {base.line} declares it")
+        table[i] = row
+    for anchor, rows in (added or {}).items():
+        targets = [n.target for n in table]
+        if anchor not in targets:
+            raise InvalidArgumentError(f"vLLM {line}: rows added after {anchor}, which is not in the table")
+        i = targets.index(anchor)
+        for row in rows:
+            if any(n.target == row.target for n in table):
+                raise InvalidArgumentError(f"vLLM {line}: added row {row.target} is already declared")
+            i += 1
+            table.insert(i, row)
+    missing = sorted(gone - {n.target for n in table})
+    if missing:
+        raise InvalidArgumentError(f"vLLM {line}: removed rows not in the table: {', '.join(missing)}")
+    both = sorted(gone & {n.target for n in changed})
+    if both:
+        raise InvalidArgumentError(f"vLLM {line}: rows both changed and removed: {', '.join(both)}")
+    fields = {f.name for f in attrs.fields(Surface) if f.init} - {"line", "rows"}
+    unknown = sorted(set(switches) - fields)
+    if unknown:
+        raise InvalidArgumentError(f"vLLM {line}: not switches of a surface: {', '.join(unknown)}")
+    return attrs.evolve(base, line=line, rows=tuple(n for n in table if n.target not in gone), **switches)
+
+
+# ----------------------------------------------------------------------
 # the declarations
 # ----------------------------------------------------------------------
 
 _BP = "vllm.v1.core.block_pool"
 _UTILS = "vllm.v1.core.kv_cache_utils"
+_COORD = "vllm.v1.core.kv_cache_coordinator"
 _SCHED = "vllm.v1.core.sched.scheduler"
+_OUTPUT = "vllm.v1.core.sched.output"
 _MGR = "vllm.v1.core.kv_cache_manager"
+_EVENTS = "vllm.distributed.kv_events"
+_MM = "vllm.multimodal.utils"
 _BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 _V2 = "vllm.v1.worker.gpu.kv_connector"
 _MIXIN = "vllm.v1.worker.kv_connector_model_runner_mixin"
@@ -424,6 +559,16 @@ _SIMPLE = "vllm.v1.simple_kv_offload.manager"
 _NIXL_C = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"
 _NIXL_S = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler"
 _NIXL_W = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
+_NIXL_BW = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+_KV_UTILS = "vllm.distributed.kv_transfer.kv_connector.utils"
+_LMC = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
+_LMC_A = "lmcache.integration.vllm.vllm_v1_adapter"
+_LMC_G = "lmcache.v1.gpu_connector.gpu_connectors"
+_LMC_E = "lmcache.v1.cache_engine"
+_LMC_B = "lmcache.v1.compute.blend.blender"
+_LMP = "lmcache.integration.vllm.lmcache_mp_connector"
+_LMP_A = "lmcache.integration.vllm.vllm_multi_process_adapter"
+_LMP_M = "lmcache.integration.vllm.lmcache_mp_metadata"
 
 # Connector names (as blockpool.integrations.vllm.connectors names them).
 MOONCAKE, OFFLOADING, SIMPLE, NIXL = "mooncake_store", "offloading", "simple_cpu_offload", "nixl"
@@ -440,1915 +585,956 @@ scheduler's alone)."""
 
 
 def _n(
-    target: str, *params: str, fp: tuple[str, ...] = (), connector: str | None = None, use: str = "read"
+    target: str,
+    params: str | None = None,
+    *,
+    fp: str | tuple[str, ...] = (),
+    connector: str | None = None,
+    use: str = "read",
 ) -> Name:
-    return Name(target, tuple(params) if params else None, fp, connector, use)
+    """One row: ``params`` as the table prints them, comma-separated
+    (``"self, blocks"``; for ``use="members"`` the class's sorted member
+    names), ``None`` to check presence only; ``fp`` one accepted
+    fingerprint or a tuple of them."""
+    names = None if params is None else tuple(p.strip() for p in params.split(","))
+    return Name(target, names, (fp,) if isinstance(fp, str) else fp, connector, use)
 
 
-# One table per release line, as found in that line's release (x.y.0):
-# markers first (the names only that line has, with their signatures),
-# then every other name. Printed against an installed vLLM by
-# ``blockpool check-vllm --surface``; a new line starts as a copy of the
-# newest with the rows that command reports drifted, each reviewed. The
-# fingerprints of a line not installed are computed from its release's
-# source distribution (``fingerprint_source`` of the module's file).
+# The first declared line (0.32) is written out whole; each later line is
+# derive()d from the one before it as the rows its release changed, added
+# and removed, and the switches that changed. Every row is as found in
+# that line's release (x.y.0); its markers are the rows with use="marker".
+# ``blockpool check-vllm --surface`` against a new release prints every
+# drifted row: the new line is derive(newest, ...) with those rows, each
+# reviewed. The fingerprints of a line not installed are computed from its
+# release's source distribution (``fingerprint_source`` of the module's
+# file).
 
-_MARKERS_032 = (
-    _n(
-        f"{_BP}:BlockPool.__init__",
-        "self",
-        "num_gpu_blocks",
-        "enable_caching",
-        "hash_block_size",
-        "enable_kv_cache_events",
-        "metrics_collector",
-        "medium",
-        fp=("9b457db81707a9fc",),
-        use="marker",
-    ),
-    _n(
-        f"{_BP}:BlockPool._build_block_stored_event",
-        "self",
-        "request",
-        "block_hashes",
-        "parent_block_hash",
-        "start_token_idx",
-        "end_token_idx",
-        "block_size",
-        "kv_cache_group_id",
-        "extra_keys_list",
-        fp=("e82af77fc0cb240d",),
-        use="marker",
-    ),
-)
-_NAMES_032 = (
+_ROWS_032 = (
+    # vLLM's BlockPool: the class VllmBlockPool stands in for (its members),
+    # the methods it re-implements (replaced) and vLLM's own it calls (borrowed).
     _n(
         f"{_BP}:BlockPool",
-        "__init__",
-        "_build_block_stored_event",
-        "_emit_block_removed_events",
-        "_get_partial_block_hash",
-        "_get_partial_block_parent_hash_and_start",
-        "_insert_block_hash",
-        "_maybe_evict_cached_block",
-        "_notify_reuse",
-        "_remove_cached_block_hashes",
-        "cache_full_blocks",
-        "cache_partial_block",
-        "emit_cached_block_events",
-        "evict_blocks",
-        "free_blocks",
-        "get_cached_block",
-        "get_new_blocks",
-        "get_num_free_blocks",
-        "get_usage",
-        "is_block_writable",
-        "move_block_hashes",
-        "reset_prefix_cache",
-        "take_events",
-        "touch",
-        "unpin_blocks",
+        (
+            "__init__, _build_block_stored_event, _emit_block_removed_events, "
+            "_get_partial_block_hash, _get_partial_block_parent_hash_and_start, "
+            "_insert_block_hash, _maybe_evict_cached_block, _notify_reuse, "
+            "_remove_cached_block_hashes, cache_full_blocks, cache_partial_block, "
+            "emit_cached_block_events, evict_blocks, free_blocks, "
+            "get_cached_block, get_new_blocks, get_num_free_blocks, get_usage, "
+            "is_block_writable, move_block_hashes, reset_prefix_cache, "
+            "take_events, touch, unpin_blocks"
+        ),
         use="members",
     ),
     _n(
+        f"{_BP}:BlockPool.__init__",
+        (
+            "self, num_gpu_blocks, enable_caching, hash_block_size, "
+            "enable_kv_cache_events, metrics_collector, medium"
+        ),
+        fp="9b457db81707a9fc",
+        use="marker",
+    ),
+    _n(
         f"{_BP}:BlockPool.get_cached_block",
-        "self",
-        "block_hash",
-        "kv_cache_group_ids",
-        fp=("de1e3e8b42ddd5d1",),
+        "self, block_hash, kv_cache_group_ids",
+        fp="de1e3e8b42ddd5d1",
         use="replaced",
     ),
     _n(
         f"{_BP}:BlockPool.cache_full_blocks",
-        "self",
-        "request",
-        "blocks",
-        "num_cached_blocks",
-        "num_full_blocks",
-        "block_size",
-        "kv_cache_group_id",
-        "block_mask",
-        fp=("d57e464beb120a40",),
+        (
+            "self, request, blocks, num_cached_blocks, num_full_blocks, "
+            "block_size, kv_cache_group_id, block_mask"
+        ),
+        fp="d57e464beb120a40",
         use="replaced",
     ),
     _n(
         f"{_BP}:BlockPool.cache_partial_block",
-        "self",
-        "request",
-        "block",
-        "num_tokens",
-        "kv_cache_group_id",
-        "block_size",
-        "replace_existing_hashes",
-        fp=("ef199acb5469078a",),
+        "self, request, block, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes",
+        fp="ef199acb5469078a",
         use="replaced",
     ),
     _n(
         f"{_BP}:BlockPool.move_block_hashes",
-        "self",
-        "src_block",
-        "dst_block",
-        fp=("e4e86dfd60be9c9e",),
+        "self, src_block, dst_block",
+        fp="e4e86dfd60be9c9e",
         use="replaced",
     ),
-    _n(f"{_BP}:BlockPool.get_new_blocks", "self", "num_blocks", fp=("4b0fc9dc5c4cf82e",), use="replaced"),
-    _n(f"{_BP}:BlockPool.touch", "self", "blocks", fp=("9b2bd2b42fe426d1",), use="replaced"),
-    _n(f"{_BP}:BlockPool.free_blocks", "self", "ordered_blocks", fp=("6644c0be8fd3622e",), use="replaced"),
-    _n(
-        f"{_BP}:BlockPool.unpin_blocks",
-        "self",
-        "blocks",
-        "on_reuse",
-        fp=("640aa817f449b2a7",),
-        use="replaced",
-    ),
-    _n(f"{_BP}:BlockPool._notify_reuse", "self", "blocks", fp=("d4fb5c649b8c5f97",), use="replaced"),
-    _n(
-        f"{_BP}:BlockPool._maybe_evict_cached_block",
-        "self",
-        "block",
-        fp=("38134b1632e83780",),
-        use="replaced",
-    ),
+    _n(f"{_BP}:BlockPool.get_new_blocks", "self, num_blocks", fp="4b0fc9dc5c4cf82e", use="replaced"),
+    _n(f"{_BP}:BlockPool.touch", "self, blocks", fp="9b2bd2b42fe426d1", use="replaced"),
+    _n(f"{_BP}:BlockPool.free_blocks", "self, ordered_blocks", fp="6644c0be8fd3622e", use="replaced"),
+    _n(f"{_BP}:BlockPool.unpin_blocks", "self, blocks, on_reuse", fp="640aa817f449b2a7", use="replaced"),
+    _n(f"{_BP}:BlockPool._notify_reuse", "self, blocks", fp="d4fb5c649b8c5f97", use="replaced"),
+    _n(f"{_BP}:BlockPool._maybe_evict_cached_block", "self, block", fp="38134b1632e83780", use="replaced"),
     _n(
         f"{_BP}:BlockPool._insert_block_hash",
-        "self",
-        "block_hash_with_group_id",
-        "block",
-        "num_tokens",
-        fp=("29610decbb687a0d",),
+        "self, block_hash_with_group_id, block, num_tokens",
+        fp="29610decbb687a0d",
         use="replaced",
     ),
-    _n(
-        f"{_BP}:BlockPool._remove_cached_block_hashes",
-        "self",
-        "block",
-        fp=("2c1eb6c998f16c1c",),
-        use="borrowed",
-    ),
-    _n(f"{_BP}:BlockPool.evict_blocks", "self", "block_ids", fp=("4e2fa1ea0ee7bc4f",), use="replaced"),
-    _n(f"{_BP}:BlockPool.reset_prefix_cache", "self", fp=("370db751132705c8",), use="replaced"),
-    _n(f"{_BP}:BlockPool.get_num_free_blocks", "self", fp=("0f3938274139b325",), use="replaced"),
-    _n(f"{_BP}:BlockPool.get_usage", "self", fp=("a85da63d3960a71d",), use="replaced"),
-    _n(f"{_BP}:BlockPool.is_block_writable", "self", "block", fp=("7b038e005a83fee4",), use="replaced"),
-    _n(f"{_BP}:BlockPool.take_events", "self", fp=("7276bc809ee5bac5",), use="replaced"),
+    _n(f"{_BP}:BlockPool._remove_cached_block_hashes", "self, block", fp="2c1eb6c998f16c1c", use="borrowed"),
+    _n(f"{_BP}:BlockPool.evict_blocks", "self, block_ids", fp="4e2fa1ea0ee7bc4f", use="replaced"),
+    _n(f"{_BP}:BlockPool.reset_prefix_cache", "self", fp="370db751132705c8", use="replaced"),
+    _n(f"{_BP}:BlockPool.get_num_free_blocks", "self", fp="0f3938274139b325", use="replaced"),
+    _n(f"{_BP}:BlockPool.get_usage", "self", fp="a85da63d3960a71d", use="replaced"),
+    _n(f"{_BP}:BlockPool.is_block_writable", "self, block", fp="7b038e005a83fee4", use="replaced"),
+    _n(f"{_BP}:BlockPool.take_events", "self", fp="7276bc809ee5bac5", use="replaced"),
     _n(
         f"{_BP}:BlockPool.emit_cached_block_events",
-        "self",
-        "request",
-        "num_cached_blocks",
-        "block_size",
-        "kv_cache_group_id",
-        fp=("2291ee685e9d22c6",),
+        "self, request, num_cached_blocks, block_size, kv_cache_group_id",
+        fp="2291ee685e9d22c6",
         use="borrowed",
+    ),
+    _n(
+        f"{_BP}:BlockPool._build_block_stored_event",
+        (
+            "self, request, block_hashes, parent_block_hash, start_token_idx, "
+            "end_token_idx, block_size, kv_cache_group_id, extra_keys_list"
+        ),
+        fp="e82af77fc0cb240d",
+        use="marker",
     ),
     _n(
         f"{_BP}:BlockPool._get_partial_block_hash",
-        "self",
-        "request",
-        "num_tokens",
-        fp=("9bbd0cf8ce66be27",),
+        "self, request, num_tokens",
+        fp="9bbd0cf8ce66be27",
         use="borrowed",
     ),
     _n(
         f"{_BP}:BlockPool._get_partial_block_parent_hash_and_start",
-        "self",
-        "request",
-        "num_tokens",
-        fp=("b1077769e7f0c9d4",),
+        "self, request, num_tokens",
+        fp="b1077769e7f0c9d4",
         use="borrowed",
     ),
     _n(
         f"{_BP}:BlockPool._emit_block_removed_events",
-        "self",
-        "block_hashes",
-        fp=("ea9d8b3515952d80",),
+        "self, block_hashes",
+        fp="ea9d8b3515952d80",
         use="borrowed",
     ),
+    # The block types and helpers the pool imitates, borrows or reads.
     _n(
         f"{_BP}:BlockHashToBlockMap",
-        "__init__",
-        "__len__",
-        "_unexpected_blocks_type",
-        "contain",
-        "get_one_block",
-        "insert",
-        "pop",
+        "__init__, __len__, _unexpected_blocks_type, contain, get_one_block, insert, pop",
         use="members",
     ),
     _n(
         f"{_UTILS}:KVCacheBlock",
-        "__eq__",
-        "__init__",
-        "__repr__",
-        "block_hash",
-        "block_hash_num_tokens",
-        "reset_hash",
-        "set_block_hash",
+        "__eq__, __init__, __repr__, block_hash, block_hash_num_tokens, reset_hash, set_block_hash",
         use="members",
     ),
     _n(
         f"{_UTILS}:FreeKVCacheBlockQueue",
-        "__init__",
-        "append",
-        "append_n",
-        "get_all_free_blocks",
-        "iter_blocks_after",
-        "popleft",
-        "popleft_n",
-        "prepend_n",
-        "remove",
+        (
+            "__init__, append, append_n, get_all_free_blocks, iter_blocks_after, "
+            "popleft, popleft_n, prepend_n, remove"
+        ),
         use="members",
     ),
-    _n(f"{_UTILS}:make_block_hash_with_group_id", "block_hash", "group_id", use="borrowed"),
+    _n(f"{_UTILS}:make_block_hash_with_group_id", "block_hash, group_id", use="borrowed"),
     _n(
         f"{_UTILS}:resolve_block_hashes",
-        "block_hashes",
-        "hash_block_size",
-        "block_size",
-        "supports_fine_grained_hash_lookup",
-        "alignment_tokens",
+        "block_hashes, hash_block_size, block_size, supports_fine_grained_hash_lookup, alignment_tokens",
         use="borrowed",
     ),
     _n(f"{_UTILS}:maybe_convert_block_hash", "hash_bytes", use="borrowed"),
     _n(
         f"{_UTILS}:generate_block_hash_extra_keys",
-        "request",
-        "start_token_idx",
-        "end_token_idx",
-        "start_mm_idx",
+        "request, start_token_idx, end_token_idx, start_mm_idx",
         use="borrowed",
     ),
-    _n("vllm.v1.core.kv_cache_coordinator:BlockPool"),
-    _n("vllm.distributed.kv_events:MEDIUM_GPU"),
-    _n("vllm.distributed.kv_events:AllBlocksCleared"),
-    _n("vllm.distributed.kv_events:KVCacheEvent"),
-    _n("vllm.multimodal.utils:get_mm_features_in_window", "mm_features", "start", "end", use="borrowed"),
+    _n(f"{_COORD}:BlockPool"),
+    _n(f"{_EVENTS}:MEDIUM_GPU"),
+    _n(f"{_EVENTS}:AllBlocksCleared"),
+    _n(f"{_EVENTS}:KVCacheEvent"),
+    _n(f"{_MM}:get_mm_features_in_window", "mm_features, start, end", use="borrowed"),
+    # The scheduler's step and the KV cache manager's reads the plugin wraps
+    # or reads (the step record, the deferred frees, the copies).
     _n(
         f"{_SCHED}:Scheduler.__init__",
-        "self",
-        "vllm_config",
-        "kv_cache_config",
-        "structured_output_manager",
-        "block_size",
-        "hash_block_size",
-        "mm_registry",
-        "include_finished_set",
-        "log_stats",
+        (
+            "self, vllm_config, kv_cache_config, structured_output_manager, "
+            "block_size, hash_block_size, mm_registry, include_finished_set, "
+            "log_stats"
+        ),
         use="wrapped",
     ),
-    _n(f"{_SCHED}:Scheduler.schedule", "self", "throttle_prefills", fp=("3d1ad516a1a934a0",), use="wrapped"),
+    _n(f"{_SCHED}:Scheduler.schedule", "self, throttle_prefills", fp="3d1ad516a1a934a0", use="wrapped"),
     _n(
         f"{_SCHED}:Scheduler.update_from_output",
-        "self",
-        "scheduler_output",
-        "model_runner_output",
-        fp=("e3a4efe6c229edab",),
+        "self, scheduler_output, model_runner_output",
+        fp="e3a4efe6c229edab",
         use="wrapped",
     ),
-    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", "self", fp=("557dac6fbad8c6de",), use="wrapped"),
-    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", "self", fp=("695efba83268cacb",), use="wrapped"),
-    _n(f"{_MGR}:KVCacheManager.get_block_ids", "self", "request_id", fp=("6928ce6c9df05c51",)),
-    _n(f"{_MGR}:KVCacheManager.get_blocks", "self", "request_id", fp=("d71378a6efe7f144",)),
-    _n(
-        "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.get_blocks",
-        "self",
-        "request_id",
-        fp=("c0ed00f8684b9a2d",),
-    ),
+    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", "self", fp="557dac6fbad8c6de", use="wrapped"),
+    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", "self", fp="695efba83268cacb", use="wrapped"),
+    _n(f"{_MGR}:KVCacheManager.get_block_ids", "self, request_id", fp="6928ce6c9df05c51"),
+    _n(f"{_MGR}:KVCacheManager.get_blocks", "self, request_id", fp="d71378a6efe7f144"),
+    _n(f"{_COORD}:KVCacheCoordinator.get_blocks", "self, request_id", fp="c0ed00f8684b9a2d"),
     _n(f"{_BASE}:KVConnectorBase_V1.has_pending_block_frees", "self", use="wrapped"),
     _n(
-        "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.get_num_blocks_to_allocate",
-        "self",
-        "request_id",
-        "num_tokens",
-        "new_computed_blocks",
-        "num_encoder_tokens",
-        "total_computed_tokens",
-        "num_local_computed_tokens",
-        "num_tokens_main_model",
-        "apply_admission_cap",
-        "prefill_end",
+        f"{_COORD}:KVCacheCoordinator.get_num_blocks_to_allocate",
+        (
+            "self, request_id, num_tokens, new_computed_blocks, "
+            "num_encoder_tokens, total_computed_tokens, num_local_computed_tokens, "
+            "num_tokens_main_model, apply_admission_cap, prefill_end"
+        ),
         use="wrapped",
     ),
-    _n(f"{_SCHED}:Scheduler._handle_invalid_blocks", "self", "invalid_block_ids", "num_scheduled_tokens"),
-    _n("vllm.v1.core.sched.output:SchedulerOutput.new_block_ids_to_zero"),
+    _n(f"{_SCHED}:Scheduler._handle_invalid_blocks", "self, invalid_block_ids, num_scheduled_tokens"),
+    _n(f"{_OUTPUT}:SchedulerOutput.new_block_ids_to_zero"),
+    # The model runners' hooks every worker half shares, and the connector API's
+    # default hooks.
     _n(
         f"{_BASE}:KVConnectorBase_V1.bind_connector_metadata",
-        "self",
-        "connector_metadata",
+        "self, connector_metadata",
         connector=WORKER_HOOKS,
         use="wrapped",
     ),
-    _n(f"{_BASE}:KVConnectorBase_V1.bind_gpu_block_pool", "self", "gpu_block_pool", use="wrapped"),
+    _n(f"{_BASE}:KVConnectorBase_V1.bind_gpu_block_pool", "self, gpu_block_pool", use="wrapped"),
     _n(
         f"{_V2}:ActiveKVConnector.post_forward",
-        "self",
-        "finished_req_ids",
+        "self, finished_req_ids",
         connector=WORKER_HOOKS,
         use="wrapped",
     ),
     _n(
         f"{_MIXIN}:KVConnectorModelRunnerMixin._get_kv_connector_output",
-        "scheduler_output",
-        "defer_finalize",
+        "scheduler_output, defer_finalize",
         connector=WORKER_HOOKS,
         use="wrapped",
     ),
     _n(f"{_MIXIN}:KVConnectorModelRunnerMixin.finalize_kv_connector", connector=WORKER_HOOKS, use="wrapped"),
     _n(f"{_MIXIN}:has_kv_transfer_group", connector=WORKER_HOOKS, use="borrowed"),
     _n(f"{_MIXIN}:get_kv_transfer_group", connector=WORKER_HOOKS, use="borrowed"),
+    # MooncakeStore.
     _n(
         f"{_MOONCAKE_S}:MooncakeStoreScheduler.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("ca4c2f4892d5ac82",),
+        "self, gpu_block_pool",
+        fp="ca4c2f4892d5ac82",
         connector=MOONCAKE,
         use="wrapped",
     ),
     _n(
         f"{_MOONCAKE_S}:MooncakeStoreScheduler.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("e69ab5087a2f8380",),
+        "self, scheduler_output",
+        fp="e69ab5087a2f8380",
         connector=MOONCAKE,
         use="wrapped",
     ),
     _n(
         f"{_MOONCAKE_S}:MooncakeStoreScheduler.update_connector_output",
-        "self",
-        "connector_output",
-        fp=("d254be99c5247f89",),
+        "self, connector_output",
+        fp="d254be99c5247f89",
         connector=MOONCAKE,
         use="wrapped",
     ),
     _n(
         f"{_MOONCAKE_W}:MooncakeStoreWorker.wait_for_save",
-        "self",
-        "metadata",
-        fp=("3cc967d6118c7bd9",),
+        "self, metadata",
+        fp="3cc967d6118c7bd9",
         connector=MOONCAKE,
         use="wrapped",
     ),
     _n(
         f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._handle_request",
-        "self",
-        "req_meta",
-        fp=("3750f3c99d7e065e",),
+        "self, req_meta",
+        fp="3750f3c99d7e065e",
         connector=MOONCAKE,
         use="wrapped",
     ),
     _n(
         f"{_MOONCAKE_W}:KVCacheStoreSendingThread.finish_store_job",
-        "self",
-        "req_meta",
-        fp=("a99457c4ac716926",),
+        "self, req_meta",
+        fp="a99457c4ac716926",
         connector=MOONCAKE,
         use="wrapped",
     ),
     _n(
         f"{_MOONCAKE_W}:KVCacheStoreSendingThread._handle_request",
-        "self",
-        "req_meta",
-        fp=("bc97d42c6b1ff698",),
+        "self, req_meta",
+        fp="bc97d42c6b1ff698",
         connector=MOONCAKE,
     ),
     _n(
         f"{_MOONCAKE_W}:KVCacheStoreSendingThread._maybe_offload_boundary_states",
-        "self",
-        "req_meta",
-        fp=("8d8e4c0791c337a5",),
+        "self, req_meta",
+        fp="8d8e4c0791c337a5",
         connector=MOONCAKE,
     ),
+    # Offloading.
     _n(
         f"{_OFFLOAD}:OffloadingConnector.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("36e91e17b6e93b72",),
+        "self, gpu_block_pool",
+        fp="36e91e17b6e93b72",
         connector=OFFLOADING,
         use="wrapped",
     ),
     _n(
         f"{_OFFLOAD_S}:OffloadingConnectorScheduler.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("eace7e2e380dd8c0",),
+        "self, scheduler_output",
+        fp="eace7e2e380dd8c0",
         connector=OFFLOADING,
         use="wrapped",
     ),
     _n(
         f"{_OFFLOAD_S}:OffloadingConnectorScheduler.update_connector_output",
-        "self",
-        "connector_output",
-        fp=("bd7652774ed007c1",),
+        "self, connector_output",
+        fp="bd7652774ed007c1",
         connector=OFFLOADING,
         use="wrapped",
     ),
     _n(
         f"{_OFFLOAD_W}:OffloadingConnectorWorker.prepare_store_kv",
-        "self",
-        "metadata",
-        fp=("8c23977f2dce31e3",),
+        "self, metadata",
+        fp="8c23977f2dce31e3",
         connector=OFFLOADING,
         use="wrapped",
     ),
     _n(
         f"{_OFFLOAD_W}:OffloadingConnectorWorker.start_kv_transfers",
-        "self",
-        "metadata",
-        fp=("5477f719fe5cf381",),
+        "self, metadata",
+        fp="5477f719fe5cf381",
         connector=OFFLOADING,
         use="wrapped",
     ),
     _n(
         f"{_OFFLOAD_W}:OffloadingConnectorWorker.handle_preemptions",
-        "self",
-        "kv_connector_metadata",
-        fp=("3948e8cba6be742c",),
+        "self, kv_connector_metadata",
+        fp="3948e8cba6be742c",
         connector=OFFLOADING,
         use="wrapped",
     ),
     _n(
         f"{_OFFLOAD_G}:SingleDirectionOffloadingHandler.transfer_async",
-        "self",
-        "job_id",
-        "src_spec",
-        "dst_spec",
-        fp=("0ba31dc604c3b292",),
+        "self, job_id, src_spec, dst_spec",
+        fp="0ba31dc604c3b292",
         connector=OFFLOADING,
         use="wrapped",
     ),
+    # SimpleCPUOffload (its wiring is the scheduler's alone).
     _n(
         f"{_SIMPLE}:SimpleCPUOffloadScheduler.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("ca4c2f4892d5ac82",),
+        "self, gpu_block_pool",
+        fp="ca4c2f4892d5ac82",
         connector=SIMPLE,
         use="wrapped",
     ),
     _n(
         f"{_SIMPLE}:SimpleCPUOffloadScheduler.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("65ac902ac80d9029",),
+        "self, scheduler_output",
+        fp="65ac902ac80d9029",
         connector=SIMPLE,
         use="wrapped",
     ),
     _n(
         f"{_SIMPLE}:SimpleCPUOffloadScheduler.update_connector_output",
-        "self",
-        "connector_output",
-        fp=("f820b6bb35ddaa3b",),
+        "self, connector_output",
+        fp="f820b6bb35ddaa3b",
         connector=SIMPLE,
         use="wrapped",
     ),
+    # NIXL.
     _n(
         f"{_NIXL_C}:NixlBaseConnector.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("36e91e17b6e93b72",),
+        "self, gpu_block_pool",
+        fp="36e91e17b6e93b72",
         connector=NIXL,
         use="wrapped",
     ),
     _n(
         f"{_NIXL_S}:NixlBaseConnectorScheduler.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("3e806cb82525955a",),
+        "self, scheduler_output",
+        fp="3e806cb82525955a",
         connector=NIXL,
         use="wrapped",
     ),
     _n(
         f"{_NIXL_W}:NixlPullConnectorWorker._read_blocks_for_req",
-        "self",
-        "req_id",
-        "meta",
-        fp=("34ba39252dd0c963",),
+        "self, req_id, meta",
+        fp="34ba39252dd0c963",
         connector=NIXL,
         use="wrapped",
     ),
     _n(
         f"{_NIXL_W}:NixlPullConnectorWorker.start_load_kv",
-        "self",
-        "metadata",
-        fp=("788cda9715142780",),
+        "self, metadata",
+        fp="788cda9715142780",
         connector=NIXL,
         use="wrapped",
     ),
-)
-
-_MARKERS_033 = (
-    _n(
-        f"{_BP}:BlockPool._generate_event_extra_keys",
-        "self",
-        "request",
-        "start",
-        "end",
-        "start_mm_idx",
-        fp=("467fe54fa5b323ec",),
-        use="marker",
-    ),
-    _n(
-        f"{_BP}:BlockPool._lookahead_token_ids",
-        "self",
-        "request",
-        "block_end",
-        fp=("8618a8e5d36a96e8",),
-        use="marker",
-    ),
-)
-_NAMES_033 = (
-    _n(
-        f"{_BP}:BlockPool",
-        "__init__",
-        "_build_block_stored_event",
-        "_emit_block_removed_events",
-        "_generate_event_extra_keys",
-        "_get_partial_block_hash",
-        "_get_partial_block_parent_hash_and_start",
-        "_insert_block_hash",
-        "_lookahead_token_ids",
-        "_maybe_evict_cached_block",
-        "_notify_reuse",
-        "_remove_cached_block_hashes",
-        "cache_full_blocks",
-        "cache_partial_block",
-        "emit_cached_block_events",
-        "evict_blocks",
-        "free_blocks",
-        "get_cached_block",
-        "get_new_blocks",
-        "get_num_free_blocks",
-        "get_usage",
-        "is_block_writable",
-        "move_block_hashes",
-        "reset_prefix_cache",
-        "take_events",
-        "touch",
-        "unpin_blocks",
-        use="members",
-    ),
-    _n(
-        f"{_BP}:BlockPool.__init__",
-        "self",
-        "num_gpu_blocks",
-        "enable_caching",
-        "hash_block_size",
-        "enable_kv_cache_events",
-        "metrics_collector",
-        "num_hash_lookahead_tokens",
-        "medium",
-        fp=("fc317efbf6234df8",),
-        use="replaced",
-    ),
-    _n(
-        f"{_BP}:BlockPool.get_cached_block",
-        "self",
-        "block_hash",
-        "kv_cache_group_ids",
-        fp=("de1e3e8b42ddd5d1",),
-        use="replaced",
-    ),
-    _n(
-        f"{_BP}:BlockPool.cache_full_blocks",
-        "self",
-        "request",
-        "blocks",
-        "num_cached_blocks",
-        "num_full_blocks",
-        "block_size",
-        "kv_cache_group_id",
-        "block_mask",
-        fp=("47a332f43abaf880",),
-        use="replaced",
-    ),
-    _n(
-        f"{_BP}:BlockPool.cache_partial_block",
-        "self",
-        "request",
-        "block",
-        "num_tokens",
-        "kv_cache_group_id",
-        "block_size",
-        "replace_existing_hashes",
-        fp=("ebcb0bb27f660872",),
-        use="replaced",
-    ),
-    _n(
-        f"{_BP}:BlockPool.move_block_hashes",
-        "self",
-        "src_block",
-        "dst_block",
-        fp=("e4e86dfd60be9c9e",),
-        use="replaced",
-    ),
-    _n(f"{_BP}:BlockPool.get_new_blocks", "self", "num_blocks", fp=("4b0fc9dc5c4cf82e",), use="replaced"),
-    _n(f"{_BP}:BlockPool.touch", "self", "blocks", fp=("d32cef0e56cf75a8",), use="replaced"),
-    _n(f"{_BP}:BlockPool.free_blocks", "self", "ordered_blocks", fp=("542e366ba81c97e2",), use="replaced"),
-    _n(
-        f"{_BP}:BlockPool.unpin_blocks",
-        "self",
-        "blocks",
-        "on_reuse",
-        fp=("640aa817f449b2a7",),
-        use="replaced",
-    ),
-    _n(f"{_BP}:BlockPool._notify_reuse", "self", "blocks", fp=("d4fb5c649b8c5f97",), use="replaced"),
-    _n(
-        f"{_BP}:BlockPool._maybe_evict_cached_block",
-        "self",
-        "block",
-        fp=("38134b1632e83780",),
-        use="replaced",
-    ),
-    _n(
-        f"{_BP}:BlockPool._insert_block_hash",
-        "self",
-        "block_hash_with_group_id",
-        "block",
-        "num_tokens",
-        fp=("29610decbb687a0d",),
-        use="replaced",
-    ),
-    _n(
-        f"{_BP}:BlockPool._remove_cached_block_hashes",
-        "self",
-        "block",
-        fp=("2c1eb6c998f16c1c",),
-        use="borrowed",
-    ),
-    _n(f"{_BP}:BlockPool.evict_blocks", "self", "block_ids", fp=("4e2fa1ea0ee7bc4f",), use="replaced"),
-    _n(f"{_BP}:BlockPool.reset_prefix_cache", "self", fp=("370db751132705c8",), use="replaced"),
-    _n(f"{_BP}:BlockPool.get_num_free_blocks", "self", fp=("0f3938274139b325",), use="replaced"),
-    _n(f"{_BP}:BlockPool.get_usage", "self", fp=("a85da63d3960a71d",), use="replaced"),
-    _n(f"{_BP}:BlockPool.is_block_writable", "self", "block", fp=("7b038e005a83fee4",), use="replaced"),
-    _n(f"{_BP}:BlockPool.take_events", "self", fp=("7276bc809ee5bac5",), use="replaced"),
-    _n(
-        f"{_BP}:BlockPool.emit_cached_block_events",
-        "self",
-        "request",
-        "num_cached_blocks",
-        "block_size",
-        "kv_cache_group_id",
-        fp=("118749cb764ade41",),
-        use="borrowed",
-    ),
-    _n(
-        f"{_BP}:BlockPool._build_block_stored_event",
-        "self",
-        "request",
-        "block_hashes",
-        "parent_block_hash",
-        "start_token_idx",
-        "end_token_idx",
-        "block_size",
-        "kv_cache_group_id",
-        "extra_keys_list",
-        "lookahead_token_ids",
-        fp=("57c61e53c5f59685",),
-        use="borrowed",
-    ),
-    _n(
-        f"{_BP}:BlockPool._get_partial_block_hash",
-        "self",
-        "request",
-        "num_tokens",
-        fp=("9bbd0cf8ce66be27",),
-        use="borrowed",
-    ),
-    _n(
-        f"{_BP}:BlockPool._get_partial_block_parent_hash_and_start",
-        "self",
-        "request",
-        "num_tokens",
-        fp=("b1077769e7f0c9d4",),
-        use="borrowed",
-    ),
-    _n(
-        f"{_BP}:BlockPool._emit_block_removed_events",
-        "self",
-        "block_hashes",
-        fp=("ea9d8b3515952d80",),
-        use="borrowed",
-    ),
-    _n(
-        f"{_BP}:BlockHashToBlockMap",
-        "__init__",
-        "__len__",
-        "_unexpected_blocks_type",
-        "contain",
-        "get_one_block",
-        "insert",
-        "pop",
-        use="members",
-    ),
-    _n(
-        f"{_UTILS}:KVCacheBlock",
-        "__eq__",
-        "__init__",
-        "__repr__",
-        "block_hash",
-        "block_hash_num_tokens",
-        "reset_hash",
-        "set_block_hash",
-        use="members",
-    ),
-    _n(
-        f"{_UTILS}:FreeKVCacheBlockQueue",
-        "__init__",
-        "append",
-        "append_n",
-        "get_all_free_blocks",
-        "iter_blocks_after",
-        "popleft",
-        "popleft_n",
-        "prepend_n",
-        "remove",
-        use="members",
-    ),
-    _n(f"{_UTILS}:make_block_hash_with_group_id", "block_hash", "group_id", use="borrowed"),
-    _n(
-        f"{_UTILS}:resolve_block_hashes",
-        "block_hashes",
-        "hash_block_size",
-        "block_size",
-        "supports_fine_grained_hash_lookup",
-        "alignment_tokens",
-        use="borrowed",
-    ),
-    _n(f"{_UTILS}:maybe_convert_block_hash", "hash_bytes", use="borrowed"),
-    _n(
-        f"{_UTILS}:generate_block_hash_extra_keys",
-        "request",
-        "start_token_idx",
-        "end_token_idx",
-        "start_mm_idx",
-        use="borrowed",
-    ),
-    _n("vllm.v1.core.kv_cache_coordinator:BlockPool"),
-    _n("vllm.distributed.kv_events:MEDIUM_GPU"),
-    _n("vllm.distributed.kv_events:AllBlocksCleared"),
-    _n("vllm.distributed.kv_events:KVCacheEvent"),
-    _n("vllm.multimodal.utils:get_mm_features_in_window", "mm_features", "start", "end", use="borrowed"),
-    _n(
-        f"{_SCHED}:Scheduler.__init__",
-        "self",
-        "vllm_config",
-        "kv_cache_config",
-        "structured_output_manager",
-        "block_size",
-        "hash_block_size",
-        "mm_registry",
-        "include_finished_set",
-        "log_stats",
-        use="wrapped",
-    ),
-    _n(f"{_SCHED}:Scheduler.schedule", "self", "throttle_prefills", fp=("a06fe15f3877ca46",), use="wrapped"),
-    _n(
-        f"{_SCHED}:Scheduler.update_from_output",
-        "self",
-        "scheduler_output",
-        "model_runner_output",
-        fp=("86a181d2629fabf9",),
-        use="wrapped",
-    ),
-    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", "self", fp=("557dac6fbad8c6de",), use="wrapped"),
-    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", "self", fp=("695efba83268cacb",), use="wrapped"),
-    _n(f"{_MGR}:KVCacheManager.get_block_ids", "self", "request_id", fp=("6928ce6c9df05c51",)),
-    _n(f"{_MGR}:KVCacheManager.get_blocks", "self", "request_id", fp=("d71378a6efe7f144",)),
-    _n(
-        "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.get_blocks",
-        "self",
-        "request_id",
-        fp=("c0ed00f8684b9a2d",),
-    ),
-    _n(f"{_BASE}:KVConnectorBase_V1.has_pending_block_frees", "self", use="wrapped"),
-    _n(
-        "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.get_num_blocks_to_allocate",
-        "self",
-        "request_id",
-        "num_tokens",
-        "new_computed_blocks",
-        "num_encoder_tokens",
-        "total_computed_tokens",
-        "num_local_computed_tokens",
-        "num_tokens_main_model",
-        "apply_admission_cap",
-        "prefill_end",
-        use="wrapped",
-    ),
-    _n(f"{_SCHED}:Scheduler._handle_invalid_blocks", "self", "invalid_block_ids", "num_scheduled_tokens"),
-    _n("vllm.v1.core.sched.output:SchedulerOutput.new_block_ids_to_zero"),
-    _n(
-        f"{_BASE}:KVConnectorBase_V1.bind_connector_metadata",
-        "self",
-        "connector_metadata",
-        connector=WORKER_HOOKS,
-        use="wrapped",
-    ),
-    _n(f"{_BASE}:KVConnectorBase_V1.bind_gpu_block_pool", "self", "gpu_block_pool", use="wrapped"),
-    _n(
-        f"{_V2}:ActiveKVConnector.post_forward",
-        "self",
-        "finished_req_ids",
-        "defer_finalize",
-        connector=WORKER_HOOKS,
-        use="wrapped",
-    ),
-    _n(f"{_V2}:ActiveKVConnector.finalize_step", "self", connector=WORKER_HOOKS, use="wrapped"),
-    _n(
-        f"{_MIXIN}:KVConnectorModelRunnerMixin._get_kv_connector_output",
-        "scheduler_output",
-        "defer_finalize",
-        connector=WORKER_HOOKS,
-        use="wrapped",
-    ),
-    _n(f"{_MIXIN}:KVConnectorModelRunnerMixin.finalize_kv_connector", connector=WORKER_HOOKS, use="wrapped"),
-    _n(f"{_MIXIN}:has_kv_transfer_group", connector=WORKER_HOOKS, use="borrowed"),
-    _n(f"{_MIXIN}:get_kv_transfer_group", connector=WORKER_HOOKS, use="borrowed"),
-    _n(
-        f"{_MOONCAKE_S}:MooncakeStoreScheduler.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("ca4c2f4892d5ac82",),
-        connector=MOONCAKE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_MOONCAKE_S}:MooncakeStoreScheduler.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("5730ac619503740b",),
-        connector=MOONCAKE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_MOONCAKE_S}:MooncakeStoreScheduler.update_connector_output",
-        "self",
-        "connector_output",
-        fp=("d254be99c5247f89",),
-        connector=MOONCAKE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_MOONCAKE_W}:MooncakeStoreWorker.wait_for_save",
-        "self",
-        "metadata",
-        fp=("3cc967d6118c7bd9",),
-        connector=MOONCAKE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._handle_request",
-        "self",
-        "req_meta",
-        fp=("3750f3c99d7e065e",),
-        connector=MOONCAKE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_MOONCAKE_W}:KVCacheStoreSendingThread.finish_store_job",
-        "self",
-        "req_meta",
-        fp=("a99457c4ac716926",),
-        connector=MOONCAKE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_MOONCAKE_W}:KVCacheStoreSendingThread._handle_request",
-        "self",
-        "req_meta",
-        fp=("bc97d42c6b1ff698",),
-        connector=MOONCAKE,
-    ),
-    _n(
-        f"{_MOONCAKE_W}:KVCacheStoreSendingThread._maybe_offload_boundary_states",
-        "self",
-        "req_meta",
-        fp=("8d8e4c0791c337a5",),
-        connector=MOONCAKE,
-    ),
-    _n(
-        f"{_OFFLOAD}:OffloadingConnector.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("36e91e17b6e93b72",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_OFFLOAD_S}:OffloadingConnectorScheduler.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("bb449517240a5fca",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_OFFLOAD_S}:OffloadingConnectorScheduler.update_connector_output",
-        "self",
-        "connector_output",
-        fp=("a4641f3bddf5988d",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_OFFLOAD_W}:OffloadingConnectorWorker.prepare_store_kv",
-        "self",
-        "metadata",
-        fp=("8c23977f2dce31e3",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_OFFLOAD_W}:OffloadingConnectorWorker.start_kv_transfers",
-        "self",
-        "metadata",
-        fp=("b5bc037f472c249f",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_OFFLOAD_W}:OffloadingConnectorWorker.handle_preemptions",
-        "self",
-        "kv_connector_metadata",
-        fp=("3948e8cba6be742c",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_OFFLOAD_G}:SingleDirectionOffloadingHandler.transfer_async",
-        "self",
-        "job_id",
-        "src_spec",
-        "dst_spec",
-        fp=("0ba31dc604c3b292",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_SIMPLE}:SimpleCPUOffloadScheduler.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("ca4c2f4892d5ac82",),
-        connector=SIMPLE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_SIMPLE}:SimpleCPUOffloadScheduler.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("65ac902ac80d9029",),
-        connector=SIMPLE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_SIMPLE}:SimpleCPUOffloadScheduler.update_connector_output",
-        "self",
-        "connector_output",
-        fp=("f820b6bb35ddaa3b",),
-        connector=SIMPLE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_NIXL_C}:NixlBaseConnector.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("36e91e17b6e93b72",),
-        connector=NIXL,
-        use="wrapped",
-    ),
-    _n(
-        f"{_NIXL_S}:NixlBaseConnectorScheduler.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("3e806cb82525955a",),
-        connector=NIXL,
-        use="wrapped",
-    ),
-    _n(
-        f"{_NIXL_W}:NixlPullConnectorWorker._read_blocks_for_req",
-        "self",
-        "req_id",
-        "meta",
-        fp=("09422f641d0382dc",),
-        connector=NIXL,
-        use="wrapped",
-    ),
-    _n(
-        f"{_NIXL_W}:NixlPullConnectorWorker.start_load_kv",
-        "self",
-        "metadata",
-        fp=("788cda9715142780",),
-        connector=NIXL,
-        use="wrapped",
-    ),
-)
-
-_MARKERS_034 = (
-    _n(
-        f"{_BP}:BlockPool.free_blocks",
-        "self",
-        "ordered_blocks",
-        "evict_first",
-        fp=("7a4577e6de63b30a",),
-        use="marker",
-    ),
-    _n(
-        f"{_BP}:BlockPool.generate_event_extra_keys",
-        "self",
-        "request",
-        "start",
-        "end",
-        "start_mm_idx",
-        fp=("b01e3a90f2564d70",),
-        use="marker",
-    ),
-    _n(
-        f"{_BP}:BlockPool.get_lookahead_token_ids",
-        "self",
-        "request",
-        "block_end",
-        fp=("50d458a614065f1c",),
-        use="marker",
-    ),
-)
-_NAMES_034 = (
-    _n(
-        f"{_BP}:BlockPool",
-        "__init__",
-        "_build_block_stored_event",
-        "_emit_block_removed_events",
-        "_get_partial_block_hash",
-        "_get_partial_block_parent_hash_and_start",
-        "_insert_block_hash",
-        "_maybe_evict_cached_block",
-        "_notify_reuse",
-        "_remove_cached_block_hashes",
-        "cache_full_blocks",
-        "cache_partial_block",
-        "emit_cached_block_events",
-        "evict_blocks",
-        "free_blocks",
-        "generate_event_extra_keys",
-        "get_cached_block",
-        "get_lookahead_token_ids",
-        "get_new_blocks",
-        "get_num_free_blocks",
-        "get_usage",
-        "is_block_writable",
-        "move_block_hashes",
-        "reset_prefix_cache",
-        "take_events",
-        "touch",
-        "unpin_blocks",
-        use="members",
-    ),
-    _n(
-        f"{_BP}:BlockPool.__init__",
-        "self",
-        "num_gpu_blocks",
-        "enable_caching",
-        "hash_block_size",
-        "enable_kv_cache_events",
-        "metrics_collector",
-        "num_hash_lookahead_tokens",
-        "medium",
-        fp=("448ea9998c8f186b",),
-        use="replaced",
-    ),
-    _n(
-        f"{_BP}:BlockPool.get_cached_block",
-        "self",
-        "block_hash",
-        "kv_cache_group_ids",
-        fp=("de1e3e8b42ddd5d1",),
-        use="replaced",
-    ),
-    _n(
-        f"{_BP}:BlockPool.cache_full_blocks",
-        "self",
-        "request",
-        "blocks",
-        "num_cached_blocks",
-        "num_full_blocks",
-        "block_size",
-        "kv_cache_group_id",
-        "block_mask",
-        fp=("d0d34ef1559b67aa",),
-        use="replaced",
-    ),
-    _n(
-        f"{_BP}:BlockPool.cache_partial_block",
-        "self",
-        "request",
-        "block",
-        "num_tokens",
-        "kv_cache_group_id",
-        "block_size",
-        "replace_existing_hashes",
-        fp=("4f2bea79a1c3bb76",),
-        use="replaced",
-    ),
-    _n(
-        f"{_BP}:BlockPool.move_block_hashes",
-        "self",
-        "src_block",
-        "dst_block",
-        fp=("e4e86dfd60be9c9e",),
-        use="replaced",
-    ),
-    _n(f"{_BP}:BlockPool.get_new_blocks", "self", "num_blocks", fp=("e6401d853861ae79",), use="replaced"),
-    _n(f"{_BP}:BlockPool.touch", "self", "blocks", fp=("d32cef0e56cf75a8",), use="replaced"),
-    _n(
-        f"{_BP}:BlockPool.unpin_blocks",
-        "self",
-        "blocks",
-        "on_reuse",
-        fp=("640aa817f449b2a7",),
-        use="replaced",
-    ),
-    _n(f"{_BP}:BlockPool._notify_reuse", "self", "blocks", fp=("d4fb5c649b8c5f97",), use="replaced"),
-    _n(
-        f"{_BP}:BlockPool._maybe_evict_cached_block",
-        "self",
-        "block",
-        fp=("38134b1632e83780",),
-        use="replaced",
-    ),
-    _n(
-        f"{_BP}:BlockPool._insert_block_hash",
-        "self",
-        "block_hash_with_group_id",
-        "block",
-        "num_tokens",
-        fp=("796306a5db5de74c",),
-        use="replaced",
-    ),
-    _n(
-        f"{_BP}:BlockPool._remove_cached_block_hashes",
-        "self",
-        "block",
-        fp=("82216b0804ab682e",),
-        use="borrowed",
-    ),
-    _n(f"{_BP}:BlockPool.evict_blocks", "self", "block_ids", fp=("4e2fa1ea0ee7bc4f",), use="replaced"),
-    _n(f"{_BP}:BlockPool.reset_prefix_cache", "self", fp=("a0184a93e0886a07",), use="replaced"),
-    _n(f"{_BP}:BlockPool.get_num_free_blocks", "self", fp=("0f3938274139b325",), use="replaced"),
-    _n(f"{_BP}:BlockPool.get_usage", "self", fp=("a85da63d3960a71d",), use="replaced"),
-    _n(f"{_BP}:BlockPool.is_block_writable", "self", "block", fp=("7b038e005a83fee4",), use="replaced"),
-    _n(f"{_BP}:BlockPool.take_events", "self", fp=("7276bc809ee5bac5",), use="replaced"),
-    _n(
-        f"{_BP}:BlockPool.emit_cached_block_events",
-        "self",
-        "request",
-        "num_cached_blocks",
-        "block_size",
-        "kv_cache_group_id",
-        fp=("a816d9eaab44064a",),
-        use="borrowed",
-    ),
-    _n(
-        f"{_BP}:BlockPool._build_block_stored_event",
-        "self",
-        "request",
-        "block_hashes",
-        "parent_block_hash",
-        "start_token_idx",
-        "end_token_idx",
-        "block_size",
-        "kv_cache_group_id",
-        "extra_keys_list",
-        "lookahead_token_ids",
-        fp=("57c61e53c5f59685",),
-        use="borrowed",
-    ),
-    _n(
-        f"{_BP}:BlockPool._get_partial_block_hash",
-        "self",
-        "request",
-        "num_tokens",
-        fp=("9bbd0cf8ce66be27",),
-        use="borrowed",
-    ),
-    _n(
-        f"{_BP}:BlockPool._get_partial_block_parent_hash_and_start",
-        "self",
-        "request",
-        "num_tokens",
-        fp=("b1077769e7f0c9d4",),
-        use="borrowed",
-    ),
-    _n(
-        f"{_BP}:BlockPool._emit_block_removed_events",
-        "self",
-        "block_hashes",
-        fp=("ea9d8b3515952d80",),
-        use="borrowed",
-    ),
-    _n(
-        f"{_BP}:BlockHashToBlockMap",
-        "__init__",
-        "__len__",
-        "clear",
-        "contain",
-        "get_one_block",
-        "insert",
-        "pop",
-        use="members",
-    ),
-    _n(
-        f"{_UTILS}:KVCacheBlock",
-        "__eq__",
-        "__init__",
-        "__repr__",
-        "reset_hash",
-        "set_block_hash",
-        use="members",
-    ),
-    _n(
-        f"{_UTILS}:FreeKVCacheBlockQueue",
-        "__init__",
-        "append",
-        "append_n",
-        "get_all_free_blocks",
-        "iter_blocks_after",
-        "popleft",
-        "popleft_n",
-        "prepend_n",
-        "remove",
-        use="members",
-    ),
-    _n(f"{_UTILS}:make_block_hash_with_group_id", "block_hash", "group_id", use="borrowed"),
-    _n(
-        f"{_UTILS}:resolve_block_hashes",
-        "block_hashes",
-        "hash_block_size",
-        "block_size",
-        "supports_fine_grained_hash_lookup",
-        "alignment_tokens",
-        use="borrowed",
-    ),
-    _n(f"{_UTILS}:maybe_convert_block_hash", "hash_bytes", use="borrowed"),
-    _n(
-        f"{_UTILS}:generate_block_hash_extra_keys",
-        "request",
-        "start_token_idx",
-        "end_token_idx",
-        "start_mm_idx",
-        use="borrowed",
-    ),
-    _n("vllm.v1.core.kv_cache_coordinator:BlockPool"),
-    _n("vllm.distributed.kv_events:MEDIUM_GPU"),
-    _n("vllm.distributed.kv_events:AllBlocksCleared"),
-    _n("vllm.distributed.kv_events:KVCacheEvent"),
-    _n("vllm.multimodal.utils:get_mm_features_in_window", "mm_features", "start", "end", use="borrowed"),
-    _n(
-        f"{_SCHED}:Scheduler.__init__",
-        "self",
-        "vllm_config",
-        "kv_cache_config",
-        "structured_output_manager",
-        "block_size",
-        "hash_block_size",
-        "mm_registry",
-        "include_finished_set",
-        "log_stats",
-        use="wrapped",
-    ),
-    _n(f"{_SCHED}:Scheduler.schedule", "self", "throttle_prefills", fp=("5c4e10402898dae9",), use="wrapped"),
-    _n(
-        f"{_SCHED}:Scheduler.update_from_output",
-        "self",
-        "scheduler_output",
-        "model_runner_output",
-        fp=("ce6fa954711728d1",),
-        use="wrapped",
-    ),
-    _n(f"{_SCHED}:Scheduler._drain_deferred_frees", "self", fp=("557dac6fbad8c6de",), use="wrapped"),
-    _n(f"{_MGR}:KVCacheManager.take_kv_cache_block_copies", "self", fp=("695efba83268cacb",), use="wrapped"),
-    _n(f"{_MGR}:KVCacheManager.get_block_ids", "self", "request_id", fp=("6928ce6c9df05c51",)),
-    _n(f"{_MGR}:KVCacheManager.get_blocks", "self", "request_id", fp=("d71378a6efe7f144",)),
-    _n(
-        "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.get_blocks",
-        "self",
-        "request_id",
-        fp=("c0ed00f8684b9a2d",),
-    ),
-    _n(f"{_BASE}:KVConnectorBase_V1.has_pending_block_frees", "self", use="wrapped"),
-    _n(
-        "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.get_num_blocks_to_allocate",
-        "self",
-        "request_id",
-        "num_tokens",
-        "new_computed_blocks",
-        "num_encoder_tokens",
-        "total_computed_tokens",
-        "num_local_computed_tokens",
-        "num_tokens_main_model",
-        "apply_admission_cap",
-        "prefill_end",
-        use="wrapped",
-    ),
-    _n(f"{_SCHED}:Scheduler._handle_invalid_blocks", "self", "invalid_block_ids", "num_scheduled_tokens"),
-    _n("vllm.v1.core.sched.output:SchedulerOutput.new_block_ids_to_zero"),
-    _n(
-        f"{_BASE}:KVConnectorBase_V1.bind_connector_metadata",
-        "self",
-        "connector_metadata",
-        connector=WORKER_HOOKS,
-        use="wrapped",
-    ),
-    _n(f"{_BASE}:KVConnectorBase_V1.bind_gpu_block_pool", "self", "gpu_block_pool", use="wrapped"),
-    _n(
-        f"{_V2}:ActiveKVConnector.post_forward",
-        "self",
-        "finished_req_ids",
-        "defer_finalize",
-        connector=WORKER_HOOKS,
-        use="wrapped",
-    ),
-    _n(f"{_V2}:ActiveKVConnector.finalize_step", "self", connector=WORKER_HOOKS, use="wrapped"),
-    _n(
-        f"{_MOONCAKE_S}:MooncakeStoreScheduler.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("ca4c2f4892d5ac82",),
-        connector=MOONCAKE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_MOONCAKE_S}:MooncakeStoreScheduler.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("886c4b176dbf48e5",),
-        connector=MOONCAKE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_MOONCAKE_S}:MooncakeStoreScheduler.update_connector_output",
-        "self",
-        "connector_output",
-        fp=("d254be99c5247f89",),
-        connector=MOONCAKE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_MOONCAKE_W}:MooncakeStoreWorker.wait_for_save",
-        "self",
-        "metadata",
-        fp=("3cc967d6118c7bd9",),
-        connector=MOONCAKE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._handle_request",
-        "self",
-        "req_meta",
-        fp=("58c0dd832f14e5cb",),
-        connector=MOONCAKE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_MOONCAKE_W}:KVCacheStoreSendingThread.finish_store_job",
-        "self",
-        "req_meta",
-        fp=("a99457c4ac716926",),
-        connector=MOONCAKE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_MOONCAKE_W}:KVCacheStoreSendingThread._handle_request",
-        "self",
-        "req_meta",
-        fp=("5a33471e54f07878",),
-        connector=MOONCAKE,
-    ),
-    _n(
-        f"{_MOONCAKE_W}:KVCacheStoreSendingThread._maybe_offload_boundary_states",
-        "self",
-        "req_meta",
-        fp=("8d8e4c0791c337a5",),
-        connector=MOONCAKE,
-    ),
-    _n(
-        f"{_OFFLOAD}:OffloadingConnector.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("36e91e17b6e93b72",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_OFFLOAD_S}:OffloadingConnectorScheduler.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("bb449517240a5fca",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_OFFLOAD_S}:OffloadingConnectorScheduler.update_connector_output",
-        "self",
-        "connector_output",
-        fp=("a4641f3bddf5988d",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_OFFLOAD_W}:OffloadingConnectorWorker.prepare_store_kv",
-        "self",
-        "metadata",
-        fp=("8c23977f2dce31e3",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_OFFLOAD_W}:OffloadingConnectorWorker.start_kv_transfers",
-        "self",
-        "metadata",
-        fp=("49c5c32f4e50c850",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_OFFLOAD_W}:OffloadingConnectorWorker.handle_preemptions",
-        "self",
-        "kv_connector_metadata",
-        fp=("d9ac12066d1cfd5f",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_OFFLOAD_G}:SingleDirectionOffloadingHandler.transfer_async",
-        "self",
-        "job_id",
-        "device_ptrs",
-        "cpu_spec",
-        fp=("72c78c053398e29f",),
-        connector=OFFLOADING,
-        use="wrapped",
-    ),
-    _n(
-        f"{_SIMPLE}:SimpleCPUOffloadScheduler.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("ca4c2f4892d5ac82",),
-        connector=SIMPLE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_SIMPLE}:SimpleCPUOffloadScheduler.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("65ac902ac80d9029",),
-        connector=SIMPLE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_SIMPLE}:SimpleCPUOffloadScheduler.update_connector_output",
-        "self",
-        "connector_output",
-        fp=("f820b6bb35ddaa3b",),
-        connector=SIMPLE,
-        use="wrapped",
-    ),
-    _n(
-        f"{_NIXL_C}:NixlBaseConnector.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("36e91e17b6e93b72",),
-        connector=NIXL,
-        use="wrapped",
-    ),
-    _n(
-        f"{_NIXL_S}:NixlBaseConnectorScheduler.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("3e806cb82525955a",),
-        connector=NIXL,
-        use="wrapped",
-    ),
-    _n(
-        f"{_NIXL_W}:NixlPullConnectorWorker._read_blocks_for_req",
-        "self",
-        "req_id",
-        "meta",
-        fp=("cb2d7ff8a36f593b",),
-        connector=NIXL,
-        use="wrapped",
-    ),
-    _n(
-        f"{_NIXL_W}:NixlPullConnectorWorker.start_load_kv",
-        "self",
-        "metadata",
-        fp=("788cda9715142780",),
-        connector=NIXL,
-        use="wrapped",
-    ),
-)
-
-# vLLM methods the connector wrappers call on vLLM's own objects (to report
-# a load the wiring declined as vLLM reports a failed one), declared on the
-# class that defines them, the same in every declared line.
-_CALLED_BY_CONNECTORS = (
-    _n(
-        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker._handle_failed_transfer",
-        "self",
-        "req_id",
-        "handle",
-        "failed_req_ids",
-        "record_failed_transfer",
+    # vLLM methods the connector wrappers call on vLLM's own objects (to report
+    # a load the wiring declined as vLLM reports a failed one), declared on the
+    # class that defines them.
+    _n(
+        f"{_NIXL_BW}:NixlBaseConnectorWorker._handle_failed_transfer",
+        "self, req_id, handle, failed_req_ids, record_failed_transfer",
         connector=NIXL,
         use="borrowed",
     ),
     _n(
         f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._report_load_error",
-        "self",
-        "req_id",
-        "block_ids",
+        "self, req_id, block_ids",
         connector=MOONCAKE,
         use="borrowed",
     ),
     _n(
         f"{_MOONCAKE_W}:KVTransferThread.set_finished_request",
-        "self",
-        "req_id",
+        "self, req_id",
         connector=MOONCAKE,
         use="borrowed",
     ),
     _n(
         f"{_MOONCAKE_W}:KVCacheStoreSendingThread.add_request",
-        "self",
-        "request",
+        "self, request",
         connector=MOONCAKE,
         use="borrowed",
     ),
-)
-
-# LMCache's in-process connector: vLLM's LMCacheConnectorV1 (the same module
-# in 0.32, 0.33 and 0.34) and the names of LMCache's own adapter the wiring
-# reads (lmcache 0.5.6; "unavailable" where LMCache is not installed).
-_LMC = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
-_LMC_A = "lmcache.integration.vllm.vllm_v1_adapter"
-_LMC_G = "lmcache.v1.gpu_connector.gpu_connectors"
-_LMC_E = "lmcache.v1.cache_engine"
-_LMCACHE = (
+    # LMCache's in-process connector: vLLM's LMCacheConnectorV1 (the same module
+    # in 0.32, 0.33 and 0.34) and the names of LMCache's own adapter the wiring
+    # reads (lmcache 0.5.6; "unavailable" where LMCache is not installed).
     _n(
         f"{_LMC}:LMCacheConnectorV1.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("36e91e17b6e93b72",),
+        "self, gpu_block_pool",
+        fp="36e91e17b6e93b72",
         connector=LMCACHE,
         use="wrapped",
     ),
     _n(
         f"{_LMC}:LMCacheConnectorV1.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("94dd6b634b34adb7",),
+        "self, scheduler_output",
+        fp="94dd6b634b34adb7",
         connector=LMCACHE,
         use="wrapped",
     ),
     _n(
         f"{_LMC}:LMCacheConnectorV1.start_load_kv",
-        "self",
-        "forward_context",
-        "kwargs",
-        fp=("c57cffb60a9cd174",),
+        "self, forward_context, kwargs",
+        fp="c57cffb60a9cd174",
         connector=LMCACHE,
         use="wrapped",
     ),
     _n(
         f"{_LMC}:LMCacheConnectorV1.save_kv_layer",
-        "self",
-        "layer_name",
-        "kv_layer",
-        "attn_metadata",
-        "kwargs",
-        fp=("0dce499015c55c33",),
+        "self, layer_name, kv_layer, attn_metadata, kwargs",
+        fp="0dce499015c55c33",
         connector=LMCACHE,
         use="wrapped",
     ),
     _n(
         f"{_LMC}:LMCacheConnectorV1.wait_for_save",
         "self",
-        fp=("f252ae9f9347efbc",),
+        fp="f252ae9f9347efbc",
         connector=LMCACHE,
         use="wrapped",
     ),
     _n(
         f"{_LMC}:LMCacheConnectorV1.get_block_ids_with_load_errors",
         "self",
-        fp=("9402bb21703d56b7",),
+        fp="9402bb21703d56b7",
         connector=LMCACHE,
     ),
     _n(
         f"{_LMC_A}:LMCacheConnectorV1Impl.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("261050ea1784932e",),
+        "self, scheduler_output",
+        fp="261050ea1784932e",
         connector=LMCACHE,
     ),
     _n(
         f"{_LMC_A}:LMCacheConnectorV1Impl.start_load_kv",
-        "self",
-        "forward_context",
-        "kwargs",
-        fp=("cc08572a4a047b92",),
+        "self, forward_context, kwargs",
+        fp="cc08572a4a047b92",
         connector=LMCACHE,
     ),
     _n(
         f"{_LMC_A}:LMCacheConnectorV1Impl.save_kv_layer",
-        "self",
-        "layer_name",
-        "kv_layer",
-        "attn_metadata",
-        "kwargs",
-        fp=("061473ba3aedde0a",),
+        "self, layer_name, kv_layer, attn_metadata, kwargs",
+        fp="061473ba3aedde0a",
         connector=LMCACHE,
     ),
-    _n(f"{_LMC_A}:LMCacheConnectorV1Impl.wait_for_save", "self", fp=("e582cbeb2706b8a4",), connector=LMCACHE),
+    _n(f"{_LMC_A}:LMCacheConnectorV1Impl.wait_for_save", "self", fp="e582cbeb2706b8a4", connector=LMCACHE),
     _n(
         f"{_LMC_A}:LMCacheConnectorV1Impl.get_block_ids_with_load_errors",
         "self",
-        fp=("1ced966fd707c01b",),
+        fp="1ced966fd707c01b",
         connector=LMCACHE,
     ),
     _n(
         f"{_LMC_A}:ReqMeta.from_request_tracker",
-        "tracker",
-        "block_size",
-        "lmcache_chunk_size",
-        "load_spec",
-        "discard_partial_chunks",
-        "save_decode_cache",
-        fp=("ec84d264a1412faf",),
+        "tracker, block_size, lmcache_chunk_size, load_spec, discard_partial_chunks, save_decode_cache",
+        fp="ec84d264a1412faf",
         connector=LMCACHE,
     ),
     _n(
         f"{_LMC_G}:VLLMPagedMemGPUConnectorV2.to_gpu",
-        "self",
-        "memory_obj",
-        "start",
-        "end",
-        "kwargs",
-        fp=("c1e349de06b0aba9",),
+        "self, memory_obj, start, end, kwargs",
+        fp="c1e349de06b0aba9",
         connector=LMCACHE,
     ),
     _n(
         f"{_LMC_G}:VLLMPagedMemGPUConnectorV3.to_gpu",
-        "self",
-        "memory_obj",
-        "start",
-        "end",
-        "kwargs",
-        fp=("89b388286d9631a9",),
+        "self, memory_obj, start, end, kwargs",
+        fp="89b388286d9631a9",
         connector=LMCACHE,
     ),
-    _n(f"{_LMC_E}:LMCacheEngine.retrieve", "self", "tokens", "mask", "kwargs", connector=LMCACHE),
-    _n(f"{_LMC_E}:LMCacheEngine.retrieve_layer", "self", "tokens", "mask", "kwargs", connector=LMCACHE),
-    _n(
-        f"{_LMC_E}:LMCacheEngine.store",
-        "self",
-        "tokens",
-        "hashes",
-        "offsets",
-        "mask",
-        "kwargs",
-        connector=LMCACHE,
-    ),
-    _n(f"{_LMC_E}:LMCacheEngine.store_layer", "self", "tokens", "mask", "kwargs", connector=LMCACHE),
+    _n(f"{_LMC_E}:LMCacheEngine.retrieve", "self, tokens, mask, kwargs", connector=LMCACHE),
+    _n(f"{_LMC_E}:LMCacheEngine.retrieve_layer", "self, tokens, mask, kwargs", connector=LMCACHE),
+    _n(f"{_LMC_E}:LMCacheEngine.store", "self, tokens, hashes, offsets, mask, kwargs", connector=LMCACHE),
+    _n(f"{_LMC_E}:LMCacheEngine.store_layer", "self, tokens, mask, kwargs", connector=LMCACHE),
     # The layerwise and blending loads' tokens are recorded once the forward's
     # wait_for_layer_load calls enqueued every layer: on the load stream
     # (paged layerwise) or the current stream (the blending buffer).
     _n(
         f"{_LMC_A}:LMCacheConnectorV1Impl.wait_for_layer_load",
-        "self",
-        "layer_name",
-        fp=("ef0fa44731100bf6",),
+        "self, layer_name",
+        fp="ef0fa44731100bf6",
         connector=LMCACHE,
     ),
     _n(
         f"{_LMC_G}:VLLMPagedMemLayerwiseGPUConnector.batched_to_gpu",
-        "self",
-        "starts",
-        "ends",
-        "kwargs",
-        fp=("d778447f8522dae1",),
+        "self, starts, ends, kwargs",
+        fp="d778447f8522dae1",
         connector=LMCACHE,
     ),
     _n(
         f"{_LMC_G}:VLLMBufferLayerwiseGPUConnector.batched_to_gpu",
-        "self",
-        "starts",
-        "ends",
-        "kwargs",
-        fp=("b8a2c07a65ca6324",),
+        "self, starts, ends, kwargs",
+        fp="b8a2c07a65ca6324",
         connector=LMCACHE,
     ),
+    _n(f"{_LMC_B}:LMCBlender.blend", "self, tokens, mask, kwargs", fp="fe660f0e3f0122ec", connector=LMCACHE),
+    # LMCache's multi-process connector: LMCache's own LMCacheMPConnector (the
+    # class vLLM's lmcache_mp_connector module resolves to when LMCache's module
+    # imports; the same resolver in 0.32, 0.33 and 0.34), the names of LMCache's
+    # worker adapter and metadata the wiring reads (lmcache 0.5.6; "unavailable"
+    # where LMCache is not installed), and vLLM's aggregation of the ranks'
+    # worker metadata (0.33 and 0.34 share a body; 0.32's differs).
     _n(
-        "lmcache.v1.compute.blend.blender:LMCBlender.blend",
-        "self",
-        "tokens",
-        "mask",
-        "kwargs",
-        fp=("fe660f0e3f0122ec",),
-        connector=LMCACHE,
-    ),
-)
-
-# LMCache's multi-process connector: LMCache's own LMCacheMPConnector (the
-# class vLLM's lmcache_mp_connector module resolves to when LMCache's module
-# imports; the same resolver in 0.32, 0.33 and 0.34), the names of LMCache's
-# worker adapter and metadata the wiring reads (lmcache 0.5.6; "unavailable"
-# where LMCache is not installed), and vLLM's aggregation of the ranks'
-# worker metadata (0.33 and 0.34 share a body; 0.32's differs).
-_LMP = "lmcache.integration.vllm.lmcache_mp_connector"
-_LMP_A = "lmcache.integration.vllm.vllm_multi_process_adapter"
-_LMP_M = "lmcache.integration.vllm.lmcache_mp_metadata"
-_LMCACHE_MP = (
-    _n(
-        "vllm.distributed.kv_transfer.kv_connector.utils:KVOutputAggregator.aggregate",
-        "self",
-        "outputs",
-        "output_rank",
+        f"{_KV_UTILS}:KVOutputAggregator.aggregate",
+        "self, outputs, output_rank",
         fp=("cee1e9e583b8e868", "cd11f4198cd8d6c1"),
         connector=LMCACHE_MP,
     ),
     _n(
         f"{_LMP}:LMCacheMPConnector.bind_gpu_block_pool",
-        "self",
-        "gpu_block_pool",
-        fp=("9d12429363979d47",),
+        "self, gpu_block_pool",
+        fp="9d12429363979d47",
         connector=LMCACHE_MP,
         use="wrapped",
     ),
     _n(
         f"{_LMP}:LMCacheMPConnector.build_connector_meta",
-        "self",
-        "scheduler_output",
-        fp=("032068cd8ff02e16",),
+        "self, scheduler_output",
+        fp="032068cd8ff02e16",
         connector=LMCACHE_MP,
         use="wrapped",
     ),
     _n(
         f"{_LMP}:LMCacheMPConnector.update_connector_output",
-        "self",
-        "connector_output",
-        fp=("50ffa15f6539417d",),
+        "self, connector_output",
+        fp="50ffa15f6539417d",
         connector=LMCACHE_MP,
         use="wrapped",
     ),
     _n(
         f"{_LMP}:LMCacheMPConnector.start_load_kv",
-        "self",
-        "forward_context",
-        "kwargs",
-        fp=("33d7f920110758d5",),
+        "self, forward_context, kwargs",
+        fp="33d7f920110758d5",
         connector=LMCACHE_MP,
         use="wrapped",
     ),
     _n(
         f"{_LMP}:LMCacheMPConnector.wait_for_save",
         "self",
-        fp=("e2a2c871ca9cd70b",),
+        fp="e2a2c871ca9cd70b",
         connector=LMCACHE_MP,
         use="wrapped",
     ),
     _n(
         f"{_LMP}:LMCacheMPConnector.build_connector_worker_meta",
         "self",
-        fp=("5d31dff0cb8cedb5",),
+        fp="5d31dff0cb8cedb5",
         connector=LMCACHE_MP,
         use="wrapped",
     ),
     _n(
         f"{_LMP}:LMCacheMPConnector.get_finished",
-        "self",
-        "finished_req_ids",
-        fp=("69043433cd297f09",),
+        "self, finished_req_ids",
+        fp="69043433cd297f09",
         connector=LMCACHE_MP,
     ),
     _n(
         f"{_LMP_A}:LMCacheMPWorkerAdapter.create_recorded_event",
         "self",
-        fp=("b115e94a140ed019",),
+        fp="b115e94a140ed019",
         connector=LMCACHE_MP,
     ),
     _n(
         f"{_LMP_A}:LMCacheMPWorkerAdapter.submit_store_request",
-        "self",
-        "request_id",
-        "op",
-        "event",
-        "cache_salt",
-        "request_configs",
-        fp=("e6d866102ce8a049",),
+        "self, request_id, op, event, cache_salt, request_configs",
+        fp="e6d866102ce8a049",
         connector=LMCACHE_MP,
     ),
     _n(
         f"{_LMP_A}:LMCacheMPWorkerAdapter.submit_retrieve_request",
-        "self",
-        "request_id",
-        "op",
-        "event",
-        "cache_salt",
-        "request_configs",
-        fp=("397eb8c4823873dd",),
+        "self, request_id, op, event, cache_salt, request_configs",
+        fp="397eb8c4823873dd",
         connector=LMCACHE_MP,
     ),
     _n(
         f"{_LMP_A}:LMCacheMPWorkerAdapter.batched_submit_store_requests",
-        "self",
-        "request_ids",
-        "ops",
-        "event",
-        "cache_salts",
-        "request_configs_list",
-        fp=("9905b67f38926ba1",),
+        "self, request_ids, ops, event, cache_salts, request_configs_list",
+        fp="9905b67f38926ba1",
         connector=LMCACHE_MP,
     ),
     _n(
         f"{_LMP_A}:LMCacheMPWorkerAdapter.get_finished",
-        "self",
-        "finished_req_ids_from_engine",
-        fp=("440f0a0cace1872a",),
+        "self, finished_req_ids_from_engine",
+        fp="440f0a0cace1872a",
         connector=LMCACHE_MP,
     ),
     _n(
         f"{_LMP_A}:LMCacheMPWorkerAdapter.get_block_ids_with_load_errors",
         "self",
-        fp=("f32e581af07bc329",),
+        fp="f32e581af07bc329",
         connector=LMCACHE_MP,
     ),
     _n(
         f"{_LMP_M}:LMCacheMPRequestMetadata.GetRetrieveMetadata",
-        "tracker",
-        "lmcache_tokens_per_chunk",
-        "group_tokens_per_block",
-        fp=("fc857529b712d3bb",),
+        "tracker, lmcache_tokens_per_chunk, group_tokens_per_block",
+        fp="fc857529b712d3bb",
         connector=LMCACHE_MP,
     ),
     _n(
         f"{_LMP_M}:LMCacheMPRequestMetadata.GetStoreMetadata",
-        "tracker",
-        "lmcache_tokens_per_chunk",
-        "group_tokens_per_block",
-        "save_decode_cache",
-        fp=("1b424374b3e67274",),
+        "tracker, lmcache_tokens_per_chunk, group_tokens_per_block, save_decode_cache",
+        fp="1b424374b3e67274",
         connector=LMCACHE_MP,
     ),
     _n(
         f"{_LMP_M}:LMCacheMPWorkerMetadata.aggregate",
-        "self",
-        "other",
-        fp=("08c978f3605893fb",),
+        "self, other",
+        fp="08c978f3605893fb",
         connector=LMCACHE_MP,
     ),
 )
 
-SURFACES: dict[str, Surface] = {
-    "0.32": Surface(
-        "0.32",
-        _MARKERS_032,
-        _NAMES_032 + _CALLED_BY_CONNECTORS + _LMCACHE + _LMCACHE_MP,
-        event_extra_keys=None,
-        lookahead_token_ids=None,
-        access_hook_on_null=True,
-        weak_pool_ref=False,
-        evict_first=False,
-        v1_model_runner=True,
-        offloading_failed_jobs=False,
-        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE, LMCACHE_MP),
+_LINE_032 = Surface(
+    "0.32",
+    _ROWS_032,
+    event_extra_keys=None,
+    lookahead_token_ids=None,
+    access_hook_on_null=True,
+    weak_pool_ref=False,
+    evict_first=False,
+    v1_model_runner=True,
+    offloading_failed_jobs=False,
+    connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE, LMCACHE_MP),
+)
+
+_LINE_033 = derive(
+    _LINE_032,
+    "0.33",
+    changed=(
+        _n(
+            f"{_BP}:BlockPool.__init__",
+            (
+                "self, num_gpu_blocks, enable_caching, hash_block_size, "
+                "enable_kv_cache_events, metrics_collector, num_hash_lookahead_tokens, "
+                "medium"
+            ),
+            fp="fc317efbf6234df8",
+            use="replaced",
+        ),
+        _n(
+            f"{_BP}:BlockPool._build_block_stored_event",
+            (
+                "self, request, block_hashes, parent_block_hash, start_token_idx, "
+                "end_token_idx, block_size, kv_cache_group_id, extra_keys_list, "
+                "lookahead_token_ids"
+            ),
+            fp="57c61e53c5f59685",
+            use="borrowed",
+        ),
+        _n(
+            f"{_BP}:BlockPool",
+            (
+                "__init__, _build_block_stored_event, _emit_block_removed_events, "
+                "_generate_event_extra_keys, _get_partial_block_hash, "
+                "_get_partial_block_parent_hash_and_start, _insert_block_hash, "
+                "_lookahead_token_ids, _maybe_evict_cached_block, _notify_reuse, "
+                "_remove_cached_block_hashes, cache_full_blocks, cache_partial_block, "
+                "emit_cached_block_events, evict_blocks, free_blocks, "
+                "get_cached_block, get_new_blocks, get_num_free_blocks, get_usage, "
+                "is_block_writable, move_block_hashes, reset_prefix_cache, "
+                "take_events, touch, unpin_blocks"
+            ),
+            use="members",
+        ),
+        _n(
+            f"{_BP}:BlockPool.cache_full_blocks",
+            (
+                "self, request, blocks, num_cached_blocks, num_full_blocks, "
+                "block_size, kv_cache_group_id, block_mask"
+            ),
+            fp="47a332f43abaf880",
+            use="replaced",
+        ),
+        _n(
+            f"{_BP}:BlockPool.cache_partial_block",
+            "self, request, block, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes",
+            fp="ebcb0bb27f660872",
+            use="replaced",
+        ),
+        _n(f"{_BP}:BlockPool.touch", "self, blocks", fp="d32cef0e56cf75a8", use="replaced"),
+        _n(f"{_BP}:BlockPool.free_blocks", "self, ordered_blocks", fp="542e366ba81c97e2", use="replaced"),
+        _n(
+            f"{_BP}:BlockPool.emit_cached_block_events",
+            "self, request, num_cached_blocks, block_size, kv_cache_group_id",
+            fp="118749cb764ade41",
+            use="borrowed",
+        ),
+        _n(f"{_SCHED}:Scheduler.schedule", "self, throttle_prefills", fp="a06fe15f3877ca46", use="wrapped"),
+        _n(
+            f"{_SCHED}:Scheduler.update_from_output",
+            "self, scheduler_output, model_runner_output",
+            fp="86a181d2629fabf9",
+            use="wrapped",
+        ),
+        _n(
+            f"{_V2}:ActiveKVConnector.post_forward",
+            "self, finished_req_ids, defer_finalize",
+            connector=WORKER_HOOKS,
+            use="wrapped",
+        ),
+        _n(
+            f"{_MOONCAKE_S}:MooncakeStoreScheduler.build_connector_meta",
+            "self, scheduler_output",
+            fp="5730ac619503740b",
+            connector=MOONCAKE,
+            use="wrapped",
+        ),
+        _n(
+            f"{_OFFLOAD_S}:OffloadingConnectorScheduler.build_connector_meta",
+            "self, scheduler_output",
+            fp="bb449517240a5fca",
+            connector=OFFLOADING,
+            use="wrapped",
+        ),
+        _n(
+            f"{_OFFLOAD_S}:OffloadingConnectorScheduler.update_connector_output",
+            "self, connector_output",
+            fp="a4641f3bddf5988d",
+            connector=OFFLOADING,
+            use="wrapped",
+        ),
+        _n(
+            f"{_OFFLOAD_W}:OffloadingConnectorWorker.start_kv_transfers",
+            "self, metadata",
+            fp="b5bc037f472c249f",
+            connector=OFFLOADING,
+            use="wrapped",
+        ),
+        _n(
+            f"{_NIXL_W}:NixlPullConnectorWorker._read_blocks_for_req",
+            "self, req_id, meta",
+            fp="09422f641d0382dc",
+            connector=NIXL,
+            use="wrapped",
+        ),
     ),
-    "0.33": Surface(
-        "0.33",
-        _MARKERS_033,
-        _NAMES_033 + _CALLED_BY_CONNECTORS + _LMCACHE + _LMCACHE_MP,
-        event_extra_keys="_generate_event_extra_keys",
-        lookahead_token_ids="_lookahead_token_ids",
-        access_hook_on_null=False,
-        weak_pool_ref=False,
-        evict_first=False,
-        v1_model_runner=True,
-        offloading_failed_jobs=False,
-        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE, LMCACHE_MP),
+    added={
+        f"{_BP}:BlockPool._build_block_stored_event": (
+            _n(
+                f"{_BP}:BlockPool._generate_event_extra_keys",
+                "self, request, start, end, start_mm_idx",
+                fp="467fe54fa5b323ec",
+                use="marker",
+            ),
+            _n(
+                f"{_BP}:BlockPool._lookahead_token_ids",
+                "self, request, block_end",
+                fp="8618a8e5d36a96e8",
+                use="marker",
+            ),
+        ),
+        f"{_V2}:ActiveKVConnector.post_forward": (
+            _n(f"{_V2}:ActiveKVConnector.finalize_step", "self", connector=WORKER_HOOKS, use="wrapped"),
+        ),
+    },
+    event_extra_keys="_generate_event_extra_keys",
+    lookahead_token_ids="_lookahead_token_ids",
+    access_hook_on_null=False,
+)
+
+_LINE_034 = derive(
+    _LINE_033,
+    "0.34",
+    changed=(
+        _n(
+            f"{_BP}:BlockPool",
+            (
+                "__init__, _build_block_stored_event, _emit_block_removed_events, "
+                "_get_partial_block_hash, _get_partial_block_parent_hash_and_start, "
+                "_insert_block_hash, _maybe_evict_cached_block, _notify_reuse, "
+                "_remove_cached_block_hashes, cache_full_blocks, cache_partial_block, "
+                "emit_cached_block_events, evict_blocks, free_blocks, "
+                "generate_event_extra_keys, get_cached_block, get_lookahead_token_ids, "
+                "get_new_blocks, get_num_free_blocks, get_usage, is_block_writable, "
+                "move_block_hashes, reset_prefix_cache, take_events, touch, "
+                "unpin_blocks"
+            ),
+            use="members",
+        ),
+        _n(
+            f"{_BP}:BlockPool.__init__",
+            (
+                "self, num_gpu_blocks, enable_caching, hash_block_size, "
+                "enable_kv_cache_events, metrics_collector, num_hash_lookahead_tokens, "
+                "medium"
+            ),
+            fp="448ea9998c8f186b",
+            use="replaced",
+        ),
+        _n(
+            f"{_BP}:BlockPool.cache_full_blocks",
+            (
+                "self, request, blocks, num_cached_blocks, num_full_blocks, "
+                "block_size, kv_cache_group_id, block_mask"
+            ),
+            fp="d0d34ef1559b67aa",
+            use="replaced",
+        ),
+        _n(
+            f"{_BP}:BlockPool.cache_partial_block",
+            "self, request, block, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes",
+            fp="4f2bea79a1c3bb76",
+            use="replaced",
+        ),
+        _n(f"{_BP}:BlockPool.get_new_blocks", "self, num_blocks", fp="e6401d853861ae79", use="replaced"),
+        _n(
+            f"{_BP}:BlockPool.free_blocks",
+            "self, ordered_blocks, evict_first",
+            fp="7a4577e6de63b30a",
+            use="marker",
+        ),
+        _n(
+            f"{_BP}:BlockPool._insert_block_hash",
+            "self, block_hash_with_group_id, block, num_tokens",
+            fp="796306a5db5de74c",
+            use="replaced",
+        ),
+        _n(
+            f"{_BP}:BlockPool._remove_cached_block_hashes",
+            "self, block",
+            fp="82216b0804ab682e",
+            use="borrowed",
+        ),
+        _n(f"{_BP}:BlockPool.reset_prefix_cache", "self", fp="a0184a93e0886a07", use="replaced"),
+        _n(
+            f"{_BP}:BlockPool.emit_cached_block_events",
+            "self, request, num_cached_blocks, block_size, kv_cache_group_id",
+            fp="a816d9eaab44064a",
+            use="borrowed",
+        ),
+        _n(
+            f"{_BP}:BlockHashToBlockMap",
+            "__init__, __len__, clear, contain, get_one_block, insert, pop",
+            use="members",
+        ),
+        _n(f"{_UTILS}:KVCacheBlock", "__eq__, __init__, __repr__, reset_hash, set_block_hash", use="members"),
+        _n(f"{_SCHED}:Scheduler.schedule", "self, throttle_prefills", fp="5c4e10402898dae9", use="wrapped"),
+        _n(
+            f"{_SCHED}:Scheduler.update_from_output",
+            "self, scheduler_output, model_runner_output",
+            fp="ce6fa954711728d1",
+            use="wrapped",
+        ),
+        _n(
+            f"{_MOONCAKE_S}:MooncakeStoreScheduler.build_connector_meta",
+            "self, scheduler_output",
+            fp="886c4b176dbf48e5",
+            connector=MOONCAKE,
+            use="wrapped",
+        ),
+        _n(
+            f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._handle_request",
+            "self, req_meta",
+            fp="58c0dd832f14e5cb",
+            connector=MOONCAKE,
+            use="wrapped",
+        ),
+        _n(
+            f"{_MOONCAKE_W}:KVCacheStoreSendingThread._handle_request",
+            "self, req_meta",
+            fp="5a33471e54f07878",
+            connector=MOONCAKE,
+        ),
+        _n(
+            f"{_OFFLOAD_W}:OffloadingConnectorWorker.start_kv_transfers",
+            "self, metadata",
+            fp="49c5c32f4e50c850",
+            connector=OFFLOADING,
+            use="wrapped",
+        ),
+        _n(
+            f"{_OFFLOAD_W}:OffloadingConnectorWorker.handle_preemptions",
+            "self, kv_connector_metadata",
+            fp="d9ac12066d1cfd5f",
+            connector=OFFLOADING,
+            use="wrapped",
+        ),
+        _n(
+            f"{_OFFLOAD_G}:SingleDirectionOffloadingHandler.transfer_async",
+            "self, job_id, device_ptrs, cpu_spec",
+            fp="72c78c053398e29f",
+            connector=OFFLOADING,
+            use="wrapped",
+        ),
+        _n(
+            f"{_NIXL_W}:NixlPullConnectorWorker._read_blocks_for_req",
+            "self, req_id, meta",
+            fp="cb2d7ff8a36f593b",
+            connector=NIXL,
+            use="wrapped",
+        ),
     ),
-    "0.34": Surface(
-        "0.34",
-        _MARKERS_034,
-        _NAMES_034 + _CALLED_BY_CONNECTORS + _LMCACHE + _LMCACHE_MP,
-        event_extra_keys="generate_event_extra_keys",
-        lookahead_token_ids="get_lookahead_token_ids",
-        access_hook_on_null=False,
-        weak_pool_ref=True,
-        evict_first=True,
-        v1_model_runner=False,
-        offloading_failed_jobs=True,
-        connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE, LMCACHE_MP),
+    added={
+        f"{_BP}:BlockPool._build_block_stored_event": (
+            _n(
+                f"{_BP}:BlockPool.generate_event_extra_keys",
+                "self, request, start, end, start_mm_idx",
+                fp="b01e3a90f2564d70",
+                use="marker",
+            ),
+            _n(
+                f"{_BP}:BlockPool.get_lookahead_token_ids",
+                "self, request, block_end",
+                fp="50d458a614065f1c",
+                use="marker",
+            ),
+        ),
+    },
+    removed=(
+        f"{_BP}:BlockPool._generate_event_extra_keys",
+        f"{_BP}:BlockPool._lookahead_token_ids",
+        f"{_MIXIN}:KVConnectorModelRunnerMixin._get_kv_connector_output",
+        f"{_MIXIN}:KVConnectorModelRunnerMixin.finalize_kv_connector",
+        f"{_MIXIN}:has_kv_transfer_group",
+        f"{_MIXIN}:get_kv_transfer_group",
     ),
-}
+    event_extra_keys="generate_event_extra_keys",
+    lookahead_token_ids="get_lookahead_token_ids",
+    weak_pool_ref=True,
+    evict_first=True,
+    v1_model_runner=False,
+    offloading_failed_jobs=True,
+)
+
+SURFACES: dict[str, Surface] = {s.line: s for s in (_LINE_032, _LINE_033, _LINE_034)}
 """The declared release lines, oldest first."""
 
 _ACTIVE: Surface | None = None
@@ -2445,9 +1631,8 @@ def report(version: str | None = None) -> tuple[int, list[str]]:
     lines.append("status       use       connector       name | expected | found")
     for d in rows:
         use = "marker" if d.name.target in marked else d.name.use
-        lines.append(
-            f"{d.status:<12} {use:<9} {d.name.connector or '-':<15} {d.name.target} | {d.expected} | {d.found}"
-        )
+        group = d.name.connector or "-"
+        lines.append(f"{d.status:<12} {use:<9} {group:<15} {d.name.target} | {d.expected} | {d.found}")
     bad = [d for d in rows if not d.ok and d.status != "unavailable"]
     refusing = [d for d in bad if d.refuses_install]
     absent = sorted({d.name.connector or "" for d in rows if d.status == "unavailable"} - {""})
