@@ -287,6 +287,20 @@ class ModelPaged:
         else:
             self.free_group.append(list(free_index))
 
+    def free_segment(self, free_index: list[int], *, start_pos: int) -> None:
+        if not free_index:
+            return
+        assert start_pos % self.page_size == 0
+        self.free_page_ids([i // self.page_size for i in free_index[:: self.page_size]])
+
+    def free_page_ids(self, page_ids: list[int]) -> None:
+        if not page_ids:
+            return
+        if self.free_group is None:
+            self._release_page_ids(list(page_ids))
+        else:
+            self.free_page_ids_group.append(list(page_ids))
+
     def _release_page_ids(self, *page_ids: list[int]) -> None:
         if self.need_sort:
             self.staged_pages.extend(page_ids)
@@ -345,6 +359,9 @@ class ModelToken:
                 self.free_pages = self.free_pages + list(free_index)
         else:
             self.free_group.append(list(free_index))
+
+    def free_segment(self, free_index: list[int], *, start_pos: int) -> None:
+        self.free(free_index)
 
     def free_group_begin(self) -> None:
         assert self.free_group is None
@@ -464,6 +481,9 @@ class ListBackend:
     def call_free(self, slots: list[int]) -> None:
         self.alloc.free(list(slots))
 
+    def call_free_segment(self, slots: list[int], start_pos: int) -> None:
+        self.alloc.free_segment(list(slots), start_pos=start_pos)
+
     def free_page_ids(self) -> list[int]:
         return list(self.alloc.free_pages)
 
@@ -507,6 +527,9 @@ class TorchBackend(ListBackend):
 
     def call_free(self, slots: list[int]) -> None:
         self.alloc.free(self._t(slots))
+
+    def call_free_segment(self, slots: list[int], start_pos: int) -> None:
+        self.alloc.free_segment(self._t(slots), start_pos=start_pos)
 
     def free_page_ids(self) -> list[int]:
         return [int(x) for x in self.alloc.free_pages.tolist()]
@@ -674,6 +697,22 @@ def make_machine(
             self.b.alloc.free_group_end()
             for r in picked:
                 self._release(self.reqs.pop(r))
+
+        @precondition(lambda self: any(len(s) > self.ps for s in self.reqs.values()))
+        @rule(data=st.data(), grouped=st.booleans())
+        def free_tail(self, data: st.DataObject, grouped: bool) -> None:
+            """``free_segment`` of a request's last pages (a tail free), alone
+            or inside a free group (the paged allocator's page-id group)."""
+            r = data.draw(st.sampled_from(sorted(r for r, s in self.reqs.items() if len(s) > self.ps)))
+            k = data.draw(st.integers(1, (len(self.reqs[r]) - 1) // self.ps)) * self.ps
+            tail = self.reqs[r][k:]
+            if grouped:
+                self.b.alloc.free_group_begin()
+            self.b.call_free_segment(tail, k)
+            if grouped:
+                self.b.alloc.free_group_end()
+            self.reqs[r] = self.reqs[r][:k]
+            self._release(tail)
 
         @rule()
         def merge(self) -> None:
