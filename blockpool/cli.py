@@ -7,7 +7,11 @@ a PNG and the event log. ``blockpool sweep [TRACE ...]`` replays a grid
 (traces x policies x evictions x placements x pool sizes x seeds) in local
 worker processes, or as Ray tasks with ``--ray ADDRESS`` (the ``ray``
 extra), and prints one row per cell (:mod:`blockpool.replay.sweep`). See
-``docs/replay.md``. ``blockpool check-vllm`` serves a tiny model on the vLLM
+``docs/replay.md``. ``blockpool fetch-trace NAME`` downloads a public
+trace (:data:`blockpool.replay.fetch.TRACES`: ``mooncake``, ``azure-code``)
+into a cache directory, checks its published SHA-256 and prints its path,
+so ``blockpool replay "$(blockpool fetch-trace mooncake)"`` replays it
+(:mod:`blockpool.replay.fetch`). ``blockpool check-vllm`` serves a tiny model on the vLLM
 installed here with the vLLM plugin off, on, and on without hazard tracking,
 and compares tokens, prefix-cache hits and KV events
 (:mod:`blockpool.checking.vllm_engine`; its own exit statuses: 0
@@ -19,6 +23,12 @@ cannot be written, checked before the replay); 3 the replay itself failed
 (stalled, leaked blocks) or an output could not be written; 130 interrupted
 (SIGINT, Ctrl-C); 143 terminated (SIGTERM). An interrupted run prints one
 line, leaves no output or part file behind and no worker process running.
+``fetch-trace``: 0 the verified path printed, 2 bad usage, 3 the download
+failed or its SHA-256 is not the published one.
+
+Errors name an option as it is typed (``--num-blocks``, not the
+configuration's ``num_blocks``); after the table, ``replay`` prints one
+``wrote PATH`` line per output it wrote (``sweep``: for ``--json``).
 
 ``blockpool --version`` prints the version. Every ``--help`` ends with its
 command's exit statuses. Interrupted, a command prints one line naming
@@ -62,11 +72,12 @@ class Terminated(BaseException):
 _EXIT_STATUS_REPLAY = """exit status:
   0    done
   1    the exact policy showed a race
-  2    bad usage or input, checked before the replay: unreadable trace, bad line,
-       unknown policy, a pool too small for any request, --plot without matplotlib,
-       an output that cannot be written (a directory, a socket, no such directory),
-       a --plot name not ending in .png
-  3    the replay failed (stalled, leaked blocks) or an output could not be written
+  2    bad usage or input, checked before the replay: unreadable trace, bad
+       line, unknown policy, a pool too small for any request, --plot without
+       matplotlib, an output that cannot be written (a directory, a socket,
+       no such directory), a --plot name not ending in .png
+  3    the replay failed (stalled, leaked blocks) or an output could not be
+       written
   130  interrupted (SIGINT, Ctrl-C)
   143  terminated (SIGTERM)"""
 
@@ -79,11 +90,19 @@ _EXIT_STATUS_SWEEP = """exit status:
   130  interrupted (SIGINT, Ctrl-C)
   143  terminated (SIGTERM)"""
 
+_EXIT_STATUS_FETCH = """exit status:
+  0    the trace is in the cache with its published sha256; its path printed
+  2    bad usage (an unknown trace name)
+  3    the download failed, its sha256 is not the published one, or the
+       cache directory cannot be written (nothing is left half-written)"""
+
 _EXIT_STATUS_TOP = """exit status (replay, sweep):
   0 done; 1 the exact policy showed a race; 2 bad usage or input;
   3 the run failed or an output could not be written; 130 interrupted (Ctrl-C);
-  143 terminated (SIGTERM). check-vllm: 0 identical, 1 a difference, 2 setup error
-  (--surface: 0 every name as declared, 1 a drift, 2 no vLLM or no declared line).
+  143 terminated (SIGTERM). check-vllm: 0 identical, 1 a difference, 2 setup
+  error (--surface: 0 every name as declared, 1 a drift, 2 no vLLM or no
+  declared line).
+  fetch-trace: 0 the path printed, 2 bad usage, 3 download or checksum failed.
   See 'blockpool COMMAND --help'."""
 
 
@@ -104,9 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         help="replay a serving trace under several wait policies and check it for races",
         description=(
-            "Replay a trace (Mooncake .jsonl, Azure .csv; none: the built-in synthetic chat workload) "
-            "on a simulated GPU under each wait policy, check every block access with the race oracle, "
-            "and report races, load-start delays, makespan, throughput and allocator time."
+            "Replay a trace on a simulated GPU under each wait policy, check every block\n"
+            "access with the race oracle, and report races, load-start delays, makespan,\n"
+            "throughput and allocator time.\n"
+            "\n"
+            "TRACE: a Mooncake .jsonl or an Azure .csv file; none: the built-in synthetic\n"
+            "chat workload. 'blockpool fetch-trace mooncake' downloads Mooncake's public\n"
+            "trace and prints its path."
         ),
         epilog=_EXIT_STATUS_REPLAY,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -146,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plot",
         metavar="OUT.png",
-        help="write a PNG of the cumulative load-start delays per policy (nothing when no policy made loads)",
+        help="write a PNG of the cumulative load-start delays per policy (a run without loads: the empty axes, "
+        "saying so)",
     )
     p.add_argument(
         "--events", metavar="OUT.jsonl", help="write every issue, wait, access and completion here"
@@ -165,9 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep",
         help="a grid of replays: traces x policies x evictions x placements x pool sizes x seeds",
         description=(
-            "Replay every cell of a grid (traces x wait policies x eviction policies x placements x pool sizes "
-            "x seeds) in local worker processes and print one row per cell; --json writes them all "
-            "(schema blockpool.sweep/1). See docs/replay.md."
+            "Replay every cell of a grid (traces x wait policies x eviction policies x\n"
+            "placements x pool sizes x seeds) in local worker processes and print one row\n"
+            "per cell; --json writes them all (schema blockpool.sweep/1). See docs/replay.md."
         ),
         epilog=_EXIT_STATUS_SWEEP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -203,6 +227,29 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--quiet", action="store_true", help="no progress on stderr (the 'sweep: N/M cells' lines)"
     )
+    from blockpool.replay.fetch import TRACES
+
+    f = sub.add_parser(
+        "fetch-trace",
+        help="download a public trace, check its sha256 and print its path",
+        description=(
+            "Download a public serving trace into the cache directory (once: a copy already\n"
+            "there is verified instead), check the SHA-256 of the file as published, and\n"
+            "print its path (nothing else on stdout), so that\n"
+            '  blockpool replay "$(blockpool fetch-trace mooncake)" --limit 2000\n'
+            "replays it. Traces:\n"
+            + "".join(
+                f"  {t.name:<11} {t.file} ({t.license})\n{'':14}{t.repository}\n" for t in TRACES.values()
+            )
+        ),
+        epilog=_EXIT_STATUS_FETCH,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    f.add_argument("name", metavar="NAME", choices=list(TRACES), help=f"one of: {', '.join(TRACES)}")
+    f.add_argument(
+        "--dir", default=None, metavar="DIR",
+        help="the cache directory (default $XDG_CACHE_HOME/blockpool/traces, or ~/.cache/blockpool/traces)",
+    )  # fmt: skip
     # Imports neither torch nor vLLM: only the check's runs do, in subprocesses.
     from blockpool.checking.vllm_engine import add_arguments as add_check_vllm_arguments
 
@@ -227,12 +274,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _ints(spec: str, what: str) -> list[int]:
+def _ints(spec: str, what: str, at_least: int | None = None) -> list[int]:
+    """``"1,2"`` -> ``[1, 2]`` for option ``--what``. O(len(spec)).
+
+    Raises:
+        ValueError: not integers, or one below ``at_least``, naming ``--what``.
+    """
     names = _names(spec, what) or []
     try:
-        return [int(x) for x in names]
+        out = [int(x) for x in names]
     except ValueError:
         raise ValueError(f"--{what} takes integers, got {spec!r}") from None
+    for v in out:
+        if at_least is not None and v < at_least:
+            raise ValueError(f"--{what} must be >= {at_least}, got {v}")
+    return out
+
+
+def _check_at_least(args: argparse.Namespace, minimums: dict[str, int]) -> None:
+    """Refuse an option below its minimum, naming the option as it is typed:
+    the argparse destination ``num_blocks`` is the option ``--num-blocks``
+    (``None``, an option left out, passes). O(len(minimums)).
+
+    Raises:
+        ValueError: ``--OPTION must be >= LO, got V``.
+    """
+    for dest, lo in minimums.items():
+        v = getattr(args, dest)
+        if v is not None and v < lo:
+            raise ValueError(f"--{dest.replace('_', '-')} must be >= {lo}, got {v}")
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -261,12 +331,13 @@ def _sweep(args: argparse.Namespace) -> int:
         print(f"blockpool sweep: error: {msg}", file=sys.stderr)
 
     try:
+        _check_at_least(args, {"limit": 1, "block_size": 1, "jobs": 1})
         spec = SweepSpec(
             traces=tuple(args.traces) or (SYNTHETIC,),
             policies=tuple(_names(args.policy, "policy") or ()),
             evictions=tuple(_names(args.eviction, "eviction") or ()),
             placements=tuple(_names(args.placement, "placement") or ()),
-            num_blocks=tuple(_ints(args.num_blocks, "num-blocks")) if args.num_blocks else (None,),
+            num_blocks=tuple(_ints(args.num_blocks, "num-blocks", 2)) if args.num_blocks else (None,),
             seeds=tuple(_ints(args.seed, "seed")),
             limit=args.limit,
             block_size=args.block_size,
@@ -320,6 +391,7 @@ def _sweep(args: argparse.Namespace) -> int:
         except OSError as e:
             err(f"cannot write {args.json}: {e}")
             return 3
+        print(f"wrote {args.json}")
     raced = [r for r in rows if r["policy"] == "exact" and r["races"]]
     if raced:
         err(f"an exact cell shows {raced[0]['races']} races")
@@ -499,8 +571,7 @@ def _replay(args: argparse.Namespace) -> int:
         policies = parse_policies(args.policy)
         evictions = _names(args.eviction, "eviction")
         placements = _names(args.placement, "placement")
-        if args.limit is not None and args.limit < 1:
-            raise ValueError(f"--limit must be >= 1, got {args.limit}")
+        _check_at_least(args, {"limit": 1, "block_size": 1, "num_blocks": 2, "jobs": 1})
         if args.trace is None:
             spec = SyntheticSpec() if args.limit is None else SyntheticSpec(num_requests=args.limit)
             trace = synthetic_trace(spec, seed=args.seed)
@@ -510,7 +581,7 @@ def _replay(args: argparse.Namespace) -> int:
         if nb is None:
             nb = SYNTHETIC_NUM_BLOCKS if args.trace is None else DEFAULT_NUM_BLOCKS
         cfg = ReplayConfig(block_size=args.block_size, num_blocks=nb, seed=args.seed)
-        check_fits(trace.requests, cfg)  # a pool too small for any request: status 2, not a table of zeros
+        check_fits(trace.requests, cfg, name="--num-blocks")  # too small for any request: status 2
         for e in evictions or ():
             ReplayConfig(eviction=e)  # an unknown name fails here (status 2)
         for pl in placements or ():
@@ -549,6 +620,8 @@ def _replay(args: argparse.Namespace) -> int:
         raise
     close()
     print(format_table(report))
+    if args.events:
+        print(f"wrote {args.events}")
     try:
         if args.json:
 
@@ -558,12 +631,8 @@ def _replay(args: argparse.Namespace) -> int:
                     f.write("\n")
 
             write_atomic(args.json, write_json)
-        if args.plot and not any(r.load_delays_ms for r in report.results):
-            print(
-                f"blockpool replay: --plot: no loads: nothing to plot ({args.plot} not written)",
-                file=sys.stderr,
-            )
-        elif args.plot:
+            print(f"wrote {args.json}")
+        if args.plot:  # a run without loads still gets its figure, saying so
             from blockpool.replay.plot import PlotUnavailableError, plot_report
 
             try:
@@ -571,6 +640,7 @@ def _replay(args: argparse.Namespace) -> int:
             except PlotUnavailableError as e:
                 _err(str(e))
                 return 2
+            print(f"wrote {args.plot}")
     except OSError as e:
         _err(f"cannot write an output: {e}")
         return 3
@@ -578,6 +648,22 @@ def _replay(args: argparse.Namespace) -> int:
     if raced:
         _err(f"the exact policy shows {raced[0].races} races ({raced[0].policy})")
         return 1
+    return 0
+
+
+def _fetch_trace(args: argparse.Namespace) -> int:
+    """``blockpool fetch-trace NAME``: :func:`blockpool.replay.fetch.fetch`;
+    prints the verified path on stdout (and nothing else there), its steps on
+    stderr. Exit 0 the path printed, 3 the download or the checksum failed
+    or the directory cannot be written (an unknown NAME: argparse, 2)."""
+    from blockpool.replay.fetch import TraceFetchError, fetch
+
+    try:
+        path = fetch(args.name, args.dir)
+    except TraceFetchError as e:
+        print(f"blockpool fetch-trace: error: {e}", file=sys.stderr)
+        return 3
+    print(path)
     return 0
 
 
@@ -603,6 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "replay": _replay,
         "sweep": _sweep,
+        "fetch-trace": _fetch_trace,
         "check-vllm": _check_vllm,
     }
     if args.command not in commands:  # pragma: no cover (argparse requires a known command)

@@ -114,8 +114,10 @@ class IntrospectionOps(PoolBase):
                 listed[b.block_id] = listed.get(b.block_id, 0) + 1
         for bid, n in listed.items():
             if self.blocks[bid].ref_cnt < n:
+                rc = self.blocks[bid].ref_cnt
                 raise RefCountError(
-                    f"block {bid} is listed {n} times but referenced {self.blocks[bid].ref_cnt} times"
+                    f"block {bid} is listed {'once' if n == 1 else f'{n} times'} but referenced "
+                    f"{'once' if rc == 1 else f'{rc} times'}"
                 )
         check_host = self.track_hazards and self.tracker.host_pending()
         out = []

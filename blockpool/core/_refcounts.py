@@ -192,9 +192,10 @@ class RefCountOps(TokenOps):
                     continue
                 rc = b.ref_cnt - 1
                 if rc < 0:
+                    n = sum(1 for x in blocks if x is b)
                     raise RefCountError(
                         f"free_blocks would take block {b.block_id}'s ref count below zero "
-                        f"(listed {sum(1 for x in blocks if x is b)} times)"
+                        f"(listed {'once' if n == 1 else f'{n} times'})"
                     )
                 b.ref_cnt = rc
                 if rc == 0:

@@ -44,11 +44,13 @@ def request_blocks(prompt_tokens: int, output_tokens: int, block_size: int) -> i
     return -(-(prompt_tokens + output_tokens) // block_size)
 
 
-def check_fits(requests: Sequence[Any], config: ReplayConfig) -> None:
+def check_fits(requests: Sequence[Any], config: ReplayConfig, *, name: str = "num_blocks") -> None:
     """Refuse a pool too small for every request: a replay of it would
     reject them all and report nothing but zeros. ``requests`` are
     :class:`~blockpool.replay.traces.TraceRequest` (``prompt_tokens``,
-    ``output_tokens``); an empty sequence passes. O(len(requests)).
+    ``output_tokens``); an empty sequence passes. ``name`` is what the
+    message calls the pool size (the command line passes its option,
+    ``--num-blocks``). O(len(requests)).
 
     Raises:
         InvalidArgumentError: not one request fits in ``config.num_blocks
@@ -62,7 +64,7 @@ def check_fits(requests: Sequence[Any], config: ReplayConfig) -> None:
     if need > cap:
         n = len(requests)
         raise InvalidArgumentError(
-            f"num_blocks {config.num_blocks} is too small for any of the {n} request{'s' if n != 1 else ''}: "
+            f"{name} {config.num_blocks} is too small for any of the {n} request{'s' if n != 1 else ''}: "
             f"the pool hands out {cap} block{'s' if cap != 1 else ''} (the null block is never handed out) and "
             f"the smallest request needs {need} blocks of {config.block_size} tokens"
         )

@@ -37,7 +37,7 @@ from blockpool.core.hazards import Token
 from blockpool.replay.config import ReplayConfig, ReplayError, request_blocks
 from blockpool.replay.eventlog import EventLog
 from blockpool.replay.machine import Machine
-from blockpool.replay.report import PolicyResult
+from blockpool.replay.report import PolicyResult, plural
 from blockpool.replay.state import ExternalStore, Phase, Request
 from blockpool.replay.steps import Entry, StepBuilder
 from blockpool.replay.traces import TraceRequest
@@ -116,7 +116,9 @@ class _Scheduler(StepBuilder):
             m.advance(t, self._on_end)
         stuck = [r for r in (*self.waiting, *self.ready, *self.running) if r.phase is not Phase.DONE]
         if stuck or self.loading:
-            raise ReplayError(f"replay stalled with {len(stuck)} requests unserved, e.g. {stuck[:3]}")
+            raise ReplayError(
+                f"replay stalled with {plural(len(stuck), 'request')} unserved, e.g. {stuck[:3]}"
+            )
         if self.progress is not None:
             self.progress(self.done)
 
@@ -140,7 +142,9 @@ class _Scheduler(StepBuilder):
         oldest back to the queue."""
         victims = [r for r in self.ready if r.phase is Phase.READY][1:]
         if not victims:
-            raise ReplayError(f"replay stalled: {len(self.waiting)} requests wait and no event is left")
+            raise ReplayError(
+                f"replay stalled: {plural(len(self.waiting), 'request')} waiting and no event left"
+            )
         for r in reversed(victims):
             self._release(r)
             self._reset(r)
@@ -297,7 +301,7 @@ class _Scheduler(StepBuilder):
         stats = m.raw_pool.stats()
         leaked = stats.num_blocks - stats.free
         if leaked:
-            raise ReplayError(f"{leaked} blocks were not returned to the pool ({stats})")
+            raise ReplayError(f"{plural(leaked, 'block')} not returned to the pool ({stats})")
         violations = m.oracle.violations
         return PolicyResult(
             policy=m.policy_name,

@@ -64,7 +64,9 @@ def figure(report: ReplayReport):  # type: ignore[no-untyped-def]
     control named as such). A caption says why the step at 0 ms need not be
     the table's empty-fence share, with the figures where they differ.
     The legend sits outside the plotting area
-    and lists only series that are drawn. O(loads).
+    and lists only series that are drawn; the title names the policies
+    without loads, and a run in which no policy made a load gets the empty
+    axes with a note saying so. O(loads).
 
     Raises:
         PlotUnavailableError: matplotlib cannot be imported.
@@ -112,8 +114,14 @@ def figure(report: ReplayReport):  # type: ignore[no-untyped-def]
         title += f"; no loads: {', '.join(no_loads)}"
     ax1.set_title(title)
     ax1.grid(True, alpha=0.3)
-    if ax1.get_lines():
+    if len(no_loads) < len(report.results):  # a series drawn (the dotted 0 ms line is not one)
         ax1.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
+    else:
+        ax1.set_ylim(0.0, 1.0)
+        ax1.text(
+            0.5, 0.5, "no policy made a load: no load-start delays to draw",
+            transform=ax1.transAxes, ha="center", va="center", fontsize=11, color="grey",
+        )  # fmt: skip
     caption = (
         "The step at 0 ms is the loads that started at once. An empty fence (the table's empty%) need not "
         "start at once (its stream may be busy), and a fenced load whose waits already ended does."

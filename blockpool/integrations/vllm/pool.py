@@ -1,4 +1,4 @@
-"""vLLM's ``BlockPool`` surface (0.32 and 0.33), backed by :class:`~blockpool.HazardAwareBlockPool`.
+"""vLLM's ``BlockPool`` surface (0.32, 0.33 and 0.34), backed by :class:`~blockpool.HazardAwareBlockPool`.
 
 :class:`VllmBlockPool` is what vLLM's ``KVCacheCoordinator`` builds once
 :func:`blockpool.integrations.vllm.register` has run. The core
@@ -83,7 +83,7 @@ def _group_suffix(group_id: int) -> bytes:
 
 
 class VllmBlockPool(VllmEvents):
-    """vLLM's ``BlockPool`` (0.32 and 0.33) over a :class:`~blockpool.HazardAwareBlockPool`.
+    """vLLM's ``BlockPool`` (0.32, 0.33 and 0.34) over a :class:`~blockpool.HazardAwareBlockPool`.
 
     Args: as vLLM's ``BlockPool``:
         num_gpu_blocks: Blocks in the pool, null block included.
