@@ -1,0 +1,416 @@
+"""The SGLang surface the plugin depends on, declared per release line.
+
+Every SGLang method the plugin wraps (``role="wrap"``) or whose behaviour
+it relies on without wrapping it (``role="rely"``) is listed with its
+signature and a fingerprint of its body (the first 16 hex digits of the
+SHA-256 of its dedented source). :func:`check_surface` compares the running
+SGLang with the declared line; :func:`blockpool.integrations.sglang.register`
+installs nothing when a single name drifted, and names each one.
+
+Names marked ``optional`` live in modules the plugin does not import
+itself (the scheduler's): they are checked, and wrapped, only in a process
+that has imported their module already (SGLang's scheduler process calls
+``load_plugins()`` from inside ``sglang.srt.managers.scheduler``).
+
+``blockpool check-sglang --surface`` prints :func:`surface_table`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import re
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from blockpool.core.errors import InvalidArgumentError
+
+__all__ = [
+    "SUPPORTED_SGLANG",
+    "Drift",
+    "SurfaceEntry",
+    "check_surface",
+    "fingerprint",
+    "installed_version",
+    "resolve",
+    "surface_for",
+    "surface_table",
+]
+
+_ALLOC = "sglang.srt.mem_cache.allocator"
+_PAGED = f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator"
+_TOKEN = f"{_ALLOC}.token.TokenToKVPoolAllocator"
+_BASE = f"{_ALLOC}.base.BaseTokenToKVPoolAllocator"
+_HICACHE = "sglang.srt.managers.cache_controller.HiCacheController"
+_HYBRID = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
+_URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+
+
+@dataclass(frozen=True)
+class SurfaceEntry:
+    """One SGLang name: ``target`` is the dotted path HookRegistry resolves
+    (``module.Class.method``), ``signature`` the text of
+    ``inspect.signature``, ``body`` the :func:`fingerprint` of its source,
+    ``role`` ``"wrap"`` (an AROUND hook is installed on it) or ``"rely"``
+    (its behaviour is mirrored or assumed), ``why`` what depends on it."""
+
+    target: str
+    signature: str
+    body: str
+    role: Literal["wrap", "rely"]
+    why: str
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class Drift:
+    """A declared name that differs in the running SGLang: ``what`` is
+    ``"missing"``, ``"signature"`` or ``"body"``; ``found`` the running
+    value (``None`` when missing)."""
+
+    target: str
+    what: Literal["missing", "signature", "body"]
+    expected: str
+    found: str | None
+
+    def __str__(self) -> str:
+        if self.what == "missing":
+            return f"{self.target}: missing"
+        return f"{self.target}: {self.what} {self.found} (declared {self.expected})"
+
+
+def _e(
+    target: str, signature: str, body: str, role: Literal["wrap", "rely"], why: str, **kw: Any
+) -> SurfaceEntry:
+    return SurfaceEntry(target, signature, body, role, why, **kw)
+
+
+_SURFACE_0_5_23: tuple[SurfaceEntry, ...] = (
+    # The paged allocator: its free list is mirrored as runs (account.py).
+    _e(
+        f"{_PAGED}._release_page_ids",
+        "(self, *page_ids: torch.Tensor)",
+        "288a614a3ee6c00b",
+        "wrap",
+        "every page release: prepended (LIFO) or staged (need_sort); tagged here",
+    ),
+    _e(
+        f"{_PAGED}.alloc",
+        "(self, need_size: int)",
+        "60eebfb935a9cef9",
+        "wrap",
+        "takes need_size // page_size pages from the front of free_pages",
+    ),
+    _e(
+        f"{_PAGED}.alloc_extend",
+        "(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor, seq_lens: torch.Tensor, "
+        "seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, extend_num_tokens: int, num_new_pages: int = None)",
+        "122a83017ff83b7f",
+        "wrap",
+        "takes num_new_pages from the front of free_pages",
+    ),
+    _e(
+        f"{_PAGED}.alloc_decode",
+        "(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor)",
+        "47a50efa6cab5cde",
+        "wrap",
+        "takes num_new_pages from the front of free_pages",
+    ),
+    _e(
+        f"{_PAGED}.merge_and_sort_free",
+        "(self)",
+        "aeec4066e3100508",
+        "wrap",
+        "a sort of free and staged pages: the account's runs become unknown",
+    ),
+    _e(
+        f"{_PAGED}.clear",
+        "(self)",
+        "bdd7b3441edfbf83",
+        "wrap",
+        "free_pages = arange(1, num_pages + 1): the account starts (or restarts) here",
+    ),
+    _e(
+        f"{_PAGED}.free",
+        "(self, free_index: torch.Tensor)",
+        "70f7446b45b1ced6",
+        "rely",
+        "releases through _release_page_ids, or defers to the free group",
+    ),
+    _e(
+        f"{_PAGED}.free_page_ids",
+        "(self, page_ids: torch.Tensor)",
+        "5f5dd750ea43398e",
+        "rely",
+        "releases through _release_page_ids, or defers to the free group",
+    ),
+    _e(
+        f"{_PAGED}.free_group_end",
+        "(self)",
+        "aa98258589d24de6",
+        "rely",
+        "deferred frees reach the list through _release_page_ids",
+    ),
+    # The token allocator (page_size 1): frees are appended (FIFO).
+    _e(
+        f"{_TOKEN}.alloc",
+        "(self, need_size: int)",
+        "22f44f70babea56f",
+        "wrap",
+        "takes need_size from the front of free_pages",
+    ),
+    _e(
+        f"{_TOKEN}.free",
+        "(self, free_index: torch.Tensor)",
+        "bd52d73c8db5fa85",
+        "wrap",
+        "every release: appended (FIFO) or staged in release_pages (need_sort)",
+    ),
+    _e(
+        f"{_TOKEN}.clear",
+        "(self)",
+        "193dbc24f971ad59",
+        "wrap",
+        "free_pages = arange(1, size + 1): the account starts (or restarts) here",
+    ),
+    _e(
+        f"{_BASE}.merge_and_sort_free",
+        "(self)",
+        "7a936a2a991aa6d7",
+        "wrap",
+        "the token allocator's sorted merge: the account's runs become unknown",
+    ),
+    _e(
+        f"{_BASE}.free_group_end",
+        "(self)",
+        "39393ea47f371852",
+        "rely",
+        "deferred frees reach the token allocator's list through free()",
+    ),
+    # The HiCache controllers.
+    _e(
+        f"{_HICACHE}.load",
+        "(self, host_indices: torch.Tensor, priority: Optional[int] = None, node_id: int = -1) "
+        "-> Optional[torch.Tensor]",
+        "c81be728a2dac4bc",
+        "wrap",
+        "allocates the load's device pages, queues one CacheOperation",
+    ),
+    _e(
+        f"{_HICACHE}.write",
+        "(self, device_indices: torch.Tensor, priority: Optional[int] = None, node_id: int = -1, "
+        "extra_pools: Optional[List[PoolTransfer]] = None) -> Optional[torch.Tensor]",
+        "a3c67f2ca6a17a77",
+        "wrap",
+        "queues one CacheOperation, then start_writing()",
+    ),
+    _e(
+        f"{_HICACHE}.start_loading",
+        "(self) -> int",
+        "402f04e47b4b52dd",
+        "wrap",
+        "waits host_to_device_stream on load_fence_stream when it is set, then submits",
+    ),
+    _e(
+        f"{_HICACHE}.start_writing",
+        "(self) -> None",
+        "36718849a5a053db",
+        "wrap",
+        "waits device_to_host_stream on write_fence_stream when it is set, then submits",
+    ),
+    _e(
+        f"{_HYBRID}.load",
+        "(self, host_indices: torch.Tensor, priority: Optional[int] = None, node_id: int = -1, "
+        "extra_pools: Optional[list[PoolTransfer]] = None, *, device_indices: Optional[torch.Tensor] = None, "
+        "anchor_indices: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]",
+        "0b96fd87600b5b85",
+        "wrap",
+        "allocates through full_attn_allocator.alloc unless rows are given",
+    ),
+    _e(
+        f"{_HYBRID}.write",
+        "(self, device_indices: torch.Tensor, priority: Optional[int] = None, node_id: int = -1, "
+        "extra_pools: Optional[list[PoolTransfer]] = None, flush: bool = True, "
+        "start_owner: Optional[int] = None) -> Optional[torch.Tensor]",
+        "e49e62d1b08216af",
+        "wrap",
+        "queues one CacheOperation, start_writing() when flush",
+    ),
+    _e(
+        "sglang.srt.managers.cache_controller.CacheOperation.merge_ops",
+        "(ops: List[CacheOperation]) -> CacheOperation",
+        "7818d1061f7e4f14",
+        "rely",
+        "start_loading/start_writing submit the queued operations as one",
+    ),
+    # The tree cache.
+    _e(
+        f"{_URC}.check_hicache_events",
+        "(self) -> None",
+        "56ec760049eed244",
+        "wrap",
+        "runs once per scheduler step: binds the forward stream, polls the fence events",
+    ),
+    _e(
+        f"{_URC}.backup_kv_cache",
+        "(self, req: Req) -> Optional[RetractionBackup]",
+        "e095055ae8c195c4",
+        "wrap",
+        "submits a device-to-host copy with no write fence: counted as a race",
+    ),
+    # The scheduler: forward launches (older-than-tail fences), where it is loaded.
+    _e(
+        f"{_SCHED}.run_batch",
+        "(self, batch: ScheduleBatch, pp_proxy_tensors: Optional[PPProxyTensors] = None) "
+        "-> Union[GenerationBatchResult, EmbeddingBatchResult]",
+        "c314c0d4b02c8565",
+        "wrap",
+        "launches one forward on the forward stream",
+        optional=True,
+    ),
+)
+
+SUPPORTED_SGLANG: dict[str, tuple[SurfaceEntry, ...]] = {"0.5.23": _SURFACE_0_5_23}
+"""Release line → declared surface. Only 0.5.23 is declared."""
+
+
+def fingerprint(fn: Callable[..., Any]) -> str:
+    """First 16 hex digits of the SHA-256 of ``fn``'s dedented source
+    (``inspect.getsource``). O(len(source)).
+
+    Raises:
+        InvalidArgumentError: the source of ``fn`` cannot be read.
+    """
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError) as exc:
+        raise InvalidArgumentError(f"no source for {fn!r}: {exc}") from None
+    return hashlib.sha256(textwrap.dedent(src).encode()).hexdigest()[:16]
+
+
+_QUALIFIER = re.compile(r"\b(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_])")
+
+
+def _normal(sig: str) -> str:
+    # Annotations render as strings under PEP 563 and as qualified names
+    # otherwise: compare them without quotes and module prefixes.
+    return _QUALIFIER.sub("", sig.replace("'", ""))
+
+
+def signature_text(fn: Callable[..., Any]) -> str:
+    """``str(inspect.signature(fn))``. O(#parameters)."""
+    return str(inspect.signature(fn))
+
+
+def installed_version() -> str | None:
+    """The running SGLang's version (its distribution metadata), ``None``
+    when SGLang is not installed. O(1)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def surface_for(version: str | None) -> tuple[SurfaceEntry, ...] | None:
+    """The declared surface of ``version``'s release line, ``None`` when
+    the line is not declared. O(1)."""
+    if version is None:
+        return None
+    return SUPPORTED_SGLANG.get(version)
+
+
+def _unwrap(fn: Any) -> Any:
+    # HookRegistry's wrappers keep the original in __wrapped__.
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def resolve(target: str, *, import_modules: bool = True) -> Any:
+    """The function at ``target`` (``module.Class.method``), unwrapped of
+    any HookRegistry wrapper; ``None`` when a name is missing or, with
+    ``import_modules=False``, its module is not imported. Imports the
+    module otherwise. O(1) plus the import.
+    """
+    mod_path, cls_name, attr = target.rsplit(".", 2)
+    if not import_modules and mod_path not in sys.modules:
+        return None
+    try:
+        mod = importlib.import_module(mod_path)
+    except ImportError:
+        return None
+    cls = getattr(mod, cls_name, None)
+    if cls is None:
+        return None
+    raw = inspect.getattr_static(cls, attr, None)
+    if raw is None:
+        return None
+    if isinstance(raw, (staticmethod, classmethod)):
+        raw = raw.__func__
+    return _unwrap(raw)
+
+
+def present(entry: SurfaceEntry) -> bool:
+    """Whether ``entry`` is checked (and wrapped) in this process: always,
+    unless it is optional and its module is not imported. O(1)."""
+    return not entry.optional or entry.target.rsplit(".", 2)[0] in sys.modules
+
+
+def check_surface(surface: tuple[SurfaceEntry, ...]) -> list[Drift]:
+    """Compare ``surface`` with the running SGLang: one :class:`Drift` per
+    missing, re-signatured or re-bodied name (optional names whose module
+    is not imported are skipped). Imports the modules named.
+    O(total source length)."""
+    drifts: list[Drift] = []
+    for entry in surface:
+        if not present(entry):
+            continue
+        fn = resolve(entry.target)
+        if fn is None:
+            drifts.append(Drift(entry.target, "missing", entry.signature, None))
+            continue
+        sig = signature_text(fn)
+        if _normal(sig) != _normal(entry.signature):
+            drifts.append(Drift(entry.target, "signature", entry.signature, sig))
+            continue
+        body = fingerprint(fn)
+        if body != entry.body:
+            drifts.append(Drift(entry.target, "body", entry.body, body))
+    return drifts
+
+
+def surface_table(version: str | None = None) -> list[dict[str, str]]:
+    """Rows for ``blockpool check-sglang --surface``: one per declared name
+    of ``version``'s line (default: the installed SGLang's, else the newest
+    declared), with ``state`` ``ok``, ``missing``, ``signature``, ``body``,
+    ``not loaded`` (optional, module not imported) or ``not checked`` (SGLang
+    not installed or another version). O(total source length)."""
+    running = installed_version()
+    line = version or (running if running in SUPPORTED_SGLANG else max(SUPPORTED_SGLANG))
+    surface = SUPPORTED_SGLANG.get(line)
+    if surface is None:
+        raise InvalidArgumentError(
+            f"no SGLang surface declared for {line!r}; declared: {sorted(SUPPORTED_SGLANG)}"
+        )
+    checked = running == line
+    drifts = {d.target: d for d in check_surface(surface)} if checked else {}
+    rows = []
+    for e in surface:
+        if not checked:
+            state = "not checked"
+        elif not present(e):
+            state = "not loaded"
+        else:
+            d = drifts.get(e.target)
+            state = "ok" if d is None else d.what
+        rows.append(
+            {"line": line, "target": e.target, "role": e.role, "body": e.body, "state": state, "why": e.why}
+        )
+    return rows
