@@ -4,21 +4,23 @@ mode (:class:`TransferCounters`, :func:`classify`)."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from blockpool.core.errors import InvalidArgumentError
 from blockpool.integrations.sglang.account import TransferCounters, classify
 from blockpool.replay.sglang import SGLangReplayConfig, main, replay_sglang, tiny_workload
+from blockpool.sim.costmodel import DEFAULT_STREAM_SPECS, CostModel
 
 
 def test_one_request_writes_its_prompt_pages() -> None:
     # Admitted at step 1, prefill forward 2, one decode forward 3. Its 4 prompt pages are
     # written when forward 2's result is processed (step 3: the tail is forward 3).
     req = tiny_workload()[:1]
-    free = replay_sglang(req, SGLangReplayConfig(device_pages=12))
+    free = replay_sglang(req, SGLangReplayConfig(device_pages=12, decode_tokens=64))
     assert (free.steps, free.requests, free.evictions) == (4, 1, 0)
     assert (free.counters["writes"], free.counters["writes_early"], free.counters["loads"]) == (4, 0, 0)
-    node = replay_sglang(req, SGLangReplayConfig(device_pages=12, tags="node"))
+    node = replay_sglang(req, SGLangReplayConfig(device_pages=12, tags="node", decode_tokens=64))
     assert node.counters["writes_early"] == 4  # their writer, forward 2, is older than the tail
 
 
@@ -34,7 +36,7 @@ def test_one_request_writes_its_prompt_pages() -> None:
 def test_tiny_workload(
     tags: str, placement: str, loads_early: int, load_pages_early: int, writes_early: int
 ) -> None:
-    cfg = SGLangReplayConfig(device_pages=12, tags=tags, placement=placement, max_running=2)
+    cfg = SGLangReplayConfig(device_pages=12, tags=tags, placement=placement, max_running=2, decode_tokens=64)
     r = replay_sglang(tiny_workload(), cfg)
     assert (r.steps, r.requests, r.skipped, r.evictions) == (13, 6, 0, 9)
     c = r.counters
@@ -52,8 +54,22 @@ def test_tiny_workload(
     assert c["loads_unknown"] == c["writes_unknown"] == 0
 
 
+def test_simulated_seconds_of_the_tiny_workload() -> None:
+    cost, h2d = CostModel(), DEFAULT_STREAM_SPECS["h2d"]
+    page = 512 * cost.kv_bytes_per_token
+    cfg = SGLangReplayConfig(device_pages=12, placement="cold", max_running=2, decode_tokens=64)
+    r = replay_sglang(tiny_workload(), cfg)
+    assert (r.counters["loads"], r.counters["load_pages"], r.counters["load_pages_early"]) == (2, 5, 2)
+    assert r.load_s == pytest.approx(h2d.transfer_seconds(2 * page) + h2d.transfer_seconds(3 * page))
+    # the early load (2 pages) was planned while a decode forward of one 5-page request ran
+    assert r.wait_saved_s == pytest.approx(cost.step_seconds(1, 5 * 512))
+    assert r.stall_saved_s == pytest.approx(h2d.transfer_seconds(2 * page))  # the copy is the shorter
+    stock = replay_sglang(tiny_workload(), attrs.evolve(cfg, placement="lifo"))
+    assert (stock.wait_saved_s, stock.stall_saved_s, stock.load_s) == (0.0, 0.0, r.load_s)
+
+
 def test_requests_larger_than_the_pool_are_skipped() -> None:
-    r = replay_sglang(tiny_workload(), SGLangReplayConfig(device_pages=5, max_running=1))
+    r = replay_sglang(tiny_workload(), SGLangReplayConfig(device_pages=5, max_running=1, decode_tokens=64))
     assert (r.requests, r.skipped) == (3, 3)  # 5-block prompts plus a scratch page do not fit
 
 
@@ -73,7 +89,9 @@ def test_bad_config_type() -> None:
 def test_main_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--device-pages", "12", "--max-running", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[4] == "| node | lifo | 2 | 0 (0.0%) | 0 (0.0%) | 15 | 15 (100.0%) | 13 | 9 |"
+    assert out[0].startswith("| tags | placement | loads | early |")
+    assert out[4] == "| node | lifo | 2 | 0 (0.0%) | 0.0% | - | 0.0% of 0.007 s | 15 | 15 (100.0%) |"
+    assert out[-1].startswith("6 requests (0 too large), 265 forwards")
 
 
 def test_classify_and_counters() -> None:

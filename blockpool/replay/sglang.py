@@ -39,6 +39,13 @@ than the tail (:func:`~blockpool.integrations.sglang.account.classify`):
 under one forward in flight it may start that forward earlier, overlapping
 it instead of waiting for it to end.
 
+Simulated time (:class:`~blockpool.sim.costmodel.CostModel`, Llama-3.1-8B
+on an H100; loads on its ``h2d`` stream): a forward computes its requests'
+uncached prompt tokens and one token per decoding request, reading their
+contexts. An early load's copy may start the in-flight forward's duration
+sooner; the consumer forward's wait shrinks by at most ``min(copy, that
+forward)``.
+
 Run it: ``python -m blockpool.replay.sglang --trace ../shared/traces/conversation_trace.jsonl``.
 """
 
@@ -55,6 +62,7 @@ import attrs
 from blockpool.core.errors import InvalidArgumentError
 from blockpool.integrations.sglang.account import PageAccount, TransferCounters, classify
 from blockpool.replay.traces import MOONCAKE_HASH_BLOCK_TOKENS, TraceRequest, read_trace
+from blockpool.sim.costmodel import DEFAULT_STREAM_SPECS, CostModel
 
 __all__ = ["SGLangReplayConfig", "SGLangReplayResult", "main", "replay_sglang", "tiny_workload"]
 
@@ -91,7 +99,7 @@ class SGLangReplayConfig:
     tags: str = attrs.field(default="free", validator=_one_of("free", "node"))
     placement: str = attrs.field(default="lifo", validator=_one_of("lifo", "cold"))
     max_running: int = attrs.field(default=16, validator=_pos)
-    decode_tokens: int = attrs.field(default=64, validator=_pos)
+    decode_tokens: int = attrs.field(default=1, validator=_pos)
 
 
 @attrs.frozen(slots=True)
@@ -104,6 +112,18 @@ class SGLangReplayResult:
         requests: Requests served.
         skipped: Requests larger than the device pool (never admitted).
         evictions: Device nodes evicted.
+        forward_s: Simulated seconds of all forwards
+            (:meth:`~blockpool.sim.costmodel.CostModel.step_seconds`).
+        load_s: Simulated seconds of all loads' copies (the ``h2d`` stream
+            of :data:`~blockpool.sim.costmodel.DEFAULT_STREAM_SPECS`); under
+            ``wait_stream`` each delays the forward that consumes it by up
+            to that much.
+        wait_saved_s: Over the early loads, the in-flight forward's
+            duration: how much sooner each copy may start after its plan.
+        stall_saved_s: Over the early loads, ``min(copy, in-flight
+            forward)``: how much of the consumer forward's wait the overlap
+            removes (an upper bound: SGLang's per-layer load events already
+            let a forward start on the layers loaded).
     """
 
     counters: dict[str, int]
@@ -111,6 +131,10 @@ class SGLangReplayResult:
     requests: int
     skipped: int
     evictions: int
+    forward_s: float = 0.0
+    load_s: float = 0.0
+    wait_saved_s: float = 0.0
+    stall_saved_s: float = 0.0
 
 
 class _Node:
@@ -127,10 +151,13 @@ class _Node:
 
 
 class _Req:
-    __slots__ = ("end", "new", "nodes", "partial", "prefill", "scratch")
+    __slots__ = ("ctx", "end", "new", "nodes", "partial", "prefill", "scratch")
 
-    def __init__(self, nodes: list[_Node], new: list[_Node], scratch: int, prefill: int, end: int) -> None:
+    def __init__(
+        self, nodes: list[_Node], new: list[_Node], scratch: int, prefill: int, end: int, ctx: int
+    ) -> None:
         self.nodes, self.new, self.scratch, self.prefill, self.end = nodes, new, scratch, prefill, end
+        self.ctx = ctx
         self.partial: _Node | None = None
 
 
@@ -158,6 +185,10 @@ def replay_sglang(
     running: list[_Req] = []
     served = skipped = 0
     step = 0
+    cost = CostModel()
+    h2d = DEFAULT_STREAM_SPECS["h2d"]
+    dur: dict[int, float] = {}
+    load_s = wait_saved = stall_saved = 0.0
 
     def evictable(n: _Node) -> bool:
         return n.device and n.lock == 0 and n.children == 0
@@ -205,6 +236,7 @@ def replay_sglang(
                 push(n)
             served += 1
         # 2. build batch step + 1
+        prefill_tokens = 0
         while waiting and len(running) < cfg.max_running:
             req = waiting[0]
             blocks = [cid for cid, _ in req.segments]
@@ -240,7 +272,13 @@ def replay_sglang(
             waiting.popleft()
             if loads:
                 fence = acct.take_back(loads) if cfg.placement == "cold" else acct.take(loads)
-                counters.record("load", loads, classify(fence, tail))
+                verdict = classify(fence, tail)
+                counters.record("load", loads, verdict)
+                t_load = h2d.transfer_seconds(loads * MOONCAKE_HASH_BLOCK_TOKENS * cost.kv_bytes_per_token)
+                load_s += t_load
+                if verdict == "early":
+                    wait_saved += dur.get(step, 0.0)
+                    stall_saved += min(t_load, dur.get(step, 0.0))
             acct.take(len(nodes) - hits - loads + scratch)
             new = []
             for i, n in enumerate(nodes[hits:], start=hits):
@@ -252,10 +290,24 @@ def replay_sglang(
                     n.writer = step + 1
                     new.append(n)
             end = step + 1 + math.ceil(req.output_tokens / cfg.decode_tokens)
-            running.append(_Req(nodes, new, scratch, step + 1, end))
+            prefill_tokens += sum(n for _, n in req.segments[hits + loads :])
+            running.append(_Req(nodes, new, scratch, step + 1, end, req.prompt_tokens))
             if req.segments[-1][1] < MOONCAKE_HASH_BLOCK_TOKENS and nodes[-1] in new:
                 running[-1].partial = nodes[-1]
-    return SGLangReplayResult(counters.as_dict(), step, served, skipped, evictions)
+        if running:
+            decoding = sum(1 for r in running if r.prefill < step + 1)
+            dur[step + 1] = cost.step_seconds(prefill_tokens + decoding, sum(r.ctx for r in running))
+    return SGLangReplayResult(
+        counters.as_dict(),
+        step,
+        served,
+        skipped,
+        evictions,
+        sum(dur.values()),
+        load_s,
+        wait_saved,
+        stall_saved,
+    )
 
 
 def tiny_workload() -> list[TraceRequest]:
@@ -277,9 +329,17 @@ def tiny_workload() -> list[TraceRequest]:
 
 def _table(requests: Sequence[TraceRequest], device_pages: int, max_running: int) -> str:
     rows = [
-        "| tags | placement | loads | early | load pages early | write-throughs | early | forwards | evictions |",
+        (
+            "| tags | placement | loads | early | load pages early | copy starts sooner by (mean) "
+            "| load stall removed | write-throughs | early |"
+        ),
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def pct(a: float, b: float) -> str:
+        return f"{100 * a / b:.1f}%" if b else "0%"
+
+    r = None
     for tags in ("free", "node"):
         for placement in ("lifo", "cold"):
             cfg = SGLangReplayConfig(
@@ -287,15 +347,19 @@ def _table(requests: Sequence[TraceRequest], device_pages: int, max_running: int
             )
             r = replay_sglang(requests, cfg)
             c = r.counters
-
-            def pct(a: int, b: int) -> str:
-                return f"{a} ({100 * a / b:.1f}%)" if b else "0"
-
+            sooner = f"{1e3 * r.wait_saved_s / c['loads_early']:.2f} ms" if c["loads_early"] else "-"
             rows.append(
-                f"| {tags} | {placement} | {c['loads']} | {pct(c['loads_early'], c['loads'])} "
-                f"| {pct(c['load_pages_early'], c['load_pages'])} | {c['writes']} "
-                f"| {pct(c['writes_early'], c['writes'])} | {r.steps} | {r.evictions} |"
+                f"| {tags} | {placement} | {c['loads']} | {c['loads_early']} ({pct(c['loads_early'], c['loads'])}) "
+                f"| {pct(c['load_pages_early'], c['load_pages'])} | {sooner} "
+                f"| {pct(r.stall_saved_s, r.load_s)} of {r.load_s:.3f} s "
+                f"| {c['writes']} | {c['writes_early']} ({pct(c['writes_early'], c['writes'])}) |"
             )
+    assert r is not None
+    rows.append(
+        f"\n{r.requests} requests ({r.skipped} too large), {r.steps} forwards "
+        f"({r.forward_s:.1f} s simulated), {r.evictions} evictions, {device_pages} device pages of "
+        f"{MOONCAKE_HASH_BLOCK_TOKENS} tokens, {max_running} running at most"
+    )
     return "\n".join(rows)
 
 
