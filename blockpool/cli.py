@@ -108,7 +108,7 @@ _EXIT_STATUS_TOP = """exit status (replay, sweep):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``blockpool``. O(1)."""
-    from blockpool import __version__
+    from blockpool import __compiled__, __version__
     from blockpool.replay.policies import POLICIES
 
     parser = argparse.ArgumentParser(
@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXIT_STATUS_TOP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"blockpool {__version__}")
+    build = "core compiled (mypyc)" if __compiled__ else "core pure Python"
+    parser.add_argument("--version", action="version", version=f"blockpool {__version__}, {build}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser(
         "replay",

@@ -573,13 +573,14 @@ def test_write_atomic_refuses_what_output_kind_refuses(tmp_path: Path) -> None:
 # --version, exit statuses in --help, --quiet, sweep's interrupt line ----------
 
 
-def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+def test_version_prints_the_package_version_and_the_build(capsys: pytest.CaptureFixture[str]) -> None:
     import blockpool
 
     with pytest.raises(SystemExit) as ei:
         main(["--version"])
     assert ei.value.code == 0
-    assert capsys.readouterr().out.strip() == f"blockpool {blockpool.__version__}"
+    build = "core compiled (mypyc)" if blockpool.__compiled__ else "core pure Python"
+    assert capsys.readouterr().out.strip() == f"blockpool {blockpool.__version__}, {build}"
 
 
 @pytest.mark.parametrize(
