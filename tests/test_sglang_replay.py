@@ -4,6 +4,8 @@ mode (:class:`TransferCounters`, :func:`classify`)."""
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import pytest
 
@@ -92,6 +94,19 @@ def test_main_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert out[0].startswith("| tags | placement | loads | early |")
     assert out[4] == "| node | lifo | 2 | 0 (0.0%) | 0.0% | - | 0.0% of 0.007 s | 15 | 15 (100.0%) |"
     assert out[-1].startswith("6 requests (0 too large), 265 forwards")
+
+
+def test_main_json_carries_the_counters(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--device-pages", "12", "--max-running", "2", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["config"]["tags"], r["config"]["placement"]) for r in rows] == [
+        ("free", "lifo"),
+        ("free", "cold"),
+        ("node", "lifo"),
+        ("node", "cold"),
+    ]
+    want = replay_sglang(tiny_workload(), SGLangReplayConfig(device_pages=12, tags="node", max_running=2))
+    assert rows[2]["counters"] == want.counters and rows[2]["steps"] == want.steps == 265
 
 
 def test_classify_and_counters() -> None:

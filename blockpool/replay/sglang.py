@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -365,7 +366,7 @@ def _table(requests: Sequence[TraceRequest], device_pages: int, max_running: int
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m blockpool.replay.sglang [--trace PATH] [--limit N]
-    [--device-pages N] [--max-running N]``: print the table of loads and
+    [--device-pages N] [--max-running N] [--json]``: print the table of loads and
     write-throughs an exact fence lets start before the stream tail, for
     both tag sources and both placements (the tiny built-in workload when
     no trace is given). Returns 0."""
@@ -374,9 +375,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=2000, help="requests read from the trace (default 2000)")
     p.add_argument("--device-pages", type=int, default=2048, help="device pages of 512 tokens (default 2048)")
     p.add_argument("--max-running", type=int, default=16, help="requests running at once (default 16)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per tag source and placement instead of the table",
+    )
     a = p.parse_args(argv)
     reqs = list(read_trace(a.trace, limit=a.limit).requests) if a.trace else tiny_workload()
-    print(_table(reqs, a.device_pages, a.max_running))
+    if not a.json:
+        print(_table(reqs, a.device_pages, a.max_running))
+        return 0
+    for tags in ("free", "node"):
+        for placement in ("lifo", "cold"):
+            cfg = SGLangReplayConfig(a.device_pages, tags, placement, a.max_running)
+            print(
+                json.dumps(
+                    {"config": attrs.asdict(cfg), **attrs.asdict(replay_sglang(reqs, cfg))}, sort_keys=True
+                )
+            )
     return 0
 
 
