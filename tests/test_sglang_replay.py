@@ -5,6 +5,7 @@ mode (:class:`TransferCounters`, :func:`classify`)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import attrs
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from blockpool.core.errors import InvalidArgumentError
 from blockpool.integrations.sglang.account import TransferCounters, classify
 from blockpool.replay.sglang import SGLangReplayConfig, main, replay_sglang, tiny_workload
+from blockpool.replay.traces import read_trace
 from blockpool.sim.costmodel import DEFAULT_STREAM_SPECS, CostModel
 
 
@@ -107,6 +109,24 @@ def test_main_json_carries_the_counters(capsys: pytest.CaptureFixture[str]) -> N
     ]
     want = replay_sglang(tiny_workload(), SGLangReplayConfig(device_pages=12, tags="node", max_running=2))
     assert rows[2]["counters"] == want.counters and rows[2]["steps"] == want.steps == 265
+
+
+TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+def test_conversation_trace_free_time_tags_gain_nothing_node_tags_do() -> None:
+    """Mooncake's conversation trace (its first 500 requests, 1,024 device
+    pages): under LIFO a load's pages were freed for it, in the step the
+    in-flight forward was enqueued, so free-time tags never beat the tail;
+    the evicted nodes' own last uses almost always do."""
+    if not TRACE.exists():
+        pytest.skip(f"no copy of the trace at {TRACE}")
+    reqs = read_trace(TRACE, limit=500).requests
+    free = replay_sglang(reqs, SGLangReplayConfig(device_pages=1024))
+    node = replay_sglang(reqs, SGLangReplayConfig(device_pages=1024, tags="node"))
+    assert (free.counters["loads"], free.counters["loads_early"], free.counters["writes_early"]) == (74, 0, 0)
+    assert (node.counters["loads"], node.counters["loads_early"]) == (74, 72)
+    assert (node.counters["writes"], node.counters["writes_early"]) == (11879, 11384)
 
 
 def test_classify_and_counters() -> None:

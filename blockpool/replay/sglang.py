@@ -46,7 +46,7 @@ contexts. An early load's copy may start the in-flight forward's duration
 sooner; the consumer forward's wait shrinks by at most ``min(copy, that
 forward)``.
 
-Run it: ``python -m blockpool.replay.sglang --trace ../shared/traces/conversation_trace.jsonl``.
+Run it: ``python -m blockpool.replay.sglang --trace "$(blockpool fetch-trace mooncake)"``.
 """
 
 from __future__ import annotations
