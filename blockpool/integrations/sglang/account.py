@@ -88,8 +88,6 @@ UNKNOWN: Final = _Unknown()
 merge, or :meth:`PageAccount.forget`). Consuming any part of it makes the
 fence unknown."""
 
-Tag = object  # T, None (no access recorded) or UNKNOWN; kept untyped inside the deque
-
 
 def _count(n: object, what: str) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
