@@ -409,7 +409,9 @@ def hook_alloc(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
     if rt is None:
         return original(self, *args, **kwargs)
     acct = _shadowed(rt, self)
-    if acct is None:
+    if acct is None or not rt.check(self, acct):
+        # No account, or the list changed behind it (checked before the
+        # call: the take below is sized by the list's length afterwards).
         rt.last_take = None
         return original(self, *args, **kwargs)
     result = original(self, *args, **kwargs)
