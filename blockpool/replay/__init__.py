@@ -17,5 +17,6 @@ Modules: :mod:`~blockpool.replay.traces` (Mooncake JSONL, Azure CSV),
 :mod:`~blockpool.replay.policies`, :mod:`~blockpool.replay.state`,
 :mod:`~blockpool.replay.run` (several policies, in parallel),
 :mod:`~blockpool.replay.report`, :mod:`~blockpool.replay.plot`,
-:mod:`~blockpool.replay.eventlog`.
+:mod:`~blockpool.replay.eventlog`, :mod:`~blockpool.replay.fetch` (the public
+traces, downloaded and verified).
 """
