@@ -292,6 +292,12 @@ def _ints(spec: str, what: str, at_least: int | None = None) -> list[int]:
     return out
 
 
+_EMPTY_TRACE = (
+    "TRACE is an empty string: give a trace file (an empty one is what "
+    '"$(blockpool fetch-trace NAME)" gives when the fetch failed: see its error above)'
+)
+
+
 def _check_at_least(args: argparse.Namespace, minimums: dict[str, int]) -> None:
     """Refuse an option below its minimum, naming the option as it is typed:
     the argparse destination ``num_blocks`` is the option ``--num-blocks``
@@ -333,6 +339,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
     try:
         _check_at_least(args, {"limit": 1, "block_size": 1, "jobs": 1})
+        if any(not t.strip() for t in args.traces):
+            raise ValueError(_EMPTY_TRACE)
         spec = SweepSpec(
             traces=tuple(args.traces) or (SYNTHETIC,),
             policies=tuple(_names(args.policy, "policy") or ()),
@@ -573,6 +581,8 @@ def _replay(args: argparse.Namespace) -> int:
         evictions = _names(args.eviction, "eviction")
         placements = _names(args.placement, "placement")
         _check_at_least(args, {"limit": 1, "block_size": 1, "num_blocks": 2, "jobs": 1})
+        if args.trace is not None and not args.trace.strip():
+            raise ValueError(_EMPTY_TRACE)
         if args.trace is None:
             spec = SyntheticSpec() if args.limit is None else SyntheticSpec(num_requests=args.limit)
             trace = synthetic_trace(spec, seed=args.seed)

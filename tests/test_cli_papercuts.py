@@ -295,6 +295,19 @@ def test_a_bad_value_is_refused_before_the_run_naming_the_option_as_typed(
     assert (out, err) == ("", line + "\n")
 
 
+@pytest.mark.parametrize("command", ["replay", "sweep"])
+def test_an_empty_trace_argument_says_a_fetch_may_have_failed(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``blockpool replay "$(blockpool fetch-trace mooncake)"`` after a failed
+    fetch passes an empty TRACE: refused, saying where an empty one comes from."""
+    assert main([command, "", "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        f"blockpool {command}: error: TRACE is an empty string: give a trace file (an empty one is what "
+        '"$(blockpool fetch-trace NAME)" gives when the fetch failed: see its error above)\n'
+    )
+
+
 def test_a_pool_too_small_for_any_request_is_named_by_its_option(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", "--num-blocks", "3", "--limit", "5", "--quiet"]) == 2
     assert capsys.readouterr().err.startswith("blockpool replay: error: --num-blocks 3 is too small for any")
