@@ -19,6 +19,7 @@ source (``sglang/srt/mem_cache/allocator/paged.py``, ``token.py``,
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -199,8 +200,16 @@ def test_as_fence_keeps_the_newest_token_per_stream() -> None:
 # ----------------------------------------------------------------------
 
 
-def _cat(parts: list[list[int]]) -> list[int]:
-    return [x for p in parts for x in p]
+class L(list[int]):
+    """A host list with ``numel()``, the one tensor method the plugin's
+    hooks call on page ids."""
+
+    def numel(self) -> int:
+        return len(self)
+
+
+def _cat(parts: list[list[int]]) -> L:
+    return L(x for p in parts for x in p)
 
 
 class ModelPaged:
@@ -283,7 +292,7 @@ class ModelPaged:
         if not free_index:
             return
         if self.free_group is None:
-            self._release_page_ids(sorted({i // self.page_size for i in free_index}))
+            self._release_page_ids(L(sorted({i // self.page_size for i in free_index})))
         else:
             self.free_group.append(list(free_index))
 
@@ -291,13 +300,13 @@ class ModelPaged:
         if not free_index:
             return
         assert start_pos % self.page_size == 0
-        self.free_page_ids([i // self.page_size for i in free_index[:: self.page_size]])
+        self.free_page_ids(L(i // self.page_size for i in free_index[:: self.page_size]))
 
     def free_page_ids(self, page_ids: list[int]) -> None:
         if not page_ids:
             return
         if self.free_group is None:
-            self._release_page_ids(list(page_ids))
+            self._release_page_ids(L(page_ids))
         else:
             self.free_page_ids_group.append(list(page_ids))
 
@@ -395,7 +404,7 @@ class Shadow:
 
     def __init__(self, alloc: Any, account: PageAccount[int]) -> None:
         self.alloc, self.account = alloc, account
-        self.token = 0
+        self.token = 0  # the forward tick: this driver's tags are ticks
         self.last_fence: frozenset[int] | None | str = "none yet"
         paged = hasattr(alloc, "num_staged_pages")
         names = ["alloc", "merge_and_sort_free", "clear"]
@@ -448,6 +457,73 @@ class Shadow:
 
         return wrapper
 
+    def tick_of(self, tag: int) -> int:
+        return tag
+
+    def close(self) -> None:
+        pass
+
+
+class PluginShadow:
+    """The plugin's own allocator hooks (:mod:`blockpool.integrations.sglang.hooks`)
+    bound on the instance, as SGLang's ``HookRegistry`` binds them on the
+    class, with a runtime armed for this allocator's class and a forward
+    stream whose events never complete. The hooks' tags are the runtime's
+    token numbers; ``tick_of`` maps each to the forward tick it was recorded
+    at (the oracle's time)."""
+
+    def __init__(self, alloc: Any, account: PageAccount[int]) -> None:
+        from blockpool.integrations.sglang import hooks
+
+        self.alloc, self.account, self.hooks = alloc, account, hooks
+        self.token = 0
+        self.ticks: dict[int, int] = {}
+        rt = self.rt = hooks.Runtime("audit")
+        rt.armed = True
+        paged = hasattr(alloc, "num_staged_pages")
+        rt._paged_cls, rt._token_cls = (type(alloc), None) if paged else (None, type(alloc))
+        shadow = self
+
+        class Event:
+            def query(self) -> bool:
+                return False
+
+        class Stream:
+            def record_event(self) -> Event:
+                shadow.ticks[rt._seq + 1] = shadow.token
+                return Event()
+
+        rt.bind(Stream())
+        rt.accounts[alloc] = account
+        hooks.set_runtime(rt)
+        cls = type(alloc)
+        names = {
+            "alloc": hooks.hook_alloc,
+            "merge_and_sort_free": hooks.hook_merge,
+            "clear": hooks.hook_clear,
+        }
+        if paged:
+            names |= {
+                "_release_page_ids": hooks.hook_release,
+                "alloc_extend": hooks.hook_alloc,
+                "alloc_decode": hooks.hook_alloc,
+            }
+        else:
+            names["free"] = hooks.hook_token_free
+        for name, hook in names.items():
+            setattr(alloc, name, functools.partial(hook, getattr(cls, name), alloc))
+
+    @property
+    def last_fence(self) -> frozenset[int] | None | str:
+        take = self.rt.last_take
+        return "none yet" if take is self.hooks.NOT_TAKEN else take  # type: ignore[return-value]
+
+    def tick_of(self, tag: int) -> int:
+        return self.ticks[tag]
+
+    def close(self) -> None:
+        self.hooks.set_runtime(None)
+
 
 # ----------------------------------------------------------------------
 # backends: the list model, and SGLang's classes on the CPU
@@ -479,10 +555,10 @@ class ListBackend:
         return None if out is None else self.pages(out)
 
     def call_free(self, slots: list[int]) -> None:
-        self.alloc.free(list(slots))
+        self.alloc.free(L(slots))
 
     def call_free_segment(self, slots: list[int], start_pos: int) -> None:
-        self.alloc.free_segment(list(slots), start_pos=start_pos)
+        self.alloc.free_segment(L(slots), start_pos=start_pos)
 
     def free_page_ids(self) -> list[int]:
         return list(self.alloc.free_pages)
@@ -548,6 +624,7 @@ def make_machine(
     page_size: int,
     need_sort: bool,
     account_cls: type[PageAccount[int]] = PageAccount,
+    driver: str = "wrappers",
 ) -> type[RuleBasedStateMachine]:
     class AllocatorRun(RuleBasedStateMachine):
         """Requests hold slots; forwards touch them; the oracle keeps, per
@@ -560,7 +637,7 @@ def make_machine(
             self.ps = page_size
             order = "lifo" if kind == "paged" else "fifo"
             self.account = account_cls(NUM_PAGES, order=order, need_sort=need_sort, name=kind)
-            self.shadow = Shadow(self.b.alloc, self.account)
+            self.shadow = (Shadow if driver == "wrappers" else PluginShadow)(self.b.alloc, self.account)
             self.reqs: dict[int, list[int]] = {}
             self.next_req = 0
             self.tick = 0
@@ -584,11 +661,11 @@ def make_machine(
                 assert fence is not None, f"known pages {sorted(new_pages)} got an unknown fence"
                 for p in new_pages:  # never weaker: the fence covers each page's last use
                     used = self.last_use.get(p)
-                    assert used is None or any(t >= used for t in fence), (
+                    assert used is None or any(self.shadow.tick_of(t) >= used for t in fence), (
                         f"fence {sorted(fence)} does not cover page {p}'s last use {used}"
                     )
                 exact = {self.free_tag[p] for p in new_pages} - {None}
-                assert fence == exact, (
+                assert {self.shadow.tick_of(t) for t in fence} == exact, (
                     f"fence {sorted(fence)} != release tags {sorted(exact)} of pages {sorted(new_pages)}"
                 )
             self.seen_fences += 1
@@ -733,6 +810,9 @@ def make_machine(
             self.unknown = set()
             self.free_tag = dict.fromkeys(range(1, NUM_PAGES + 1), self.tick)
 
+        def teardown(self) -> None:
+            self.shadow.close()
+
         @invariant()
         def account_follows(self) -> None:
             assert self.account.armed, self.account.disarm_reason
@@ -748,7 +828,7 @@ CASES = [("paged", ps, ns) for ps in (1, 4, 16) for ns in (False, True)] + [
 ]
 IDS = [f"{k}-ps{ps}-{'sort' if ns else 'lifo' if k == 'paged' else 'fifo'}" for k, ps, ns in CASES]
 RUN = settings(
-    max_examples=40,
+    max_examples=25,
     stateful_step_count=40,
     deadline=None,
     database=None,
@@ -762,14 +842,21 @@ def _torch_backend() -> type[ListBackend]:
     return TorchBackend
 
 
+@pytest.mark.parametrize("driver", ["wrappers", "plugin"])
 @pytest.mark.parametrize(("kind", "page_size", "need_sort"), CASES, ids=IDS)
-def test_fences_are_exact_on_the_list_model(kind: str, page_size: int, need_sort: bool) -> None:
-    run_state_machine_as_test(make_machine(ListBackend, kind, page_size, need_sort), settings=RUN)
+def test_fences_are_exact_on_the_list_model(kind: str, page_size: int, need_sort: bool, driver: str) -> None:
+    run_state_machine_as_test(
+        make_machine(ListBackend, kind, page_size, need_sort, driver=driver), settings=RUN
+    )
 
 
+@pytest.mark.parametrize("driver", ["wrappers", "plugin"])
 @pytest.mark.parametrize(("kind", "page_size", "need_sort"), CASES, ids=IDS)
-def test_fences_are_exact_on_sglang_allocators(kind: str, page_size: int, need_sort: bool) -> None:
-    run_state_machine_as_test(make_machine(_torch_backend(), kind, page_size, need_sort), settings=RUN)
+def test_fences_are_exact_on_sglang_allocators(
+    kind: str, page_size: int, need_sort: bool, driver: str
+) -> None:
+    machine = make_machine(_torch_backend(), kind, page_size, need_sort, driver=driver)
+    run_state_machine_as_test(machine, settings=RUN)
 
 
 class DroppedRun(PageAccount[int]):
@@ -800,7 +887,9 @@ class AlwaysUnknown(PageAccount[int]):
         return None
 
 
-@pytest.mark.parametrize("backend", ["list", "sglang"])
+@pytest.mark.parametrize(
+    ("backend", "driver"), [("list", "wrappers"), ("list", "plugin"), ("sglang", "plugin")]
+)
 @pytest.mark.parametrize(
     ("control", "caught_by"),
     [
@@ -810,9 +899,11 @@ class AlwaysUnknown(PageAccount[int]):
     ],
     ids=["dropped-run", "padded-token", "always-unknown"],
 )
-def test_negative_controls_are_caught(backend: str, control: type[PageAccount[int]], caught_by: str) -> None:
+def test_negative_controls_are_caught(
+    backend: str, driver: str, control: type[PageAccount[int]], caught_by: str
+) -> None:
     backend_cls = ListBackend if backend == "list" else _torch_backend()
-    machine = make_machine(backend_cls, "paged", 4, False, account_cls=control)
+    machine = make_machine(backend_cls, "paged", 4, False, account_cls=control, driver=driver)
     find = settings(RUN, max_examples=200, phases=[Phase.generate])
     with pytest.raises(AssertionError, match=caught_by):
         run_state_machine_as_test(machine, settings=find)
