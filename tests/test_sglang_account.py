@@ -1,10 +1,11 @@
 """The page account beside SGLang's KV page allocators.
 
 Unit tests of :class:`PageAccount`, then a property test: random alloc /
-alloc_extend / alloc_decode / free / free_group / merge / clear sequences
-run on an allocator while the account follows it through wrappers on the
-allocator's own methods (what the plugin's hooks do), with an oracle that
-reads the page ids (host lists, or CPU tensors) and keeps per-page tags.
+alloc_extend / alloc_decode / free / free_segment / free_group / merge /
+clear sequences run on an allocator while the account follows it, driven
+either by wrappers written here or by the plugin's own allocator hooks
+(:mod:`blockpool.integrations.sglang.hooks`), with an oracle that reads the
+page ids (host lists, or CPU tensors) and keeps per-page tags.
 Every allocation's fence must be exactly the release tags of the pages it
 got (never weaker than their last use, naming nothing else), or unknown
 exactly where a sorted merge scrambled the order. Two negative controls (a
