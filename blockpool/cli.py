@@ -272,6 +272,16 @@ def build_parser() -> argparse.ArgumentParser:
         "the installed vLLM (name, expected, found), and serve nothing; exit 0 all as declared, 1 a drift, "
         "2 no vLLM or no declared line",
     )  # fmt: skip
+    s = sub.add_parser(
+        "check-sglang",
+        help="check the installed SGLang against the names the blockpool SGLang plugin depends on",
+        description=(
+            "With --surface: print the SGLang methods the plugin wraps or relies on, declared for its "
+            "release line (signature and body fingerprint), against the installed SGLang. Exit 0 all as "
+            "declared, 1 a drift, 2 no SGLang or no declared line. See docs/sglang.md."
+        ),
+    )
+    s.add_argument("--surface", action="store_true", help="print the surface table (the only check so far)")
     return parser
 
 
@@ -692,6 +702,20 @@ def _check_vllm(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _check_sglang(args: argparse.Namespace) -> int:
+    """``blockpool check-sglang --surface``:
+    :func:`blockpool.integrations.sglang.surface.report` (imports SGLang's
+    modules; without ``--surface``: usage error, 2)."""
+    if not args.surface:
+        print("blockpool check-sglang: error: only --surface is available", file=sys.stderr)
+        return 2
+    from blockpool.integrations.sglang.surface import report
+
+    status, lines = report()
+    print("\n".join(lines))
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``blockpool`` command with ``argv`` (default ``sys.argv[1:]``)
     and return the exit status (see the module docstring). argparse exits
@@ -702,6 +726,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sweep": _sweep,
         "fetch-trace": _fetch_trace,
         "check-vllm": _check_vllm,
+        "check-sglang": _check_sglang,
     }
     if args.command not in commands:  # pragma: no cover (argparse requires a known command)
         return 2

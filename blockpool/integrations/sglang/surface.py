@@ -414,3 +414,25 @@ def surface_table(version: str | None = None) -> list[dict[str, str]]:
             {"line": line, "target": e.target, "role": e.role, "body": e.body, "state": state, "why": e.why}
         )
     return rows
+
+
+def report() -> tuple[int, list[str]]:
+    """``blockpool check-sglang --surface``: the exit status and the lines
+    of :func:`surface_table` (target, role, state, declared body
+    fingerprint). Status 0: every checked name as declared; 1: a drift;
+    2: SGLang not installed or its version has no declared line (the newest
+    declared line is printed, unchecked). O(total source length)."""
+    running = installed_version()
+    rows = surface_table()
+    line = rows[0]["line"] if rows else "?"
+    head = f"SGLang {running or 'not installed'}; declared line {line}"
+    if running != line:
+        head += f" (not checked: {'no SGLang' if running is None else 'another version'})"
+    lines = [head]
+    width = max(len(r["target"]) for r in rows)
+    for r in rows:
+        lines.append(f"{r['target']:<{width}}  {r['role']:<4}  {r['body']}  {r['state']}")
+    if running != line:
+        return 2, lines
+    drifted = [r for r in rows if r["state"] not in ("ok", "not loaded")]
+    return (1 if drifted else 0), lines
