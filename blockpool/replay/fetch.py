@@ -5,8 +5,8 @@ published at (a raw file of its repository, pinned to a commit) and the
 SHA-256 of the file as published there. :func:`fetch` keeps one copy per
 trace in a cache directory (:func:`default_dir`): a copy already there is
 verified and used; otherwise the file is downloaded beside it, verified,
-and moved into place whole, so the cache never holds a partial or altered
-file. Offline, place the file at the path :func:`fetch` names (downloaded
+and moved into place whole, so a download never leaves a partial or
+altered file in the cache. Offline, place the file at the path :func:`fetch` names (downloaded
 from the URL by hand) and it is verified instead of downloaded.
 
 Uses only the standard library (``urllib.request``, imported when a
