@@ -30,18 +30,21 @@ now() { date +%s; }
 # abspath PATH: PATH, relative ones taken from the checkout's root.
 abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$REPO_ROOT/$1" ;; esac; }
 
-# timed LABEL CMD...: runs CMD, then logs "LABEL: N s" and keeps N in
-# TIMINGS[LABEL] (LABEL appended to TIMING_ORDER). Under `set -e` a failing
-# CMD ends the script, as it would without timed.
+# timed LABEL CMD...: runs CMD, then logs "LABEL: N s", keeps N in
+# TIMINGS[LABEL] (LABEL appended to TIMING_ORDER) and returns CMD's exit
+# status. Under `set -e` a failing CMD ends the script, as it would without
+# timed, unless timed is itself tested (`if timed ...`, `timed ... ||`).
 declare -A TIMINGS=()
 TIMING_ORDER=()
 timed() {
   local label=$1; shift
   local t0; t0=$(now)
   "$@"
+  local rc=$?
   TIMINGS[$label]=$(( $(now) - t0 ))
   TIMING_ORDER+=("$label")
   log "$label: ${TIMINGS[$label]} s"
+  return "$rc"
 }
 
 # log_timings START: logs "timings: LABEL Ns; ... total Ns", the steps
@@ -126,7 +129,8 @@ tools_venv() {
   log "venv $venv with $*"
   rm -rf "$venv"
   "${TOOLS_PYTHON:-python3}" -m venv "$venv" || die "cannot create $venv"
-  "$venv/bin/python" -m pip install -q --no-input "$@" || die "pip install $* into $venv failed"
+  "$venv/bin/python" -m pip install --no-input "$@" >"$venv/.tools-install.log" 2>&1 \
+    || { tail -n 20 "$venv/.tools-install.log" >&2; die "pip install $* into $venv failed"; }
   printf '%s\n' "$want" >"$venv/.tools-stamp"
 }
 

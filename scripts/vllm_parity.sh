@@ -348,9 +348,10 @@ build_venv() {
   if [[ $OWN_ONLY == 1 ]]; then
     # Built elsewhere (scripts/vllm_engine_check.sh); only checked here.
     refuse_other_version
-    [[ "$(installed_vllm_version)" == "$VLLM_VERSION" ]] && "$VENV_PY" -W ignore -c \
-        'from vllm.v1.core.block_pool import BlockPool' >/dev/null 2>&1 \
-      || die "no vllm $VLLM_VERSION in $VENV_DIR (build it with: VLLM_ENGINE_VERSIONS=0.32 bash scripts/vllm_engine_check.sh)"
+    if [[ "$(installed_vllm_version)" != "$VLLM_VERSION" ]] \
+       || ! "$VENV_PY" -W ignore -c 'from vllm.v1.core.block_pool import BlockPool' >/dev/null 2>&1; then
+      die "no vllm $VLLM_VERSION in $VENV_DIR (build it with: VLLM_ENGINE_VERSIONS=0.32 bash scripts/vllm_engine_check.sh)"
+    fi
     log "venv $VENV_DIR is ready (vllm $VLLM_VERSION importable; built by scripts/vllm_engine_check.sh)"
     return 0
   fi
