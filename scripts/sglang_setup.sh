@@ -8,16 +8,17 @@
 # Usage: bash scripts/sglang_setup.sh [VENV]   (default: .venv-sglang at the repo root)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [[ -f "$root/scripts/lib.sh" ]]; then
-    # shellcheck source=/dev/null
-    source "$root/scripts/lib.sh"
-fi
+self="$root/scripts/sglang_setup.sh"
 venv="${1:-$root/.venv-sglang}"
+[[ "$venv" == /* ]] || venv="$PWD/$venv"
+LOG_TAG=sglang_setup
+# shellcheck source=scripts/lib.sh
+. "$root/scripts/lib.sh"
 constraints="$root/scripts/sglang-constraints.txt"
 stamp="$venv/.stamp"
-key="$(cat "$0" "$constraints" "$root/scripts/sglang_stubs/torchvision/__init__.py" | sha256sum | cut -d' ' -f1)"
+key="$(cat "$self" "$constraints" "$root/scripts/sglang_stubs/torchvision/__init__.py" | sha256sum | cut -d' ' -f1)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$key" ]]; then
-    echo "sglang_setup: $venv is up to date"
+    log "$venv is up to date"
     exit 0
 fi
 rm -f "$stamp" "$venv/.ready"
@@ -49,4 +50,4 @@ import sglang.srt.plugins.hook_registry  # noqa: E402,F401
 PY
 touch "$venv/.ready"
 echo "$key" > "$stamp"
-echo "sglang_setup: $venv ready"
+log "$venv ready"

@@ -147,3 +147,19 @@ def test_surface_table_rows() -> None:
     assert by_target["sglang.srt.managers.cache_controller.HiCacheController.start_loading"]["state"] == "ok"
     assert by_target["sglang.srt.managers.scheduler.Scheduler.run_batch"]["state"] == "not loaded"
     assert {r["state"] for r in rows} == {"ok", "not loaded"}
+
+
+def test_check_sglang_surface_command(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "blockpool", "check-sglang", "--surface"],
+        check=False,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "SGLang 0.5.23; declared line 0.5.23"
+    assert len(lines) == 1 + len(surface.SUPPORTED_SGLANG["0.5.23"])
+    assert lines[-1].endswith("not loaded") and "Scheduler.run_batch" in lines[-1]
