@@ -124,9 +124,39 @@ def test_conversation_trace_free_time_tags_gain_nothing_node_tags_do() -> None:
     reqs = read_trace(TRACE, limit=500).requests
     free = replay_sglang(reqs, SGLangReplayConfig(device_pages=1024))
     node = replay_sglang(reqs, SGLangReplayConfig(device_pages=1024, tags="node"))
+    plugin = replay_sglang(reqs, SGLangReplayConfig(device_pages=1024, driver="plugin"))
     assert (free.counters["loads"], free.counters["loads_early"], free.counters["writes_early"]) == (74, 0, 0)
+    assert plugin.counters == free.counters and plugin.audit is not None
+    assert (plugin.audit["loads"], plugin.audit["exact"], plugin.audit["gain"]) == (74, 958, 0)
     assert (node.counters["loads"], node.counters["loads_early"]) == (74, 72)
     assert (node.counters["writes"], node.counters["writes_early"]) == (11879, 11384)
+
+
+def test_the_plugin_driver_agrees_with_the_account_and_reports_audit_counters() -> None:
+    """The plugin's own hooks (audit mode) around the list allocator give
+    every transfer the verdict the account gives it, and count batches:
+    one per step with loads (2) and per step with write-throughs (4)."""
+    cfg = SGLangReplayConfig(device_pages=12, max_running=2)
+    account = replay_sglang(tiny_workload(), cfg)
+    plugin = replay_sglang(tiny_workload(), attrs.evolve(cfg, driver="plugin"))
+    assert plugin.counters == account.counters and plugin.steps == account.steps
+    assert account.audit is None and plugin.audit is not None
+    audit = plugin.audit
+    assert (audit["loads"], audit["writes"], audit["exact"], audit["fallback"]) == (2, 4, 6, 0)
+    assert (audit["gain"], audit["disarmed"], audit["waits_replaced"]) == (0, 0, 0)
+
+
+def test_main_audit_prints_the_plugins_counters(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--device-pages", "12", "--max-running", "2", "--audit"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["config"]["driver"] == "plugin"
+    assert (row["audit"]["loads"], row["audit"]["exact"], row["audit"]["gain"]) == (2, 6, 0)
+
+
+@pytest.mark.parametrize("kwargs", [{"tags": "node"}, {"placement": "cold"}])
+def test_the_plugin_driver_refuses_what_the_plugin_does_not_do(kwargs: dict[str, str]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        SGLangReplayConfig(driver="plugin", **kwargs)  # type: ignore[arg-type]
 
 
 def test_classify_and_counters() -> None:

@@ -46,17 +46,24 @@ contexts. An early load's copy may start the in-flight forward's duration
 sooner; the consumer forward's wait shrinks by at most ``min(copy, that
 forward)``.
 
-Run it: ``python -m blockpool.replay.sglang --trace "$(blockpool fetch-trace mooncake)"``.
+With ``--audit`` (``driver="plugin"``) the allocator's list model and a
+stand-in HiCache controller go through the plugin's own hooks in audit
+mode, and the plugin's counters are printed.
+
+Run it: ``python -m blockpool.replay.sglang --trace "$(blockpool fetch-trace mooncake)"``
+(add ``--audit`` for the plugin's counters).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import json
 import math
 from collections import deque
 from collections.abc import Sequence
+from typing import Any, Literal
 
 import attrs
 
@@ -91,9 +98,16 @@ class SGLangReplayConfig:
         placement: ``"lifo"`` or ``"cold"`` for loads.
         max_running: Requests running at once.
         decode_tokens: Output tokens one forward stands for.
+        driver: ``"account"`` (the replay feeds a
+            :class:`~blockpool.integrations.sglang.account.PageAccount`
+            itself) or ``"plugin"`` (the plugin's own allocator and
+            controller hooks, in audit mode, around a list model of the
+            allocator and a stand-in controller; free-time tags and LIFO
+            only).
 
     Raises:
-        InvalidArgumentError: a count ``< 1`` or an unknown name.
+        InvalidArgumentError: a count ``< 1``, an unknown name, or the
+            plugin driver with node tags or cold-first placement.
     """
 
     device_pages: int = attrs.field(default=2048, validator=_pos)
@@ -101,6 +115,13 @@ class SGLangReplayConfig:
     placement: str = attrs.field(default="lifo", validator=_one_of("lifo", "cold"))
     max_running: int = attrs.field(default=16, validator=_pos)
     decode_tokens: int = attrs.field(default=1, validator=_pos)
+    driver: str = attrs.field(default="account", validator=_one_of("account", "plugin"))
+
+    def __attrs_post_init__(self) -> None:
+        if self.driver == "plugin" and (self.tags, self.placement) != ("free", "lifo"):
+            raise InvalidArgumentError(
+                "the plugin tags pages at free time and places as SGLang does: tags='free', placement='lifo'"
+            )
 
 
 @attrs.frozen(slots=True)
@@ -125,6 +146,10 @@ class SGLangReplayResult:
             forward)``: how much of the consumer forward's wait the overlap
             removes (an upper bound: SGLang's per-layer load events already
             let a forward start on the layers loaded).
+        audit: With the plugin driver, the plugin's audit counters
+            (``Counters.as_dict()`` of
+            :mod:`blockpool.integrations.sglang.hooks`: transfer batches,
+            one per step and direction); else ``None``.
     """
 
     counters: dict[str, int]
@@ -136,10 +161,11 @@ class SGLangReplayResult:
     load_s: float = 0.0
     wait_saved_s: float = 0.0
     stall_saved_s: float = 0.0
+    audit: dict[str, int] | None = None
 
 
 class _Node:
-    __slots__ = ("children", "device", "host", "last_use", "lock", "parent", "writer")
+    __slots__ = ("children", "device", "host", "last_use", "lock", "page", "parent", "writer")
 
     def __init__(self, parent: _Node | None) -> None:
         self.parent = parent
@@ -149,17 +175,168 @@ class _Node:
         self.lock = 0
         self.last_use = 0
         self.writer = 0
+        self.page = 0
 
 
 class _Req:
     __slots__ = ("ctx", "end", "new", "nodes", "partial", "prefill", "scratch")
 
     def __init__(
-        self, nodes: list[_Node], new: list[_Node], scratch: int, prefill: int, end: int, ctx: int
+        self, nodes: list[_Node], new: list[_Node], scratch: list[int], prefill: int, end: int, ctx: int
     ) -> None:
         self.nodes, self.new, self.scratch, self.prefill, self.end = nodes, new, scratch, prefill, end
         self.ctx = ctx
         self.partial: _Node | None = None
+
+
+class _Ids(list):  # type: ignore[type-arg]
+    """Page ids on the host with ``numel()`` (what the plugin's hooks read
+    of a tensor)."""
+
+    def numel(self) -> int:
+        return len(self)
+
+
+class _Alloc:
+    """``PagedTokenToKVPoolAllocator`` without ``need_sort`` at page size 1,
+    over a host list: ``alloc`` takes from the front, ``_release_page_ids``
+    prepends (LIFO). The page ids let the plugin's hooks run on it."""
+
+    need_sort = False
+    num_staged_pages = 0
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_pages: list[int] = list(range(1, self.num_pages + 1))
+
+    def alloc(self, need_size: int) -> _Ids | None:
+        if need_size > len(self.free_pages):
+            return None
+        out, self.free_pages = self.free_pages[:need_size], self.free_pages[need_size:]
+        return _Ids(out)
+
+    def alloc_back(self, need_size: int) -> _Ids:
+        cut = len(self.free_pages) - need_size
+        out, self.free_pages = self.free_pages[cut:], self.free_pages[:cut]
+        return _Ids(out)
+
+    def _release_page_ids(self, *page_ids: list[int]) -> None:
+        self.free_pages = [p for ids in page_ids for p in ids] + self.free_pages
+
+    def merge_and_sort_free(self) -> None:
+        return
+
+
+class _Op:
+    """A queued HiCache operation (no side-pool transfers)."""
+
+    pool_transfers = None
+
+
+class _Controller:
+    """The part of ``HiCacheController`` the plugin's hooks touch: the two
+    queues, the fence streams, and ``load`` allocating device pages."""
+
+    def __init__(self, alloc: _Alloc, stream: Any) -> None:
+        self.alloc = alloc
+        self.load_queue: list[_Op] = []
+        self.write_queue: list[_Op] = []
+        self.load_fence_stream = self.write_fence_stream = stream
+
+    def load(self, host_indices: _Ids) -> _Ids | None:
+        ids = self.alloc.alloc(len(host_indices))
+        if ids is not None:
+            self.load_queue.append(_Op())
+        return ids
+
+    def write(self, device_indices: _Ids) -> None:
+        self.write_queue.append(_Op())
+
+    def start_loading(self) -> int:
+        self.load_queue.clear()
+        return 0
+
+    def start_writing(self) -> None:
+        self.write_queue.clear()
+
+
+class _Plugin:
+    """The plugin's own hooks (:mod:`blockpool.integrations.sglang.hooks`
+    and ``controllers``) in audit mode around :class:`_Alloc` and
+    :class:`_Controller`, with a forward stream whose event recorded while
+    forward ``t`` is the tail completes once forward ``t + 1`` is
+    enqueued (one forward in flight)."""
+
+    def __init__(self, alloc: _Alloc) -> None:
+        from blockpool.integrations.sglang import controllers, hooks
+
+        self.hooks, self.controllers = hooks, controllers
+        self.now = 0
+        self.ticks: dict[int, int] = {}
+        plugin = self
+
+        class Event:
+            __slots__ = ("tick",)
+
+            def __init__(self, tick: int) -> None:
+                self.tick = tick
+
+            def query(self) -> bool:
+                return self.tick < plugin.now
+
+        class Stream:
+            def record_event(self) -> Event:
+                plugin.ticks[rt._seq + 1] = plugin.now
+                return Event(plugin.now)
+
+        rt = self.rt = hooks.Runtime("audit")
+        rt.armed = True
+        rt._paged_cls = _Alloc
+        rt.launch_hooked = True
+        self.controller = _Controller(alloc, Stream())
+        rt.bind(self.controller.load_fence_stream)
+        self._previous = hooks.runtime()
+        for name, hook in (
+            ("alloc", hooks.hook_alloc),
+            ("_release_page_ids", hooks.hook_release),
+            ("merge_and_sort_free", hooks.hook_merge),
+            ("clear", hooks.hook_clear),
+        ):
+            setattr(alloc, name, functools.partial(hook, getattr(_Alloc, name), alloc))
+        c = self.controller
+        c.load = functools.partial(controllers.hook_load, _Controller.load, c)  # type: ignore[method-assign]
+        c.write = functools.partial(controllers.hook_write, _Controller.write, c)  # type: ignore[method-assign]
+        hooks.set_runtime(rt)
+        alloc.clear()  # the account starts here, as at the allocator's construction
+
+    def launch(self, step: int) -> None:
+        self.now = step
+        self.rt.launches += 1
+
+    def _verdict(self, op: _Op, tail: int) -> Literal["early", "tail", "unknown"]:
+        fence = self.rt.op_fences.get(op)
+        return classify(None if fence is None else frozenset(self.ticks[t] for t in fence), tail)
+
+    def load(self, n: int, tail: int) -> tuple[_Ids, str]:
+        ids = self.controller.load(_Ids(range(n)))
+        assert ids is not None  # the caller made room
+        return ids, self._verdict(self.controller.load_queue[-1], tail)
+
+    def write(self, tail: int) -> str:
+        self.controller.write(_Ids([0]))
+        return self._verdict(self.controller.write_queue[-1], tail)
+
+    def flush(self) -> None:
+        c = self.controller
+        self.controllers.hook_start_writing(_Controller.start_writing, c)
+        self.controllers.hook_start_loading(_Controller.start_loading, c)
+
+    def close(self) -> dict[str, int]:
+        self.hooks.set_runtime(self._previous)
+        return self.rt.counters.as_dict()
 
 
 def replay_sglang(
@@ -168,7 +345,10 @@ def replay_sglang(
     """Replay ``requests`` (Mooncake-style: ``segments`` are hash blocks)
     through the model in the module docstring and count every load and
     write-through by :func:`~blockpool.integrations.sglang.account.classify`.
-    Deterministic. O(steps + requests * blocks * log(nodes)).
+    With ``driver="plugin"`` the allocator and the transfers go through the
+    plugin's own hooks in audit mode, whose counters are returned as
+    ``audit``. Deterministic. O(steps + requests * blocks * (log(nodes) +
+    device_pages)).
 
     Raises:
         InvalidArgumentError: ``config`` is not a :class:`SGLangReplayConfig`.
@@ -177,6 +357,8 @@ def replay_sglang(
     if not isinstance(cfg, SGLangReplayConfig):
         raise InvalidArgumentError(f"config must be an SGLangReplayConfig, got {config!r}")
     acct: PageAccount[int] = PageAccount(cfg.device_pages, name="replay")
+    alloc = _Alloc(cfg.device_pages)
+    plugin = _Plugin(alloc) if cfg.driver == "plugin" else None
     counters = TransferCounters()
     tree: dict[tuple[int, ...], _Node] = {}
     heap: list[tuple[int, int, _Node]] = []  # (last_use, seq, node), lazily checked
@@ -200,104 +382,144 @@ def replay_sglang(
             seq += 1
             heapq.heappush(heap, (n.last_use, seq, n))
 
+    def release(ids: list[int], tag: int) -> None:
+        if ids:
+            alloc._release_page_ids(_Ids(ids))
+            if plugin is None:
+                acct.release(len(ids), tag)
+
+    def take(n: int) -> _Ids:
+        ids = alloc.alloc(n)
+        assert ids is not None  # the caller made room
+        if plugin is None:
+            acct.take(n)
+        return ids
+
+    def write(n: _Node, tail: int) -> None:
+        if plugin is not None:
+            verdict = plugin.write(tail)
+        else:
+            verdict = classify(frozenset({n.writer if cfg.tags == "node" else tail}), tail)
+        counters.record("write", 1, verdict)  # type: ignore[arg-type]
+        n.host = True
+
     def evict(need: int, tail: int) -> None:
         nonlocal evictions
-        while acct.free_len < need and heap:
+        while len(alloc.free_pages) < need and heap:
             use, _, n = heapq.heappop(heap)
             if not evictable(n) or use != n.last_use:
                 continue
             n.device = False
             evictions += 1
-            acct.release(1, n.last_use if cfg.tags == "node" else tail)
+            release([n.page], n.last_use if cfg.tags == "node" else tail)
             if n.parent is not None:
                 n.parent.children -= 1
                 push(n.parent)
 
-    while waiting or running:
-        step += 1
-        tail = step  # forward `step` is enqueued: the tail
-        # 1. the result of forward step - 1: write-through of prefills, finishes
-        for r in running:
-            if r.prefill == step - 1:
-                for n in r.new:
-                    if not n.host and n is not r.partial:
-                        w = n.writer if cfg.tags == "node" else tail
-                        counters.record("write", 1, classify(frozenset({w}), tail))
-                        n.host = True
-        done = [r for r in running if r.end == step - 1]
-        running = [r for r in running if r.end != step - 1]
-        for r in done:  # forward `step` may still include it: tag with the tail
-            if r.partial is not None and not r.partial.host:  # decode wrote into it: the tail
-                counters.record("write", 1, classify(frozenset({tail}), tail))
-                r.partial.host = True
-            acct.release(r.scratch, tail)
-            for n in r.nodes:
-                n.lock -= 1
-                n.last_use = tail
-                push(n)
-            served += 1
-        # 2. build batch step + 1
-        prefill_tokens = 0
-        while waiting and len(running) < cfg.max_running:
-            req = waiting[0]
-            blocks = [cid for cid, _ in req.segments]
-            scratch = math.ceil(req.output_tokens / MOONCAKE_HASH_BLOCK_TOKENS)
-            if len(blocks) + scratch > cfg.device_pages:
-                waiting.popleft()
-                skipped += 1
-                continue
-            nodes: list[_Node] = []
-            key: tuple[int, ...] = ()
-            parent: _Node | None = None
-            hits = loads = 0
-            for cid in blocks:
-                key = (*key, cid)
-                node = tree.get(key)
-                if node is None:
-                    node = tree[key] = _Node(parent)
-                nodes.append(node)
-                parent = node
-            while hits < len(nodes) and nodes[hits].device:
-                hits += 1
-            while hits + loads < len(nodes) and nodes[hits + loads].host and not nodes[hits + loads].device:
-                loads += 1
-            for n in nodes[:hits]:
-                n.lock += 1
-            need = len(nodes) - hits + scratch
-            evict(need, tail)
-            if acct.free_len < need:
-                for n in nodes[:hits]:
+    try:
+        while waiting or running:
+            step += 1
+            tail = step  # forward `step` is enqueued: the tail
+            if plugin is not None:
+                plugin.launch(step)
+            # 1. the result of forward step - 1: write-through of prefills, finishes
+            for r in running:
+                if r.prefill == step - 1:
+                    for n in r.new:
+                        if not n.host and n is not r.partial:
+                            n.writer = step - 1
+                            write(n, tail)
+            done = [r for r in running if r.end == step - 1]
+            running = [r for r in running if r.end != step - 1]
+            for r in done:  # forward `step` may still include it: tag with the tail
+                if r.partial is not None and not r.partial.host:  # decode wrote into it: the tail
+                    r.partial.writer = tail
+                    write(r.partial, tail)
+                release(r.scratch, tail)
+                for n in r.nodes:
                     n.lock -= 1
+                    n.last_use = tail
                     push(n)
-                break
-            waiting.popleft()
-            if loads:
-                fence = acct.take_back(loads) if cfg.placement == "cold" else acct.take(loads)
-                verdict = classify(fence, tail)
-                counters.record("load", loads, verdict)
-                t_load = h2d.transfer_seconds(loads * MOONCAKE_HASH_BLOCK_TOKENS * cost.kv_bytes_per_token)
-                load_s += t_load
-                if verdict == "early":
-                    wait_saved += dur.get(step, 0.0)
-                    stall_saved += min(t_load, dur.get(step, 0.0))
-            acct.take(len(nodes) - hits - loads + scratch)
-            new = []
-            for i, n in enumerate(nodes[hits:], start=hits):
-                n.device = True
-                n.lock += 1
-                if n.parent is not None:
-                    n.parent.children += 1
-                if i >= hits + loads:
-                    n.writer = step + 1
-                    new.append(n)
-            end = step + 1 + math.ceil(req.output_tokens / cfg.decode_tokens)
-            prefill_tokens += sum(n for _, n in req.segments[hits + loads :])
-            running.append(_Req(nodes, new, scratch, step + 1, end, req.prompt_tokens))
-            if req.segments[-1][1] < MOONCAKE_HASH_BLOCK_TOKENS and nodes[-1] in new:
-                running[-1].partial = nodes[-1]
-        if running:
-            decoding = sum(1 for r in running if r.prefill < step + 1)
-            dur[step + 1] = cost.step_seconds(prefill_tokens + decoding, sum(r.ctx for r in running))
+                served += 1
+            # 2. build batch step + 1
+            prefill_tokens = 0
+            while waiting and len(running) < cfg.max_running:
+                req = waiting[0]
+                blocks = [cid for cid, _ in req.segments]
+                scratch = math.ceil(req.output_tokens / MOONCAKE_HASH_BLOCK_TOKENS)
+                if len(blocks) + scratch > cfg.device_pages:
+                    waiting.popleft()
+                    skipped += 1
+                    continue
+                nodes: list[_Node] = []
+                key: tuple[int, ...] = ()
+                parent: _Node | None = None
+                hits = loads = 0
+                for cid in blocks:
+                    key = (*key, cid)
+                    node = tree.get(key)
+                    if node is None:
+                        node = tree[key] = _Node(parent)
+                    nodes.append(node)
+                    parent = node
+                while hits < len(nodes) and nodes[hits].device:
+                    hits += 1
+                while (
+                    hits + loads < len(nodes) and nodes[hits + loads].host and not nodes[hits + loads].device
+                ):
+                    loads += 1
+                for n in nodes[:hits]:
+                    n.lock += 1
+                need = len(nodes) - hits + scratch
+                evict(need, tail)
+                if len(alloc.free_pages) < need:
+                    for n in nodes[:hits]:
+                        n.lock -= 1
+                        push(n)
+                    break
+                waiting.popleft()
+                loaded: list[int] = []
+                if loads:
+                    verdict: Literal["early", "tail", "unknown"]
+                    if plugin is not None:
+                        loaded, verdict = plugin.load(loads, tail)  # type: ignore[assignment]
+                    elif cfg.placement == "cold":
+                        loaded = alloc.alloc_back(loads)
+                        verdict = classify(acct.take_back(loads), tail)
+                    else:
+                        loaded = alloc.alloc(loads)  # type: ignore[assignment]
+                        verdict = classify(acct.take(loads), tail)
+                    counters.record("load", loads, verdict)
+                    t_load = h2d.transfer_seconds(
+                        loads * MOONCAKE_HASH_BLOCK_TOKENS * cost.kv_bytes_per_token
+                    )
+                    load_s += t_load
+                    if verdict == "early":
+                        wait_saved += dur.get(step, 0.0)
+                        stall_saved += min(t_load, dur.get(step, 0.0))
+                ids = loaded + take(len(nodes) - hits - loads + scratch)
+                new = []
+                for i, n in enumerate(nodes[hits:], start=hits):
+                    n.page = ids[i - hits]
+                    n.device = True
+                    n.lock += 1
+                    if n.parent is not None:
+                        n.parent.children += 1
+                    if i >= hits + loads:
+                        new.append(n)
+                end = step + 1 + math.ceil(req.output_tokens / cfg.decode_tokens)
+                prefill_tokens += sum(n for _, n in req.segments[hits + loads :])
+                r = _Req(nodes, new, ids[len(nodes) - hits :], step + 1, end, req.prompt_tokens)
+                running.append(r)
+                if req.segments[-1][1] < MOONCAKE_HASH_BLOCK_TOKENS and nodes[-1] in new:
+                    r.partial = nodes[-1]
+            if plugin is not None:
+                plugin.flush()
+            if running:
+                decoding = sum(1 for r in running if r.prefill < step + 1)
+                dur[step + 1] = cost.step_seconds(prefill_tokens + decoding, sum(r.ctx for r in running))
+    finally:
+        audit = plugin.close() if plugin is not None else None
     return SGLangReplayResult(
         counters.as_dict(),
         step,
@@ -308,6 +530,7 @@ def replay_sglang(
         load_s,
         wait_saved,
         stall_saved,
+        audit,
     )
 
 
@@ -366,7 +589,7 @@ def _table(requests: Sequence[TraceRequest], device_pages: int, max_running: int
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m blockpool.replay.sglang [--trace PATH] [--limit N]
-    [--device-pages N] [--max-running N] [--json]``: print the table of loads and
+    [--device-pages N] [--max-running N] [--json | --audit]``: print the table of loads and
     write-throughs an exact fence lets start before the stream tail, for
     both tag sources and both placements (the tiny built-in workload when
     no trace is given). Returns 0."""
@@ -380,8 +603,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="print one JSON object per tag source and placement instead of the table",
     )
+    p.add_argument(
+        "--audit",
+        action="store_true",
+        help="run the plugin's own hooks in audit mode (free-time tags, LIFO) and print their counters as JSON",
+    )
     a = p.parse_args(argv)
     reqs = list(read_trace(a.trace, limit=a.limit).requests) if a.trace else tiny_workload()
+    if a.audit:
+        cfg = SGLangReplayConfig(a.device_pages, max_running=a.max_running, driver="plugin")
+        print(
+            json.dumps(
+                {"config": attrs.asdict(cfg), **attrs.asdict(replay_sglang(reqs, cfg))}, sort_keys=True
+            )
+        )
+        return 0
     if not a.json:
         print(_table(reqs, a.device_pages, a.max_running))
         return 0
