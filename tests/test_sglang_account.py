@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 from typing import Any
 
 import pytest
@@ -908,3 +909,66 @@ def test_negative_controls_are_caught(
     find = settings(RUN, max_examples=200, phases=[Phase.generate])
     with pytest.raises(AssertionError, match=caught_by):
         run_state_machine_as_test(machine, settings=find)
+
+
+@pytest.mark.parametrize(("kind", "page_size", "need_sort"), CASES, ids=IDS)
+def test_the_list_model_hands_out_what_sglang_does(kind: str, page_size: int, need_sort: bool) -> None:
+    """The list model is SGLang's allocator: the same random calls give the
+    same indices and leave the same free list (and staged pages)."""
+    real_cls = _torch_backend()
+    rng = random.Random(f"{kind}-{page_size}-{need_sort}")
+    model, real = (
+        ListBackend(kind, page_size, need_sort, NUM_PAGES),
+        real_cls(kind, page_size, need_sort, NUM_PAGES),
+    )
+    reqs: dict[int, list[int]] = {}
+    for i in range(400):
+        op = rng.choice(["new", "extend", "decode", "free", "tail", "group", "merge"])
+        picked = rng.sample(sorted(reqs), min(len(reqs), rng.randint(1, 3)))
+        if op == "new" or not reqs:
+            n = rng.randint(1, 3 * page_size + 2)
+            if kind == "paged":
+                outs = [b.call_extend([0], [n], [-1]) for b in (model, real)]
+            else:
+                outs = [b.call_alloc(n) for b in (model, real)]
+            if outs[0] is not None:
+                reqs[i] = outs[0]
+        elif op == "extend" and kind == "paged":
+            prefix = [len(reqs[r]) for r in picked]
+            n = rng.randint(1, 2 * page_size)
+            args = (prefix, [p + n for p in prefix], [reqs[r][-1] for r in picked])
+            outs = [b.call_extend(*args) for b in (model, real)]
+            if outs[0] is not None:
+                for j, r in enumerate(picked):
+                    reqs[r] = reqs[r] + outs[0][j * n : (j + 1) * n]
+        elif op == "decode" and kind == "paged" and page_size > 1:
+            args2 = ([len(reqs[r]) + 1 for r in picked], [reqs[r][-1] for r in picked])
+            outs = [b.call_decode(*args2) for b in (model, real)]
+            if outs[0] is not None:
+                for r, slot in zip(picked, outs[0], strict=True):
+                    reqs[r] = [*reqs[r], slot]
+        elif op in ("free", "group"):
+            for b in (model, real):
+                if op == "group":
+                    b.alloc.free_group_begin()
+                for r in picked:
+                    b.call_free(reqs[r])
+                if op == "group":
+                    b.alloc.free_group_end()
+            outs = [None, None]
+            for r in picked:
+                del reqs[r]
+        elif op == "tail" and any(len(s) > page_size for s in reqs.values()):
+            r = rng.choice(sorted(r for r, s in reqs.items() if len(s) > page_size))
+            k = rng.randint(1, (len(reqs[r]) - 1) // page_size) * page_size
+            for b in (model, real):
+                b.call_free_segment(reqs[r][k:], k)
+            reqs[r] = reqs[r][:k]
+            outs = [None, None]
+        else:
+            for b in (model, real):
+                b.alloc.merge_and_sort_free()
+            outs = [None, None]
+        assert outs[0] == outs[1], (i, op)
+        assert model.free_page_ids() == real.free_page_ids(), (i, op)
+        assert _staged(model.alloc) == _staged(real.alloc), (i, op)
