@@ -1132,14 +1132,19 @@ def test_a_stream_added_later_turns_step_tokens_on_and_warns_of_outstanding_step
 
     hz = StepHazards(HazardAwareBlockPool(8))
     hz.step_tokens = False
-    out = SimpleNamespace(total_num_scheduled_tokens=8)
-    assert hz.skip_step(out) and not hz.skip_step(SimpleNamespace(total_num_scheduled_tokens=0))
+    out = SimpleNamespace(total_num_scheduled_tokens=8, new_block_ids_to_zero=None)
+    assert hz.skip_step(out) and not hz.skip_step(
+        SimpleNamespace(total_num_scheduled_tokens=0, new_block_ids_to_zero=None)
+    )
     hz.add_stream("compute", StreamKind.DEVICE)  # its own stream: nothing changes
     assert not hz.step_tokens
     with caplog.at_level("WARNING", logger="vllm.plugins.blockpool"):
         hz.add_stream("nixl", StreamKind.HOST)
     assert hz.step_tokens and "1 steps scheduled without step tokens" in caplog.text
-    assert str(hz.step_record(SimpleNamespace(total_num_scheduled_tokens=8)).forward) == "compute:1"
+    assert (
+        str(hz.step_record(SimpleNamespace(total_num_scheduled_tokens=8, new_block_ids_to_zero=None)).forward)
+        == "compute:1"
+    )
     # A step ended before the stream came: nothing outstanding, no warning.
     hz2 = StepHazards(HazardAwareBlockPool(8))
     hz2.step_tokens = False
@@ -1183,8 +1188,10 @@ def test_an_output_the_untokened_wiring_never_saw_does_not_offset_the_outstandin
 
     hz = StepHazards(HazardAwareBlockPool(8))
     hz.step_tokens = False
-    assert hz.end_step(SimpleNamespace(total_num_scheduled_tokens=8)) is None  # never scheduled here
-    hz.skip_step(SimpleNamespace(total_num_scheduled_tokens=8))  # still running
+    assert (
+        hz.end_step(SimpleNamespace(total_num_scheduled_tokens=8, new_block_ids_to_zero=None)) is None
+    )  # never scheduled here
+    hz.skip_step(SimpleNamespace(total_num_scheduled_tokens=8, new_block_ids_to_zero=None))  # still running
     with caplog.at_level("WARNING", logger="vllm.plugins.blockpool"):
         hz.add_stream("nixl", StreamKind.HOST)
     assert "1 steps scheduled without step tokens" in caplog.text

@@ -15,10 +15,11 @@ from tests.conftest import ids, toks
 
 
 class Out:
-    """Stands for vLLM's SchedulerOutput (only the field the wiring reads)."""
+    """Stands for vLLM's SchedulerOutput (only the fields the wiring reads)."""
 
     def __init__(self, tokens: int = 16) -> None:
         self.total_num_scheduled_tokens = tokens
+        self.new_block_ids_to_zero: list[int] | None = None
 
 
 class ConnOut:

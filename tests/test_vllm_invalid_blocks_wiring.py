@@ -98,14 +98,14 @@ def received(rewrites: bool = True) -> tuple[HazardAwareBlockPool, StepHazards, 
         hz.rewrites_on_receive("nic")
     blocks = pool.get_new_blocks(2)
     hz.begin_load("r", blocks, "nic")
-    issued = hz.step_record(NS(total_num_scheduled_tokens=8))
+    issued = hz.step_record(NS(total_num_scheduled_tokens=8, new_block_ids_to_zero=None))
     assert hz.on_connector_output(NS(finished_recving={"r"})) == 1
     return pool, hz, blocks, issued
 
 
 def test_blocks_an_engine_rewrites_on_receive_are_written_by_the_next_steps_forward() -> None:
     _, hz, blocks, issued = received()
-    after = hz.step_record(NS(total_num_scheduled_tokens=8))
+    after = hz.step_record(NS(total_num_scheduled_tokens=8, new_block_ids_to_zero=None))
     assert issued is not None and after is not None and after.forward.seq == issued.forward.seq + 1
     assert hz.begin_store("r", blocks, "nic").fence.tokens == (after.forward,)
     assert hz.blocks_rewritten_on_receive == 2
@@ -113,15 +113,17 @@ def test_blocks_an_engine_rewrites_on_receive_are_written_by_the_next_steps_forw
 
 def test_an_empty_step_after_a_receive_gets_a_record_whose_forward_token_writes_the_blocks() -> None:
     _, hz, blocks, _ = received()
-    empty = hz.step_record(NS(total_num_scheduled_tokens=0))
+    empty = hz.step_record(NS(total_num_scheduled_tokens=0, new_block_ids_to_zero=None))
     assert empty is not None and empty.copies is None
     assert hz.begin_store("r", blocks, "nic").fence.tokens == (empty.forward,)
-    assert hz.step_record(NS(total_num_scheduled_tokens=0)) is None  # nothing left to write
+    assert (
+        hz.step_record(NS(total_num_scheduled_tokens=0, new_block_ids_to_zero=None)) is None
+    )  # nothing left to write
 
 
 def test_blocks_received_by_an_engine_that_does_not_rewrite_them_are_not_written_again() -> None:
     _, hz, blocks, _ = received(rewrites=False)
-    hz.step_record(NS(total_num_scheduled_tokens=8))
+    hz.step_record(NS(total_num_scheduled_tokens=8, new_block_ids_to_zero=None))
     assert hz.begin_store("r", blocks, "nic").fence.tokens == ()
     assert hz.blocks_rewritten_on_receive == 0
 
@@ -132,14 +134,14 @@ def test_a_failed_read_is_not_rewritten() -> None:
     blocks = pool.get_new_blocks(2)
     hz.begin_load("r", blocks, "nic")
     hz.on_connector_output(NS(finished_recving={"r"}, failed_recving={"r"}))
-    assert hz.step_record(NS(total_num_scheduled_tokens=0)) is None
+    assert hz.step_record(NS(total_num_scheduled_tokens=0, new_block_ids_to_zero=None)) is None
     assert hz.blocks_rewritten_on_receive == 0
 
 
 def test_a_received_block_freed_before_the_next_step_keeps_the_write_for_its_next_user() -> None:
     pool, hz, blocks, _ = received()
     pool.free_blocks(blocks)
-    after = hz.step_record(NS(total_num_scheduled_tokens=8))
+    after = hz.step_record(NS(total_num_scheduled_tokens=8, new_block_ids_to_zero=None))
     assert after is not None
     again = pool.get_new_blocks(2)
     assert {b.block_id for b in again} == {b.block_id for b in blocks}
@@ -157,7 +159,7 @@ def test_a_received_block_loaded_again_before_the_next_step_keeps_that_load_as_i
     again = pool.get_new_blocks(2)
     assert {b.block_id for b in again} == {b.block_id for b in blocks}
     second = hz.begin_load("s", again, "nic")
-    assert hz.step_record(NS(total_num_scheduled_tokens=0)) is not None
+    assert hz.step_record(NS(total_num_scheduled_tokens=0, new_block_ids_to_zero=None)) is not None
     assert [b.writer for b in again] == [second.token, second.token]
     assert hz.blocks_rewritten_on_receive == 0
     pool.free_blocks(again)

@@ -476,6 +476,7 @@ def test_free_is_tagged_with_the_last_scheduled_step() -> None:
 
     class Out:
         total_num_scheduled_tokens = 8
+        new_block_ids_to_zero = None
 
     blocks = ours.get_new_blocks(2)
     ours.hazards.step_record(Out())

@@ -66,6 +66,7 @@ def test_the_lines_differ_where_vllm_changed() -> None:
     assert [s.v1_model_runner for s in (s32, s33, s34)] == [True, True, False]
     assert [s.access_hook_on_null for s in (s32, s33, s34)] == [True, False, False]
     assert [s.offloading_failed_jobs for s in (s32, s33, s34)] == [False, False, True]
+    assert [s.offloading_sync_loads for s in (s32, s33, s34)] == [False, True, True]
 
 
 def test_every_connector_function_the_wiring_wraps_has_a_body_fingerprint() -> None:

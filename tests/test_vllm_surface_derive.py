@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 
 from blockpool import InvalidArgumentError
@@ -97,17 +98,17 @@ def test_the_declared_later_lines_are_deltas_of_the_line_before() -> None:
         assert len(differ) < len(b.rows) // 4, (newer, len(differ))  # a delta, not a copy
 
 
+# Every switch of a line, off.
+OFF: dict[str, Any] = {
+    f.name: None if f.name in ("event_extra_keys", "lookahead_token_ids") else False
+    for f in attrs.fields(vs.Surface)
+    if f.init and f.name not in ("line", "rows", "connectors")
+}
+
+
 def _base() -> vs.Surface:
     return vs.Surface(
-        "9.0",
-        (vs.Name("m:f", ("x",), use="marker"), vs.Name("m:g"), vs.Name("m:h", ("y",))),
-        None,
-        None,
-        False,
-        False,
-        False,
-        False,
-        False,
+        "9.0", (vs.Name("m:f", ("x",), use="marker"), vs.Name("m:g"), vs.Name("m:h", ("y",))), **OFF
     )
 
 
@@ -139,19 +140,9 @@ def test_a_bad_delta_is_refused_and_the_base_is_unchanged(delta: dict[str, Any],
 
 def test_a_surface_refuses_a_target_declared_twice_and_a_table_without_a_marker() -> None:
     with pytest.raises(InvalidArgumentError, match="rows declared twice: m:g"):
-        vs.Surface(
-            "9.0",
-            (vs.Name("m:f", use="marker"), vs.Name("m:g"), vs.Name("m:g", ("x",))),
-            None,
-            None,
-            False,
-            False,
-            False,
-            False,
-            False,
-        )
+        vs.Surface("9.0", (vs.Name("m:f", use="marker"), vs.Name("m:g"), vs.Name("m:g", ("x",))), **OFF)
     with pytest.raises(InvalidArgumentError, match="no marker row"):
-        vs.Surface("9.0", (vs.Name("m:g"),), None, None, False, False, False, False, False)
+        vs.Surface("9.0", (vs.Name("m:g"),), **OFF)
 
 
 def test_markers_and_names_split_the_rows_in_table_order() -> None:

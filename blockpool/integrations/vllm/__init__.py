@@ -576,7 +576,7 @@ def _wire_scheduler() -> None:
                     SERVED.steps_issued += 1
                 # A step held up only by held blocks, past the bound, gives
                 # up their transfers (StepHazards.end_schedule). Never raises.
-                scheduled = bool(getattr(out, "total_num_scheduled_tokens", 0))
+                scheduled = bool(out.total_num_scheduled_tokens)
                 SERVED.transfers_given_up += hz.end_schedule(scheduled)
             return out
 

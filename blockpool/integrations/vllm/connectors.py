@@ -181,7 +181,7 @@ def _store_group_sizes(sched: Any, w: ConnectorWiring) -> list[int]:
     """Block size of each MooncakeStore store group (its projection of the
     KV cache groups, ``_store_group_ids``)."""
     sizes = w.block_sizes
-    ids = getattr(sched, "_store_group_ids", None) or range(len(sizes))
+    ids = sched._store_group_ids or range(len(sizes))
     return [sizes[g] if g < len(sizes) else sched._block_size for g in ids]
 
 
@@ -194,10 +194,10 @@ def _mooncake_store_reads(sched: Any, rm: Any, sizes: Sequence[int]) -> list[int
     would make the next step's forward wait for the PUT of a partial block
     it appends to."""
     bs = sched._block_size
-    coord = getattr(sched, "_store_coord", None)
-    lcm = getattr(coord, "lcm_block_size", bs) or bs
+    coord = sched._store_coord  # None where no store group needs one (0.33 and 0.34)
+    lcm = (bs if coord is None else coord.lcm_block_size) or bs
     end = (rm.token_len_chunk or 0) // lcm * lcm
-    skip = getattr(sched, "_boundary_state_group_ids", frozenset())
+    skip = sched._boundary_state_group_ids
     keep = [i for i in range(len(rm.block_ids)) if i not in skip]
     groups = [rm.block_ids[i] for i in keep]
     ids = (
@@ -213,8 +213,11 @@ def _mooncake_store_reads(sched: Any, rm: Any, sizes: Sequence[int]) -> list[int
 
 
 def _plan_offloading(sched: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
+    from blockpool.integrations.vllm.surface import active
+
+    sync_loads = active().offloading_sync_loads  # TransferJob.sync: 0.33 and later
     for job_id, job in meta.load_jobs.items():
-        stream = OFFLOAD_H2D_SYNC if getattr(job, "sync", False) else OFFLOAD_H2D
+        stream = OFFLOAD_H2D_SYNC if sync_loads and job.sync else OFFLOAD_H2D
         _put(
             job,
             META_LOAD,
@@ -241,7 +244,7 @@ def _offload_jobs_done(sched: Any, w: ConnectorWiring, jobs: dict[int, int], wor
     # read of its blocks.
     from blockpool.integrations.vllm.surface import active
 
-    failed = (getattr(worker_meta, "failed_jobs", None) or ()) if active().offloading_failed_jobs else ()
+    failed = worker_meta.failed_jobs if active().offloading_failed_jobs else ()
     for job_id, count in jobs.items():
         w.report((OFFLOADING, job_id), count, sched.config.num_workers, failed=job_id in failed)
 
@@ -385,18 +388,17 @@ def _wirings_under(connector: object) -> Iterator[tuple[object, ConnectorWiring 
         yield c, found[0] if found else None
 
 
-def scheduler_block_sizes(scheduler: object) -> tuple[int, ...] | None:
+def scheduler_block_sizes(scheduler: Any) -> tuple[int, ...] | None:
     """The block size (tokens) each KV cache group of ``scheduler`` allocates
     by, in block-table order: its ``SingleTypeKVCacheManager.block_size``
     (vLLM 0.32 and 0.33: ``kv_cache_spec.block_size * dcp_world_size`` for a
     DCP-sharded group, the spec's size otherwise). This, not the spec's
     size, maps a token index to a block-table index. ``None`` when the
     scheduler has no such managers. O(groups)."""
-    manager = getattr(scheduler, "kv_cache_manager", None)
-    managers = getattr(getattr(manager, "coordinator", None), "single_type_managers", None)
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     if not managers:
         return None
-    sizes = tuple(getattr(m, "block_size", 0) for m in managers)
+    sizes = tuple(m.block_size for m in managers)
     return sizes if all(type(b) is int and b > 0 for b in sizes) else None
 
 

@@ -53,7 +53,7 @@ Example (doctest; the fakes stand for vLLM's outputs)::
     >>> hz = StepHazards(pool)
     >>> hz.add_stream("nixl", StreamKind.HOST)
     >>> blocks = pool.get_new_blocks(2)
-    >>> step1 = NS(total_num_scheduled_tokens=32)
+    >>> step1 = NS(total_num_scheduled_tokens=32, new_block_ids_to_zero=None)
     >>> str(hz.step_record(step1).forward)           # e1
     'compute:1'
     >>> pool.free_blocks(blocks, token=hz.free_token())  # step 1 still runs
@@ -438,7 +438,7 @@ class StepHazards:
         :meth:`add_stream`'s warning). Returns whether it counted one. O(1):
         in a real engine this runs every step on cold caches, so it touches
         two counters and nothing else."""
-        if not getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+        if not scheduler_output.total_num_scheduled_tokens:
             return False
         self.steps_untokened += 1
         return True
@@ -552,7 +552,7 @@ class StepHazards:
         O(1), plus O(blocks zeroed or rewritten) on the first call.
         """
         if (
-            not getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+            not scheduler_output.total_num_scheduled_tokens
             and self._pending_copy is None
             and not self._received
         ):
@@ -561,7 +561,7 @@ class StepHazards:
         entry = self._steps.get(key)
         if entry is not None and entry[0]() is scheduler_output:
             return entry[1]
-        zero_ids = getattr(scheduler_output, "new_block_ids_to_zero", None)
+        zero_ids = scheduler_output.new_block_ids_to_zero
         if zero_ids:
             self._begin_zeroing(zero_ids)
         copies, copy_fence = self._pending_copy if self._pending_copy is not None else (None, EMPTY_FENCE)
@@ -692,7 +692,7 @@ class StepHazards:
             if (
                 not self.step_tokens
                 and self._untokened_ended < self.steps_untokened  # not an output skip_step never saw
-                and getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+                and scheduler_output.total_num_scheduled_tokens
             ):
                 self._untokened_ended += 1
             return None

@@ -86,7 +86,9 @@ from blockpool.core.errors import BlockPoolError, InvalidArgumentError
 
 __all__ = [
     "CONNECTOR_NAMES",
+    "OPTIONAL_READS",
     "SURFACES",
+    "SWITCHED",
     "WORKER_HALF",
     "WORKER_HOOKS",
     "Drift",
@@ -95,6 +97,7 @@ __all__ = [
     "SurfaceError",
     "active",
     "check",
+    "derive",
     "fingerprint",
     "fingerprint_source",
     "report",
@@ -129,7 +132,11 @@ class Name:
         use: How the plugin uses it: ``replaced`` (re-implemented by
             ``VllmBlockPool``), ``wrapped``, ``borrowed`` (called as
             vLLM's own), ``members`` (a class whose surface the plugin's
-            types imitate), ``read`` or ``marker``.
+            types imitate), ``read``, ``field`` (an instance attribute the
+            plugin reads by name: :attr:`params` and :attr:`fingerprints`
+            unused; present when the class or a base defines it, declares
+            it as a dataclass field or annotation, or assigns
+            ``self.<name>`` in its source) or ``marker``.
     """
 
     target: str
@@ -182,6 +189,9 @@ class Surface:
             Model Runner V2's ``ActiveKVConnector``).
         offloading_failed_jobs: The Offloading connector reports failed
             copies in ``failed_jobs``.
+        offloading_sync_loads: The Offloading connector's load jobs say
+            whether they complete before the step's forward
+            (``TransferJob.sync``).
         connectors: The KV connectors whose wiring was reviewed against
             this line; the plugin leaves any other connector unwired here.
         markers: The rows whose ``use`` is ``"marker"``, in table order:
@@ -203,6 +213,7 @@ class Surface:
     evict_first: bool
     v1_model_runner: bool
     offloading_failed_jobs: bool
+    offloading_sync_loads: bool
     connectors: tuple[str, ...] = ()
     markers: tuple[Name, ...] = attrs.field(init=False, default=(), eq=False, repr=False)
     names: tuple[Name, ...] = attrs.field(init=False, default=(), eq=False, repr=False)
@@ -397,7 +408,47 @@ def _digest(source: str) -> str:
     return hashlib.sha256(ast.dump(tree, include_attributes=False).encode()).hexdigest()[:16]
 
 
+def _defines_field(cls: type, attr: str) -> bool:
+    """Whether instances of ``cls`` carry ``attr``: a class attribute, a
+    dataclass field or an annotation of ``cls`` or a base, or a
+    ``self.<attr>`` assignment in the source of one. O(source of the
+    MRO)."""
+    for c in cls.__mro__:
+        if c is object:
+            continue
+        if attr in vars(c) or attr in vars(c).get("__annotations__", {}):
+            return True
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(c)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and node.attr == attr
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
+                return True
+    return False
+
+
 def _check_one(name: Name) -> Drift:
+    if name.use == "field":
+        owner_path, _, attr = name.target.rpartition(".")
+        owner = _check_one(Name(owner_path))
+        if not owner.ok:
+            return Drift(name, owner.status, _expected(name), owner.found)
+        cls = resolve(owner_path)
+        if not isinstance(cls, type) or not _defines_field(cls, attr):
+            return Drift(
+                name,
+                "missing",
+                _expected(name),
+                f"no attribute {attr} in {cls.__module__}.{cls.__qualname__} or its bases",
+            )
+        return Drift(name, "ok", _expected(name), _expected(name))
     try:
         obj = resolve(name.target)
     except ModuleNotFoundError as exc:
@@ -432,6 +483,8 @@ def _check_one(name: Name) -> Drift:
 
 
 def _expected(name: Name) -> str:
+    if name.use == "field":
+        return "attribute"
     parts = []
     if name.params is not None:
         parts.append("(" + ", ".join(name.params) + ")")
@@ -484,7 +537,7 @@ def derive(
     ``base`` is not changed. O(rows + delta).
 
     >>> old = Surface("9.0", (Name("m:f", ("x",), use="marker"), Name("m:g")), None, None,
-    ...               False, False, False, False, False)
+    ...               False, False, False, False, False, False)
     >>> new = derive(old, "9.1", changed=(Name("m:f", ("x", "y"), use="marker"),),
     ...              added={"m:f": (Name("m:h"),)}, removed=("m:g",), evict_first=True)
     >>> [(n.target, n.params) for n in new.rows], new.evict_first, len(old.rows)
@@ -559,6 +612,9 @@ _SIMPLE = "vllm.v1.simple_kv_offload.manager"
 _NIXL_C = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"
 _NIXL_S = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler"
 _NIXL_W = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
+_SINGLE = "vllm.v1.core.single_type_kv_cache_manager"
+_MOONCAKE_C = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.coordinator"
+_OFFLOAD_C = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common"
 _NIXL_BW = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 _KV_UTILS = "vllm.distributed.kv_transfer.kv_connector.utils"
 _LMC = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
@@ -786,6 +842,13 @@ _ROWS_032 = (
     ),
     _n(f"{_SCHED}:Scheduler._handle_invalid_blocks", "self, invalid_block_ids, num_scheduled_tokens"),
     _n(f"{_OUTPUT}:SchedulerOutput.new_block_ids_to_zero"),
+    _n(f"{_OUTPUT}:SchedulerOutput.total_num_scheduled_tokens", use="field"),
+    # The managers' block sizes (the block-table index of a token), read
+    # once the scheduler is built.
+    _n(f"{_SCHED}:Scheduler.kv_cache_manager", use="field"),
+    _n(f"{_MGR}:KVCacheManager.coordinator", use="field"),
+    _n(f"{_COORD}:KVCacheCoordinator.single_type_managers", use="field"),
+    _n(f"{_SINGLE}:SingleTypeKVCacheManager.block_size", use="field"),
     # The model runners' hooks every worker half shares, and the connector API's
     # default hooks.
     _n(
@@ -865,6 +928,12 @@ _ROWS_032 = (
         fp="8d8e4c0791c337a5",
         connector=MOONCAKE,
     ),
+    # The store groups and the aligned length a store job reads (as the send
+    # thread computes them).
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler._store_group_ids", connector=MOONCAKE, use="field"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler._boundary_state_group_ids", connector=MOONCAKE, use="field"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler._store_coord", connector=MOONCAKE, use="field"),
+    _n(f"{_MOONCAKE_C}:MooncakeStoreCoordinator.lcm_block_size", connector=MOONCAKE, use="field"),
     # Offloading.
     _n(
         f"{_OFFLOAD}:OffloadingConnector.bind_gpu_block_pool",
@@ -1232,6 +1301,7 @@ _LINE_032 = Surface(
     evict_first=False,
     v1_model_runner=True,
     offloading_failed_jobs=False,
+    offloading_sync_loads=False,
     connectors=(MOONCAKE, OFFLOADING, SIMPLE, NIXL, LMCACHE, LMCACHE_MP),
 )
 
@@ -1347,6 +1417,9 @@ _LINE_033 = derive(
         ),
     ),
     added={
+        f"{_OFFLOAD_W}:OffloadingConnectorWorker.handle_preemptions": (
+            _n(f"{_OFFLOAD_C}:TransferJob.sync", connector=OFFLOADING, use="field"),
+        ),
         f"{_BP}:BlockPool._build_block_stored_event": (
             _n(
                 f"{_BP}:BlockPool._generate_event_extra_keys",
@@ -1368,6 +1441,7 @@ _LINE_033 = derive(
     event_extra_keys="_generate_event_extra_keys",
     lookahead_token_ids="_lookahead_token_ids",
     access_hook_on_null=False,
+    offloading_sync_loads=True,
 )
 
 _LINE_034 = derive(
@@ -1503,6 +1577,9 @@ _LINE_034 = derive(
         ),
     ),
     added={
+        f"{_OFFLOAD_W}:OffloadingConnectorWorker.handle_preemptions": (
+            _n(f"{_OFFLOAD_C}:OffloadingWorkerMetadata.failed_jobs", connector=OFFLOADING, use="field"),
+        ),
         f"{_BP}:BlockPool._build_block_stored_event": (
             _n(
                 f"{_BP}:BlockPool.generate_event_extra_keys",
@@ -1536,6 +1613,91 @@ _LINE_034 = derive(
 
 SURFACES: dict[str, Surface] = {s.line: s for s in (_LINE_032, _LINE_033, _LINE_034)}
 """The declared release lines, oldest first."""
+
+SWITCHED: dict[str, tuple[str, ...]] = {
+    "offloading_failed_jobs": ("failed_jobs",),
+    "offloading_sync_loads": ("sync",),
+}
+"""For a switch of :class:`Surface`, the instance attributes (``field``
+rows) the plugin reads only where the switch is on: a line with it on
+declares them, a line with it off does not (``tests/test_vllm_surface_reads.py``
+holds the table to that)."""
+
+OPTIONAL_READS: frozenset[str] = frozenset(
+    {
+        # vLLM modules that may bind BlockPool (the plugin rebinds each one
+        # that does; parity swaps it back).
+        "BlockPool",
+        # A connector that is not a MultiConnector has no _connectors; a
+        # connector's scheduler half is connector_scheduler or
+        # scheduler_manager, or absent (a worker-side instance).
+        "_connectors",
+        "connector_scheduler",
+        "scheduler_manager",
+        # vLLM objects the wrappers also meet as None, or built without the
+        # part read (a scheduler without a KV connector, a connector built
+        # outside an engine, a config without speculative or parallel
+        # settings, an output without connector reports).
+        "block_pool",
+        "kv_cache_manager",
+        "connector",
+        "vllm_config",
+        "_vllm_config",
+        "cache_config",
+        "block_size",
+        "speculative_config",
+        "parallel_config",
+        "prefill_context_parallel_size",
+        "world_size",
+        "kv_connector_output",
+        "kv_connector_worker_meta",
+        "kv_connector_metadata",
+        "_connector_metadata",
+        "metadata",
+        "kv_cache_groups",
+        "kv_cache_spec",
+        "coordinator",
+        "get_blocks",
+        "resolve_block_ids",
+        "req_ids",
+        "kv_connector_block_state",
+        "num_scheduled_tokens",
+        "scheduled_new_reqs",
+        "scheduled_cached_reqs",
+        "scheduler_adapter",
+        "_mq_timeout",
+        "requests",
+        "block_ids",
+        "transfer_meta",
+        # Model Runner V2's connector wrapper before it is set up; an
+        # Offloading worker that is not its node's store writer.
+        "_disabled",
+        "_is_store_writer",
+        # MooncakeStore's transfer threads (the load thread alone has both).
+        "done_task_lock",
+        "_failed_requests",
+        # LMCache's adapters and engines, whose attributes differ between
+        # their modes (layerwise, blending, multi-process) and releases.
+        "kv_role",
+        "use_layerwise",
+        "enable_blending",
+        "gpu_connector",
+        "load_stream",
+        "_lmcache_engine",
+        "lmcache_engine",
+        "_group_tokens_per_block",
+        "worker_adapter",
+        "is_healthy",
+        "skip_first_n_tokens",
+        # A slot mapping given as a tensor or a list.
+        "tolist",
+    }
+)
+"""Attributes of vLLM's and LMCache's objects that the plugin reads with a
+default (``getattr(obj, name, default)``, ``hasattr``) because an instance
+may lack them or be ``None`` whatever the release; every other read of a
+vLLM name is plain, of a name its line declares, or behind a switch
+(:data:`SWITCHED`)."""
 
 _ACTIVE: Surface | None = None
 
