@@ -348,6 +348,9 @@ class ConnectorSpec:
 
 
 Patcher = Callable[[Any, str, Callable[[Any], Any]], None]
+"""``patch(owner, attribute, make_wrapper)``: replaces ``owner.attribute`` by
+``make_wrapper(original)`` (the plugin's ``_patch``, through :func:`wire`'s
+recording wrapper, which keeps what to undo)."""
 
 
 # ----------------------------------------------------------------------
