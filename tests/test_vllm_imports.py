@@ -154,9 +154,18 @@ def test_the_worker_and_the_surface_do_not_import_the_plugins_entry_module() -> 
     assert not any("__init__" in graph[m] for m in ("lmcache", "lmcache_mp", "connectors", "wiring"))
 
 
-def test_the_engine_check_lives_outside_the_plugin_package() -> None:
+def test_the_engine_check_lives_outside_the_plugin_package_and_the_plugin_never_imports_it() -> None:
     assert "engine_check" not in import_graph()
     assert (ROOT.parent.parent / "checking" / "vllm_engine.py").is_file()
+    for path in sorted(ROOT.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert not any(n.startswith("blockpool.checking.vllm_engine") for n in names), path.name
 
 
 def test_the_connector_modules_register_themselves_and_the_registry_imports_none_of_them() -> None:
