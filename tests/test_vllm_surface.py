@@ -150,6 +150,50 @@ def test_fingerprint_source_gives_the_imported_functions_fingerprint_decorators_
         vs.fingerprint_source("def f(:\n", "f")
 
 
+def test_a_field_row_is_found_in_the_class_source_or_reported_missing(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An instance attribute is declared present when the class or a base
+    assigns ``self.<name>`` (plain or annotated), declares it as a dataclass
+    field or annotation, or has it as a class attribute; otherwise it is a
+    drift naming the class."""
+    (tmp_path / "fieldmod.py").write_text(
+        "import dataclasses\n\n"
+        "class Base:\n"
+        "    def __init__(self):\n"
+        "        self.inherited = 1\n\n"
+        "class C(Base):\n"
+        "    klass = 0\n"
+        "    def setup(self):\n"
+        "        self.plain = 2\n"
+        "        self.annotated: int | None = None\n"
+        "        other = self\n"
+        "        other.not_self = 3\n\n"
+        "@dataclasses.dataclass\n"
+        "class D:\n"
+        "    field_without_default: int\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [
+        vs.Name(f"fieldmod:{owner}.{attr}", use="field")
+        for owner, attr in [
+            ("C", "inherited"),
+            ("C", "klass"),
+            ("C", "plain"),
+            ("C", "annotated"),
+            ("D", "field_without_default"),
+            ("C", "not_self"),
+            ("C", "nope"),
+            ("Nope", "x"),
+        ]
+    ]
+    drifts = vs.check(vs.SURFACES["0.34"], rows)
+    assert [d.status for d in drifts] == ["ok"] * 5 + ["missing"] * 3
+    assert drifts[0].expected == drifts[0].found == "attribute"
+    assert drifts[6].found == "no attribute nope in fieldmod.C or its bases"
+    assert "Nope" in drifts[7].found
+
+
 def test_resolve_names_an_attribute_path_and_raises_for_a_missing_one() -> None:
     assert vs.resolve("blockpool.integrations.vllm.surface:Surface.declares") is vs.Surface.declares
     with pytest.raises(AttributeError):

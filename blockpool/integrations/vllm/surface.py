@@ -34,6 +34,13 @@ against the new release prints every drifted row (the rows to put in
 ``changed``), and ``derive`` refuses a delta row that changes nothing or
 names a row the line before does not have.
 
+Reads, too, go through the table: an instance attribute of a vLLM object
+the plugin reads by name is a ``field`` row of each line that has it
+(checked in the class's source), read plainly; one only some lines have
+is read behind the switch :data:`SWITCHED` ties it to. The attributes
+the plugin still reads with a default, because an instance may lack them
+or be ``None`` on any line, are listed in :data:`OPTIONAL_READS`.
+
 What a drift does (:func:`check`, at ``register()``):
 
 - a name missing, or a callable whose parameters differ from the declared
