@@ -36,7 +36,7 @@ for mode in 0 audit on; do
     (cd "$out" && BLOCKPOOL_SGLANG="$mode" PYTHONPATH="$root/scripts${PYTHONPATH:+:$PYTHONPATH}" \
         "$venv/bin/python" -W ignore -m pytest -q -rA -p no:cacheprovider -p sglang_parity_plugin \
         "${tests[@]}" >"$out/$mode.log" 2>&1) || true
-    grep -E '^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) ' "$out/$mode.log" | sed 's/ - .*//' | sort >"$out/$mode.outcomes" || true
+    grep -E '^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) [^ ]+::' "$out/$mode.log" | sed 's/ - .*//' | sort >"$out/$mode.outcomes" || true
     echo "sglang_parity: BLOCKPOOL_SGLANG=$mode: $(grep -E '^=* ?[0-9]+ (passed|failed|error)' "$out/$mode.log" | tail -n 1)"
     grep '^sglang-parity:' "$out/$mode.log" | tail -n 1 || true
 done
