@@ -346,3 +346,16 @@ def test_inert_when_a_target_was_not_patched(caplog: pytest.LogCaptureFixture) -
     assert kinds(log) == [("wait_stream", "h2d", "forward"), ("submit", "h2d", (4, 5, 6, 7))]
     assert any("evict_host" in r.getMessage() for r in caplog.records)
     assert rt.counters.loads == 0
+
+
+def test_fence_behind_tail_counts_a_forward_launched_after_the_release() -> None:
+    rt = runtime("audit")
+    rt.launch_hooked = True
+    ctrl, alloc, _fwd, log = build(rt)
+    release_then_load(ctrl, alloc, log)
+    ctrl.start_loading()  # no forward launched since the release
+    assert (rt.counters.exact, rt.counters.fence_behind_tail) == (1, 0)
+    release_then_load(ctrl, alloc, log)
+    hooks.hook_run_batch(lambda self: None, None)  # one forward launched
+    ctrl.start_loading()
+    assert (rt.counters.exact, rt.counters.fence_behind_tail, rt.counters.gain()) == (2, 1, 1)
