@@ -25,6 +25,7 @@ pytest.importorskip("sglang.srt.managers.cache_controller")
 import torch
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -359,3 +360,35 @@ def test_fence_behind_tail_counts_a_forward_launched_after_the_release() -> None
     hooks.hook_run_batch(lambda self: None, None)  # one forward launched
     ctrl.start_loading()
     assert (rt.counters.exact, rt.counters.fence_behind_tail, rt.counters.gain()) == (2, 1, 1)
+
+
+def hybrid_of(ctrl: Any) -> Any:
+    """A ``HybridCacheController`` sharing ``ctrl``'s attributes (its queues
+    included), so ``ctrl.start_loading`` submits what its ``load`` queued."""
+    hybrid = object.__new__(HybridCacheController)
+    hybrid.__dict__.update(ctrl.__dict__)
+    return hybrid
+
+
+def test_hybrid_load_into_caller_owned_rows_keeps_wait_stream() -> None:
+    rt = runtime("on")
+    ctrl, alloc, _fwd, log = build(rt)
+    rows = alloc.alloc(PAGE)
+    mark = len(log)
+    hybrid_of(ctrl).load(torch.arange(PAGE, dtype=torch.int64), device_indices=rows)
+    ctrl.start_loading()
+    assert kinds(log, mark) == [("wait_stream", "h2d", "forward"), ("submit", "h2d", (4, 5, 6, 7))]
+    assert (rt.counters.fallback, rt.counters.exact) == (1, 0)
+
+
+def test_hybrid_load_into_allocated_rows_is_exact() -> None:
+    rt = runtime("on")
+    ctrl, alloc, _fwd, log = build(rt)
+    rows = alloc.alloc(PAGE)
+    alloc.free(rows)
+    token = [e for e in log if e[0] == "record_event"][-1][2]
+    mark = len(log)
+    hybrid_of(ctrl).load(torch.arange(PAGE, dtype=torch.int64))
+    ctrl.start_loading()
+    assert kinds(log, mark) == [("wait_event", "h2d", token.name), ("submit", "h2d", (4, 5, 6, 7))]
+    assert (rt.counters.fallback, rt.counters.exact) == (0, 1)
