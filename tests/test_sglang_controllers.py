@@ -33,6 +33,7 @@ import blockpool.integrations.sglang as plugin
 from blockpool.integrations.sglang import hooks
 
 PAGE = 4
+TARGETS: list[str] = []  # the hook targets register() declared
 
 
 class FakeEvent:
@@ -125,16 +126,17 @@ def installed() -> Any:
     hooks.set_runtime(None)
     assert plugin.register()
     HookRegistry.apply_hooks()
+    rt = hooks.runtime()
+    assert rt is not None
+    TARGETS[:] = rt.targets
     yield
     hooks.set_runtime(None)
 
 
 def runtime(mode: str) -> hooks.Runtime:
     """A fresh runtime in ``mode`` (the module's hooks stay applied)."""
-    old = hooks.runtime()
-    assert old is not None
     rt = hooks.Runtime(mode)
-    rt.targets = old.targets
+    rt.targets = tuple(TARGETS)
     hooks.set_runtime(rt)
     return rt
 
