@@ -13,11 +13,12 @@
 #                $PYTHON, the wheel's extras SUITE_EXTRAS and the
 #                requirements SUITE_PIP, word-split, installed with it), the
 #                suite run by that venv's Python: the wheel as a user
-#                installs it (`blockpool --version` is printed first);
+#                installs it (the tests that read the checkout's files
+#                through the package's own path fail there: run a subset);
 #   INSTALLED=1  the blockpool $PYTHON has installed already (cibuildwheel's
 #                test step; the copy holds no package).
 # $PYTHON (default: python) needs the test extras, except with VENV. Extra
-# arguments go to pytest.
+# arguments go to pytest; `blockpool --version` is printed first.
 set -euo pipefail
 LOG_TAG=compiled-suite
 # shellcheck source=scripts/lib.sh
@@ -48,7 +49,6 @@ elif [[ -n "${VENV:-}" ]]; then
     read -r -a more <<<"${SUITE_PIP:-}"
     "$VENV/bin/python" -m pip install -q --no-input "$(abspath "$WHEEL")[${SUITE_EXTRAS:-test}]" "${more[@]}"
     PY="$VENV/bin/python"
-    "$VENV/bin/blockpool" --version
 else
     "$PY" -m zipfile -e "$WHEEL" "$D"
     rm -rf "$D"/blockpool-*.dist-info
@@ -56,4 +56,5 @@ fi
 # tests that read ../shared (traces, vLLM fixtures) find it as they do here
 if [ -d ../shared ] && [ ! -e build/shared ]; then ln -s "$(cd ../shared && pwd)" build/shared; fi
 cd "$D"
+"$PY" -m blockpool --version  # the build under test, as the suite imports it
 BLOCKPOOL_EXPECT_COMPILED=1 "$PY" -m pytest -q -rs "$@"
