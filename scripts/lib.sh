@@ -9,12 +9,13 @@
 # changes shell options, and nothing is exported.
 #
 # Helpers:
-#   log, die, now, abspath, timed, site_packages, sha256_of  small things
-#   venv_stamp, clone_venv, build_parity_venv                venvs
-#   install_blockpool                                       this checkout, editable
-#   fetch_sdist                                             an sdist from pip's index
-#   runner_pass, passed_not_in                              a pytest pass, two compared
-#   tools_venv                                              a venv of pinned tools
+#   log, die, now, abspath, site_packages, sha256_of   small things
+#   timed, log_timings                                 steps and their seconds
+#   venv_stamp, clone_venv, build_parity_venv,         venvs
+#   tools_venv
+#   install_blockpool                                  this checkout, editable
+#   fetch_sdist (download_from_index)                  an sdist from pip's index
+#   runner_pass, passed_not_in, passes_verdict         pytest passes, compared
 # Some read the calling script's settings, named at each helper.
 # shellcheck disable=SC2154  # VENV_PY, RESULTS_DIR, ...: the calling script's
 
