@@ -8,8 +8,8 @@ so it rides the model-runner output to the scheduler process. The scheduler
 applies it to the pool with :meth:`CompletionReport.apply`.
 
 With tensor parallelism every rank records its own event for a token, and a
-token has ended only when it ended on **every** rank (``docs/hazard-model.md``,
-"How the pieces map onto vLLM"). :class:`RankMerger` turns per-rank reports
+token has ended only when it ended on **every** rank (``docs/worker.md``,
+"Completions back to the scheduler, and tensor parallelism"). :class:`RankMerger` turns per-rank reports
 into one report that names a token only once all ranks reported it. The idea
 is vLLM's ``KVOutputAggregator``
 (``vllm/distributed/kv_transfer/kv_connector/utils.py``), which counts

@@ -172,8 +172,7 @@ class Fence:
 
     At most one token per ``DEVICE`` stream (the newest covers the older
     ones). ``HOST`` engines complete out of order, so a fence may name several
-    tokens of one host engine (see ``docs/hazard-model.md``, "Departures from
-    the contract"). Iterable, sized, falsy when empty; equality ignores
+    tokens of one host engine (see ``docs/hazard-model.md``, "Vocabulary"). Iterable, sized, falsy when empty; equality ignores
     :attr:`reasons`.
 
     Attributes:
