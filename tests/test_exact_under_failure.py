@@ -311,8 +311,10 @@ def test_check_catches_a_held_entry_that_is_not_the_pools_block_of_its_id(pool: 
     pool.begin_load([b], "rdma")
     pool.free_blocks([b])
     pool.check()
-    held = pool.holdback._held
-    held[KVCacheBlock(b.block_id)] = held.pop(b)  # corrupt: the same id, another record
+    other = KVCacheBlock(b.block_id)  # corrupt: the same id, another record, held in its place
+    other.next_free_block, b.next_free_block = b.next_free_block, None
+    for listed in pool.holdback._held_by.values():
+        listed[:] = [other if x is b else x for x in listed]
     with pytest.raises(InvariantError, match="not the pool's block"):
         pool.check()
 
@@ -322,7 +324,9 @@ def test_check_catches_a_held_null_block(pool: HazardAwareBlockPool) -> None:
 
     load, _ = pool.begin_load(pool.get_new_blocks(1), "rdma")
     pool.check()
-    pool.holdback._held[pool.null_block] = frozenset({load})  # corrupt the hold-back part directly
+    from blockpool.core.holdback import HoldMark
+
+    pool.null_block.next_free_block = HoldMark(frozenset({load}))  # corrupt the hold-back part directly
     with pytest.raises(InvariantError, match="null block is free, held"):
         pool.check()
 

@@ -35,7 +35,11 @@ class KVCacheBlock:
         block_hash: Primary prefix-cache key, or ``None`` when not cached.
         block_hash_num_tokens: Prefix tokens covered by ``block_hash``.
         prev_free_block, next_free_block: Links of the free queue; only
-            :class:`FreeBlockQueue` (and its policy subclasses) touches them.
+            :class:`FreeBlockQueue` (and its policy subclasses) touches them,
+            except that a held block (outside the queue) carries its hold
+            in ``next_free_block``
+            (:class:`~blockpool.core.holdback.HoldMark`, written by
+            :class:`~blockpool.core.holdback.HoldBack`).
         writer: Shadow: the last write not known to have ended (a token), or ``None``.
         readers: Shadow: reads since that write: ``None`` or a tuple of
             tokens (the newest read per device stream, each host

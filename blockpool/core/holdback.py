@@ -32,24 +32,55 @@ from blockpool.core.hazards import StreamKind, Token
 from blockpool.core.shadows import pending_host
 from blockpool.core.tracker import HazardTracker
 
-__all__ = ["HoldBack"]
+__all__ = ["HoldBack", "HoldMark"]
 
 _UNSET = object()
 
 
+class HoldMark(KVCacheBlock):
+    """What a held block's ``next_free_block`` link holds while it is held:
+    the host tokens still pending on it (``pending``, an immutable set).
+    A held block is outside the free queue, so its queue links are free;
+    blocks held together share one mark (and one set), as they share their
+    shadow objects. A mark is not a block of any pool (``block_id`` -1, as
+    the queue's sentinels) and is never linked into a queue.
+
+    Attributes:
+        pending: The host tokens the blocks carrying this mark wait on.
+    """
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: frozenset[Token]) -> None:
+        super().__init__(-1)
+        self.pending = pending
+
+
+def _mark_of(b: KVCacheBlock) -> HoldMark | None:
+    """``b``'s hold mark, or ``None`` when ``b`` is not held (a block in the
+    free queue links to a block or a sentinel, an allocated one to
+    nothing). O(1)."""
+    m = b.next_free_block
+    if type(m) is HoldMark:
+        return m
+    return None
+
+
 class HoldBack:
     """Owns the held blocks: for each, the host tokens still pending on it
-    (an immutable set: blocks freed together share one until a token ends
-    for them, then each gets its own smaller set, so no set is mutated
-    under another block); for each pending token, the blocks held on it;
-    each held block's lease (deadline) and the leases that expired; the
-    held blocks freed with ``evict_first`` (they go to the free queue's
-    front when released); the ``leases_expired`` counter.
+    (an immutable set in a :class:`HoldMark` that the block's
+    ``next_free_block`` link holds: blocks freed together share one mark
+    until a token ends for them, then each run gets its own smaller set, so
+    no set is mutated under another block); for each pending token, the
+    blocks held on it; how many blocks are held; each held block's lease
+    (deadline) and the leases that expired; the held blocks freed with
+    ``evict_first`` (they go to the free queue's front when released); the
+    ``leases_expired`` counter.
 
-    The held map is keyed by the block record itself, which hashes by
-    identity (a pool's blocks are distinct objects, one per id): a lookup
-    hashes a pointer and allocates nothing, where a block id key would be
-    boxed into an int object per lookup in the compiled build.
+    The hold lives in the block's own (otherwise unused) queue link rather
+    than in a map keyed by the block: holding, testing and releasing a
+    block is one attribute store or read, with no hashing and no map entry
+    to make or delete.
 
     Args:
         lease_timeout: Seconds a block may stay held before its lease
@@ -62,15 +93,15 @@ class HoldBack:
         "_deadline",
         "_evict_first",
         "_expired",
-        "_held",
         "_held_by",
         "_leases",
+        "_n_held",
         "leases_expired",
         "timeout",
     )
 
     def __init__(self, lease_timeout: float | None = None, clock: Callable[[], float] | None = None) -> None:
-        self._held: dict[KVCacheBlock, frozenset[Token]] = {}  # held block -> host tokens still pending on it
+        self._n_held = 0  # blocks carrying a hold mark
         self._held_by: dict[Token, list[KVCacheBlock]] = {}  # pending token -> blocks held on it
         # (deadline, block id): ids, not blocks, so that equal deadlines never compare blocks
         self._leases: SortedList = SortedList()
@@ -83,7 +114,7 @@ class HoldBack:
 
     def __len__(self) -> int:
         """Blocks held. O(1)."""
-        return len(self._held)
+        return self._n_held
 
     @property
     def tracking(self) -> bool:
@@ -94,11 +125,25 @@ class HoldBack:
 
     def __contains__(self, block: object) -> bool:
         """Whether the block (a block record, not an id) is held. O(1)."""
-        return block in self._held
+        return isinstance(block, KVCacheBlock) and _mark_of(block) is not None
+
+    def _held_blocks(self) -> list[KVCacheBlock]:
+        """The held blocks, each once, in no particular order: those listed
+        under some token that carry a hold mark (each held block is listed
+        under every token it waits on). O(listed blocks)."""
+        seen: set[KVCacheBlock] = set()
+        out: list[KVCacheBlock] = []
+        b: KVCacheBlock
+        for blocks in self._held_by.values():
+            for b in blocks:
+                if b not in seen and _mark_of(b) is not None:
+                    seen.add(b)
+                    out.append(b)
+        return out
 
     def held_ids(self) -> list[int]:
-        """Held block ids, sorted. O(h log h)."""
-        return sorted([b.block_id for b in self._held])
+        """Held block ids, sorted. O(listed blocks + h log h)."""
+        return sorted([b.block_id for b in self._held_blocks()])
 
     def expired_ids(self) -> list[int]:
         """Held blocks whose lease expired, sorted. O(e log e)."""
@@ -110,18 +155,20 @@ class HoldBack:
         Raises:
             KeyError: the block is not held.
         """
-        return set(self._held[block])
+        m = _mark_of(block)
+        if m is None:
+            raise KeyError(block)
+        return set(m.pending)
 
     def pending_tokens(self) -> list[Token]:
         """The host tokens some held block waits on, sorted by stream and
         seq. O(listed blocks + t log t)."""
-        held = self._held
         out = []
         b: KVCacheBlock
         for t, blocks in self._held_by.items():
             for b in blocks:
-                pending = held.get(b)
-                if pending is not None and t in pending:
+                m = _mark_of(b)
+                if m is not None and t in m.pending:
                     out.append(t)
                     break
         out.sort(key=lambda t: (t.stream, t.seq))
@@ -135,7 +182,7 @@ class HoldBack:
         :meth:`hold_back` would). ``ended`` tells which tokens have ended
         already. Changes nothing. O(blocks listed under ``ends``); the
         decision is made once per distinct pending set and shadow."""
-        held, held_by = self._held, self._held_by
+        held_by = self._held_by
         seen: set[KVCacheBlock] = set()
 
         def gone(t: Token) -> bool:
@@ -153,9 +200,10 @@ class HoldBack:
             if blocks is None:
                 continue
             for b in blocks:
-                pending = held.get(b)
-                if pending is None or b in seen:
+                m = _mark_of(b)
+                if m is None or b in seen:
                     continue  # released already (a touch took it), or counted
+                pending = m.pending
                 if pending is not last:
                     last = pending
                     covered = pending <= ends
@@ -203,10 +251,13 @@ class HoldBack:
                 runs.append((pend, run))
             run.append(b)
         if runs:
-            held, held_by = self._held, self._held_by
+            held_by = self._held_by
+            n = 0
             for pend, run in runs:
+                mark = HoldMark(pend)
                 for b in run:
-                    held[b] = pend
+                    b.next_free_block = mark
+                n += len(run)
                 for t in pend:
                     lst = held_by.get(t)
                     if lst is None:
@@ -218,6 +269,7 @@ class HoldBack:
                         self._lease(b)
                 if evict_first:
                     self._evict_first.update(run)
+            self._n_held += n
         return free
 
     def evict_first(self, released: list[KVCacheBlock]) -> list[KVCacheBlock]:
@@ -252,38 +304,43 @@ class HoldBack:
         """``token`` ended: it stops holding its blocks; returns those that
         no pending token holds any more (they leave the held set), in the
         order they were held. O(blocks held on ``token``)."""
-        held = self._held
         out: list[KVCacheBlock] = []
-        last: object = None  # blocks held together share their pending set:
-        mine = False  # decide once per distinct set (a token hash is a Python call)
-        rest: frozenset[Token] | None = None
+        last: object = None  # blocks held together share their mark:
+        mine = False  # decide once per distinct mark (a token hash is a Python call)
+        rest: HoldMark | None = None
         blocks = self._held_by.pop(token, None)
         if blocks is None:
             return out
         b: KVCacheBlock
         for b in blocks:
-            pending = held.get(b)
-            if pending is None:
+            m = b.next_free_block
+            if type(m) is not HoldMark:
                 continue  # released already (a touch took it)
-            if pending is not last:
-                last = pending
+            if m is not last:
+                last = m
+                pending = m.pending
                 mine = token in pending
-                rest = pending - {token} if mine and len(pending) > 1 else None
+                rest = HoldMark(pending - {token}) if mine and len(pending) > 1 else None
             if not mine:
                 continue  # held anew since, on other tokens
             if rest is None:
-                del held[b]  # its lease goes below, for all at once
+                b.next_free_block = None  # its lease goes below, for all at once
                 out.append(b)
             else:
-                held[b] = rest
+                b.next_free_block = rest
+        self._n_held -= len(out)
         self._drop_leases(out)
         return out
 
     def unhold_n(self, blocks: list[KVCacheBlock]) -> None:
         """``blocks`` (held) were taken back by a touch: they leave the held
         set (their tokens' lists drop them lazily). O(len(blocks))."""
-        held = self._held
-        dropped = [b for b in blocks if held.pop(b, None) is not None]
+        dropped: list[KVCacheBlock] = []
+        for b in blocks:
+            if type(b.next_free_block) is HoldMark:
+                b.next_free_block = None
+                dropped.append(b)
+        self._n_held -= len(dropped)
         self._drop_leases(dropped)
         if self._evict_first:
             self._evict_first.difference_update(dropped)
@@ -303,14 +360,17 @@ class HoldBack:
             lease = self._deadline.get(bid)
             if lease is not None and lease[0] == deadline and bid not in self._expired:
                 self._expired.add(bid)
-                expired.append((bid, self._held[lease[1]]))
+                m = _mark_of(lease[1])
+                if m is None:
+                    raise InvariantError(f"block {bid} has a lease but is not held")
+                expired.append((bid, m.pending))
         self.leases_expired += len(expired)
         return expired
 
     def snapshot(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
         """``(block id, sorted pending tokens as str)`` per held block,
         sorted. O(h log h)."""
-        items = sorted([(b.block_id, toks) for b, toks in self._held.items()], key=lambda it: it[0])
+        items = sorted([(b.block_id, _pending(b)) for b in self._held_blocks()], key=lambda it: it[0])
         return tuple((bid, tuple(sorted(map(str, toks)))) for bid, toks in items)
 
     def _check(self, tracker: HazardTracker, blocks: list[KVCacheBlock], free: set[int]) -> None:
@@ -319,7 +379,9 @@ class HoldBack:
         tokens that have not ended, each listing it; a token lists held
         blocks only while some host token is pending; leases exist exactly
         for held blocks (all of them when leases are on), each naming its
-        block; expired leases are of held blocks. O(held + listed blocks).
+        block; expired leases are of held blocks; the held count is the
+        number of the pool's blocks carrying a hold mark. O(num_gpu_blocks +
+        listed blocks).
 
         Raises:
             InvariantError: the first broken invariant.
@@ -327,12 +389,20 @@ class HoldBack:
         host = StreamKind.HOST
         held_ids: set[int] = set()
         for b in self._evict_first:
-            if b not in self._held:
+            if _mark_of(b) is None:
                 raise InvariantError(f"block {b.block_id} is marked held with evict_first but is not held")
-        for b, pending in self._held.items():
+        for b in self._held_blocks():
             bid = b.block_id
             if not 0 < bid < len(blocks) or blocks[bid] is not b:
                 raise InvariantError(f"held block {bid} is not the pool's block of that id")
+        held = [b for b in blocks if _mark_of(b) is not None]
+        if len(held) != self._n_held:
+            raise InvariantError(f"{len(held)} blocks carry a hold mark but {self._n_held} are counted held")
+        for b in held:
+            pending = _pending(b)
+            bid = b.block_id
+            if bid == 0:
+                raise InvariantError("the null block is free, held, referenced or cached")
             held_ids.add(bid)
             if bid in free or b.ref_cnt != 0 or not pending:
                 raise InvariantError(f"held block {bid} is free, referenced or has no pending token")
@@ -348,7 +418,7 @@ class HoldBack:
             if tracker.is_ended(t):
                 raise InvariantError(f"blocks still listed under {t}, which has ended")
         if self._held_by and not tracker.host_pending():
-            live = [t for t, bs in self._held_by.items() if any(x in self._held for x in bs)]
+            live = [t for t, bs in self._held_by.items() if any(_mark_of(x) is not None for x in bs)]
             if live:
                 raise InvariantError(f"blocks held on {live[0]} with no host token pending")
         if self.timeout is not None:
@@ -361,3 +431,15 @@ class HoldBack:
         for bid in self._expired:
             if bid not in held_ids:
                 raise InvariantError(f"block {bid} has an expired lease but is not held")
+
+
+def _pending(b: KVCacheBlock) -> frozenset[Token]:
+    """The pending set of held block ``b``. O(1).
+
+    Raises:
+        InvariantError: ``b`` is not held.
+    """
+    m = _mark_of(b)
+    if m is None:
+        raise InvariantError(f"block {b.block_id} is not held")
+    return m.pending
