@@ -299,7 +299,7 @@ class PoolBase:
     # fences and accesses
     # ------------------------------------------------------------------
 
-    def _fence(self, groups: Iterable[tuple[Sequence[KVCacheBlock], AccessKind]], st: StreamState) -> Fence:
+    def _fence(self, groups: Iterable[tuple[list[KVCacheBlock], AccessKind]], st: StreamState) -> Fence:
         """:func:`~blockpool.core.shadows.fence_of`, counted. O(blocks + k^2)."""
         fence = fence_of(groups, st, self.tracker, self.debug)
         c = self._counters
@@ -319,6 +319,8 @@ class PoolBase:
         skipped). A write also hands what it replaced, in the same pass, to
         the pending writes (a failed write puts it back). The caller checked
         the order first (:meth:`_check_write_order`). O(len(blocks))."""
+        if type(blocks) is not list:
+            blocks = list(blocks)  # a tuple from free_blocks: the passes below take lists
         if access is _WRITE:
             if self._fresh or self._announced:
                 self._written(blocks)

@@ -25,7 +25,7 @@ returns what it replaced).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.hazards import EMPTY_FENCE, AccessKind, Fence, FenceReason, StreamKind, Token
@@ -105,7 +105,7 @@ def _merge(base: Readers, extra: Readers, ended: Callable[[Token], bool]) -> Rea
 
 
 def fence_of(
-    groups: Iterable[tuple[Sequence[KVCacheBlock], AccessKind]],
+    groups: Iterable[tuple[list[KVCacheBlock], AccessKind]],
     st: StreamState,
     tracker: HazardTracker,
     debug: bool,
@@ -208,9 +208,7 @@ def _live(busy: set[str], st: StreamState, own: str | None, tracker: HazardTrack
     return False, writes
 
 
-def tag(
-    blocks: Iterable[KVCacheBlock], token: Token, access: AccessKind, ended: Callable[[Token], bool]
-) -> None:
+def tag(blocks: list[KVCacheBlock], token: Token, access: AccessKind, ended: Callable[[Token], bool]) -> None:
     """Write ``token`` into the shadows of ``blocks`` (the caller left out
     null blocks, or resets theirs). A write replaces the shadow
     (:func:`write`, what it replaced left unkept); a read joins the readers
@@ -230,7 +228,7 @@ def tag(
         b.readers = last_out
 
 
-def write(blocks: Iterable[KVCacheBlock], token: Token, null: KVCacheBlock | None) -> Replaced:
+def write(blocks: list[KVCacheBlock], token: Token, null: KVCacheBlock | None) -> Replaced:
     """:func:`tag` of a write by ``token`` (``null``, the pool's null block,
     is skipped) that also returns what it replaced, for the undo of a failed
     write (:class:`~blockpool.core.pending_writes.PendingWrites`): a group
