@@ -371,7 +371,7 @@ def test_offload_load_planned_in_an_empty_step_waits_on_its_fence_and_records_it
         # vLLM's kv_connector_no_forward for the empty step: start_load_kv
         # collects the jobs, then each handler submits its copy.
         wrapper(vw._wire_offloading, "OffloadingConnectorWorker", "start_kv_transfers", lambda self, m: None)(
-            SimpleNamespace(), meta
+            SimpleNamespace(_is_store_writer=True), meta
         )
         handler = CopyHandler(rank)
         assert vw.offload_transfer_async(CopyHandler.transfer_async)(handler, job_id) is True
@@ -432,7 +432,7 @@ def test_async_offload_load_into_an_aborted_requests_blocks_waits_for_exactly_th
     with Rank() as rank:
         rank.run_steps(out_n, out_n1)
         wrapper(vw._wire_offloading, "OffloadingConnectorWorker", "start_kv_transfers", lambda self, m: None)(
-            SimpleNamespace(), out_c.kv_connector_metadata
+            SimpleNamespace(_is_store_writer=True), out_c.kv_connector_metadata
         )
         vw.offload_transfer_async(CopyHandler.transfer_async)(CopyHandler(rank), job_id)
         waits = [op for op in rank.dev.log if op[0] == "wait_event"]

@@ -9,6 +9,12 @@ declared surface: a static scan of the plugin's modules (no vLLM needed).
 - Every instance attribute the surface declares on some line but not on
   all (``field`` rows) is read only where each line either declares it or
   has the switch that guards it (``SWITCHED``) off.
+- A wrapper's plain read of an attribute of the vLLM instance it patches
+  (``self.x`` in the wrapper of ``Scheduler.schedule``, the instance
+  parameter of a planner, reporter or binder) is of a name some line
+  declares on that class or a base; reads on other objects (what a wrapper
+  is handed or reaches through an attribute) are not typed statically and
+  rest on the ``field`` rows and the vLLM-side tests.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import ast
 import pathlib
 from collections.abc import Iterator
+
+import pytest
 
 from blockpool.integrations.vllm import surface as vs
 from blockpool.integrations.vllm import wiring
@@ -56,6 +64,22 @@ DYNAMIC = {
     ("lmcache.py", "_fenced"): "LMCache's GPU connector streams and LMCacheEngine's declared methods",
     ("wiring.py", "bind_gpu_block_pool"): "a connector's scheduler half and its KV cache config",
     ("wiring.py", "update_connector_output"): "a connector's worker metadata's completion counts",
+}
+
+
+# The plugin's wrapper factories (wiring.py), by the positions of their
+# arguments that are called with the patched instance first: a planner's
+# ``plan`` and ``before``, a reporter's ``on_reports``, a binder's
+# ``default_size``.
+FACTORIES = {"_planner": (0, 1), "_reporter": (1,), "_binder": (3,)}
+
+# The patched classes whose instance attributes a wrapper reads from a base
+# class the surface declares them on (checked against vLLM's classes where
+# vLLM is installed).
+BASES = {
+    "KVCacheStoreRecvingThread": ("KVTransferThread",),
+    "LMCacheConnectorV1": ("KVConnectorBase_V1",),
+    "LMCacheMPConnector": ("KVConnectorBase_V1",),
 }
 
 
@@ -138,6 +162,13 @@ def test_a_read_with_a_default_is_of_an_own_or_a_listed_optional_attribute() -> 
     assert bad == []
 
 
+def test_every_listed_optional_attribute_is_still_read_with_a_default() -> None:
+    """``OPTIONAL_READS`` lists no name the plugin now reads plainly (or
+    not at all)."""
+    defaulted = {name for _, _, _, name, default in _all_reads() if default}
+    assert sorted(vs.OPTIONAL_READS - defaulted) == []
+
+
 def test_a_read_naming_its_attribute_by_a_parameter_is_one_of_the_known_few() -> None:
     found = {(module, func) for module, _, func, name, default in _all_reads() if default and name is None}
     assert found == set(DYNAMIC)
@@ -180,3 +211,177 @@ def test_a_field_some_lines_lack_is_behind_a_switch_each_line_sets_to_match() ->
             assert isinstance(on, bool), switch
             for name in names:
                 assert (name in fields[line]) is on, (line, switch, name)
+
+
+def _class_of(expr: ast.expr, assigned: dict[str, ast.expr]) -> str | None:
+    """The class name a ``patch`` call's owner expression names
+    (``mod.Scheduler``, ``Scheduler``, or a local assigned one of those)."""
+    if isinstance(expr, ast.Attribute):
+        return expr.attr
+    if isinstance(expr, ast.Name):
+        value = assigned.get(expr.id)
+        return expr.id if value is None else _class_of(value, {})
+    return None
+
+
+def _instance_reads(fn: ast.FunctionDef | ast.Lambda) -> Iterator[ast.Attribute]:
+    """The attribute reads on ``fn``'s first parameter (the instance)."""
+    if not fn.args.args:
+        return
+    first = fn.args.args[0].arg
+    for node in ast.walk(fn):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Load)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == first
+        ):
+            yield node
+
+
+def _patched_reads() -> tuple[list[tuple[str, int, str, str]], list[str]]:
+    """``(module, line, patched class, attribute)`` for every attribute the
+    plugin's wrappers read on the instance of the vLLM class they patch
+    (``patch(Class, "method", wrap)``: the ``self`` of the functions ``wrap``
+    defines; or a factory of :data:`FACTORIES`: the first parameter of the
+    functions it is given), and the ``patch`` calls whose wrapper the scan
+    cannot follow."""
+    reads: set[tuple[str, int, str, str]] = set()
+    unresolved: set[str] = set()
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        defs: dict[str, ast.FunctionDef] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                defs.setdefault(node.name, node)
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            assigned = {
+                n.targets[0].id: n.value
+                for n in ast.walk(fn)
+                if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+            }
+            for call in ast.walk(fn):
+                if not (
+                    isinstance(call, ast.Call)
+                    and isinstance(call.func, ast.Name)
+                    and call.func.id in ("patch", "_patch")
+                    and len(call.args) == 3
+                ):
+                    continue
+                cls = _class_of(call.args[0], assigned)
+                wrap = call.args[2]
+                if isinstance(wrap, ast.Name) and isinstance(assigned.get(wrap.id), ast.Call):
+                    wrap = assigned[wrap.id]
+                readers: list[ast.FunctionDef | ast.Lambda] = []
+                if isinstance(wrap, ast.Name) and wrap.id in defs:
+                    outer = defs[wrap.id]
+                    readers = [
+                        d
+                        for d in ast.walk(outer)
+                        if isinstance(d, ast.FunctionDef)
+                        and d is not outer
+                        and d.args.args
+                        and d.args.args[0].arg == "self"
+                    ]
+                elif (
+                    isinstance(wrap, ast.Call)
+                    and isinstance(wrap.func, ast.Name)
+                    and wrap.func.id in FACTORIES
+                ):
+                    for i in FACTORIES[wrap.func.id]:
+                        arg = wrap.args[i] if i < len(wrap.args) else None
+                        if isinstance(arg, ast.Lambda):
+                            readers.append(arg)
+                        elif isinstance(arg, ast.Name) and arg.id in defs:
+                            readers.append(defs[arg.id])
+                followed = (isinstance(wrap, ast.Name) and wrap.id in defs) or (
+                    isinstance(wrap, ast.Call)
+                    and isinstance(wrap.func, ast.Name)
+                    and wrap.func.id in FACTORIES
+                )
+                if cls is None or not followed:
+                    unresolved.add(f"{path.name}:{call.lineno}")
+                    continue
+                for reader in readers:
+                    reads.update((path.name, r.lineno, cls, r.attr) for r in _instance_reads(reader))
+    return sorted(reads), sorted(unresolved)
+
+
+def _declared_members() -> dict[str, set[str]]:
+    """For each class the surface names, every member any line declares on
+    it (its methods, borrowed or wrapped, and its ``field`` rows)."""
+    out: dict[str, set[str]] = {}
+    for s in vs.SURFACES.values():
+        for n in s.rows:
+            parts = n.qualname.split(".")
+            if len(parts) >= 2:
+                out.setdefault(parts[0], set()).add(parts[1])
+    return out
+
+
+def _undeclared(reads: list[tuple[str, int, str, str]]) -> list[str]:
+    """``"module:line: Class.attribute"`` for each read of ``reads`` of a
+    name no line declares on the class or a base of :data:`BASES` (the
+    plugin's own names and ``__dict__`` aside)."""
+    members = _declared_members()
+    return sorted(
+        f"{module}:{line}: {cls}.{attr}"
+        for module, line, cls, attr in reads
+        if attr not in OWN | {"__dict__"}
+        and not any(attr in members.get(c, ()) for c in (cls, *BASES.get(cls, ())))
+    )
+
+
+def test_a_wrapper_reads_on_its_patched_vllm_instance_only_declared_names() -> None:
+    """A wrapper's plain read of its vLLM instance's attribute (``self.x``
+    in the wrapper of ``Scheduler.schedule``) is of a name some line
+    declares on that class or a base (:data:`BASES`), of the plugin's own,
+    or of Python's ``__dict__``."""
+    reads, unresolved = _patched_reads()
+    # The generic patcher (worker.py: patch(owner, attr, make)) alone
+    # forwards a wrapper the scan cannot follow.
+    assert len(unresolved) == 1 and unresolved[0].startswith("worker.py:")
+    classes = {c for _, _, c, _ in reads}
+    assert {"Scheduler", "KVCacheManager", "KVCacheCoordinator", "ActiveKVConnector"} <= classes
+    assert {
+        "MooncakeStoreScheduler",
+        "OffloadingConnectorWorker",
+        "LMCacheConnectorV1",
+        "LMCacheMPConnector",
+    } <= classes
+    assert _undeclared(reads) == []
+
+
+def test_the_scan_of_wrapper_reads_catches_an_undeclared_name(tmp_path: pathlib.Path) -> None:
+    """The scan flags a wrapper's read of a name no line declares on the
+    patched class (a doctored copy of a module)."""
+    import importlib
+
+    src = (PACKAGE / "worker.py").read_text()
+    assert "if self._is_store_writer:" in src
+    doctored = tmp_path / "worker.py"
+    doctored.write_text(
+        src.replace("if self._is_store_writer:", "if self._is_store_writer and self._frobs:", 1)
+    )
+    mod = importlib.import_module(__name__)
+    saved = mod.MODULES
+    mod.MODULES = [doctored]
+    try:
+        reads, _ = _patched_reads()
+    finally:
+        mod.MODULES = saved
+    assert [r.partition(" ")[2] for r in _undeclared(reads)] == ["OffloadingConnectorWorker._frobs"]
+
+
+def test_the_bases_the_scan_assumes_are_vllms() -> None:
+    """Each class of :data:`BASES` derives from the classes named (checked
+    on the installed vLLM and LMCache; skipped where either is absent)."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("lmcache")
+    targets = {n.qualname.split(".")[0]: n.module for s in vs.SURFACES.values() for n in s.rows}
+    for cls, bases in BASES.items():
+        sub = vs.resolve(f"{targets[cls]}:{cls}")
+        for base in bases:
+            assert issubclass(sub, vs.resolve(f"{targets[base]}:{base}")), (cls, base)

@@ -555,7 +555,7 @@ def _wire_scheduler() -> None:
 
     def hazards_of_scheduler(scheduler: Any) -> Any:
         """:func:`hazards_of_pool` of the scheduler's pool, inline (every step, twice). O(1)."""
-        pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
+        pool = scheduler.kv_cache_manager.block_pool
         return pool.hazards if isinstance(pool, VllmBlockPool) else None
 
     def wrap_schedule(orig: Any) -> Any:
@@ -592,7 +592,7 @@ def _wire_scheduler() -> None:
                 # The connector's failures first: a load the step's output
                 # reports failed fails before the step's end completes what
                 # ends with it (StepHazards.end_with_step).
-                connector_output = getattr(model_runner_output, "kv_connector_output", None)
+                connector_output = model_runner_output.kv_connector_output
                 if connector_output is not None:
                     hz.on_connector_output(connector_output)
                 if hz.end_step(scheduler_output) is not None:
@@ -606,7 +606,7 @@ def _wire_scheduler() -> None:
         def take_kv_cache_block_copies(self: Any, *a: Any, **k: Any) -> Any:
             copies, retained = orig(self, *a, **k)
             if retained:  # most steps copy nothing: no look-up then
-                hz = hazards_of_pool(getattr(self, "block_pool", None))
+                hz = hazards_of_pool(self.block_pool)
                 if (
                     hz is not None
                     and hz.step_tokens
@@ -624,7 +624,7 @@ def _wire_scheduler() -> None:
             hz = hazards_of_scheduler(self)
             if hz is None:
                 return
-            connector = getattr(self, "connector", None)
+            connector = self.connector
             if connector is not None:
                 vllm_connectors.on_scheduler_built(self)
                 for c in (connector, *vllm_connectors.leaf_connectors(connector)):
@@ -651,7 +651,7 @@ def _wire_scheduler() -> None:
         @functools.wraps(orig)
         def get_num_blocks_to_allocate(self: Any, *a: Any, **k: Any) -> int:
             n = orig(self, *a, **k)
-            pool = getattr(self, "block_pool", None)
+            pool = self.block_pool
             if isinstance(pool, VllmBlockPool) and pool.hazards is not None:
                 pool.hazards.last_need = n  # read when the request does not fit (defer_preemption)
             return n

@@ -173,7 +173,7 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
     from blockpool.core.errors import UnsafeTransferError
 
     impl = conn._lmcache_engine
-    requests = getattr(meta, "requests", None)
+    requests = meta.requests
     if not requests:
         return
     if type(impl).__module__ != ADAPTER:
@@ -191,7 +191,7 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
     chunk = int(impl._lmcache_chunk_size)
     config = impl.config
     whole_chunks = bool(getattr(config, "use_layerwise", False) or getattr(config, "enable_blending", False))
-    role = getattr(impl, "kv_role", None)
+    role = impl.kv_role
     begun = []
     for rm in requests:
         # One key per request and step: a failure LMCache reports for one
@@ -272,8 +272,7 @@ def _run_as_stock(hz: Any, w: ConnectorWiring, req_id: str, blocks: list[Any], e
 
 
 def _block_size_of(conn: Any) -> int:
-    cache = getattr(getattr(conn, "_vllm_config", None), "cache_config", None)
-    return int(getattr(cache, "block_size", 0) or 16)
+    return int(conn._vllm_config.cache_config.block_size or 16)
 
 
 def patch_scheduler(mod: Any, patch: Patcher) -> None:
@@ -294,7 +293,7 @@ def _transfers(meta: Any, attr: str) -> dict[str, Any]:
     from blockpool.integrations.vllm.hazards import Transfer
 
     out = {}
-    for rm in getattr(meta, "requests", None) or ():
+    for rm in meta.requests if meta is not None else ():
         wire_form = getattr(rm, attr, None)
         if wire_form is not None:
             out[rm.req_id] = Transfer.from_wire(wire_form)
@@ -326,7 +325,7 @@ def _fenced(
     if wh is None or not transfers or engine is None:
         yield
         return
-    gpu = getattr(engine, "gpu_connector", None)
+    gpu = engine.gpu_connector
     stream = getattr(gpu, stream_attr, None) or wh.current_stream()
     pending = {r: t for r, t in transfers.items() if not wh.was_recorded(t.token)}
     methods = [m for m in methods if callable(getattr(engine, m, None))]
@@ -366,14 +365,22 @@ def _fenced(
 
 
 def _engine(conn: Any) -> Any:
-    impl = getattr(conn, "_lmcache_engine", None)
-    return getattr(impl, "lmcache_engine", None)
+    impl = conn._lmcache_engine
+    return None if impl is None else impl.lmcache_engine
 
 
 def _whole_chunks(impl: Any) -> bool:
     """Whether LMCache's adapter ``impl`` loads layer by layer (its
     ``use_layerwise``) or blends (``enable_blending``)."""
     return bool(getattr(impl, "use_layerwise", False) or getattr(impl, "enable_blending", False))
+
+
+def _load_stream(engine: Any) -> Any:
+    """The load stream of LMCache's engine ``engine``'s GPU connector, or
+    ``None`` (no engine, no GPU connector, or one without a load stream).
+    O(1)."""
+    gpu = None if engine is None else engine.gpu_connector
+    return getattr(gpu, "load_stream", None)
 
 
 def _wait_before_layerwise(engine: Any, loads: dict[str, Any]) -> None:
@@ -401,7 +408,7 @@ def _wait_before_layerwise(engine: Any, loads: dict[str, Any]) -> None:
         if not fence:
             return
         current = wh.current_stream()
-        load = getattr(getattr(engine, "gpu_connector", None), "load_stream", None)
+        load = _load_stream(engine)
         waited = wh.wait_device_or_stock(fence, current, what)
         if load is not None and load is not current:
             waited = wh.wait_device_or_stock(fence, load, what) and waited
@@ -433,7 +440,7 @@ def _record_layerwise(conn: Any, engine: Any, loads: dict[str, Any]) -> None:
         current = wh.current_stream()
         side = _side_stream(conn, current)
         side.wait_stream(current)
-        load = getattr(getattr(engine, "gpu_connector", None), "load_stream", None)
+        load = _load_stream(engine)
         if load is not None and load is not current:
             side.wait_stream(load)
         for t in pending:
@@ -457,8 +464,8 @@ def wire_worker(patch: Patcher) -> None:
     def wrap_start(orig: Any) -> Any:
         @functools.wraps(orig)
         def start_load_kv(self: Any, forward_context: Any, **kwargs: Any) -> None:
-            loads = _transfers(getattr(self, "_connector_metadata", None), META_LOAD)
-            if loads and _whole_chunks(getattr(self, "_lmcache_engine", None)):
+            loads = _transfers(self._connector_metadata, META_LOAD)
+            if loads and _whole_chunks(self._lmcache_engine):
                 # Layerwise and blending loads: their tokens are recorded by
                 # wait_for_save, once the forward enqueued every layer.
                 _wait_before_layerwise(_engine(self), loads)
@@ -473,7 +480,7 @@ def wire_worker(patch: Patcher) -> None:
     def wrap_save_layer(orig: Any) -> Any:
         @functools.wraps(orig)
         def save_kv_layer(self: Any, *args: Any, **kwargs: Any) -> None:
-            stores = _transfers(getattr(self, "_connector_metadata", None), META_STORE)
+            stores = _transfers(self._connector_metadata, META_STORE)
             with _fenced(
                 _engine(self), ("store_layer",), stores, "store_stream", "an LMCache store", record_rest=False
             ):
@@ -484,7 +491,7 @@ def wire_worker(patch: Patcher) -> None:
     def wrap_wait_for_save(orig: Any) -> Any:
         @functools.wraps(orig)
         def wait_for_save(self: Any) -> None:
-            meta = getattr(self, "_connector_metadata", None)
+            meta = self._connector_metadata
             engine = _engine(self)
             loads, stores = _transfers(meta, META_LOAD), _transfers(meta, META_STORE)
             # The step's last call: its layerwise loads and stores ran to

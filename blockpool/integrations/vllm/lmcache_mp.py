@@ -188,7 +188,7 @@ class MPWorkerMeta:
 
 
 def _tokens_per_block(conn: Any, w: ConnectorWiring) -> list[int]:
-    sizes = getattr(conn, "_group_tokens_per_block", None)
+    sizes = conn._group_tokens_per_block
     return [int(s) for s in sizes] if sizes else list(w.block_sizes)
 
 
@@ -197,7 +197,7 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
     module docstring)."""
     from blockpool.core.errors import UnsafeTransferError
 
-    requests = getattr(meta, "requests", None)
+    requests = meta.requests
     if not requests:
         return
     hz = w.hazards
@@ -206,7 +206,7 @@ def _plan(conn: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
         op = rm.op
         span = int(op.end) - int(op.start)
         if rm.direction == "RETRIEVE":
-            skip = max(0, int(getattr(op, "skip_first_n_tokens", 0) or 0))
+            skip = max(0, int(op.skip_first_n_tokens or 0))
             ids = op_block_ids(op.block_ids, sizes, skip, span)
             blocks = hz.blocks_of(ids)
             if blocks:
@@ -238,8 +238,7 @@ def _key(op_key: tuple[int, str]) -> tuple[str, int, str]:
 
 
 def _ranks(conn: Any) -> int:
-    parallel = getattr(getattr(conn, "_vllm_config", None), "parallel_config", None)
-    n = getattr(parallel, "world_size", 1)
+    n = conn._vllm_config.parallel_config.world_size
     return n if isinstance(n, int) and n > 0 else 1
 
 
@@ -252,7 +251,7 @@ def _stores_done(conn: Any, w: ConnectorWiring, done: dict[tuple[int, str], int]
 def _updater(orig: Any) -> Any:
     @functools.wraps(orig)
     def update_connector_output(self: Any, connector_output: Any) -> None:
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, MPWorkerMeta):
             # LMCache reads its own metadata, as without the plugin.
             connector_output.kv_connector_worker_meta = meta.inner
@@ -274,8 +273,7 @@ def _updater(orig: Any) -> Any:
 
 
 def _block_size_of(conn: Any) -> int:
-    cache = getattr(getattr(conn, "_vllm_config", None), "cache_config", None)
-    return int(getattr(cache, "block_size", 0) or 16)
+    return int(conn._vllm_config.cache_config.block_size or 16)
 
 
 def patch_scheduler(mod: Any, patch: Patcher) -> None:
@@ -298,7 +296,7 @@ def _transfers(meta: Any, direction: str, attr: str) -> list[tuple[Any, Any]]:
     from blockpool.integrations.vllm.hazards import Transfer
 
     out = []
-    for rm in getattr(meta, "requests", None) or ():
+    for rm in meta.requests if meta is not None else ():
         wire_form = getattr(rm, attr, None)
         if rm.direction == direction and wire_form is not None:
             out.append((rm, Transfer.from_wire(wire_form)))
@@ -481,7 +479,7 @@ def wire_worker(patch: Patcher) -> None:
     def wrap_start(orig: Any) -> Any:
         @functools.wraps(orig)
         def start_load_kv(self: Any, forward_context: Any, **kwargs: Any) -> None:
-            meta = getattr(self, "_connector_metadata", None)
+            meta = self._connector_metadata
             loads = [t for _, t in _transfers(meta, "RETRIEVE", META_LOAD)]
             with _fenced_event(self, loads, "an LMCache MP load"):
                 return orig(self, forward_context, **kwargs)
@@ -491,7 +489,7 @@ def wire_worker(patch: Patcher) -> None:
     def wrap_wait_for_save(orig: Any) -> Any:
         @functools.wraps(orig)
         def wait_for_save(self: Any) -> None:
-            stores = _transfers(getattr(self, "_connector_metadata", None), "STORE", META_STORE)
+            stores = _transfers(self._connector_metadata, "STORE", META_STORE)
             with (
                 _fenced_event(self, [t for _, t in stores], "an LMCache MP store"),
                 _store_futures_kept(self, stores),
@@ -511,7 +509,7 @@ def wire_worker(patch: Patcher) -> None:
                 # asserts its own type.
                 return None if inner is None else MPWorkerMeta(inner, {})
             adapter = self.worker_adapter
-            healthy = bool(getattr(adapter, "is_healthy", True))
+            healthy = bool(adapter.is_healthy)
             done: dict[tuple[int, str], int] = {}
             wh = vw.current()
             for key, (t, future) in list(ops.items()):

@@ -632,6 +632,8 @@ _LMC_B = "lmcache.v1.compute.blend.blender"
 _LMP = "lmcache.integration.vllm.lmcache_mp_connector"
 _LMP_A = "lmcache.integration.vllm.vllm_multi_process_adapter"
 _LMP_M = "lmcache.integration.vllm.lmcache_mp_metadata"
+_OUTPUTS = "vllm.v1.outputs"
+_CONFIG = "vllm.config"
 
 # Connector names (as blockpool.integrations.vllm.connectors names them).
 MOONCAKE, OFFLOADING, SIMPLE, NIXL = "mooncake_store", "offloading", "simple_cpu_offload", "nixl"
@@ -856,6 +858,19 @@ _ROWS_032 = (
     _n(f"{_MGR}:KVCacheManager.coordinator", use="field"),
     _n(f"{_COORD}:KVCacheCoordinator.single_type_managers", use="field"),
     _n(f"{_SINGLE}:SingleTypeKVCacheManager.block_size", use="field"),
+    # The scheduler's connector and pools, the step's outputs, and the
+    # connectors' configuration the wrappers read (the pool's hazards, the
+    # connector reports, the block size and the ranks a store waits for).
+    _n(f"{_SCHED}:Scheduler.connector", use="field"),
+    _n(f"{_MGR}:KVCacheManager.block_pool", use="field"),
+    _n(f"{_COORD}:KVCacheCoordinator.block_pool", use="field"),
+    _n(f"{_OUTPUTS}:ModelRunnerOutput.kv_connector_output", use="field"),
+    _n(f"{_OUTPUTS}:KVConnectorOutput.kv_connector_worker_meta", use="field"),
+    _n(f"{_BASE}:KVConnectorBase_V1._vllm_config", use="field"),
+    _n(f"{_CONFIG}:VllmConfig.cache_config", use="field"),
+    _n(f"{_CONFIG}:VllmConfig.parallel_config", use="field"),
+    _n(f"{_CONFIG}:CacheConfig.block_size", use="field"),
+    _n(f"{_CONFIG}:ParallelConfig.world_size", use="field"),
     # The model runners' hooks every worker half shares, and the connector API's
     # default hooks.
     _n(
@@ -880,6 +895,12 @@ _ROWS_032 = (
     _n(f"{_MIXIN}:KVConnectorModelRunnerMixin.finalize_kv_connector", connector=WORKER_HOOKS, use="wrapped"),
     _n(f"{_MIXIN}:has_kv_transfer_group", connector=WORKER_HOOKS, use="borrowed"),
     _n(f"{_MIXIN}:get_kv_transfer_group", connector=WORKER_HOOKS, use="borrowed"),
+    # The step's connector metadata the worker hooks read (eN on the compute
+    # stream, before the connectors' loads).
+    _n(f"{_OUTPUT}:SchedulerOutput.kv_connector_metadata", connector=WORKER_HOOKS, use="field"),
+    _n(f"{_V2}:ActiveKVConnector.kv_connector", connector=WORKER_HOOKS, use="field"),
+    _n(f"{_V2}:ActiveKVConnector._disabled", connector=WORKER_HOOKS, use="field"),
+    _n(f"{_BASE}:KVConnectorBase_V1._connector_metadata", connector=WORKER_HOOKS, use="field"),
     # MooncakeStore.
     _n(
         f"{_MOONCAKE_S}:MooncakeStoreScheduler.bind_gpu_block_pool",
@@ -941,6 +962,8 @@ _ROWS_032 = (
     _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler._boundary_state_group_ids", connector=MOONCAKE, use="field"),
     _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler._store_coord", connector=MOONCAKE, use="field"),
     _n(f"{_MOONCAKE_C}:MooncakeStoreCoordinator.lcm_block_size", connector=MOONCAKE, use="field"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler._block_size", connector=MOONCAKE, use="field"),
+    _n(f"{_MOONCAKE_S}:MooncakeStoreScheduler._pinned_saves", connector=MOONCAKE, use="field"),
     # Offloading.
     _n(
         f"{_OFFLOAD}:OffloadingConnector.bind_gpu_block_pool",
@@ -1069,6 +1092,28 @@ _ROWS_032 = (
         connector=MOONCAKE,
         use="borrowed",
     ),
+    # The load thread's failed GETs (a load that ran but failed).
+    _n(f"{_MOONCAKE_W}:KVCacheStoreRecvingThread.request_queue", connector=MOONCAKE, use="field"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreRecvingThread.done_task_lock", connector=MOONCAKE, use="field"),
+    _n(f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._failed_requests", connector=MOONCAKE, use="field"),
+    # Whether an Offloading worker copies its node's stores.
+    _n(f"{_OFFLOAD_W}:OffloadingConnectorWorker._is_store_writer", connector=OFFLOADING, use="field"),
+    # The store worker's state its wait_for_save wrapper reads, and the
+    # Offloading handler's copy kernel and transfers its wrapper orders.
+    _n(f"{_MOONCAKE_W}:MooncakeStoreWorker._capacity_only", connector=MOONCAKE, use="field"),
+    _n(f"{_MOONCAKE_W}:MooncakeStoreWorker.can_put", connector=MOONCAKE, use="field"),
+    _n(f"{_MOONCAKE_W}:MooncakeStoreWorker.kv_send_thread", connector=MOONCAKE, use="field"),
+    _n(
+        f"{_OFFLOAD_G}:SingleDirectionOffloadingHandler._swap_blocks_batch", connector=OFFLOADING, use="field"
+    ),
+    _n(f"{_OFFLOAD_G}:SingleDirectionOffloadingHandler._transfers", connector=OFFLOADING, use="field"),
+    # The schedulers' state the Offloading and SimpleCPUOffload planners and
+    # reporters read.
+    _n(f"{_OFFLOAD_S}:OffloadingConnectorScheduler.config", connector=OFFLOADING, use="field"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler.block_size", connector=SIMPLE, use="field"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler._reqs_to_load", connector=SIMPLE, use="field"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler._expected_worker_count", connector=SIMPLE, use="field"),
+    _n(f"{_SIMPLE}:SimpleCPUOffloadScheduler._store_event_pending_counts", connector=SIMPLE, use="field"),
     # LMCache's in-process connector: vLLM's LMCacheConnectorV1 (the same module
     # in 0.32, 0.33 and 0.34) and the names of LMCache's own adapter the wiring
     # reads (lmcache 0.5.6; "unavailable" where LMCache is not installed).
@@ -1182,6 +1227,12 @@ _ROWS_032 = (
         connector=LMCACHE,
     ),
     _n(f"{_LMC_B}:LMCBlender.blend", "self, tokens, mask, kwargs", fp="fe660f0e3f0122ec", connector=LMCACHE),
+    # The adapter, its engine and its plan the wiring reads.
+    _n(f"{_LMC}:LMCacheConnectorV1._lmcache_engine", connector=LMCACHE, use="field"),
+    _n(f"{_LMC_A}:LMCacheConnectorV1Impl.lmcache_engine", connector=LMCACHE, use="field"),
+    _n(f"{_LMC_A}:LMCacheConnectorV1Impl.kv_role", connector=LMCACHE, use="field"),
+    _n(f"{_LMC_A}:LMCacheConnectorMetadata.requests", connector=LMCACHE, use="field"),
+    _n(f"{_LMC_E}:LMCacheEngine.gpu_connector", connector=LMCACHE, use="field"),
     # LMCache's multi-process connector: LMCache's own LMCacheMPConnector (the
     # class vLLM's lmcache_mp_connector module resolves to when LMCache's module
     # imports; the same resolver in 0.32, 0.33 and 0.34), the names of LMCache's
@@ -1296,6 +1347,13 @@ _ROWS_032 = (
         fp="08c978f3605893fb",
         connector=LMCACHE_MP,
     ),
+    # The connector's group sizes, its plan and the adapter's health the
+    # wiring reads.
+    _n(f"{_LMP}:LMCacheMPConnector._group_tokens_per_block", connector=LMCACHE_MP, use="field"),
+    _n(f"{_LMP}:LMCacheMPConnector.worker_adapter", connector=LMCACHE_MP, use="field"),
+    _n(f"{_LMP_M}:LMCacheMPConnectorMetadata.requests", connector=LMCACHE_MP, use="field"),
+    _n(f"{_LMP_A}:LoadStoreOp.skip_first_n_tokens", connector=LMCACHE_MP, use="field"),
+    _n(f"{_LMP_A}:LMCacheMPWorkerAdapter.is_healthy", connector=LMCACHE_MP, use="field"),
 )
 
 _LINE_032 = Surface(
@@ -1641,12 +1699,12 @@ OPTIONAL_READS: frozenset[str] = frozenset(
         "_connectors",
         "connector_scheduler",
         "scheduler_manager",
+        # Only a MultiConnector's metadata holds per-connector metadata.
+        "metadata",
         # vLLM objects the wrappers also meet as None, or built without the
         # part read (a scheduler without a KV connector, a connector built
         # outside an engine, a config without speculative or parallel
         # settings, an output without connector reports).
-        "block_pool",
-        "kv_cache_manager",
         "connector",
         "vllm_config",
         "_vllm_config",
@@ -1655,12 +1713,7 @@ OPTIONAL_READS: frozenset[str] = frozenset(
         "speculative_config",
         "parallel_config",
         "prefill_context_parallel_size",
-        "world_size",
-        "kv_connector_output",
         "kv_connector_worker_meta",
-        "kv_connector_metadata",
-        "_connector_metadata",
-        "metadata",
         "kv_cache_groups",
         "kv_cache_spec",
         "coordinator",
@@ -1673,29 +1726,16 @@ OPTIONAL_READS: frozenset[str] = frozenset(
         "scheduled_cached_reqs",
         "scheduler_adapter",
         "_mq_timeout",
-        "requests",
         "block_ids",
         "transfer_meta",
-        # Model Runner V2's connector wrapper before it is set up; an
-        # Offloading worker that is not its node's store writer.
-        "_disabled",
-        "_is_store_writer",
-        # MooncakeStore's transfer threads (the load thread alone has both).
-        "done_task_lock",
-        "_failed_requests",
-        # LMCache's adapters and engines, whose attributes differ between
-        # their modes (layerwise, blending, multi-process) and releases.
-        "kv_role",
+        # LMCache's adapter sets use_layerwise and enable_blending on its
+        # worker-side instances only (its config carries them per mode).
         "use_layerwise",
         "enable_blending",
-        "gpu_connector",
-        "load_stream",
-        "_lmcache_engine",
-        "lmcache_engine",
-        "_group_tokens_per_block",
+        # LMCacheMPConnector builds its worker adapter on the worker side only.
         "worker_adapter",
-        "is_healthy",
-        "skip_first_n_tokens",
+        # Only some of LMCache's GPU connectors have a load stream.
+        "load_stream",
         # A slot mapping given as a tensor or a list.
         "tolist",
     }

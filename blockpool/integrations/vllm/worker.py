@@ -604,8 +604,8 @@ def _wire_runner(patch: Patcher) -> None:
     def wrap_post(orig: Any) -> Any:
         @functools.wraps(orig)
         def post_forward(self: Any, finished_req_ids: Any, *args: Any, **kwargs: Any) -> Any:
-            if not getattr(self, "_disabled", False) and not _defers_finalize(args, kwargs):
-                forward_launched(getattr(self.kv_connector, "_connector_metadata", None))
+            if not self._disabled and not _defers_finalize(args, kwargs):
+                forward_launched(self.kv_connector._connector_metadata)
             return orig(self, finished_req_ids, *args, **kwargs)
 
         return post_forward
@@ -613,8 +613,8 @@ def _wire_runner(patch: Patcher) -> None:
     def wrap_finalize_step(orig: Any) -> Any:
         @functools.wraps(orig)
         def finalize_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not getattr(self, "_disabled", False):
-                forward_launched(getattr(self.kv_connector, "_connector_metadata", None))
+            if not self._disabled:
+                forward_launched(self.kv_connector._connector_metadata)
             return orig(self, *args, **kwargs)
 
         return finalize_step
@@ -638,7 +638,7 @@ def _wire_v1_runner(patch: Patcher) -> None:
             with orig(scheduler_output, *args, **kwargs) as output:
                 yield output
                 if not _defers_finalize(args, kwargs) or not _drafts_here():
-                    forward_launched(getattr(scheduler_output, "kv_connector_metadata", None))
+                    forward_launched(scheduler_output.kv_connector_metadata)
 
         _get_kv_connector_output.__blockpool_wrapped__ = True  # type: ignore[attr-defined]
         return staticmethod(_get_kv_connector_output)
@@ -646,7 +646,7 @@ def _wire_v1_runner(patch: Patcher) -> None:
     def wrap_finalize(orig: Any) -> Any:
         def finalize_kv_connector() -> None:
             if mixin.has_kv_transfer_group():
-                forward_launched(getattr(mixin.get_kv_transfer_group(), "_connector_metadata", None))
+                forward_launched(mixin.get_kv_transfer_group()._connector_metadata)
             return orig()
 
         finalize_kv_connector.__blockpool_wrapped__ = True  # type: ignore[attr-defined]
@@ -757,12 +757,10 @@ def _carries_hazards(metadata: object, items: Iterable[object]) -> bool:
 
 
 def _failed_of(thread: Any) -> Iterable[str]:
-    lock = getattr(thread, "done_task_lock", None)
-    failed = getattr(thread, "_failed_requests", ())
-    if lock is None:
-        return set(failed)
-    with lock:
-        return set(failed)
+    """The requests whose GET failed on MooncakeStore's load thread
+    ``thread`` (its ``_failed_requests``, read under its lock). O(failed)."""
+    with thread.done_task_lock:
+        return set(thread._failed_requests)
 
 
 def offload_transfer_async(orig: Any) -> Any:
@@ -825,7 +823,7 @@ def _wire_offloading(patch: Patcher) -> None:
             wh = current() if _carries_hazards(metadata, metadata.store_jobs.values()) else None
             if wh is not None:
                 wh.forward_done(metadata)
-                if getattr(self, "_is_store_writer", True):
+                if self._is_store_writer:
                     wh.add_jobs(OFFLOADING, metadata.store_jobs, META_STORE)
                 else:  # this rank copies nothing for these jobs: their points are now
                     wh.record_points(metadata.store_jobs.values(), META_STORE)
@@ -845,7 +843,7 @@ def _wire_offloading(patch: Patcher) -> None:
                     for j in metadata.jobs_to_flush or ()
                     if j in metadata.store_jobs
                 }
-                if getattr(self, "_is_store_writer", True):
+                if self._is_store_writer:
                     wh.add_jobs(OFFLOADING, flushed, META_STORE)
                 else:
                     # vLLM's handle_preemptions pops a non-writer's flushed
