@@ -94,9 +94,10 @@ def test_worker_doc_example_runs_without_torch() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_readme_installs_the_vllm_plugin_from_a_checkout_as_the_plugin_page_does() -> None:
+def test_readme_and_both_plugin_pages_install_from_a_checkout() -> None:
     plugin = (ROOT / "docs" / "vllm-plugin.md").read_text(encoding="utf-8")
-    for doc in (README, plugin):
+    sglang = (ROOT / "docs" / "sglang.md").read_text(encoding="utf-8")
+    for doc in (README, plugin, sglang):
         assert "pip wheel . --no-deps -w dist" in doc and "pip install /path/to/this/checkout" in doc
         # A command to type installs from the checkout; an index is named in prose only.
         commands = "\n".join(re.findall(r"```(?:bash|sh|console)?\n(.*?)```", doc, re.DOTALL))
