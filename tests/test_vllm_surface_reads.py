@@ -80,6 +80,8 @@ BASES = {
     "KVCacheStoreRecvingThread": ("KVTransferThread",),
     "LMCacheConnectorV1": ("KVConnectorBase_V1",),
     "LMCacheMPConnector": ("KVConnectorBase_V1",),
+    "NixlBaseConnector": ("KVConnectorBase_V1",),
+    "OffloadingConnector": ("KVConnectorBase_V1",),
 }
 
 
