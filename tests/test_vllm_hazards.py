@@ -20,6 +20,8 @@ class Out:
     def __init__(self, tokens: int = 16) -> None:
         self.total_num_scheduled_tokens = tokens
         self.new_block_ids_to_zero: list[int] | None = None
+        self.kv_connector_block_state: BlockState | None = None  # no connector: no step writes to tag
+        self.num_scheduled_tokens: dict[str, int] = {}
 
 
 class ConnOut:
@@ -211,6 +213,8 @@ class BlockState:
 
     def __init__(self, tables: dict[str, tuple[list[int], ...]]) -> None:
         self.tables = tables
+        self.req_ids = set(tables)
+        self.resolve_block_ids = tables.get  # not vLLM's KVCacheManager.get_block_ids: the ids are read
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...] | None:
         return self.tables.get(req_id)

@@ -578,7 +578,7 @@ def test_the_declared_lmcache_names_match_the_installed_lmcache() -> None:
 
     names = [n for n in surface.active().all_names() if n.connector == mp.LMCACHE_MP]
     drifts = [d for d in surface.check(surface.active(), names) if d.status != "ok"]
-    assert len(names) == 22 and drifts == []
+    assert len(names) == 23 and drifts == []
 
 
 def test_the_registration_line_names_lmcache_mp_among_the_wired_connectors(

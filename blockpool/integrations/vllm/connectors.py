@@ -139,8 +139,7 @@ NIXL = "nixl"
 
 
 def _cache_block_size(connector: Any) -> int:
-    cache_config = getattr(getattr(connector, "_vllm_config", None), "cache_config", None)
-    return int(getattr(cache_config, "block_size", 0) or 16)
+    return int(connector._vllm_config.cache_config.block_size or 16)
 
 
 # ----------------------------------------------------------------------
@@ -260,8 +259,7 @@ def _patch_offloading(mod: Any, patch: Patcher) -> None:
 
 
 def _spec_block_ids(spec: Any) -> list[int]:
-    ids = getattr(spec, "block_ids", None)
-    return [] if ids is None else [int(b) for b in ids]
+    return [int(b) for b in spec.block_ids]
 
 
 # ----------------------------------------------------------------------
@@ -272,7 +270,8 @@ def _spec_block_ids(spec: Any) -> list[int]:
 def _plan_simple(sched: Any, w: ConnectorWiring, meta: Any, _: Any) -> None:
     loads = {}
     for req_id in meta.load_event_to_reqs.get(meta.load_event, ()):
-        transfer = getattr(sched._reqs_to_load.get(req_id), "transfer_meta", None)
+        state = sched._reqs_to_load.get(req_id)
+        transfer = None if state is None else state.transfer_meta
         if transfer is not None:
             wire_load = w.load(req_id, transfer.gpu_block_ids, SIMPLE_H2D)
             if wire_load is not None:
@@ -417,9 +416,9 @@ def stock_waits_reason(vllm_config: object, block_sizes: tuple[int, ...] | None)
     O(1)."""
     if block_sizes is None:
         return "the KV cache groups' block sizes could not be read from the scheduler"
-    if getattr(vllm_config, "speculative_config", None) is not None:
+    if vllm_config.speculative_config is not None:
         return "speculative decoding is on"
-    pcp = getattr(getattr(vllm_config, "parallel_config", None), "prefill_context_parallel_size", 1)
+    pcp = vllm_config.parallel_config.prefill_context_parallel_size
     if isinstance(pcp, int) and pcp > 1:
         return f"prefill context parallelism is on (size {pcp})"
     return None
@@ -433,11 +432,11 @@ def on_scheduler_built(scheduler: object) -> list[str]:
     where :func:`stock_waits_reason` says so (one INFO line per connector),
     and report the connectors left unwired (:func:`report_unwired`).
     Returns the unwired class names reported. O(connectors + groups)."""
-    connector = getattr(scheduler, "connector", None)
+    connector = scheduler.connector
     if connector is None:
         return []
     sizes = scheduler_block_sizes(scheduler)
-    reason = stock_waits_reason(getattr(scheduler, "vllm_config", None), sizes)
+    reason = stock_waits_reason(scheduler.vllm_config, sizes)
     for c, w in _wirings_under(connector):
         if w is None:
             continue

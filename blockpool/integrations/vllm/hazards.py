@@ -169,7 +169,8 @@ def engine_give_up(connector: str, obj: object) -> float | None:
     Imports nothing. O(1)."""
     value: Any = None
     if connector == "lmcache_mp":
-        value = getattr(getattr(obj, "scheduler_adapter", None), "_mq_timeout", None)
+        adapter = getattr(obj, "scheduler_adapter", None)
+        value = None if adapter is None else adapter._mq_timeout
     elif connector == "nixl":
         raw = os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "")
         try:
@@ -201,10 +202,10 @@ def _live_tables(state: Any) -> Callable[[str], tuple[list[KVCacheBlock], ...]] 
     (the ids of ``coordinator.get_blocks``' blocks, the whole table copied
     per call); else ``None`` (read the ids). Both are declared in the
     plugin's vLLM surface. O(1)."""
-    resolve = getattr(state, "resolve_block_ids", None)
-    if _method_of(resolve) != _MANAGER_TABLES or not hasattr(state, "req_ids"):
+    resolve = state.resolve_block_ids
+    if _method_of(resolve) != _MANAGER_TABLES:
         return None
-    get_blocks = getattr(getattr(resolve.__self__, "coordinator", None), "get_blocks", None)  # type: ignore[union-attr]
+    get_blocks = resolve.__self__.coordinator.get_blocks
     return get_blocks if _method_of(get_blocks) == _COORDINATOR_TABLES else None
 
 
@@ -610,16 +611,15 @@ class StepHazards:
         if record.index == self._step_writes[0]:
             return self._step_writes[1]
         self._step_writes = (record.index, EMPTY_FENCE)
-        state = getattr(scheduler_output, "kv_connector_block_state", None)
-        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+        state = scheduler_output.kv_connector_block_state
+        scheduled = scheduler_output.num_scheduled_tokens
         if state is None or not scheduled:
             return EMPTY_FENCE
         computed: dict[str, int] = {
-            r.req_id: r.num_computed_tokens for r in getattr(scheduler_output, "scheduled_new_reqs", ())
+            r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
         }
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        if cached is not None:
-            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         tables = _live_tables(state)
         if tables is not None:
             blocks = self._tail_blocks(scheduled, computed, state.req_ids, tables, block_sizes)

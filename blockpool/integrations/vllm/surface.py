@@ -634,6 +634,8 @@ _LMP_A = "lmcache.integration.vllm.vllm_multi_process_adapter"
 _LMP_M = "lmcache.integration.vllm.lmcache_mp_metadata"
 _OUTPUTS = "vllm.v1.outputs"
 _CONFIG = "vllm.config"
+_KV_IFACE = "vllm.v1.kv_cache_interface"
+_OFFLOAD_BASE = "vllm.v1.kv_offload.base"
 
 # Connector names (as blockpool.integrations.vllm.connectors names them).
 MOONCAKE, OFFLOADING, SIMPLE, NIXL = "mooncake_store", "offloading", "simple_cpu_offload", "nixl"
@@ -871,6 +873,24 @@ _ROWS_032 = (
     _n(f"{_CONFIG}:VllmConfig.parallel_config", use="field"),
     _n(f"{_CONFIG}:CacheConfig.block_size", use="field"),
     _n(f"{_CONFIG}:ParallelConfig.world_size", use="field"),
+    _n(f"{_SCHED}:Scheduler.vllm_config", use="field"),
+    _n(f"{_CONFIG}:VllmConfig.speculative_config", use="field"),
+    _n(f"{_CONFIG}:ParallelConfig.prefill_context_parallel_size", use="field"),
+    _n(f"{_KV_IFACE}:KVCacheConfig.kv_cache_groups", use="field"),
+    _n(f"{_KV_IFACE}:KVCacheGroupSpec.kv_cache_spec", use="field"),
+    _n(f"{_KV_IFACE}:KVCacheSpec.block_size", use="field"),
+    # The step's scheduled requests and block tables (the step's writes).
+    _n(f"{_OUTPUT}:SchedulerOutput.kv_connector_block_state", use="field"),
+    _n(f"{_OUTPUT}:SchedulerOutput.num_scheduled_tokens", use="field"),
+    _n(f"{_OUTPUT}:SchedulerOutput.scheduled_new_reqs", use="field"),
+    _n(f"{_OUTPUT}:SchedulerOutput.scheduled_cached_reqs", use="field"),
+    _n(f"{_OUTPUT}:KVConnectorBlockState.req_ids", use="field"),
+    _n(f"{_OUTPUT}:KVConnectorBlockState.resolve_block_ids", use="field"),
+    # A GPU transfer spec's blocks (an Offloading job's GPU side) and a
+    # SimpleCPUOffload load's block ids.
+    _n(f"{_OFFLOAD_BASE}:GPULoadStoreSpec.block_ids", connector=OFFLOADING, use="field"),
+    _n(f"{_SIMPLE}:LoadRequestState.transfer_meta", connector=SIMPLE, use="field"),
+    _n(f"{_LMP_A}:LMCacheMPSchedulerAdapter._mq_timeout", connector=LMCACHE_MP, use="field"),
     # The model runners' hooks every worker half shares, and the connector API's
     # default hooks.
     _n(
@@ -1690,50 +1710,26 @@ holds the table to that)."""
 
 OPTIONAL_READS: frozenset[str] = frozenset(
     {
-        # vLLM modules that may bind BlockPool (the plugin rebinds each one
-        # that does; parity swaps it back).
+        # Modules that may bind BlockPool (the plugin rebinds each vLLM
+        # module that does; parity swaps it back).
         "BlockPool",
-        # A connector that is not a MultiConnector has no _connectors; a
-        # connector's scheduler half is connector_scheduler or
-        # scheduler_manager, or absent (a worker-side instance).
+        # Only a MultiConnector holds connectors, and only its metadata holds
+        # per-connector metadata.
         "_connectors",
+        "metadata",
+        # A connector's scheduler half is its connector_scheduler (NIXL,
+        # Offloading) or scheduler_manager (SimpleCPUOffload), None on a
+        # worker-side instance, or absent (another connector class).
         "connector_scheduler",
         "scheduler_manager",
-        # Only a MultiConnector's metadata holds per-connector metadata.
-        "metadata",
-        # vLLM objects the wrappers also meet as None, or built without the
-        # part read (a scheduler without a KV connector, a connector built
-        # outside an engine, a config without speculative or parallel
-        # settings, an output without connector reports).
-        "connector",
-        "vllm_config",
-        "_vllm_config",
-        "cache_config",
-        "block_size",
-        "speculative_config",
-        "parallel_config",
-        "prefill_context_parallel_size",
-        "kv_connector_worker_meta",
-        "kv_cache_groups",
-        "kv_cache_spec",
-        "coordinator",
-        "get_blocks",
-        "resolve_block_ids",
-        "req_ids",
-        "kv_connector_block_state",
-        "num_scheduled_tokens",
-        "scheduled_new_reqs",
-        "scheduled_cached_reqs",
+        # LMCacheMPConnector builds its scheduler adapter on the scheduler
+        # side only, its worker adapter on the worker side only.
         "scheduler_adapter",
-        "_mq_timeout",
-        "block_ids",
-        "transfer_meta",
+        "worker_adapter",
         # LMCache's adapter sets use_layerwise and enable_blending on its
-        # worker-side instances only (its config carries them per mode).
+        # worker-side instances only (its config always has them).
         "use_layerwise",
         "enable_blending",
-        # LMCacheMPConnector builds its worker adapter on the worker side only.
-        "worker_adapter",
         # Only some of LMCache's GPU connectors have a load stream.
         "load_stream",
         # A slot mapping given as a tensor or a list.

@@ -282,10 +282,8 @@ def wiring_of(obj: object) -> ConnectorWiring | None:
 def group_block_sizes(kv_cache_config: object, default: int) -> tuple[int, ...]:
     """``kv_cache_spec.block_size`` of each of ``kv_cache_config``'s groups,
     in order (``(default,)`` when it has none). O(groups)."""
-    sizes = tuple(
-        int(getattr(getattr(g, "kv_cache_spec", None), "block_size", 0) or default)
-        for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ()
-    )
+    groups = () if kv_cache_config is None else kv_cache_config.kv_cache_groups
+    sizes = tuple(int(g.kv_cache_spec.block_size or default) for g in groups or ())
     return sizes or (default,)
 
 
@@ -440,7 +438,7 @@ def _reporter(field: str, on_reports: Callable[[Any, ConnectorWiring, dict[Any, 
         @functools.wraps(orig)
         def update_connector_output(self: Any, connector_output: Any) -> None:
             w = wiring_of(self)
-            worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            worker_meta = connector_output.kv_connector_worker_meta
             counts = getattr(worker_meta, field, None)
             if w is not None and counts:
                 try:
