@@ -81,6 +81,7 @@ BASES = {
     "LMCacheConnectorV1": ("KVConnectorBase_V1",),
     "LMCacheMPConnector": ("KVConnectorBase_V1",),
     "NixlBaseConnector": ("KVConnectorBase_V1",),
+    "NixlPullConnectorWorker": ("NixlBaseConnectorWorker",),
     "OffloadingConnector": ("KVConnectorBase_V1",),
 }
 
@@ -226,19 +227,44 @@ def _class_of(expr: ast.expr, assigned: dict[str, ast.expr]) -> str | None:
     return None
 
 
-def _instance_reads(fn: ast.FunctionDef | ast.Lambda) -> Iterator[ast.Attribute]:
-    """The attribute reads on ``fn``'s first parameter (the instance)."""
-    if not fn.args.args:
+def _instance_reads(
+    fn: ast.FunctionDef | ast.Lambda,
+    defs: dict[str, ast.FunctionDef] | None = None,
+    index: int = 0,
+    seen: set[tuple[str, int]] | None = None,
+) -> Iterator[ast.Attribute]:
+    """The attribute reads on ``fn``'s parameter ``index`` (the instance):
+    ``inst.x`` and ``getattr(inst, "x")``, and those of the module's
+    functions (``defs``) ``fn`` hands the instance to, followed through
+    every such call (``_store_group_sizes(sched, w)`` reads on ``sched``)."""
+    if len(fn.args.args) <= index:
         return
-    first = fn.args.args[0].arg
+    inst = fn.args.args[index].arg
+    seen = set() if seen is None else seen
     for node in ast.walk(fn):
         if (
             isinstance(node, ast.Attribute)
             and isinstance(node.ctx, ast.Load)
             and isinstance(node.value, ast.Name)
-            and node.value.id == first
+            and node.value.id == inst
         ):
             yield node
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            args = node.args
+            if (
+                node.func.id == "getattr"
+                and len(args) == 2
+                and isinstance(args[0], ast.Name)
+                and args[0].id == inst
+                and isinstance(args[1], ast.Constant)
+                and isinstance(args[1].value, str)
+            ):
+                yield ast.Attribute(value=args[0], attr=args[1].value, ctx=ast.Load(), lineno=node.lineno)
+            elif defs is not None and node.func.id in defs:
+                for i, a in enumerate(args):
+                    if isinstance(a, ast.Name) and a.id == inst and (node.func.id, i) not in seen:
+                        seen.add((node.func.id, i))
+                        yield from _instance_reads(defs[node.func.id], defs, i, seen)
 
 
 def _patched_reads() -> tuple[list[tuple[str, int, str, str]], list[str]]:
@@ -307,7 +333,7 @@ def _patched_reads() -> tuple[list[tuple[str, int, str, str]], list[str]]:
                     unresolved.add(f"{path.name}:{call.lineno}")
                     continue
                 for reader in readers:
-                    reads.update((path.name, r.lineno, cls, r.attr) for r in _instance_reads(reader))
+                    reads.update((path.name, r.lineno, cls, r.attr) for r in _instance_reads(reader, defs))
     return sorted(reads), sorted(unresolved)
 
 
@@ -375,6 +401,37 @@ def test_the_scan_of_wrapper_reads_catches_an_undeclared_name(tmp_path: pathlib.
     finally:
         mod.MODULES = saved
     assert [r.partition(" ")[2] for r in _undeclared(reads)] == ["OffloadingConnectorWorker._frobs"]
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        # a helper the planner hands its instance to (_plan_mooncake -> _store_group_sizes)
+        ("ids = sched._store_group_ids or", "ids = sched._frobs or sched._store_group_ids or"),
+        # a two-argument getattr is a plain read
+        ("ids = sched._store_group_ids or", "ids = getattr(sched, '_frobs') or sched._store_group_ids or"),
+    ],
+)
+def test_the_scan_follows_the_instance_into_helpers_and_getattr(
+    tmp_path: pathlib.Path, old: str, new: str
+) -> None:
+    """A read of an undeclared name on the patched instance is caught in a
+    module function the wrapper hands the instance to, and through
+    ``getattr(inst, "name")`` (a doctored copy of connectors.py)."""
+    import importlib
+
+    src = (PACKAGE / "connectors.py").read_text()
+    assert old in src
+    doctored = tmp_path / "connectors.py"
+    doctored.write_text(src.replace(old, new, 1))
+    mod = importlib.import_module(__name__)
+    saved = mod.MODULES
+    mod.MODULES = [doctored]
+    try:
+        reads, _ = _patched_reads()
+    finally:
+        mod.MODULES = saved
+    assert [r.partition(" ")[2] for r in _undeclared(reads)] == ["MooncakeStoreScheduler._frobs"]
 
 
 def test_the_bases_the_scan_assumes_are_vllms() -> None:

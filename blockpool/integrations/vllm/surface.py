@@ -1094,6 +1094,7 @@ _ROWS_032 = (
         connector=NIXL,
         use="borrowed",
     ),
+    _n(f"{_NIXL_BW}:NixlBaseConnectorWorker._recv_failures", connector=NIXL, use="field"),
     _n(
         f"{_MOONCAKE_W}:KVCacheStoreRecvingThread._report_load_error",
         "self, req_id, block_ids",
