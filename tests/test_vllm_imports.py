@@ -50,7 +50,10 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """Each module of the package (short names, as in :data:`LAYERS`) and
     the modules of the package it imports anywhere in its source. ``from
     package import name`` is an import of the submodule ``name`` when there
-    is one, else of the package's ``__init__``. O(source size)."""
+    is one, else of the package's ``__init__``; a string that is a dotted
+    path into the package (``importlib.import_module("...vllm.worker")``,
+    ``sys.modules.get("...vllm.pool")``) is an import of that module.
+    O(source size)."""
     modules = {p.stem for p in root.glob("*.py")}
     graph: dict[str, set[str]] = {}
     for name in sorted(modules):
@@ -72,6 +75,15 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
                     sub = f"{source}.{alias.name}"
                     submodule = sub == PACKAGE or (source == PACKAGE and _short(sub) in modules)
                     found.append(sub if submodule else source)
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and (node.value == PACKAGE or node.value.startswith(PACKAGE + "."))
+                and node.value.replace(".", "").replace("_", "").isalnum()
+            ):
+                # A module named by its dotted path (importlib.import_module,
+                # __import__, a sys.modules lookup) is imported all the same.
+                found = [node.value]
             else:
                 continue
             for module in found:
@@ -194,9 +206,13 @@ def test_a_circle_is_found_through_a_lazy_import(tmp_path: Path) -> None:
     (tmp_path / "a.py").write_text("from blockpool.integrations.vllm.b import x\n")
     (tmp_path / "b.py").write_text("def f():\n    from blockpool.integrations.vllm import a\n")
     (tmp_path / "c.py").write_text("from blockpool.integrations import vllm\n")
+    (tmp_path / "d.py").write_text(
+        "import importlib\n\n\ndef f():\n    return importlib.import_module('blockpool.integrations.vllm.c')\n"
+    )
     graph = import_graph(tmp_path)
-    assert graph == {"__init__": {"a"}, "a": {"b"}, "b": {"a"}, "c": {"__init__"}}
+    assert graph == {"__init__": {"a"}, "a": {"b"}, "b": {"a"}, "c": {"__init__"}, "d": {"c"}}
     assert cycles(graph) == [["a", "b"]]
-    assert layer_violations(graph, (("c",), ("__init__",), ("a",), ("b",))) == [
-        "b -> a: imports from a layer above"
+    assert layer_violations(graph, (("c",), ("__init__",), ("a",), ("b",), ("d",))) == [
+        "b -> a: imports from a layer above",
+        "d -> c: imports from a layer above",
     ]
