@@ -2,9 +2,11 @@
 begins is counted once, where it begins on the pool
 (``StepHazards.begin_load`` / ``begin_store``), and that count is what the
 pool's hazard counters (``transfers_begun``, ``fences_nonempty``), the
-process's ``SERVED`` (``transfers_fenced``, ``fences_nonempty``) and the
-core's stats (``fences``, ``empty_fences``) show alike; a transfer the pool
-refuses shows in none of them. Needs neither vLLM nor torch."""
+process's ``SERVED`` (``transfers_fenced``, ``fences_nonempty``) and, while
+nothing else asks the pool for a fence, the core's stats (``fences``,
+``empty_fences``) show alike; the core's stats also count the fences of a
+step's block copies and writes, which are no connector transfer. A transfer
+the pool refuses shows in none of them. Needs neither vLLM nor torch."""
 
 from __future__ import annotations
 
@@ -50,6 +52,18 @@ def test_each_transfer_begun_is_one_count_read_alike_by_the_wiring_served_and_th
     pool.tag(blocks[2:], pool.issue("compute"), AccessKind.WRITE)  # a step writes the third block
     assert w.store("req-2", ids[2:], OFFLOAD_D2H, key=("job", 2)) is not None  # waits on that step
     assert _delta(_counts(pool, w), before) == [(2, 1), (2, 1), (2, 1)]
+
+
+def test_a_block_copy_is_no_transfer_and_only_the_cores_fence_count_shows_it(
+    wired: tuple[HazardAwareBlockPool, ConnectorWiring],
+) -> None:
+    pool, w = wired
+    blocks = pool.get_new_blocks(4)
+    before = _counts(pool, w)
+    w.load("req-1", [blocks[0].block_id], MOONCAKE, key=("job", 1))
+    assert w.hazards.begin_copies([(blocks[1], blocks[2])]) is not None  # a step's block copy
+    w.store("req-1", [blocks[3].block_id], MOONCAKE, key=("job", 2))
+    assert _delta(_counts(pool, w), before) == [(2, 0), (2, 0), (3, 0)]
 
 
 def test_a_refused_or_empty_transfer_is_counted_nowhere(
