@@ -294,7 +294,8 @@ def test_cli_ray_local_gives_the_local_process_rows(rows, no_ray_connection, tmp
     assert doc["cells"] == 8 and [list(r) for r in doc["rows"]] == [list(COLUMNS)] * 8
     assert strip_wall(doc["rows"]) == strip_wall(rows)
     assert all(isinstance(r["wall_s"], float) and r["wall_s"] >= 0 for r in doc["rows"])
-    assert len(capsys.readouterr().out.splitlines()) == 10
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 11 and lines[-1] == f"wrote {out}"  # the table, then the file written
 
 
 def test_ray_uses_an_open_connection_and_keeps_a_cell_error_type(rows, ray_connection) -> None:
