@@ -125,6 +125,11 @@ def _base() -> vs.Surface:
             "rows both changed and removed: m:g",
         ),
         ({"evict_frist": True}, "not switches of a surface: evict_frist"),
+        ({"evict_first": False}, "switches as 9.0 sets them: evict_first"),
+        (
+            {"changed": (vs.Name("m:g", ("z",)), vs.Name("m:g", ("w",)))},
+            "rows changed twice: m:g",
+        ),
         ({"rows": ()}, "not switches of a surface: rows"),
         ({"removed": ("m:f",)}, "no marker row"),
         ({"changed": (vs.Name("m:f", ("x",)),)}, "no marker row"),

@@ -552,7 +552,9 @@ def derive(
 
     Raises:
         InvalidArgumentError: a changed row names a target ``base`` does
-            not declare, or is the same as ``base``'s row; an added row
+            not declare, or is the same as ``base``'s row, or two changed
+            rows name one target; a switch is given the value ``base``
+            has; an added row
             names a target the line already declares; an anchor of
             ``added`` or a removed target is not in the table; a target is
             both changed and removed; a switch is not a :class:`Surface`
@@ -560,6 +562,9 @@ def derive(
             no marker.
     """
     changed, gone = tuple(changed), set(removed)
+    twice = sorted(t for t, c in Counter(n.target for n in changed).items() if c > 1)
+    if twice:
+        raise InvalidArgumentError(f"vLLM {line}: rows changed twice: {', '.join(twice)}")
     table = list(base.rows)
     where = {n.target: i for i, n in enumerate(table)}
     for row in changed:
@@ -591,6 +596,9 @@ def derive(
     unknown = sorted(set(switches) - fields)
     if unknown:
         raise InvalidArgumentError(f"vLLM {line}: not switches of a surface: {', '.join(unknown)}")
+    same = sorted(k for k, v in switches.items() if getattr(base, k) == v)
+    if same:
+        raise InvalidArgumentError(f"vLLM {line}: switches as {base.line} sets them: {', '.join(same)}")
     return attrs.evolve(base, line=line, rows=tuple(n for n in table if n.target not in gone), **switches)
 
 
