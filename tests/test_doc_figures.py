@@ -122,6 +122,30 @@ def test_check_counts_a_missing_block_as_drifted(
         docfigures.main(["--block", "synthetic"])
 
 
+def test_a_page_not_found_is_named_and_nothing_generated(
+    docs_copy: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    docs_copy["replay.md"].unlink()  # an installed wheel run outside the checkout
+    ran: list[str] = []
+    monkeypatch.setitem(docfigures._MAKE, "synthetic", lambda trace, jobs: ran.append("synthetic") or "")
+    with pytest.raises(SystemExit) as e:
+        docfigures.main(["--check", "--block", "synthetic"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "replay.md not found under" in err and "run from the checkout" in err
+    assert ran == []  # named before any replay runs
+
+
+def test_the_checkout_is_the_packages_source_tree_else_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here = docfigures._checkout()
+    assert (here / "docs" / "replay.md").is_file() and docfigures.ROOT == here
+    site = tmp_path / "site-packages" / "blockpool" / "replay"  # an installed wheel: no docs beside it
+    monkeypatch.setattr(docfigures, "__file__", str(site / "docfigures.py"))
+    monkeypatch.chdir(tmp_path)
+    assert docfigures._checkout() == tmp_path.resolve()
+
+
 def test_replace_block_rewrites_only_the_named_block() -> None:
     text = (
         "a\n<!-- figures:x -->\nold\n<!-- /figures:x -->\nb\n<!-- figures:y -->\nkeep\n<!-- /figures:y -->\n"

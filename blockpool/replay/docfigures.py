@@ -83,8 +83,19 @@ __all__ = [
     "table_read_check",
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
-"""The checkout (the docs and ``tests/differential.py`` live in it)."""
+
+def _checkout() -> Path:
+    """The checkout whose docs the blocks live in: the one the package was
+    imported from (a source tree, an editable install) when it holds
+    ``docs/replay.md``, else the working directory (an installed wheel
+    carries no docs: run from the checkout). O(1)."""
+    here = Path(__file__).resolve().parents[2]
+    return here if (here / "docs" / "replay.md").is_file() else Path.cwd()
+
+
+ROOT = _checkout()
+"""The checkout (the docs and ``tests/differential.py`` live in it): see
+``_checkout``; ``main`` exits 2 naming the pages it does not find there."""
 
 DOC = ROOT / "docs" / "replay.md"
 """The page of the replay's blocks."""
@@ -435,7 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m blockpool.replay.docfigures [--trace PATH [--whole-trace]]
     [--differential] [--block NAME]... [--check]``: 0 written (or, with ``--check``, the docs
     hold the figures), 1 a block drifted or is missing (``--check``), 2 bad
-    usage."""
+    usage or a page of the chosen blocks not found (the message names it and
+    the directory searched)."""
     p = argparse.ArgumentParser(
         prog="python -m blockpool.replay.docfigures", description=__doc__.split("\n")[0]
     )
@@ -470,6 +482,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{', '.join(lacking)} needs {' / '.join(sorted({'--' + str(BLOCKS[n].needs) for n in lacking}))}"
             )
         names = [n for n in names if n in args.block]
+    absent = sorted({_rel(BLOCKS[n].doc) for n in names if not BLOCKS[n].doc.is_file()})
+    if absent:
+        p.error(
+            f"{', '.join(absent)} not found under {ROOT}: run from the checkout "
+            "(an installed wheel carries no docs)"
+        )
     fresh = generate(names, trace=args.trace, jobs=args.jobs)
     texts = {doc: doc.read_text(encoding="utf-8") for doc in {BLOCKS[n].doc for n in names}}
     if args.check:
