@@ -5,6 +5,7 @@ method keeps no docstring, so where the object has none it is read from the
 from __future__ import annotations
 
 import ast
+import copy
 import functools
 import inspect
 import sys
@@ -46,6 +47,36 @@ def doc(cls: type, name: str | None = None) -> str:
             if text:
                 return text
     return ""
+
+
+def signature(cls: type, name: str) -> inspect.Signature:
+    """The signature of ``cls``'s method ``name`` in both builds: a compiled
+    (mypyc) method shows only ``(self, /, *args, **kwargs)``, so there the
+    first class along the MRO whose source defines ``name`` gives it, its
+    defaults evaluated in that module's namespace."""
+    sig = inspect.signature(getattr(cls, name))
+    if not any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()):
+        return sig
+    for c in cls.__mro__:
+        node = _class_nodes(c.__module__).get(c.__name__) if c.__module__.startswith("blockpool.") else None
+        f = (
+            next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == name), None)
+            if node
+            else None
+        )
+        if f is None:
+            continue
+        stub = copy.deepcopy(f)  # the cached tree stays whole
+        stub.body, stub.decorator_list, stub.returns = [ast.Pass()], [], None
+        args = stub.args
+        for a in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg):
+            if a is not None:
+                a.annotation = None
+        code = compile(ast.fix_missing_locations(ast.Module([stub], [])), f"<{c.__module__}>", "exec")
+        space = dict(vars(sys.modules[c.__module__]))
+        exec(code, space)  # noqa: S102 (the package's own source: its defaults, an empty body)
+        return inspect.signature(space[name])
+    return sig
 
 
 def public_methods(cls: type) -> list[str]:

@@ -8,7 +8,7 @@ ran on. The rest of the command line: ``tests/test_cli.py``."""
 from __future__ import annotations
 
 import hashlib
-import inspect
+import importlib.util
 import io
 import json
 import re
@@ -22,6 +22,7 @@ from blockpool import HazardAwareBlockPool, InvalidArgumentError, RefCountError
 from blockpool.cli import build_parser, main
 from blockpool.replay import fetch as fetch_mod
 from blockpool.replay.fetch import TRACES, TraceFetchError, default_dir, fetch, sha256_of
+from tests import _docsource
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces"
@@ -349,14 +350,14 @@ def _construction() -> str:
 def test_api_md_lists_every_constructor_parameter_once_in_signature_order() -> None:
     section = _construction()
     listed = re.findall(r"^- `(\w+)`:", section, re.MULTILINE)
-    params = [p for p in inspect.signature(HazardAwareBlockPool.__init__).parameters if p != "self"]
+    params = [p for p in _docsource.signature(HazardAwareBlockPool, "__init__").parameters if p != "self"]
     assert listed == params
 
 
 def test_api_md_signature_block_is_the_constructor_signature() -> None:
     block = _construction().split("```\n", 2)[1]
     shown = re.sub(r"\s+", " ", block).replace("( ", "(").strip()
-    sig = inspect.signature(HazardAwareBlockPool.__init__)
+    sig = _docsource.signature(HazardAwareBlockPool, "__init__")
     parts = []
     for p in sig.parameters.values():
         if p.name == "self":
@@ -411,5 +412,9 @@ def test_worker_gpu_section_has_no_history_words() -> None:
 
 
 def test_the_vllm_pool_module_names_every_supported_line() -> None:
-    src = (ROOT / "blockpool" / "integrations" / "vllm" / "pool.py").read_text(encoding="utf-8")
+    spec = importlib.util.find_spec(
+        "blockpool.integrations"
+    )  # the package as imported; its parents import no vLLM
+    assert spec is not None and spec.submodule_search_locations
+    src = (Path(next(iter(spec.submodule_search_locations))) / "vllm" / "pool.py").read_text(encoding="utf-8")
     assert src.splitlines()[0].startswith('"""vLLM\'s ``BlockPool`` surface (0.32, 0.33 and 0.34)')

@@ -12,6 +12,7 @@ does not fit is git's history, not the page's.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -46,14 +47,22 @@ def _citations() -> list[tuple[str, str, str]]:
     """``(citing file, page, section)`` for every ``docs/PAGE.md``, "Section"
     in the package, the benchmarks, the scripts and the tests."""
     out = []
-    for top in ("blockpool", "benchmarks", "scripts", "tests"):
-        for path in sorted((ROOT / top).rglob("*")):
+    spec = importlib.util.find_spec("blockpool")  # the package as imported: the checkout's or a wheel's
+    assert spec is not None and spec.submodule_search_locations
+    package = Path(next(iter(spec.submodule_search_locations)))
+    for base, top in (
+        (package.parent, "blockpool"),
+        (ROOT, "benchmarks"),
+        (ROOT, "scripts"),
+        (ROOT, "tests"),
+    ):
+        for path in sorted((base / top).rglob("*")):
             if path.suffix not in (".py", ".sh") or not path.is_file():
                 continue
             for m in _CITE.finditer(path.read_text(encoding="utf-8", errors="replace")):
                 section = " ".join(re.sub(r"\n\s*#?\s*", " ", m.group(2)).split())
                 if m.group(1) in CITED:
-                    out.append((str(path.relative_to(ROOT)), m.group(1), section))
+                    out.append((str(path.relative_to(base)), m.group(1), section))
     return out
 
 

@@ -11,13 +11,18 @@ nothing is imported (no vLLM or torch needed).
 from __future__ import annotations
 
 import ast
+import importlib.util
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 
 PACKAGE = "blockpool.integrations.vllm"
-ROOT = Path(__file__).resolve().parent.parent / "blockpool" / "integrations" / "vllm"
+_SPEC = importlib.util.find_spec(PACKAGE)
+assert _SPEC is not None and _SPEC.submodule_search_locations, PACKAGE
+ROOT = Path(next(iter(_SPEC.submodule_search_locations)))
+"""The package's sources as imported (the checkout, or an installed wheel:
+its modules ship as ``.py``; importing its parents imports no vLLM)."""
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("pytest_plugin",),
