@@ -2,7 +2,9 @@
 
 - ``load`` (``HiCacheController`` and ``HybridCacheController``): the fence
   of the device pages allocated inside (the allocator hook leaves it in
-  ``Runtime.last_take``) is kept for the queued ``CacheOperation``.
+  ``Runtime.last_take``, the union over every shadowed allocation the call
+  made: two under ``SWATokenToKVPoolAllocator``) is kept for the queued
+  ``CacheOperation``.
   Caller-owned rows (``device_indices=``), side-pool transfers
   (``extra_pools``), an unshadowed allocator and a sorted merge leave it
   unknown.
@@ -57,9 +59,11 @@ def hook_load(original: Callable[..., Any], self: Any, host_indices: Any, *args:
     rt.bind(self.load_fence_stream)
     before = len(self.load_queue)
     rt.last_take = _h.NOT_TAKEN
+    rt.loading += 1
     try:
         result = original(self, host_indices, *args, **kwargs)
     finally:
+        rt.loading -= 1
         taken, rt.last_take = rt.last_take, _h.NOT_TAKEN
     if len(self.load_queue) > before:
         op = self.load_queue[-1]

@@ -162,6 +162,7 @@ class Runtime:
         self.accounts: weakref.WeakKeyDictionary[Any, PageAccount[int]] = weakref.WeakKeyDictionary()
         self.op_fences: weakref.WeakKeyDictionary[Any, frozenset[int] | None] = weakref.WeakKeyDictionary()
         self.last_take: frozenset[int] | None | _NotTaken = NOT_TAKEN
+        self.loading = 0  # depth of controller ``load`` calls in progress
         self.race_logged = False
         self._paged_cls: type | None = None
         self._token_cls: type | None = None
@@ -404,7 +405,8 @@ def hook_alloc(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
     """``alloc``, ``alloc_extend``, ``alloc_decode``: the pages taken from the
     front of the free list (as many as the list shrank by, any merge inside
     already mirrored); their fence is left in ``Runtime.last_take`` for the
-    controller's ``load`` hook."""
+    controller's ``load`` hook, joined with the fences of the allocations
+    made before it in the same ``load`` (unknown if any is)."""
     rt = _armed()
     if rt is None:
         return original(self, *args, **kwargs)
@@ -412,17 +414,31 @@ def hook_alloc(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
     if acct is None or not rt.check(self, acct):
         # No account, or the list changed behind it (checked before the
         # call: the take below is sized by the list's length afterwards).
-        rt.last_take = None
+        _take(rt, None)
         return original(self, *args, **kwargs)
     result = original(self, *args, **kwargs)
     if result is None:
         rt.check(self, acct)
-        rt.last_take = NOT_TAKEN
+        if not rt.loading:
+            rt.last_take = NOT_TAKEN
         return result
-    rt.last_take = acct.take_to(len(self.free_pages))
-    if not rt.check(self, acct):
-        rt.last_take = None
+    take = acct.take_to(len(self.free_pages))
+    _take(rt, take if rt.check(self, acct) else None)
     return result
+
+
+def _take(rt: Runtime, fence: frozenset[int] | None) -> None:
+    # Inside a controller's load, every shadowed allocation adds to the
+    # load's fence (SWATokenToKVPoolAllocator.alloc is two: its full and
+    # its sliding-window allocator, and the copy writes the pages of both);
+    # elsewhere the last allocation's fence replaces the previous one.
+    prev = rt.last_take
+    if not rt.loading or isinstance(prev, _NotTaken):
+        rt.last_take = fence
+    elif prev is None or fence is None:
+        rt.last_take = None
+    else:
+        rt.last_take = prev | fence
 
 
 def hook_merge(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
