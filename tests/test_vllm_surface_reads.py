@@ -436,11 +436,19 @@ def test_the_scan_follows_the_instance_into_helpers_and_getattr(
 
 def test_the_bases_the_scan_assumes_are_vllms() -> None:
     """Each class of :data:`BASES` derives from the classes named (checked
-    on the installed vLLM and LMCache; skipped where either is absent)."""
+    on the installed vLLM, and LMCache's where LMCache is installed too;
+    skipped without vLLM)."""
     pytest.importorskip("vllm")
-    pytest.importorskip("lmcache")
     targets = {n.qualname.split(".")[0]: n.module for s in vs.SURFACES.values() for n in s.rows}
+    checked = []
     for cls, bases in BASES.items():
-        sub = vs.resolve(f"{targets[cls]}:{cls}")
+        try:
+            sub = vs.resolve(f"{targets[cls]}:{cls}")
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] != "lmcache":
+                raise
+            continue
         for base in bases:
             assert issubclass(sub, vs.resolve(f"{targets[base]}:{base}")), (cls, base)
+        checked.append(cls)
+    assert {"KVCacheStoreRecvingThread", "NixlPullConnectorWorker", "OffloadingConnector"} <= set(checked)
