@@ -26,7 +26,7 @@ unchanged. Adding the next vLLM line is therefore::
         "0.35",
         changed=(_n(f"{_SCHED}:Scheduler.schedule", "self, throttle_prefills", fp="...", use="wrapped"),),
         removed=(f"{_MGR}:KVCacheManager.get_blocks",),
-        evict_first=True,
+        offloading_sync_loads=False,
     )
 
 plus the code for what really changed; ``blockpool check-vllm --surface``
@@ -539,7 +539,8 @@ def derive(
       the table, in order (the anchor may be a changed or an added row);
     - each target of ``removed`` leaves the table;
     - ``switches`` are :class:`Surface` fields other than ``line`` and
-      ``rows`` (``evict_first=True``, ``connectors=(...)``).
+      ``rows`` (``evict_first=True``, ``connectors=(...)``), each set to a
+      value other than ``base``'s.
 
     ``base`` is not changed. O(rows + delta).
 
