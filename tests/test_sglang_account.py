@@ -513,7 +513,11 @@ class PluginShadow:
         else:
             names["free"] = hooks.hook_token_free
         for name, hook in names.items():
-            setattr(alloc, name, functools.partial(hook, getattr(cls, name), alloc))
+            # SGLang's own method: unwrapped when HookRegistry has already
+            # patched the class in this process (the controller tests do).
+            method = getattr(cls, name)
+            method = getattr(method, "__wrapped__", method)
+            setattr(alloc, name, functools.partial(hook, method, alloc))
 
     @property
     def last_fence(self) -> frozenset[int] | None | str:
