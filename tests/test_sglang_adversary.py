@@ -21,6 +21,8 @@ installed.
 
 from __future__ import annotations
 
+import inspect
+import logging
 from typing import Any
 from unittest.mock import MagicMock
 
@@ -35,7 +37,7 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.plugins.hook_registry import HookRegistry
 
 import blockpool.integrations.sglang as plugin
-from blockpool.integrations.sglang import hooks
+from blockpool.integrations.sglang import hooks, surface
 from tests.test_sglang_controllers import TARGETS, FakeEvent, build, kinds, runtime
 
 SIZE = 16
@@ -103,3 +105,25 @@ def test_a_load_over_two_allocations_waits_on_both_releases(mode: str) -> None:
     # The full rows' release is incomplete: the batch is not counted as one
     # that needs no wait.
     assert (rt.counters.exact, rt.counters.fence_complete, rt.counters.fence_empty) == (1, 0, 0)
+
+
+def test_register_refuses_without_raising_when_sources_are_unreadable(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # SGLang installed without its .py files: no body can be fingerprinted.
+    def no_source(obj: Any) -> str:
+        raise OSError("could not get source code")
+
+    saved = hooks.runtime()
+    hooks.set_runtime(None)
+    try:
+        monkeypatch.setattr(inspect, "getsource", no_source)
+        with caplog.at_level(logging.WARNING, logger="blockpool.integrations.sglang"):
+            assert plugin.register() is False
+        assert hooks.runtime() is None
+        drifted = [r.getMessage() for r in caplog.records if "drifted" in r.getMessage()]
+        assert len(drifted) == 1 and "HiCacheController.start_loading: body unreadable" in drifted[0]
+        drift = next(d for d in surface.check_surface(surface.surface_for("0.5.23") or ()))
+        assert (drift.what, drift.found) == ("body", "unreadable")
+    finally:
+        hooks.set_runtime(saved)

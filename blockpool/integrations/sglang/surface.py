@@ -365,8 +365,9 @@ def present(entry: SurfaceEntry) -> bool:
 
 def check_surface(surface: tuple[SurfaceEntry, ...]) -> list[Drift]:
     """Compare ``surface`` with the running SGLang: one :class:`Drift` per
-    missing, re-signatured or re-bodied name (optional names whose module
-    is not imported are skipped). Imports the modules named.
+    missing, re-signatured or re-bodied name (a body whose source cannot be
+    read is a drift, found ``"unreadable"``; optional names whose module is
+    not imported are skipped). Imports the modules named.
     O(total source length)."""
     drifts: list[Drift] = []
     for entry in surface:
@@ -380,7 +381,10 @@ def check_surface(surface: tuple[SurfaceEntry, ...]) -> list[Drift]:
         if _normal(sig) != _normal(entry.signature):
             drifts.append(Drift(entry.target, "signature", entry.signature, sig))
             continue
-        body = fingerprint(fn)
+        try:
+            body = fingerprint(fn)
+        except InvalidArgumentError:
+            body = "unreadable"  # no source (a build without .py files)
         if body != entry.body:
             drifts.append(Drift(entry.target, "body", entry.body, body))
     return drifts
