@@ -38,7 +38,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 
 import blockpool.integrations.sglang as plugin
 from blockpool.integrations.sglang import hooks, surface
-from tests.test_sglang_controllers import TARGETS, FakeEvent, build, kinds, runtime
+from tests.test_sglang_controllers import PAGE, TARGETS, FakeEvent, build, kinds, runtime
 
 SIZE = 16
 
@@ -127,3 +127,25 @@ def test_register_refuses_without_raising_when_sources_are_unreadable(
         assert (drift.what, drift.found) == ("body", "unreadable")
     finally:
         hooks.set_runtime(saved)
+
+
+def test_a_prebuilt_batch_is_no_forward_launch() -> None:
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    rt = runtime("audit")
+    rt.launch_hooked = True
+    ctrl, alloc, _fwd, _log = build(rt)
+    alloc.free(alloc.alloc(PAGE))
+    ctrl.load(torch.arange(PAGE, dtype=torch.int64))
+    prebuilt = MagicMock()
+    prebuilt.forward_mode = ForwardMode.PREBUILT
+    hooks.hook_run_batch(lambda self, batch: None, None, prebuilt)  # no forward enqueued
+    ctrl.start_loading()
+    assert (rt.counters.exact, rt.counters.fence_behind_tail, rt.counters.gain()) == (1, 0, 0)
+    alloc.free(alloc.alloc(PAGE))
+    ctrl.load(torch.arange(PAGE, dtype=torch.int64))
+    extend = MagicMock()
+    extend.forward_mode = ForwardMode.EXTEND
+    hooks.hook_run_batch(lambda self, batch: None, None, extend)  # one forward
+    ctrl.start_loading()
+    assert (rt.counters.exact, rt.counters.fence_behind_tail, rt.counters.gain()) == (2, 1, 1)

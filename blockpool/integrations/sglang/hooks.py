@@ -453,8 +453,13 @@ def hook_merge(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
 
 
 def hook_run_batch(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    """``Scheduler.run_batch``: one forward launched on the forward stream."""
+    """``Scheduler.run_batch``: one forward launched on the forward stream
+    (a prebuilt batch, PD decode's placeholder, launches none: SGLang
+    returns ``_run_batch_prebuilt`` for it before any forward)."""
     rt = _armed()
     if rt is not None:
-        rt.launches += 1
+        batch = args[0] if args else kwargs.get("batch")
+        mode = getattr(batch, "forward_mode", None)
+        if not (mode is not None and mode.is_prebuilt()):
+            rt.launches += 1
     return original(self, *args, **kwargs)
