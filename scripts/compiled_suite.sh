@@ -13,8 +13,8 @@
 #                $PYTHON, the wheel's extras SUITE_EXTRAS and the
 #                requirements SUITE_PIP, word-split, installed with it), the
 #                suite run by that venv's Python: the wheel as a user
-#                installs it (the tests that read the checkout's files
-#                through the package's own path fail there: run a subset);
+#                installs it (the tests read the checkout's files from
+#                the copy, the package's from where it is installed);
 #   INSTALLED=1  the blockpool $PYTHON has installed already (cibuildwheel's
 #                test step; the copy holds no package).
 # $PYTHON (default: python) needs the test extras, except with VENV. Extra
