@@ -1,12 +1,12 @@
 """One count per connector transfer: a load or store a connector wiring
-begins is counted once, where it begins on the pool
-(``StepHazards.begin_load`` / ``begin_store``), and that count is what the
-pool's hazard counters (``transfers_begun``, ``fences_nonempty``), the
-process's ``SERVED`` (``transfers_fenced``, ``fences_nonempty``) and, while
-nothing else asks the pool for a fence, the core's stats (``fences``,
-``empty_fences``) show alike; the core's stats also count the fences of a
-step's block copies and writes, which are no connector transfer. A transfer
-the pool refuses shows in none of them. Needs neither vLLM nor torch."""
+begins is counted once, by the core pool where it begins
+(``loads_begun``, ``stores_begun``, ``transfer_fences_nonempty`` in its
+stats), and the scheduler wiring's counters (``StepHazards.transfers_begun``,
+``fences_nonempty``) read that count; the process's ``SERVED``
+(``transfers_fenced``, ``fences_nonempty``) shows the same. The core's
+``fences`` also count the fences of a step's block copies and writes, which
+are no transfer. A transfer the pool refuses shows in none of them. Needs
+neither vLLM nor torch."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ def wired() -> tuple[HazardAwareBlockPool, ConnectorWiring]:
 
 
 def _counts(pool: HazardAwareBlockPool, w: ConnectorWiring) -> tuple[tuple[int, int], ...]:
-    """(begun, non-empty fences) as the hazard wiring, SERVED and the core's stats show them."""
+    """(begun, non-empty fences) as the hazard wiring, SERVED, the core's
+    transfer counts and the core's fence counts show them."""
     stats = pool.stats()
     return (
         (w.hazards.transfers_begun, w.hazards.fences_nonempty),
         (SERVED.transfers_fenced, SERVED.fences_nonempty),
+        (stats.loads_begun + stats.stores_begun, stats.transfer_fences_nonempty),
         (stats.fences, stats.fences - stats.empty_fences),
     )
 
@@ -51,7 +53,8 @@ def test_each_transfer_begun_is_one_count_read_alike_by_the_wiring_served_and_th
     assert w.load("req-1", ids[:2], MOONCAKE, key=("job", 1)) is not None  # empty fence: fresh blocks
     pool.tag(blocks[2:], pool.issue("compute"), AccessKind.WRITE)  # a step writes the third block
     assert w.store("req-2", ids[2:], OFFLOAD_D2H, key=("job", 2)) is not None  # waits on that step
-    assert _delta(_counts(pool, w), before) == [(2, 1), (2, 1), (2, 1)]
+    assert _delta(_counts(pool, w), before) == [(2, 1), (2, 1), (2, 1), (2, 1)]
+    assert (pool.stats().loads_begun, pool.stats().stores_begun) == (1, 1)
 
 
 def test_a_block_copy_is_no_transfer_and_only_the_cores_fence_count_shows_it(
@@ -63,7 +66,7 @@ def test_a_block_copy_is_no_transfer_and_only_the_cores_fence_count_shows_it(
     w.load("req-1", [blocks[0].block_id], MOONCAKE, key=("job", 1))
     assert w.hazards.begin_copies([(blocks[1], blocks[2])]) is not None  # a step's block copy
     w.store("req-1", [blocks[3].block_id], MOONCAKE, key=("job", 2))
-    assert _delta(_counts(pool, w), before) == [(2, 0), (2, 0), (3, 0)]
+    assert _delta(_counts(pool, w), before) == [(2, 0), (2, 0), (2, 0), (3, 0)]
 
 
 def test_a_refused_or_empty_transfer_is_counted_nowhere(

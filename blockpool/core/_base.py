@@ -70,6 +70,9 @@ _COUNTERS = (
     "max_fence_size",
     "abandoned",
     "unpublished_failed_loads",
+    "loads_begun",
+    "stores_begun",
+    "transfer_fences_nonempty",
 )
 
 

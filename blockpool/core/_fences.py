@@ -240,7 +240,16 @@ class FenceOps(CacheOps):
         st = self.tracker.state(stream)
         data = self._data_blocks(blocks, what)
         self._check_transfer(data, access, what)
-        return self._begin(((data, access),), stream, st, access is _WRITE)
+        return self._count_transfer(self._begin(((data, access),), stream, st, access is _WRITE), access)
+
+    def _count_transfer(self, begun: tuple[Token, Fence], access: AccessKind) -> tuple[Token, Fence]:
+        """Count a transfer begun: the one count of it that the pool's
+        stats and the engine integrations read. O(1)."""
+        c = self._counters
+        c["loads_begun" if access is _WRITE else "stores_begun"] += 1
+        if begun[1].tokens:
+            c["transfer_fences_nonempty"] += 1
+        return begun
 
     def _check_transfer(self, data: list[KVCacheBlock], access: AccessKind, what: str) -> None:
         """The refusals of a load (a write: shared cached blocks) or a store
@@ -267,7 +276,7 @@ class FenceOps(CacheOps):
         self._check_fresh(block_list, generations, what)
         data = self._data_blocks(block_list, what)
         self._check_transfer(data, access, what)
-        return self._begin(((data, access),), stream, st, access is _WRITE)
+        return self._count_transfer(self._begin(((data, access),), stream, st, access is _WRITE), access)
 
     def begin_load(
         self, blocks: Iterable[KVCacheBlock], stream: ArgStr, generations: Iterable[int] | None = None

@@ -28,6 +28,9 @@ class PoolStats:
         failed_tokens: Tokens ended by ``fail``.
         unpublished_failed_loads: ``cache_*`` requests skipped because the
             block's load failed.
+        loads_begun, stores_begun: Transfers begun (``begin_load``,
+            ``begin_store``; refused ones are not counted);
+            transfer_fences_nonempty: those whose fence named a token.
     """
 
     num_blocks: int
@@ -48,6 +51,9 @@ class PoolStats:
     abandoned: int
     failed_tokens: int
     unpublished_failed_loads: int
+    loads_begun: int
+    stores_begun: int
+    transfer_fences_nonempty: int
 
 
 @attrs.frozen(slots=True)

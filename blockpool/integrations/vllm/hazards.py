@@ -384,8 +384,6 @@ class StepHazards:
         self.steps_ended = 0
         self.copies_begun = 0
         self.copy_pairs_skipped = 0
-        self.transfers_begun = 0
-        self.fences_nonempty = 0
         # Outstanding issued steps by id of their output: (weak ref, record).
         self._steps: collections.OrderedDict[int, tuple[Any, StepRecord]] = collections.OrderedDict()
         self._pending_copy: tuple[Token, Fence] | None = None
@@ -841,17 +839,26 @@ class StepHazards:
         return t
 
     def _count_begun(self, t: Transfer) -> None:
-        """The one count of a transfer begun (:meth:`begin_load`,
-        :meth:`begin_store`): this pool's ``transfers_begun`` and
-        ``fences_nonempty``, and the process's
-        :data:`~blockpool.integrations.vllm.served.SERVED` (``transfers_fenced``,
-        ``fences_nonempty``), which the connector wirings read instead of
-        counting their own. O(1)."""
-        nonempty = bool(t.fence.tokens)
-        self.transfers_begun += 1
-        self.fences_nonempty += nonempty
+        """A transfer begun (:meth:`begin_load`, :meth:`begin_store`), added
+        to the process's :data:`~blockpool.integrations.vllm.served.SERVED`
+        (``transfers_fenced``, ``fences_nonempty``), which the connector
+        wirings read instead of counting their own. The pool counted it
+        already (its stats' ``loads_begun``, ``stores_begun``,
+        ``transfer_fences_nonempty``); :attr:`transfers_begun` and
+        :attr:`fences_nonempty` read that count. O(1)."""
         SERVED.transfers_fenced += 1
-        SERVED.fences_nonempty += nonempty
+        SERVED.fences_nonempty += bool(t.fence.tokens)
+
+    @property
+    def transfers_begun(self) -> int:
+        """Loads and stores begun on this pool (the pool's own count). O(1)."""
+        c = self.pool._counters
+        return c["loads_begun"] + c["stores_begun"]
+
+    @property
+    def fences_nonempty(self) -> int:
+        """Of :attr:`transfers_begun`, those whose fence named a token. O(1)."""
+        return self.pool._counters["transfer_fences_nonempty"]
 
     def finish(self, key: Hashable, *, failed: bool = False) -> int:
         """End every load and store begun under ``key`` (for connectors that
