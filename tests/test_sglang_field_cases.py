@@ -1,5 +1,6 @@
-"""The SGLang plugin against loads whose device pages come from more than one
-shadowed allocation, on the CPU.
+"""The SGLang plugin's field cases, on the CPU: a load whose device pages come
+from more than one shadowed allocation, a ``register()`` that cannot read
+SGLang's sources, a prebuilt batch that launches no forward.
 
 ``HiCacheController.load`` allocates its rows with
 ``mem_pool_device_allocator.alloc``. Under ``SWATokenToKVPoolAllocator``
