@@ -139,7 +139,8 @@ NIXL = "nixl"
 
 
 def _cache_block_size(connector: Any) -> int:
-    return int(connector._vllm_config.cache_config.block_size or 16)
+    cfg = getattr(connector, "_vllm_config", None)  # None: a connector built without a config
+    return int(cfg.cache_config.block_size or 16) if cfg is not None else 16
 
 
 # ----------------------------------------------------------------------

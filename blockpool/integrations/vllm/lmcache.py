@@ -272,7 +272,8 @@ def _run_as_stock(hz: Any, w: ConnectorWiring, req_id: str, blocks: list[Any], e
 
 
 def _block_size_of(conn: Any) -> int:
-    return int(conn._vllm_config.cache_config.block_size or 16)
+    cfg = getattr(conn, "_vllm_config", None)  # None: a connector built without a config
+    return int(cfg.cache_config.block_size or 16) if cfg is not None else 16
 
 
 def patch_scheduler(mod: Any, patch: Patcher) -> None:

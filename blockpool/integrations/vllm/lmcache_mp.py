@@ -238,7 +238,8 @@ def _key(op_key: tuple[int, str]) -> tuple[str, int, str]:
 
 
 def _ranks(conn: Any) -> int:
-    n = conn._vllm_config.parallel_config.world_size
+    cfg = getattr(conn, "_vllm_config", None)  # None: a connector built without a config
+    n = cfg.parallel_config.world_size if cfg is not None else 1
     return n if isinstance(n, int) and n > 0 else 1
 
 
@@ -273,7 +274,8 @@ def _updater(orig: Any) -> Any:
 
 
 def _block_size_of(conn: Any) -> int:
-    return int(conn._vllm_config.cache_config.block_size or 16)
+    cfg = getattr(conn, "_vllm_config", None)  # None: a connector built without a config
+    return int(cfg.cache_config.block_size or 16) if cfg is not None else 16
 
 
 def patch_scheduler(mod: Any, patch: Patcher) -> None:

@@ -877,7 +877,6 @@ _ROWS_032 = (
     _n(f"{_COORD}:KVCacheCoordinator.block_pool", use="field"),
     _n(f"{_OUTPUTS}:ModelRunnerOutput.kv_connector_output", use="field"),
     _n(f"{_OUTPUTS}:KVConnectorOutput.kv_connector_worker_meta", use="field"),
-    _n(f"{_BASE}:KVConnectorBase_V1._vllm_config", use="field"),
     _n(f"{_CONFIG}:VllmConfig.cache_config", use="field"),
     _n(f"{_CONFIG}:VllmConfig.parallel_config", use="field"),
     _n(f"{_CONFIG}:CacheConfig.block_size", use="field"),
@@ -1744,6 +1743,9 @@ OPTIONAL_READS: frozenset[str] = frozenset(
         "load_stream",
         # A slot mapping given as a tensor or a list.
         "tolist",
+        # A connector built without a config (vLLM's own tests build some
+        # with object.__new__); the plugin then keeps its default block size.
+        "_vllm_config",
     }
 )
 """Attributes of vLLM's and LMCache's objects that the plugin reads with a
