@@ -93,6 +93,7 @@ from blockpool.integrations.vllm.wiring import (
     _reporter,
     _unwired_by_env,  # noqa: F401  (re-exported: tests read it here)
     attach,
+    config_block_size,
     group_block_sizes,
     load_block_ids,
     register_connector,
@@ -136,11 +137,6 @@ SIMPLE = "simple_cpu_offload"
 SIMPLE_H2D = "simple_cpu_h2d"
 SIMPLE_D2H = "simple_cpu_d2h"
 NIXL = "nixl"
-
-
-def _cache_block_size(connector: Any) -> int:
-    cfg = getattr(connector, "_vllm_config", None)  # None: a connector built without a config
-    return int(cfg.cache_config.block_size or 16) if cfg is not None else 16
 
 
 # ----------------------------------------------------------------------
@@ -253,7 +249,7 @@ def _patch_offloading(mod: Any, patch: Patcher) -> None:
     cls = importlib.import_module(
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
     ).OffloadingConnectorScheduler
-    bind = _binder(OFFLOADING, "connector_scheduler", "_kv_cache_config", _cache_block_size)
+    bind = _binder(OFFLOADING, "connector_scheduler", "_kv_cache_config", config_block_size)
     patch(mod.OffloadingConnector, "bind_gpu_block_pool", bind)
     patch(cls, "build_connector_meta", _planner(_plan_offloading))
     patch(cls, "update_connector_output", _reporter("completed_jobs", _offload_jobs_done))
@@ -315,7 +311,7 @@ def _nixl_binder(orig: Any) -> Any:
     (:meth:`StepHazards.rewrites_on_receive`): NIXL's worker enqueues its
     post-receive kernels on the compute stream when it reports a read
     finished, so those blocks count as written by the next step."""
-    bound = _binder(NIXL, "connector_scheduler", "_kv_cache_config", _cache_block_size)(orig)
+    bound = _binder(NIXL, "connector_scheduler", "_kv_cache_config", config_block_size)(orig)
 
     @functools.wraps(orig)
     def bind_gpu_block_pool(self: Any, gpu_block_pool: Any) -> None:

@@ -80,6 +80,7 @@ from blockpool.integrations.vllm.wiring import (
     Patcher,
     _binder,
     _planner,
+    config_block_size,
     fall_back,
     register_connector,
     register_worker_half,
@@ -271,17 +272,12 @@ def _run_as_stock(hz: Any, w: ConnectorWiring, req_id: str, blocks: list[Any], e
             logger.debug("blockpool: %s: eN not recorded as the writer of %r: %s", w.name, req_id, tag_exc)
 
 
-def _block_size_of(conn: Any) -> int:
-    cfg = getattr(conn, "_vllm_config", None)  # None: a connector built without a config
-    return int(cfg.cache_config.block_size or 16) if cfg is not None else 16
-
-
 def patch_scheduler(mod: Any, patch: Patcher) -> None:
     """Install the scheduler half on vLLM's ``LMCacheConnectorV1`` (module
     ``mod``): ``bind_gpu_block_pool`` attaches the wiring,
     ``build_connector_meta`` begins the step's transfers."""
     cls = mod.LMCacheConnectorV1
-    patch(cls, "bind_gpu_block_pool", _binder(LMCACHE, None, "_kv_cache_config", _block_size_of))
+    patch(cls, "bind_gpu_block_pool", _binder(LMCACHE, None, "_kv_cache_config", config_block_size))
     patch(cls, "build_connector_meta", _planner(_plan))
 
 

@@ -80,6 +80,7 @@ from blockpool.integrations.vllm.wiring import (
     Patcher,
     _binder,
     _planner,
+    config_block_size,
     fall_back,
     register_connector,
     register_worker_half,
@@ -273,18 +274,13 @@ def _updater(orig: Any) -> Any:
     return update_connector_output
 
 
-def _block_size_of(conn: Any) -> int:
-    cfg = getattr(conn, "_vllm_config", None)  # None: a connector built without a config
-    return int(cfg.cache_config.block_size or 16) if cfg is not None else 16
-
-
 def patch_scheduler(mod: Any, patch: Patcher) -> None:
     """Install the scheduler half on LMCache's ``LMCacheMPConnector``
     (module ``mod``): ``bind_gpu_block_pool`` attaches the wiring,
     ``build_connector_meta`` begins the step's transfers,
     ``update_connector_output`` ends the store ops every rank reported."""
     cls = mod.LMCacheMPConnector
-    patch(cls, "bind_gpu_block_pool", _binder(LMCACHE_MP, None, "_kv_cache_config", _block_size_of))
+    patch(cls, "bind_gpu_block_pool", _binder(LMCACHE_MP, None, "_kv_cache_config", config_block_size))
     patch(cls, "build_connector_meta", _planner(_plan))
     patch(cls, "update_connector_output", _updater)
 

@@ -66,6 +66,7 @@ __all__ = [
     "ConnectorWiring",
     "Patcher",
     "attach",
+    "config_block_size",
     "fall_back",
     "group_block_sizes",
     "load_block_ids",
@@ -207,30 +208,29 @@ class ConnectorWiring:
         pool (:meth:`StepHazards.begin_load`, which counts it); its wire
         form, or ``None`` when no block is left or the pool refused it
         (:meth:`_refused`)."""
-        blocks = self.hazards.blocks_of(block_ids)
-        if not blocks:
-            return None
-        try:
-            t = self.hazards.begin_load(request_id, blocks, stream, key=key)
-        except UnsafeTransferError as exc:
-            self._refused("load", request_id, exc)
-            return None
-        if key is not None:
-            self.pending.add(key)
-        return t.to_wire()
+        return self._begin(True, request_id, block_ids, stream, key)
 
     def store(self, request_id: str, block_ids: Iterable[int], stream: str, key: Hashable = None) -> Any:
         """Begin a store from ``block_ids`` (unusable ids skipped) on the
         pool (:meth:`StepHazards.begin_store`, which counts it); its wire
         form, or ``None`` when no block is left or the pool refused it
         (:meth:`_refused`)."""
+        return self._begin(False, request_id, block_ids, stream, key)
+
+    def _begin(
+        self, load: bool, request_id: str, block_ids: Iterable[int], stream: str, key: Hashable
+    ) -> Any:
+        """:meth:`load` (``load``) or :meth:`store`. O(len(block_ids))."""
         blocks = self.hazards.blocks_of(block_ids)
         if not blocks:
             return None
         try:
-            t = self.hazards.begin_store(request_id, blocks, stream, key=key)
+            if load:
+                t = self.hazards.begin_load(request_id, blocks, stream, key=key)
+            else:
+                t = self.hazards.begin_store(request_id, blocks, stream, key=key)
         except UnsafeTransferError as exc:
-            self._refused("store", request_id, exc)
+            self._refused("load" if load else "store", request_id, exc)
             return None
         if key is not None:
             self.pending.add(key)
@@ -272,6 +272,14 @@ class ConnectorWiring:
             "blockpool: %s: %s of request %r not fenced, left to vLLM's own path: %s",
             self.name, kind, request_id, exc,
         )  # fmt: skip
+
+
+def config_block_size(connector: Any) -> int:
+    """The block size (tokens) of ``connector``'s vLLM config, the default
+    a binder gives the wiring when no KV cache config says more; 16 for a
+    connector built without a config (vLLM's own tests build some). O(1)."""
+    cfg = getattr(connector, "_vllm_config", None)
+    return int(cfg.cache_config.block_size or 16) if cfg is not None else 16
 
 
 def wiring_of(obj: object) -> ConnectorWiring | None:
