@@ -45,6 +45,7 @@ _ALLOC = "sglang.srt.mem_cache.allocator"
 _PAGED = f"{_ALLOC}.paged.PagedTokenToKVPoolAllocator"
 _TOKEN = f"{_ALLOC}.token.TokenToKVPoolAllocator"
 _BASE = f"{_ALLOC}.base.BaseTokenToKVPoolAllocator"
+_SWA = f"{_ALLOC}.swa.SWATokenToKVPoolAllocator"
 _HICACHE = "sglang.srt.managers.cache_controller.HiCacheController"
 _HYBRID = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
 _URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
@@ -150,6 +151,13 @@ _SURFACE_0_5_23: tuple[SurfaceEntry, ...] = (
         "releases through _release_page_ids, or defers to the free group",
     ),
     _e(
+        f"{_PAGED}.free_segment",
+        "(self, free_index: torch.Tensor, *, start_pos: int)",
+        "684a14a85d7900f9",
+        "rely",
+        "the tree cache's frees: one page id per page, released through free_page_ids",
+    ),
+    _e(
         f"{_PAGED}.free_group_end",
         "(self)",
         "aa98258589d24de6",
@@ -184,6 +192,48 @@ _SURFACE_0_5_23: tuple[SurfaceEntry, ...] = (
         "7a936a2a991aa6d7",
         "wrap",
         "the token allocator's sorted merge: the account's runs become unknown",
+    ),
+    _e(
+        f"{_TOKEN}.free_page_ids",
+        "(self, page_ids: torch.Tensor)",
+        "8d72639b068c0e0f",
+        "rely",
+        "releases through free(), or defers to the free group",
+    ),
+    _e(
+        f"{_BASE}.free_segment",
+        "(self, free_index: torch.Tensor, *, start_pos: int)",
+        "5b4b79c8619aaa6d",
+        "rely",
+        "the token allocator's segment free is a plain free()",
+    ),
+    _e(
+        f"{_BASE}.free_full",
+        "(self, free_index: torch.Tensor)",
+        "d87792413315cfce",
+        "rely",
+        "a single pool's full-only free is a plain free()",
+    ),
+    _e(
+        f"{_BASE}.free_full_segment",
+        "(self, free_index: torch.Tensor, *, start_pos: int)",
+        "53eb7796b0760543",
+        "rely",
+        "the tree cache's full-only frees reach free_full()",
+    ),
+    _e(
+        f"{_BASE}.free_segments",
+        "(self, segments)",
+        "a445e764f0a62138",
+        "rely",
+        "several segment frees, each through free_segment()",
+    ),
+    _e(
+        f"{_SWA}.alloc",
+        "(self, need_size: int)",
+        "717c98efc315e4d7",
+        "rely",
+        "two allocations, its full and its sliding-window allocator's: a load's fence joins both",
     ),
     _e(
         f"{_BASE}.free_group_end",
