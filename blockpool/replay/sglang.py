@@ -46,9 +46,11 @@ contexts. An early load's copy may start the in-flight forward's duration
 sooner; the consumer forward's wait shrinks by at most ``min(copy, that
 forward)``.
 
-With ``--audit`` (``driver="plugin"``) the allocator's list model and a
-stand-in HiCache controller go through the plugin's own hooks in audit
-mode, and the plugin's counters are printed.
+With ``--audit`` (``driver="plugin"``) the allocator's list model, a
+stand-in HiCache controller and a stand-in radix cache go through the
+plugin's own hooks in audit mode (the plugin tags an eviction's pages with
+the node's last use, and a write with the tail at ``write``), and the
+plugin's counters are printed.
 
 Run it: ``python -m blockpool.replay.sglang --trace "$(blockpool fetch-trace mooncake)"``
 (add ``--audit`` for the plugin's counters).
@@ -101,13 +103,13 @@ class SGLangReplayConfig:
         driver: ``"account"`` (the replay feeds a
             :class:`~blockpool.integrations.sglang.account.PageAccount`
             itself) or ``"plugin"`` (the plugin's own allocator and
-            controller hooks, in audit mode, around a list model of the
-            allocator and a stand-in controller; free-time tags and LIFO
-            only).
+            controller and radix-node hooks, in audit mode, around a list
+            model of the allocator, a stand-in controller and a stand-in
+            radix cache; node tags and LIFO only, as the plugin does).
 
     Raises:
         InvalidArgumentError: a count ``< 1``, an unknown name, or the
-            plugin driver with node tags or cold-first placement.
+            plugin driver with free-time tags or cold-first placement.
     """
 
     device_pages: int = attrs.field(default=2048, validator=_pos)
@@ -118,9 +120,10 @@ class SGLangReplayConfig:
     driver: str = attrs.field(default="account", validator=_one_of("account", "plugin"))
 
     def __attrs_post_init__(self) -> None:
-        if self.driver == "plugin" and (self.tags, self.placement) != ("free", "lifo"):
+        if self.driver == "plugin" and (self.tags, self.placement) != ("node", "lifo"):
             raise InvalidArgumentError(
-                "the plugin tags pages at free time and places as SGLang does: tags='free', placement='lifo'"
+                "the plugin tags an eviction's pages with the node's last use and places as SGLang does: "
+                "tags='node', placement='lifo'"
             )
 
 
@@ -165,9 +168,10 @@ class SGLangReplayResult:
 
 
 class _Node:
-    __slots__ = ("children", "device", "host", "last_use", "lock", "page", "parent", "writer")
+    __slots__ = ("children", "device", "host", "id", "last_use", "lock", "page", "parent", "writer")
 
-    def __init__(self, parent: _Node | None) -> None:
+    def __init__(self, parent: _Node | None, node_id: int = 0) -> None:
+        self.id = node_id
         self.parent = parent
         self.children = 0  # children on the device
         self.device = False
@@ -204,6 +208,7 @@ class _Alloc:
 
     need_sort = False
     num_staged_pages = 0
+    free_group = None
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
@@ -263,6 +268,64 @@ class _Controller:
         self.write_queue.clear()
 
 
+class _PathInfo:
+    """A node on a root-to-node path, as ``TreePathNodeInfo`` names it."""
+
+    __slots__ = ("full_value_len", "node_id")
+
+    def __init__(self, node: _Node) -> None:
+        self.node_id = node.id
+        self.full_value_len = 1 if node.device else None  # one page of one (page-sized) token
+
+
+class _Full:
+    name = "FULL"
+
+
+class _Cache:
+    """The part of ``UnifiedRadixCache`` (and its tree core) the plugin's
+    radix-node hooks touch: a FULL-only cache over :class:`_Alloc`, the
+    root-to-node paths of the replay's nodes, and the lock release, insert
+    and leaf eviction the hooks wrap."""
+
+    disable = False
+    tree_components = (_Full(),)
+    buffer_pipeline = None
+    enable_session_radix_cache = False
+
+    def __init__(self, alloc: _Alloc, nodes: dict[int, _Node]) -> None:
+        self.token_to_kv_pool_allocator = alloc
+        self.nodes = nodes
+        self.tree_core = self
+
+    def collect_path_info(self, ids: Sequence[int]) -> tuple[tuple[_PathInfo, ...], ...]:
+        paths = []
+        for i in ids:
+            chain = []
+            node: _Node | None = self.nodes[i]
+            while node is not None:
+                chain.append(_PathInfo(node))
+                node = node.parent
+            paths.append(tuple(reversed(chain)))
+        return tuple(paths)
+
+    def dec_lock_ref(self, node_id: int) -> None:
+        return None
+
+    def insert(self, node_id: int) -> Any:
+        return _Inserted(node_id)
+
+    def _evict_device_leaf(self, node_id: int, tracker: Any) -> None:
+        self.token_to_kv_pool_allocator._release_page_ids(_Ids([self.nodes[node_id].page]))
+
+
+class _Inserted:
+    __slots__ = ("last_device_node",)
+
+    def __init__(self, node_id: int) -> None:
+        self.last_device_node = node_id
+
+
 class _Plugin:
     """The plugin's own hooks (:mod:`blockpool.integrations.sglang.hooks`
     and ``controllers``) in audit mode around :class:`_Alloc` and
@@ -270,8 +333,8 @@ class _Plugin:
     forward ``t`` is the tail completes once forward ``t + 1`` is
     enqueued (one forward in flight)."""
 
-    def __init__(self, alloc: _Alloc) -> None:
-        from blockpool.integrations.sglang import controllers, hooks
+    def __init__(self, alloc: _Alloc, nodes: dict[int, _Node]) -> None:
+        from blockpool.integrations.sglang import controllers, hooks, tree
 
         self.hooks, self.controllers = hooks, controllers
         self.now = 0
@@ -309,6 +372,13 @@ class _Plugin:
         c = self.controller
         c.load = functools.partial(controllers.hook_load, _Controller.load, c)  # type: ignore[method-assign]
         c.write = functools.partial(controllers.hook_write, _Controller.write, c)  # type: ignore[method-assign]
+        self.cache = cache = _Cache(alloc, nodes)
+        for name, hook in (
+            ("dec_lock_ref", tree.hook_dec_lock_ref),
+            ("insert", tree.hook_insert),
+            ("_evict_device_leaf", tree.hook_evict_leaf),
+        ):
+            setattr(cache, name, functools.partial(hook, getattr(_Cache, name), cache))
         hooks.set_runtime(rt)
         alloc.clear()  # the account starts here, as at the allocator's construction
 
@@ -328,6 +398,15 @@ class _Plugin:
     def write(self, tail: int) -> str:
         self.controller.write(_Ids([0]))
         return self._verdict(self.controller.write_queue[-1], tail)
+
+    def finish(self, node: _Node) -> None:
+        """A finished request's insert and lock release, ``node`` its
+        deepest node."""
+        self.cache.insert(node.id)
+        self.cache.dec_lock_ref(node.id)
+
+    def evict(self, node: _Node) -> None:
+        self.cache._evict_device_leaf(node.id, None)
 
     def flush(self) -> None:
         c = self.controller
@@ -358,7 +437,8 @@ def replay_sglang(
         raise InvalidArgumentError(f"config must be an SGLangReplayConfig, got {config!r}")
     acct: PageAccount[int] = PageAccount(cfg.device_pages, name="replay")
     alloc = _Alloc(cfg.device_pages)
-    plugin = _Plugin(alloc) if cfg.driver == "plugin" else None
+    by_id: dict[int, _Node] = {}
+    plugin = _Plugin(alloc, by_id) if cfg.driver == "plugin" else None
     counters = TransferCounters()
     tree: dict[tuple[int, ...], _Node] = {}
     heap: list[tuple[int, int, _Node]] = []  # (last_use, seq, node), lazily checked
@@ -409,9 +489,13 @@ def replay_sglang(
             use, _, n = heapq.heappop(heap)
             if not evictable(n) or use != n.last_use:
                 continue
-            n.device = False
             evictions += 1
-            release([n.page], n.last_use if cfg.tags == "node" else tail)
+            if plugin is not None:
+                plugin.evict(n)  # the node's page, while it is still on the device
+                n.device = False
+            else:
+                n.device = False
+                release([n.page], n.last_use if cfg.tags == "node" else tail)
             if n.parent is not None:
                 n.parent.children -= 1
                 push(n.parent)
@@ -436,6 +520,8 @@ def replay_sglang(
                     r.partial.writer = tail
                     write(r.partial, tail)
                 release(r.scratch, tail)
+                if plugin is not None and r.nodes:
+                    plugin.finish(r.nodes[-1])
                 for n in r.nodes:
                     n.lock -= 1
                     n.last_use = tail
@@ -459,7 +545,8 @@ def replay_sglang(
                     key = (*key, cid)
                     node = tree.get(key)
                     if node is None:
-                        node = tree[key] = _Node(parent)
+                        node = tree[key] = _Node(parent, len(by_id) + 1)
+                        by_id[node.id] = node
                     nodes.append(node)
                     parent = node
                 while hits < len(nodes) and nodes[hits].device:
@@ -606,12 +693,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--audit",
         action="store_true",
-        help="run the plugin's own hooks in audit mode (free-time tags, LIFO) and print their counters as JSON",
+        help="run the plugin's own hooks in audit mode (node tags, LIFO) and print their counters as JSON",
     )
     a = p.parse_args(argv)
     reqs = list(read_trace(a.trace, limit=a.limit).requests) if a.trace else tiny_workload()
     if a.audit:
-        cfg = SGLangReplayConfig(a.device_pages, max_running=a.max_running, driver="plugin")
+        cfg = SGLangReplayConfig(a.device_pages, "node", max_running=a.max_running, driver="plugin")
         print(
             json.dumps(
                 {"config": attrs.asdict(cfg), **attrs.asdict(replay_sglang(reqs, cfg))}, sort_keys=True

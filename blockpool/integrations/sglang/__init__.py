@@ -48,6 +48,7 @@ __all__ = ["counters", "register"]
 def _hook_for(target: str) -> Callable[..., Any]:
     from blockpool.integrations.sglang import controllers as c
     from blockpool.integrations.sglang import hooks as h
+    from blockpool.integrations.sglang import tree as t
 
     name = target.rsplit(".", 1)[1]
     table: dict[str, Callable[..., Any]] = {
@@ -65,6 +66,10 @@ def _hook_for(target: str) -> Callable[..., Any]:
         "start_writing": c.hook_start_writing,
         "check_hicache_events": c.hook_check_events,
         "backup_kv_cache": c.hook_backup_kv_cache,
+        "dec_lock_ref": t.hook_dec_lock_ref,
+        "insert": t.hook_insert,
+        "_evict_device_leaf": t.hook_evict_leaf,
+        "_demote": t.hook_evict_leaf,
     }
     return table[name]
 

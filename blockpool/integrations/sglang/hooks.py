@@ -105,6 +105,9 @@ class Counters:
       backups: ``UnifiedRadixCache.backup_kv_cache`` copies device pages to
       the host with no write fence).
     - ``disarmed``: page accounts disarmed by a length mismatch.
+    - ``node_tagged``: evicted radix nodes whose freed pages were tagged
+      with the node's last use instead of a token at the tail
+      (:mod:`~blockpool.integrations.sglang.tree`).
     """
 
     loads: int = 0
@@ -118,6 +121,7 @@ class Counters:
     events_waited: int = 0
     races: int = 0
     disarmed: int = 0
+    node_tagged: int = 0
 
     def gain(self) -> int:
         """Exact batches that ``on`` lets start before the stream tail
@@ -164,6 +168,11 @@ class Runtime:
         self.last_take: frozenset[int] | None | _NotTaken = NOT_TAKEN
         self.loading = 0  # depth of controller ``load`` calls in progress
         self.race_logged = False
+        # Radix-node tags (tree.py): per tree cache, node id -> the token of
+        # its last use, or None where node tags are off for that cache.
+        self.node_tags: weakref.WeakKeyDictionary[Any, dict[int, int] | None] = weakref.WeakKeyDictionary()
+        # While a radix node's device pages are freed: (allocator, token, pages).
+        self.free_ctx: tuple[Any, int, int] | None = None
         self._paged_cls: type | None = None
         self._token_cls: type | None = None
 
@@ -232,6 +241,21 @@ class Runtime:
                 self._pending.popleft()
                 del self._by_seq[seq]
                 self._done = seq
+
+    def release_token(self, allocator: Any, n: int) -> int:
+        """The tag of a release of ``n`` pages (tokens for the token
+        allocator) by ``allocator``: the evicted radix node's last-use token
+        when this is the first release of that node's eviction and frees
+        exactly the node's own pages (:attr:`free_ctx`), else a token at the
+        tail now. The node's context is spent by its allocator's first
+        release either way. O(1)."""
+        ctx = self.free_ctx
+        if ctx is not None and ctx[0] is allocator:
+            self.free_ctx = None
+            if n == ctx[2]:
+                self.counters.node_tagged += 1
+                return ctx[1]
+        return self.record()
 
     def newest(self, fence: frozenset[int]) -> int:
         """The newest token of ``fence`` (0 when empty). O(len(fence))."""
@@ -370,13 +394,14 @@ def hook_clear(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
 
 def hook_release(original: Callable[..., Any], self: Any, *page_ids: Any) -> Any:
     """``PagedTokenToKVPoolAllocator._release_page_ids``: the pages join the
-    free list (or the staged pages) tagged with a token at the tail now."""
+    free list (or the staged pages) tagged with a token at the tail now, or
+    with the evicted radix node's last use (:meth:`Runtime.release_token`)."""
     rt = _armed()
     acct = None if rt is None else _shadowed(rt, self)
     if acct is None:
         return original(self, *page_ids)
     n = sum(int(p.numel()) for p in page_ids)
-    token = rt.record()  # type: ignore[union-attr]
+    token = rt.release_token(self, n)  # type: ignore[union-attr]
     result = original(self, *page_ids)
     acct.release(n, token)
     rt.check(self, acct)  # type: ignore[union-attr]
@@ -391,9 +416,11 @@ def hook_token_free(
     rt = _armed()
     acct = None if rt is None else _shadowed(rt, self)
     if acct is None or self.free_group is not None:
+        if rt is not None and rt.free_ctx is not None and rt.free_ctx[0] is self:
+            rt.free_ctx = None  # deferred: released later, outside the node's eviction
         return original(self, free_index, *args, **kwargs)
     n = int(free_index.numel())
-    token = rt.record() if n else UNBOUND  # type: ignore[union-attr]
+    token = rt.release_token(self, n) if n else UNBOUND  # type: ignore[union-attr]
     result = original(self, free_index, *args, **kwargs)
     if n:
         acct.release(n, token)

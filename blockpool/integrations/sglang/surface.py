@@ -49,6 +49,8 @@ _SWA = f"{_ALLOC}.swa.SWATokenToKVPoolAllocator"
 _HICACHE = "sglang.srt.managers.cache_controller.HiCacheController"
 _HYBRID = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
 _URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+_UTC = "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore"
+_RTC = "sglang.srt.mem_cache.rust_tree_core.adapter.RustUnifiedTreeCore"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 
 
@@ -312,6 +314,106 @@ _SURFACE_0_5_23: tuple[SurfaceEntry, ...] = (
         "e095055ae8c195c4",
         "wrap",
         "submits a device-to-host copy with no write fence: counted as a race",
+    ),
+    # Radix-node tags (tree.py): the locks, inserts and leaf evictions of the
+    # tree cache, and the tree cores' paths.
+    _e(
+        f"{_URC}.__init__",
+        "(self, params: CacheInitParams)",
+        "f28465f79ed7d781",
+        "rely",
+        "disable, tree_components, buffer_pipeline, enable_session_radix_cache, token_to_kv_pool_allocator",
+    ),
+    _e(
+        f"{_URC}.dec_lock_ref",
+        "(self, node_id: NodeId, params: DecLockRefParams, skip_swa: bool = False) -> DecLockRefResult",
+        "bb36fbdfff1dea70",
+        "wrap",
+        "a request's lock on its root-to-node path dropped: the path is tagged",
+    ),
+    _e(
+        f"{_URC}.unlock",
+        "(self, lock: Optional[TreeLock]) -> None",
+        "89ae2d9fbd17118b",
+        "rely",
+        "a TreeLock is released through dec_lock_ref",
+    ),
+    _e(
+        f"{_URC}.insert",
+        "(self, params: InsertParams) -> InsertResult",
+        "7059494fdad65977",
+        "wrap",
+        "the nodes it creates or refills lie on the path to last_device_node: the path is tagged",
+    ),
+    _e(
+        f"{_URC}._evict_device_leaf",
+        "(self, node_id: NodeId, tracker: dict[ComponentType, int]) -> Optional[BackupKV]",
+        "ca2e6f82afbe7588",
+        "wrap",
+        "frees one device leaf's pages (demoted or deleted): they carry the leaf's tag",
+    ),
+    _e(
+        f"{_URC}._demote",
+        "(self, node_id: NodeId, tracker: dict[ComponentType, int]) -> None",
+        "6eb3d4e5d18fbfd1",
+        "wrap",
+        "frees a backed-up leaf's device pages after a write-back: they carry the leaf's tag",
+    ),
+    _e(
+        f"{_URC}._apply_eviction_result",
+        "(self, result: BaseEvictionResult) -> None",
+        "73bf60a2f6a2abbf",
+        "rely",
+        "an eviction's device frees are released before its cache actions",
+    ),
+    _e(
+        f"{_URC}._drain_device_frees",
+        "(self, device_frees: dict[ComponentType, list[torch.Tensor]]) -> None",
+        "5bc0312ca914c790",
+        "rely",
+        "device frees reach the allocator per component, in order",
+    ),
+    _e(
+        f"{_URC}._apply_cache_action",
+        "(self, action: CacheAction | ComponentAction) -> None",
+        "5d6801da995762a0",
+        "rely",
+        "FreeDeviceKV reaches the allocator's free_segment",
+    ),
+    _e(
+        f"{_UTC}.collect_path_info",
+        "(self, end_node_ids: Sequence[NodeId]) -> tuple[tuple[TreePathNodeInfo, ...], ...]",
+        "9186e7bb616777de",
+        "rely",
+        "the root-to-node path with each node's FULL value length (Python tree core)",
+    ),
+    _e(
+        f"{_UTC}._new_node",
+        "(self, priority: int = 0) -> UnifiedTreeNode",
+        "a7899a8c6fa001b2",
+        "rely",
+        "node ids are counted, never reused (Python tree core)",
+    ),
+    _e(
+        f"{_UTC}.evict_device_leaf",
+        "(self, node_id: NodeId, is_write_back: bool) -> EvictDeviceLeafResult",
+        "b22ae99d3f4f30c7",
+        "rely",
+        "frees the leaf's own device value (Python tree core)",
+    ),
+    _e(
+        f"{_RTC}.collect_path_info",
+        "(self, end_node_ids: Sequence[NodeId]) -> tuple[tuple[TreePathNodeInfo, ...], ...]",
+        "49595979228b676a",
+        "rely",
+        "the root-to-node path with each node's FULL value length (Rust tree core)",
+    ),
+    _e(
+        f"{_RTC}.reset",
+        "(self) -> None",
+        "d69b49ca42280852",
+        "rely",
+        "node handles are never re-minted, a reset included (Rust tree core)",
     ),
     # The scheduler: forward launches (older-than-tail fences), where it is loaded.
     _e(
