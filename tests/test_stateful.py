@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -426,6 +426,7 @@ def run_negative_control(
         database=None,
         derandomize=True,
         suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate],  # the first failure is enough: no shrinking
     )
     with pytest.raises(exc, match=match):
         run.runTest()
