@@ -12,6 +12,7 @@ from blockpool.core._tokens import TokenOps
 from blockpool.core.block import KVCacheBlock
 from blockpool.core.errors import InvalidArgumentError, RefCountError
 from blockpool.core.hazards import LAST_STEP, AccessKind, FreeTag
+from blockpool.core.shadows import _UNSET, Readers, with_read
 
 if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
     from blockpool.core._args import ArgAccess, ArgBool, ArgToken
@@ -182,6 +183,15 @@ class RefCountOps(TokenOps):
         )
         if placed:
             last = []
+        # A read is recorded in the same pass (shadows.tag, inline): the new
+        # readers are computed once per run of blocks sharing their readers
+        # object, and each run's start and old readers are kept (``runs``)
+        # so that a refused call puts every shadow back.
+        reading = record and access is _READ
+        ended = self.tracker.is_ended
+        runs: list[tuple[int, Readers]] = []
+        last_in: object = _UNSET
+        last_out: Readers = None
         i = 0
         try:
             for i, x in enumerate(blocks):
@@ -197,6 +207,13 @@ class RefCountOps(TokenOps):
                         f"free_blocks would take block {b.block_id}'s ref count below zero "
                         f"(listed {'once' if n == 1 else f'{n} times'})"
                     )
+                if reading:
+                    r = b.readers
+                    if r is not last_in:
+                        last_out = with_read(r, token, ended)  # type: ignore[arg-type]
+                        last_in = r
+                        runs.append((i, r))
+                    b.readers = last_out
                 b.ref_cnt = rc
                 if rc == 0:
                     if b.block_hash is None:
@@ -207,6 +224,12 @@ class RefCountOps(TokenOps):
             for b in blocks[:i]:
                 if b is not null:
                     b.ref_cnt += 1
+            end = i
+            for start, old in reversed(runs):  # newest first: a block listed twice gets its first value
+                for b in blocks[start:end]:
+                    if b is not null:
+                        b.readers = old
+                end = start
             if isinstance(exc, (IndexError, AttributeError, TypeError)):
                 self._own(blocks[i])  # raises the typed error
             raise
@@ -219,7 +242,8 @@ class RefCountOps(TokenOps):
                         b.ref_cnt += 1
                 raise
         if record:
-            self._tag(blocks, token, access)  # type: ignore[arg-type]
+            if not reading:
+                self._tag(blocks, token, access)  # type: ignore[arg-type]
         elif access is _WRITE and token is not None:
             self._ended_write(blocks, token)  # type: ignore[arg-type]
         if placed:

@@ -56,6 +56,17 @@ class HoldMark(KVCacheBlock):
         self.pending = pending
 
 
+def _same_objects(a: list[Token], b: list[Token]) -> bool:
+    """Whether ``a`` and ``b`` hold the same token objects in the same
+    order (identity: Token's own ``__eq__`` is a Python function). O(k)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is not y:
+            return False
+    return True
+
+
 def _mark_of(b: KVCacheBlock) -> HoldMark | None:
     """``b``'s hold mark, or ``None`` when ``b`` is not held (a block in the
     free queue links to a block or a sentinel, an allocated one to
@@ -223,15 +234,20 @@ class HoldBack:
         """Blocks that just reached ref count 0: hold those whose shadow has
         a host token that has not ended (``ended`` tells), starting their
         leases (with ``evict_first``, remembered as such: :meth:`evict_first`);
-        return the others, in order. The decision and the pending set
-        (immutable) are made once per run of blocks with the same ``(writer,
-        readers)`` objects (blocks freed together share them), and each run
-        is held in one batch. O(len(blocks))."""
+        return the others, in order. The decision is made once per run of
+        blocks with the same ``(writer, readers)`` objects (blocks freed
+        together share them); runs whose pending host tokens are the same
+        objects as the last held run's, with no other held run between,
+        join it, and each held run is held in one batch with one pending
+        set (immutable) and one mark. O(len(blocks))."""
         free: list[KVCacheBlock] = []
-        runs: list[tuple[frozenset[Token], list[KVCacheBlock]]] = []
+        runs: list[tuple[list[Token], list[KVCacheBlock]]] = []
         run: list[KVCacheBlock] = free
+        held: list[KVCacheBlock] = free  # the last held run
+        last: list[Token] = []  # its pending tokens
         lw: object = _UNSET
         lr: object = _UNSET
+        host = StreamKind.HOST
         for b in blocks:
             w = b.writer
             r = b.readers
@@ -239,26 +255,31 @@ class HoldBack:
                 run.append(b)  # the previous block's shadow objects: its decision
                 continue
             lw, lr = w, r
-            if w is not None and w.kind is not StreamKind.HOST:
+            if w is not None and w.kind is not host:
                 w = None  # a device writer never holds a block
-            pend = None
-            if w is not None or (r is not None and (len(r) > 1 or r[0].kind is StreamKind.HOST)):
-                pend = pending_host(w, r, ended)
-            if pend is None:
-                run = free
-            else:
-                run = []
-                runs.append((pend, run))
+            run = free
+            if w is not None or (r is not None and (len(r) > 1 or r[0].kind is host)):
+                pend = [t for t in (r or ()) if t.kind is host and not ended(t)]
+                if w is not None and not ended(w):
+                    pend.insert(0, w)
+                if pend:
+                    if held is not free and _same_objects(pend, last):
+                        run = held  # the same pending tokens (objects) as the last held run: one run
+                    else:
+                        run = held = []
+                        last = pend
+                        runs.append((pend, run))
             run.append(b)
         if runs:
             held_by = self._held_by
             n = 0
-            for pend, run in runs:
-                mark = HoldMark(pend)
+            for toks, run in runs:
+                pending = frozenset(toks)
+                mark = HoldMark(pending)
                 for b in run:
                     b.next_free_block = mark
                 n += len(run)
-                for t in pend:
+                for t in pending:
                     lst = held_by.get(t)
                     if lst is None:
                         held_by[t] = run[:]
