@@ -20,6 +20,8 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 RUNNER = SCRIPTS / "vllm_parity_pass.py"
+# Tests of a script: the compiled build's run skips them (tests/conftest.py).
+pytestmark = pytest.mark.build_independent
 
 SUITE = """
 import os, sys, time, threading

@@ -405,6 +405,7 @@ def _forget_our_modules(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delattr(package, name.rsplit(".", 1)[1], raising=False)
 
 
+@pytest.mark.build_independent
 @pytest.mark.parametrize("spec", CORE_NAMES)
 def test_a_core_name_missing_leaves_vllm_exactly_as_it_was(
     monkeypatch: pytest.MonkeyPatch,
@@ -496,6 +497,7 @@ def test_installs_on_this_vllm_with_every_connector_wired(
     assert all(reference[part] for part in ("core", "shared", *CONNECTORS))
 
 
+@pytest.mark.build_independent
 @pytest.mark.parametrize("connector", CONNECTORS)
 def test_a_connector_name_missing_leaves_only_that_connector_unwired(
     monkeypatch: pytest.MonkeyPatch,
@@ -536,6 +538,7 @@ def test_a_connector_name_missing_leaves_only_that_connector_unwired(
         _assert_same(outer, _snapshot(reference["all"]))
 
 
+@pytest.mark.build_independent
 def test_a_shared_worker_hook_missing_leaves_the_worker_connectors_unwired(
     monkeypatch: pytest.MonkeyPatch,
     clean: None,
