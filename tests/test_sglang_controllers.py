@@ -134,11 +134,28 @@ def installed() -> Any:
 
 
 def runtime(mode: str) -> hooks.Runtime:
-    """A fresh runtime in ``mode`` (the module's hooks stay applied)."""
+    """A fresh runtime in ``mode`` (the module's hooks stay applied), as in
+    SGLang's scheduler process, where ``Scheduler.run_batch`` is wrapped."""
     rt = hooks.Runtime(mode)
     rt.targets = tuple(TARGETS)
+    rt.launch_hooked = True
     hooks.set_runtime(rt)
     return rt
+
+
+def launch() -> None:
+    """One forward launched: ``Scheduler.run_batch`` through the plugin's hook."""
+    hooks.hook_run_batch(lambda self: None, None)
+
+
+def queue_write(ctrl: Any, rows: torch.Tensor) -> None:
+    """``HiCacheController.write`` with its flush held back (the operation
+    stays queued, as ``HybridCacheController.write(..., flush=False)``)."""
+    ctrl.start_writing = lambda: None
+    try:
+        ctrl.write(rows, node_id=7)
+    finally:
+        del ctrl.start_writing
 
 
 def build(
@@ -175,10 +192,16 @@ def kinds(log: list[tuple[Any, ...]], start: int = 0) -> list[tuple[Any, ...]]:
     return out
 
 
-def release_then_load(ctrl: Any, alloc: Any, log: list[tuple[Any, ...]]) -> tuple[FakeEvent, int]:
-    """Free 2 pages (a token on the forward stream), load 8 tokens into them."""
+def release_then_load(
+    ctrl: Any, alloc: Any, log: list[tuple[Any, ...]], *, launched: bool = True
+) -> tuple[FakeEvent, int]:
+    """Free 2 pages (a token on the forward stream), launch a forward (the
+    token's launch token is recorded after it), load 8 tokens into the
+    pages; returns the launch token's event (the release's, unlaunched)."""
     rows = alloc.alloc(2 * PAGE)
     alloc.free(rows)
+    if launched:
+        launch()
     token_event = [e for e in log if e[0] == "record_event"][-1][2]
     mark = len(log)
     out = ctrl.load(torch.arange(2 * PAGE, dtype=torch.int64))
@@ -213,8 +236,10 @@ def test_audit_keeps_sglang_wait_stream_and_counts() -> None:
 def test_complete_fence_needs_no_wait() -> None:
     rt = runtime("on")
     ctrl, alloc, _fwd, log = build(rt)
-    token_event, mark = release_then_load(ctrl, alloc, log)
-    token_event.done = True
+    _, mark = release_then_load(ctrl, alloc, log)
+    for entry in log:  # every event recorded so far has completed
+        if entry[0] == "record_event":
+            entry[2].done = True
     ctrl.start_loading()
     assert kinds(log, mark) == [("submit", "h2d", tuple(range(4, 12)))]
     assert rt.counters.fence_complete == 1 and rt.counters.gain() == 1
@@ -282,20 +307,35 @@ def test_fence_stream_restored_after_an_exception() -> None:
     with pytest.raises(RuntimeError, match="copy failed"):
         ctrl.start_loading()
     assert ctrl.load_fence_stream is fwd
+    queue_write(ctrl, alloc.alloc(PAGE))
+    launch()
     with pytest.raises(RuntimeError, match="copy failed"):
-        ctrl.write(alloc.alloc(PAGE))  # start_writing inside
+        ctrl.start_writing()
     assert ctrl.write_fence_stream is fwd
     assert rt.counters.waits_replaced == 2  # both took the exact path
 
 
-def test_write_back_waits_on_its_token_not_the_stream() -> None:
+def test_write_back_flushed_before_a_launch_keeps_wait_stream() -> None:
+    # Its token stands for the next forward's launch, not yet made.
     rt = runtime("on")
     ctrl, alloc, fwd, log = build(rt)
     rows = alloc.alloc(PAGE)
     mark = len(log)
     ctrl.write(rows, node_id=7)
-    entries = log[mark:]
-    token = next(e for e in entries if e[0] == "record_event")[2]
+    assert kinds(log, mark) == [("wait_stream", "d2h", "forward"), ("submit", "d2h", (4, 5, 6, 7))]
+    assert ctrl.write_fence_stream is fwd
+    assert (rt.counters.writes, rt.counters.exact, rt.counters.fallback) == (1, 0, 1)
+
+
+def test_queued_write_back_waits_on_its_launch_token_not_the_stream() -> None:
+    rt = runtime("on")
+    ctrl, alloc, fwd, log = build(rt)
+    rows = alloc.alloc(PAGE)
+    queue_write(ctrl, rows)
+    launch()
+    token = [e for e in log if e[0] == "record_event"][-1][2]
+    mark = len(log)
+    ctrl.start_writing()
     assert kinds(log, mark) == [("wait_event", "d2h", token.name), ("submit", "d2h", (4, 5, 6, 7))]
     assert ctrl.write_fence_stream is fwd
     assert (rt.counters.writes, rt.counters.exact) == (1, 1)
@@ -351,15 +391,50 @@ def test_inert_when_a_target_was_not_patched(caplog: pytest.LogCaptureFixture) -
     assert rt.counters.loads == 0
 
 
-def test_fence_behind_tail_counts_a_forward_launched_after_the_release() -> None:
+def test_a_release_no_forward_was_launched_after_keeps_wait_stream() -> None:
+    # SGLang builds batch N+1, processes batch N's finished requests (their
+    # pages released), then launches N+1, whose rows may still hold them:
+    # the release's token does not cover N+1 until N+1 is launched.
+    rt = runtime("on")
+    ctrl, alloc, _fwd, log = build(rt)
+    _, mark = release_then_load(ctrl, alloc, log, launched=False)
+    ctrl.start_loading()
+    assert kinds(log, mark) == [("wait_stream", "h2d", "forward"), ("submit", "h2d", tuple(range(4, 12)))]
+    assert (rt.counters.exact, rt.counters.fallback) == (0, 1)
+
+
+def test_without_run_batch_wrapped_every_fence_keeps_wait_stream() -> None:
+    rt = runtime("on")
+    rt.launch_hooked = False  # outside SGLang's scheduler process
+    ctrl, alloc, _fwd, log = build(rt)
+    _, mark = release_then_load(ctrl, alloc, log)
+    ctrl.start_loading()
+    assert kinds(log, mark)[0] == ("wait_stream", "h2d", "forward")
+    assert rt.counters.fallback == 1
+
+
+def test_pipeline_parallelism_keeps_wait_stream() -> None:
+    rt = runtime("on")
+    ctrl, alloc, _fwd, log = build(rt)
+
+    class PipelineScheduler:
+        pp_size = 2
+
+    hooks.hook_run_batch(lambda self: None, PipelineScheduler())
+    _, mark = release_then_load(ctrl, alloc, log)
+    ctrl.start_loading()
+    assert kinds(log, mark)[0] == ("wait_stream", "h2d", "forward")
+    assert rt.loop_supported is False and rt.counters.fallback == 1
+
+
+def test_fence_behind_tail_counts_a_forward_launched_after_the_fence() -> None:
     rt = runtime("audit")
-    rt.launch_hooked = True
     ctrl, alloc, _fwd, log = build(rt)
     release_then_load(ctrl, alloc, log)
-    ctrl.start_loading()  # no forward launched since the release
+    ctrl.start_loading()  # the launch token is the tail
     assert (rt.counters.exact, rt.counters.fence_behind_tail) == (1, 0)
     release_then_load(ctrl, alloc, log)
-    hooks.hook_run_batch(lambda self: None, None)  # one forward launched
+    launch()  # one more forward launched after the launch token
     ctrl.start_loading()
     assert (rt.counters.exact, rt.counters.fence_behind_tail, rt.counters.gain()) == (2, 1, 1)
 
@@ -388,6 +463,7 @@ def test_hybrid_load_into_allocated_rows_is_exact() -> None:
     ctrl, alloc, _fwd, log = build(rt)
     rows = alloc.alloc(PAGE)
     alloc.free(rows)
+    launch()
     token = [e for e in log if e[0] == "record_event"][-1][2]
     mark = len(log)
     hybrid_of(ctrl).load(torch.arange(PAGE, dtype=torch.int64))

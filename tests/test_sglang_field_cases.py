@@ -39,7 +39,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 
 import blockpool.integrations.sglang as plugin
 from blockpool.integrations.sglang import hooks, surface
-from tests.test_sglang_controllers import PAGE, TARGETS, FakeEvent, build, kinds, runtime
+from tests.test_sglang_controllers import PAGE, TARGETS, FakeEvent, build, kinds, launch, runtime
 
 SIZE = 16
 
@@ -82,11 +82,15 @@ def test_a_load_over_two_allocations_waits_on_both_releases(mode: str) -> None:
     swa = swa_allocator()
     ctrl.mem_pool_device_allocator = swa
     full, side = swa.full_attn_allocator, swa.swa_attn_allocator
-    # The SWA rows are released first (older token), the full rows last.
+    # The SWA rows are released first, a forward is launched, then the full
+    # rows are released and another forward launched: the SWA release's
+    # launch token is the older one.
     mark = len(log)
     side.free(side.alloc(4))
+    launch()
     full.free(full.alloc(4))
-    swa_token, full_token = token_events(log, mark)
+    launch()
+    _, swa_token, _, full_token = token_events(log, mark)  # release, launch, release, launch
     # Both lists are FIFO: the released rows are at the back. Drain the front
     # so the load takes exactly the rows released above from both lists.
     full.alloc(SIZE - 4)
@@ -134,19 +138,23 @@ def test_a_prebuilt_batch_is_no_forward_launch() -> None:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     rt = runtime("audit")
-    rt.launch_hooked = True
     ctrl, alloc, _fwd, _log = build(rt)
+    prebuilt = MagicMock(forward_mode=ForwardMode.PREBUILT)
+    extend = MagicMock(forward_mode=ForwardMode.EXTEND)
     alloc.free(alloc.alloc(PAGE))
     ctrl.load(torch.arange(PAGE, dtype=torch.int64))
-    prebuilt = MagicMock()
-    prebuilt.forward_mode = ForwardMode.PREBUILT
     hooks.hook_run_batch(lambda self, batch: None, None, prebuilt)  # no forward enqueued
-    ctrl.start_loading()
+    ctrl.start_loading()  # the release's token has no launch after it yet
+    assert (rt.counters.exact, rt.counters.fallback, rt.launches) == (0, 1, 0)
+    alloc.free(alloc.alloc(PAGE))
+    hooks.hook_run_batch(lambda self, batch: None, None, extend)  # one forward: the launch token
+    ctrl.load(torch.arange(PAGE, dtype=torch.int64))
+    hooks.hook_run_batch(lambda self, batch: None, None, prebuilt)
+    ctrl.start_loading()  # the launch token is still the tail
     assert (rt.counters.exact, rt.counters.fence_behind_tail, rt.counters.gain()) == (1, 0, 0)
     alloc.free(alloc.alloc(PAGE))
+    hooks.hook_run_batch(lambda self, batch: None, None, extend)
     ctrl.load(torch.arange(PAGE, dtype=torch.int64))
-    extend = MagicMock()
-    extend.forward_mode = ForwardMode.EXTEND
-    hooks.hook_run_batch(lambda self, batch: None, None, extend)  # one forward
+    hooks.hook_run_batch(lambda self, batch: None, None, extend)  # a forward after the launch token
     ctrl.start_loading()
     assert (rt.counters.exact, rt.counters.fence_behind_tail, rt.counters.gain()) == (2, 1, 1)

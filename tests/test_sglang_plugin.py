@@ -162,4 +162,5 @@ def test_check_sglang_surface_command(tmp_path: Path) -> None:
     lines = proc.stdout.splitlines()
     assert lines[0] == "SGLang 0.5.23; declared line 0.5.23"
     assert len(lines) == 1 + len(surface.SUPPORTED_SGLANG["0.5.23"])
-    assert lines[-1].endswith("not loaded") and "Scheduler.run_batch" in lines[-1]
+    run_batch = [line for line in lines if "Scheduler.run_batch" in line]
+    assert len(run_batch) == 1 and run_batch[0].endswith("not loaded")

@@ -81,6 +81,7 @@ def installed() -> Any:
 def runtime() -> tuple[hooks.Runtime, Stream]:
     rt = hooks.Runtime("audit")
     rt.targets = tuple(TARGETS)
+    rt.launch_hooked = True  # as in SGLang's scheduler process
     hooks.set_runtime(rt)
     stream = Stream()
     rt.bind(stream)
@@ -126,7 +127,11 @@ class Driver:
         self.last_use: dict[int, int] = {}  # page id -> position of its last forward
         self.running: list[tuple[Any, list[int], torch.Tensor]] = []  # (lock, tokens, kv indices)
         self.history: list[list[int]] = []  # finished sequences, continued as later turns
+        # Pages of requests released while the next batch was built but not
+        # launched (overlap disabled for it): that batch still holds their rows.
+        self.overshoot: set[int] = set()
         self.fences = 0
+        self.unknown = 0
         self.early = 0
         # a few shared prefixes, so requests share (and split) nodes
         self.prefixes = [[rng.randrange(1, 500) for _ in range(page * rng.randrange(1, 4))] for _ in range(4)]
@@ -136,9 +141,15 @@ class Driver:
         return {int(i) // self.page for i in indices.tolist()}
 
     def forward(self, pages: set[int]) -> None:
+        """Launch one forward that reads or writes ``pages`` (and the rows a
+        released request still has in the batch built before its release),
+        then ``run_batch`` returns: the plugin's launch hook."""
         self.stream.pos += 1
-        for p in pages:
+        for p in pages | self.overshoot:
             self.last_use[p] = self.stream.pos
+        self.overshoot = set()
+        self.rt.launches += 1
+        self.rt.launched()
 
     def path_pages(self, node: Any) -> set[int]:
         (path,) = self.cache.tree_core.collect_path_info([node])
@@ -154,6 +165,10 @@ class Driver:
         if fence is None or isinstance(fence, hooks._NotTaken):
             return
         assert hooks.fence_known(fence), fence
+        fence = self.rt.effective_fence(fence)  # what start_loading waits on
+        if fence is None:
+            self.unknown += 1  # a token no forward was launched after: wait_stream
+            return
         covered = max((self.rt._by_seq[t][0].pos for t in fence), default=0)
         need = max((self.last_use.get(p, 0) for p in self.pages_of(got)), default=0)
         assert need <= covered, f"fence covers forward {covered}, a page was last used by forward {need}"
@@ -205,8 +220,25 @@ class Driver:
         if pages:
             self.forward(pages)
 
+    def release_rows(self, kv: torch.Tensor) -> None:
+        # Half the time the release happens after the next batch was built
+        # with the request's row (overlap disabled for that batch).
+        if self.rng.random() < 0.5:
+            self.overshoot |= self.pages_of(kv)
+
+    def abort(self) -> None:
+        """A request released without an insert (aborted or retracted): its
+        new pages go back, its lock is dropped."""
+        lock, _toks, kv = self.running.pop(self.rng.randrange(len(self.running)))
+        protected = self.path_len(lock.node if lock is not None else None)
+        self.release_rows(kv)
+        if len(kv) > protected:
+            self.alloc.free(kv[protected:])
+        self.cache.unlock(lock)
+
     def finish(self) -> None:
         lock, toks, kv = self.running.pop(self.rng.randrange(len(self.running)))
+        self.release_rows(kv)
         # As SGLang's cache_finished_req: the matched prefix is the tree's
         # own (prev_prefix_len); the insert frees the request's duplicates of
         # what other requests inserted meanwhile.
@@ -233,8 +265,10 @@ class Driver:
             r = self.rng.random()
             if r < 0.35 and len(self.running) < 4:
                 self.start()
-            elif r < 0.6 and self.running:
+            elif r < 0.55 and self.running:
                 self.finish()
+            elif r < 0.62 and self.running:
+                self.abort()
             elif r < 0.8:
                 self.load()
             else:
@@ -249,6 +283,7 @@ def test_node_tags_never_weaker_than_the_pages_last_forward(page: int, backend: 
     d = Driver(page, backend, random.Random(seed))
     d.run(160)
     assert d.rt.node_tags.get(d.cache) is not None  # node tags stayed on
+    assert d.fences > 0  # not vacuous: exact fences were checked
 
 
 @pytest.mark.parametrize("backend", ["rust", "python"])
@@ -259,20 +294,39 @@ def test_node_tags_let_eviction_fed_allocations_start_before_the_tail(backend: s
     assert d.fences > 0 and d.early > 0, (d.fences, d.early)
 
 
+def caught(runs: int = 16, steps: int = 300) -> int:
+    """How many seeded driver runs the oracle stops."""
+    n = 0
+    for seed in range(runs):
+        try:
+            Driver(4, "rust", random.Random(seed)).run(steps)
+        except AssertionError:
+            n += 1
+    return n
+
+
 def test_tags_on_the_anchor_alone_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     # Negative control: a lock's release that tags its anchor node but not
     # the ancestors the request also read leaves older tags on them.
     def anchor_only(rt: hooks.Runtime, cache: Any, tags: Any, node_id: Any) -> None:
         tags[int(node_id)] = rt.record()
 
-    monkeypatch.setattr(tree, "_tag_path", anchor_only)
-    caught = 0
-    for seed in range(16):
-        try:
-            Driver(4, "rust", random.Random(seed)).run(300)
-        except AssertionError:
-            caught += 1
-    assert caught > 0
+    monkeypatch.setattr(tree, "_tag_unlock", anchor_only)
+    assert caught() > 0
+
+
+def test_an_unlock_that_tags_nothing_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Negative control: the inserts still tag their paths; an aborted
+    # request's prefix (no insert) keeps the tag from before it was read.
+    monkeypatch.setattr(tree, "_tag_unlock", lambda *args: None)
+    assert caught() > 0
+
+
+def test_a_release_taken_as_final_before_the_next_launch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Negative control: without launch tokens, a release recorded before
+    # the batch built ahead of it is launched misses that batch's rows.
+    monkeypatch.setattr(hooks.Runtime, "effective_fence", lambda self, fence: fence)
+    assert caught() > 0
 
 
 def test_node_tags_are_off_for_a_cache_with_a_buffer_pipeline() -> None:
@@ -298,7 +352,7 @@ def test_an_unreadable_path_turns_node_tags_off_with_one_line(caplog: pytest.Log
         tree._tag_path(rt, cache, tags, 5)  # type: ignore[arg-type]
     assert rt.node_tags[cache] is None  # off for good: no older tag is trusted again
     want = (
-        "blockpool: radix-node tags off for this cache (the path of node 5 could not be read: "
+        "blockpool: radix-node tags off for this cache (the path of node 5 could not be tagged: "
         "RuntimeError('binding gone')); frees are tagged at the stream tail"
     )
     assert [r.getMessage() for r in caplog.records if "radix-node tags off" in r.getMessage()] == [want]
@@ -313,6 +367,10 @@ def test_the_sweep_drops_the_tags_of_deleted_nodes_only() -> None:
     result = cache.insert(InsertParams(key=RadixKey(array("q", toks)), value=alloc.alloc(8)))
     live = int(result.last_device_node)
     assert tags.get(live) is not None  # the insert tagged its path
-    tags[10**9] = 1  # a node that is not in the tree
-    tree._prune(rt, cache, tags)  # type: ignore[arg-type]
-    assert live in tags and 10**9 not in tags and tags.kept == len(tags)
+    tags[10**9] = 1  # a node that is not in the tree, checked last
+    before = dict(tags)
+    tree._sweep(rt, cache, tags, len(tags) - 1)  # type: ignore[arg-type]
+    assert tags == before  # the live ones checked and kept
+    tree._sweep(rt, cache, tags, 1)  # type: ignore[arg-type]
+    assert 10**9 not in tags and tags == {k: v for k, v in before.items() if k != 10**9}
+    assert live in tags

@@ -385,9 +385,12 @@ class _Plugin:
     def launch(self, step: int) -> None:
         self.now = step
         self.rt.launches += 1
+        self.rt.launched()  # run_batch returned: the tokens before it are promoted
 
     def _verdict(self, op: _Op, tail: int) -> Literal["early", "tail", "unknown"]:
         fence = self.rt.op_fences.get(op)
+        if fence is not None:
+            fence = self.rt.effective_fence(fence)  # launch tokens; None while one is provisional
         return classify(None if fence is None else frozenset(self.ticks[t] for t in fence), tail)
 
     def load(self, n: int, tail: int) -> tuple[_Ids, str]:

@@ -13,7 +13,9 @@
   tree: no forward enqueued later writes them); side-pool transfers leave
   it unknown.
 - ``start_loading`` / ``start_writing`` (``HiCacheController``, inherited
-  by ``HybridCacheController``): the queued operations' fences are merged.
+  by ``HybridCacheController``): the queued operations' fences are merged,
+  each token replaced by its launch token (``Runtime.effective``: a token
+  no forward was launched after yet leaves the fence unknown).
   In ``audit`` the original runs unchanged (SGLang's ``wait_stream`` kept)
   and the batch is counted. In ``on``, where every fence is known and the
   controller's fence stream is the bound forward stream, the transfer
@@ -129,15 +131,18 @@ def _start(
         c.loads += 1
     else:
         c.writes += 1
+    raw = fence
+    if fence is not None:
+        fence = rt.effective_fence(fence)  # None: a token no forward was launched after yet
     if fence is None or fence_stream is None or fence_stream is not rt.stream:
         c.fallback += 1
         return original(self)
     c.exact += 1
     newest = rt.newest(fence)
     events = []
-    if newest == 0:
+    if not raw:
         c.fence_empty += 1
-    elif rt.event_of(newest) is None:
+    elif newest == 0 or rt.event_of(newest) is None:
         c.fence_complete += 1
     else:
         if rt.launched_after(newest):

@@ -6,7 +6,21 @@ hooks on the allocators (the controllers' are in
 Tokens. A token is an int sequence number; the :class:`Runtime` keeps, for
 each token not yet complete, the event it recorded on the tail of the
 forward stream (``stream.record_event()``) and the number of forwards
-launched by then. The forward stream is SGLang's ``load_fence_stream`` of
+launched by then.
+
+A token covers the forwards enqueued before it, but not a batch SGLang
+built before it and launches after it: with overlap disabled for a batch
+(``is_disable_overlap_for_batch``: a grammar under speculative decoding,
+consecutive prefills with ``SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP``),
+the scheduler builds batch N+1, processes batch N's results (the releases
+of its finished requests), then launches N+1, whose rows may still include
+those requests for one step. So a token stands for the *launch token*
+recorded after the first forward launched after it (``Scheduler.run_batch``
+returned): at most one batch is built and not yet launched at any time in
+SGLang's loops. Until that launch the token is provisional, and a fence
+holding one keeps SGLang's ``wait_stream`` (:meth:`Runtime.effective`).
+Where ``run_batch`` is not wrapped, or pipeline parallelism keeps several
+batches in flight, no token is ever promoted. The forward stream is SGLang's ``load_fence_stream`` of
 the HiCache controller, bound at the first hook that sees it (each
 scheduler step's ``check_hicache_events`` does). Completion is polled with
 ``event.query()`` from the oldest token on, at each transfer: the stream is
@@ -44,6 +58,7 @@ logger = logging.getLogger("blockpool.integrations.sglang")
 __all__ = [
     "ENV_MODE",
     "MODES",
+    "PROVISIONAL",
     "UNBOUND",
     "Counters",
     "Runtime",
@@ -59,6 +74,10 @@ MODES = ("off", "audit", "on")
 
 UNBOUND = -1
 """The tag of pages released before a forward stream was bound."""
+
+PROVISIONAL = -2
+"""What :meth:`Runtime.effective` answers for a token no forward has been
+launched after yet."""
 
 _OFF = {"0", "off", "false", "no"}
 
@@ -90,7 +109,8 @@ class Counters:
     - ``exact``: batches whose fence the accounts could show exactly.
     - ``fallback``: batches left to SGLang's ``wait_stream`` (a fence the
       accounts cannot show: unshadowed allocator, sorted merge, caller-owned
-      rows, side-pool transfers, a disarmed account, an unbound stream).
+      rows, side-pool transfers, a disarmed account, an unbound stream, a
+      token no forward was launched after yet).
     - ``fence_empty``: exact batches with nothing to wait on.
     - ``fence_complete``: exact batches whose newest token had completed
       when the batch was submitted.
@@ -163,6 +183,13 @@ class Runtime:
         self._by_seq: dict[int, tuple[Any, int]] = {}
         self.launches = 0
         self.launch_hooked = False
+        self.loop_supported = True  # False under pipeline parallelism (several batches in flight)
+        # Launch tokens: tokens recorded since the last launch wait for the
+        # next one; each launch that has some records (highest, launch token).
+        self._unpromoted: list[int] = []
+        self._promoted: list[tuple[int, int]] = []
+        self._promoted_head = 0
+        self._promoted_done = 0  # every token <= this has a complete launch token
         self.accounts: weakref.WeakKeyDictionary[Any, PageAccount[int]] = weakref.WeakKeyDictionary()
         self.op_fences: weakref.WeakKeyDictionary[Any, frozenset[int] | None] = weakref.WeakKeyDictionary()
         self.last_take: frozenset[int] | None | _NotTaken = NOT_TAKEN
@@ -228,7 +255,54 @@ class Runtime:
             seq = self._seq
             self._pending.append((seq, event, self.launches))
             self._by_seq[seq] = (event, self.launches)
+            self._unpromoted.append(seq)
         return seq
+
+    def launched(self) -> None:
+        """A forward was just enqueued (``Scheduler.run_batch`` returned): the
+        tokens recorded since the previous launch are promoted to a launch
+        token recorded now. O(1) amortized."""
+        with self._lock:
+            if not self._unpromoted or self.stream is None:
+                return
+            highest = self._unpromoted[-1]
+            launch = self.record()  # recorded after the launch: itself final
+            self._unpromoted.clear()
+            self._promoted.append((highest, launch))
+
+    def effective(self, seq: int) -> int:
+        """The launch token standing for token ``seq`` (see the module's
+        docstring): ``0`` when complete, :data:`PROVISIONAL` when no forward
+        was launched after it yet (or never will be known: ``run_batch`` not
+        wrapped, pipeline parallelism). O(log #launches not yet complete)."""
+        if not self.launch_hooked or not self.loop_supported:
+            return PROVISIONAL
+        with self._lock:
+            if seq <= self._promoted_done:
+                return 0
+            lo, hi = self._promoted_head, len(self._promoted)
+            if lo == hi or seq > self._promoted[hi - 1][0]:
+                return PROVISIONAL
+            while lo < hi:  # the first launch whose highest token is >= seq
+                mid = (lo + hi) // 2
+                if self._promoted[mid][0] < seq:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            launch = self._promoted[lo][1]
+        return 0 if launch <= self._done else launch
+
+    def effective_fence(self, fence: frozenset[int]) -> frozenset[int] | None:
+        """The launch tokens standing for ``fence``'s tokens, the complete
+        ones left out; ``None`` when one is provisional. O(k log n)."""
+        out: set[int] = set()
+        for seq in fence:
+            e = self.effective(seq)
+            if e == PROVISIONAL:
+                return None
+            if e:
+                out.add(e)
+        return frozenset(out)
 
     def poll(self) -> None:
         """Mark complete the tokens whose events have completed, oldest
@@ -241,6 +315,13 @@ class Runtime:
                 self._pending.popleft()
                 del self._by_seq[seq]
                 self._done = seq
+            promoted = self._promoted
+            while self._promoted_head < len(promoted) and promoted[self._promoted_head][1] <= self._done:
+                self._promoted_done = promoted[self._promoted_head][0]
+                self._promoted_head += 1
+            if self._promoted_head > 1024 and self._promoted_head * 2 > len(promoted):
+                del promoted[: self._promoted_head]
+                self._promoted_head = 0
 
     def release_token(self, allocator: Any, n: int) -> int:
         """The tag of a release of ``n`` pages (tokens for the token
@@ -482,11 +563,20 @@ def hook_merge(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
 def hook_run_batch(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     """``Scheduler.run_batch``: one forward launched on the forward stream
     (a prebuilt batch, PD decode's placeholder, launches none: SGLang
-    returns ``_run_batch_prebuilt`` for it before any forward)."""
+    returns ``_run_batch_prebuilt`` for it before any forward); once it is
+    enqueued, the tokens recorded before it are promoted
+    (:meth:`Runtime.launched`)."""
     rt = _armed()
-    if rt is not None:
-        batch = args[0] if args else kwargs.get("batch")
-        mode = getattr(batch, "forward_mode", None)
-        if not (mode is not None and mode.is_prebuilt()):
-            rt.launches += 1
-    return original(self, *args, **kwargs)
+    if rt is None:
+        return original(self, *args, **kwargs)
+    if getattr(self, "pp_size", 1) != 1:
+        rt.loop_supported = False  # several micro-batches in flight
+    batch = args[0] if args else kwargs.get("batch")
+    mode = getattr(batch, "forward_mode", None)
+    launches = not (mode is not None and mode.is_prebuilt())
+    if launches:
+        rt.launches += 1
+    result = original(self, *args, **kwargs)
+    if launches:
+        rt.launched()
+    return result

@@ -52,6 +52,8 @@ _URC = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 _UTC = "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore"
 _RTC = "sglang.srt.mem_cache.rust_tree_core.adapter.RustUnifiedTreeCore"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_DECODE = "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin"
+_PREFILL = "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
 
 
 @dataclass(frozen=True)
@@ -392,7 +394,14 @@ _SURFACE_0_5_23: tuple[SurfaceEntry, ...] = (
         "(self, priority: int = 0) -> UnifiedTreeNode",
         "a7899a8c6fa001b2",
         "rely",
-        "node ids are counted, never reused (Python tree core)",
+        "every node is built through UnifiedTreeNode (Python tree core)",
+    ),
+    _e(
+        "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeNode.__init__",
+        "(self, tree_components: tuple[ComponentType, ...], priority: int = 0)",
+        "c95189e72bc30f52",
+        "rely",
+        "node ids come from a class counter, never reused (Python tree core)",
     ),
     _e(
         f"{_UTC}.evict_device_leaf",
@@ -423,6 +432,57 @@ _SURFACE_0_5_23: tuple[SurfaceEntry, ...] = (
         "c314c0d4b02c8565",
         "wrap",
         "launches one forward on the forward stream",
+        optional=True,
+    ),
+    # The scheduler loops: each builds a batch and launches it before it
+    # builds the next (results may be processed in between): at most one
+    # batch built and not launched, so a token stands for the next launch.
+    _e(
+        f"{_SCHED}.event_loop_normal",
+        "(self)",
+        "e1b4f1cdca2d5dfd",
+        "rely",
+        "build, launch, process: one batch built and not launched at most",
+        optional=True,
+    ),
+    _e(
+        f"{_SCHED}.event_loop_overlap",
+        "(self)",
+        "a6c1681f722ae8cc",
+        "rely",
+        "build N+1, maybe process N, launch N+1: one batch built and not launched at most",
+        optional=True,
+    ),
+    _e(
+        f"{_DECODE}.event_loop_normal_disagg_decode",
+        "(self: Scheduler)",
+        "da89eb8970efb494",
+        "rely",
+        "PD decode: one batch built and not launched at most",
+        optional=True,
+    ),
+    _e(
+        f"{_DECODE}.event_loop_overlap_disagg_decode",
+        "(self: Scheduler)",
+        "be4d68288fd765bb",
+        "rely",
+        "PD decode with overlap: one batch built and not launched at most",
+        optional=True,
+    ),
+    _e(
+        f"{_PREFILL}.event_loop_normal_disagg_prefill",
+        "(self: Scheduler) -> None",
+        "4abff1726ded95b0",
+        "rely",
+        "PD prefill: one batch built and not launched at most",
+        optional=True,
+    ),
+    _e(
+        f"{_PREFILL}.event_loop_overlap_disagg_prefill",
+        "(self: Scheduler) -> None",
+        "64c1e0435c618dbd",
+        "rely",
+        "PD prefill with overlap: each batch launched as soon as it is built",
         optional=True,
     ),
 )

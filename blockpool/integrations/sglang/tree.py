@@ -25,7 +25,9 @@ in the tree by ``insert`` after those forwards were enqueued. So:
 
 A node's tag is never older than the last forward enqueued for it: each
 lock's release and each insert tags the whole path with a token recorded
-after it. A node with no tag (created by a split, or before the hooks were
+after it (and a fence stands for the token's launch token, which also
+covers a batch built before the release and launched after it:
+:mod:`~blockpool.integrations.sglang.hooks`). A node with no tag (created by a split, or before the hooks were
 armed) is freed with a token at the tail. Node handles are never re-minted
 (SGLang's Rust tree core says so; the Python one counts them), so a tag
 never outlives its node's meaning.
@@ -51,25 +53,26 @@ logger = logging.getLogger("blockpool.integrations.sglang")
 __all__ = ["hook_dec_lock_ref", "hook_evict_leaf", "hook_insert", "node_tags_of"]
 
 _UNSET = object()
-_PRUNE_FLOOR = 4096  # tags kept before the first sweep of deleted nodes
+_SWEEP = 2  # tags checked for deleted nodes per path tagged
 
 
 class _Tags(dict[int, int]):
-    """Node id → token of its last use; ``kept``: the size after the last
-    sweep of deleted nodes."""
-
-    kept = 0
+    """Node id → token of its last use, least recently written or checked
+    first."""
 
 
 def _plain(rt: _h.Runtime, cache: Any) -> bool:
-    alloc = getattr(cache, "token_to_kv_pool_allocator", None)
-    return (
-        not cache.disable
-        and [getattr(c, "name", None) for c in cache.tree_components] == ["FULL"]  # ComponentType.FULL
-        and cache.buffer_pipeline is None
-        and not cache.enable_session_radix_cache
-        and (type(alloc) is rt._paged_cls or type(alloc) is rt._token_cls)
-    )
+    try:
+        alloc = cache.token_to_kv_pool_allocator
+        return (
+            not cache.disable
+            and [getattr(c, "name", None) for c in cache.tree_components] == ["FULL"]  # ComponentType.FULL
+            and cache.buffer_pipeline is None
+            and not cache.enable_session_radix_cache
+            and (type(alloc) is rt._paged_cls or type(alloc) is rt._token_cls)
+        )
+    except Exception:  # noqa: BLE001  (a cache built without its __init__: no node tags)
+        return False
 
 
 def node_tags_of(rt: _h.Runtime, cache: Any) -> dict[int, int] | None:
@@ -94,31 +97,40 @@ def _tag_path(rt: _h.Runtime, cache: Any, tags: _Tags, node_id: Any) -> None:
     try:
         (path,) = cache.tree_core.collect_path_info([node_id])
         ids = [int(info.node_id) for info in path]
-    except Exception as exc:  # noqa: BLE001  (a path not read leaves older tags: stop trusting them)
-        _off(rt, cache, f"the path of node {node_id!r} could not be read: {exc!r}")
+        if not ids:
+            return  # the root: no pages
+        token = rt.record()
+    except Exception as exc:  # noqa: BLE001  (a path not tagged leaves older tags: stop trusting them)
+        _off(rt, cache, f"the path of node {node_id!r} could not be tagged: {exc!r}")
         return
-    if not ids:
-        return  # the root: no pages
-    token = rt.record()
     for i in ids:
+        tags.pop(i, None)
         tags[i] = token
-    if len(tags) > max(_PRUNE_FLOOR, 2 * tags.kept):
-        _prune(rt, cache, tags)
+    _sweep(rt, cache, tags, _SWEEP)
 
 
-def _prune(rt: _h.Runtime, cache: Any, tags: _Tags) -> None:
-    # Drop the tags of nodes no longer in the tree (amortized O(depth) per
-    # tag: the sweep runs when the table has doubled since the last one).
+def _tag_unlock(rt: _h.Runtime, cache: Any, tags: _Tags, node_id: Any) -> None:
+    # A lock released: its root-to-node path (a name of its own, so a test
+    # can take the unlock's tagging away and see the oracle catch it).
+    _tag_path(rt, cache, tags, node_id)
+
+
+def _sweep(rt: _h.Runtime, cache: Any, tags: _Tags, n: int) -> None:
+    # Check the n least recently written or checked tags: a node no longer
+    # in the tree loses its tag, a live one goes to the back. O(n) per
+    # call, so the table holds the live nodes plus the deleted ones not yet
+    # reached, with no pause to sweep it whole.
     try:
-        for i in list(tags):
+        for _ in range(min(n, len(tags))):
+            i = next(iter(tags))
+            token = tags.pop(i)
             try:
                 cache.tree_core.collect_path_info([i])
             except KeyError:
-                del tags[i]
+                continue
+            tags[i] = token
     except Exception as exc:  # noqa: BLE001  (never out of the tree cache: node tags go off)
         _off(rt, cache, f"a sweep of deleted nodes failed: {exc!r}")
-        return
-    tags.kept = len(tags)
 
 
 def hook_dec_lock_ref(
@@ -132,7 +144,7 @@ def hook_dec_lock_ref(
         rt = _h._armed()
         tags = None if rt is None else node_tags_of(rt, self)
         if tags is not None:
-            _tag_path(rt, self, tags, node_id)  # type: ignore[arg-type]
+            _tag_unlock(rt, self, tags, node_id)  # type: ignore[arg-type]
 
 
 def hook_insert(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
