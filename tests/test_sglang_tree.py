@@ -329,11 +329,29 @@ def test_a_release_taken_as_final_before_the_next_launch_is_caught(monkeypatch: 
     assert caught() > 0
 
 
-def test_node_tags_are_off_for_a_cache_with_a_buffer_pipeline() -> None:
+@pytest.mark.parametrize(
+    ("attr", "value"),
+    [
+        ("buffer_pipeline", object()),  # buffer mode pins bypass the cache's locks
+        ("enable_session_radix_cache", True),
+        ("disable", True),
+        ("tree_components", (ComponentType.FULL, ComponentType.SWA)),
+        ("token_to_kv_pool_allocator", object()),  # an allocator the accounts do not shadow
+    ],
+)
+def test_node_tags_are_off_where_the_cache_is_not_plain(attr: str, value: Any) -> None:
     rt, _ = runtime()
+    rt._paged_cls, rt._token_cls = PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # as arm() sets
+    plain, _ = build(4, "rust")
+    assert tree.node_tags_of(rt, plain) is not None
     cache, _ = build(4, "rust")
-    cache.buffer_pipeline = object()  # buffer mode pins bypass the cache's locks
+    setattr(cache, attr, value)
     assert tree.node_tags_of(rt, cache) is None
+
+
+def test_a_cache_built_without_its_init_gets_no_node_tags() -> None:
+    rt, _ = runtime()
+    assert tree.node_tags_of(rt, object.__new__(UnifiedRadixCache)) is None
 
 
 class _BrokenCore:
