@@ -62,10 +62,8 @@ _HOST = StreamKind.HOST
 _READ = AccessKind.READ
 _WRITE = AccessKind.WRITE
 
-_COUNTERS = (
-    "fences",
+_COUNTERS = (  # in a dict; the fence counts (one or two per fence) are native ints: _n_fences, _n_empty_fences
     "fence_tokens",
-    "empty_fences",
     "host_wait_fences",
     "max_fence_size",
     "abandoned",
@@ -124,6 +122,8 @@ class PoolBase:
     _announced: set[KVCacheBlock]  # published before any write since their allocation
     kv_event_queue: list[KVCacheEvent]
     _counters: dict[str, int]
+    _n_fences: int
+    _n_empty_fences: int
     _key_map: dict[Hashable, KVCacheBlock | dict[int, KVCacheBlock]]
     _hits: int
     _misses: int
@@ -305,12 +305,12 @@ class PoolBase:
     def _fence(self, groups: Iterable[tuple[list[KVCacheBlock], AccessKind]], st: StreamState) -> Fence:
         """:func:`~blockpool.core.shadows.fence_of`, counted. O(blocks + k^2)."""
         fence = fence_of(groups, st, self.tracker, self.debug)
-        c = self._counters
-        c["fences"] += 1
+        self._n_fences += 1
         n = len(fence.tokens)
         if not n:
-            c["empty_fences"] += 1
+            self._n_empty_fences += 1
             return fence
+        c = self._counters
         c["fence_tokens"] += n
         c["max_fence_size"] = max(c["max_fence_size"], n)
         if fence.needs_host_wait:

@@ -110,10 +110,10 @@ class FenceOps(CacheOps):
         """
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
-        self.tracker.validate(token)
+        st = self.tracker.validate(token)
         access = self._check_access(access)
         block_list = self._own_all(blocks)
-        if self.track_hazards and not self.tracker.is_ended(token):
+        if self.track_hazards and not st.is_ended(token.seq):
             if access is _WRITE:
                 self._check_write_order(block_list, token)
             self._tag(block_list, token, access)

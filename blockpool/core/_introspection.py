@@ -324,6 +324,8 @@ class IntrospectionOps(PoolBase):
         pc = self.prefix_cache
         return {
             **self._counters,
+            "fences": self._n_fences,
+            "empty_fences": self._n_empty_fences,
             "lookups": self._hits + self._misses,
             "hits": self._hits,
             "evictions": pc.evictions,

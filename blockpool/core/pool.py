@@ -290,6 +290,8 @@ class HazardAwareBlockPool(RefCountOps):
         self._track_fills = bool(enable_caching) and len(self.tracker.streams) > 1
 
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._n_fences = 0
+        self._n_empty_fences = 0
         # _apply_completions tests these two: the completion inbox (a
         # deque, appended from any thread) and whether leases are on; the
         # hot calls test _due, truthy exactly when one of them is (one
