@@ -413,18 +413,41 @@ def test_without_run_batch_wrapped_every_fence_keeps_wait_stream() -> None:
     assert rt.counters.fallback == 1
 
 
-def test_pipeline_parallelism_keeps_wait_stream() -> None:
+def test_a_run_batch_that_raises_launches_nothing_and_promotes_nothing() -> None:
     rt = runtime("on")
     ctrl, alloc, _fwd, log = build(rt)
 
-    class PipelineScheduler:
-        pp_size = 2
+    def failing(self: Any) -> None:
+        raise RuntimeError("forward failed")
 
-    hooks.hook_run_batch(lambda self: None, PipelineScheduler())
-    _, mark = release_then_load(ctrl, alloc, log)
+    _, mark = release_then_load(ctrl, alloc, log, launched=False)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        hooks.hook_run_batch(failing, None)
+    ctrl.start_loading()
+    assert rt.launches == 0
+    assert kinds(log, mark)[0] == ("wait_stream", "h2d", "forward")
+    assert rt.counters.fallback == 1
+
+
+def test_an_event_that_cannot_be_recorded_keeps_wait_stream_and_raises_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rt = runtime("on")
+    ctrl, alloc, fwd, log = build(rt)
+
+    def broken(event: Any = None) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    fwd.record_event = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="blockpool.integrations.sglang"):
+        alloc.free(alloc.alloc(2 * PAGE))  # a release and a launch, neither recorded
+        launch()
+        mark = len(log)
+        ctrl.load(torch.arange(2 * PAGE, dtype=torch.int64))
     ctrl.start_loading()
     assert kinds(log, mark)[0] == ("wait_stream", "h2d", "forward")
-    assert rt.loop_supported is False and rt.counters.fallback == 1
+    assert rt.counters.fallback == 1
+    assert len([r for r in caplog.records if "recording an event" in r.getMessage()]) == 1
 
 
 def test_fence_behind_tail_counts_a_forward_launched_after_the_fence() -> None:

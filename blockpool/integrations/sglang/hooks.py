@@ -16,11 +16,13 @@ the scheduler builds batch N+1, processes batch N's results (the releases
 of its finished requests), then launches N+1, whose rows may still include
 those requests for one step. So a token stands for the *launch token*
 recorded after the first forward launched after it (``Scheduler.run_batch``
-returned): at most one batch is built and not yet launched at any time in
-SGLang's loops. Until that launch the token is provisional, and a fence
-holding one keeps SGLang's ``wait_stream`` (:meth:`Runtime.effective`).
-Where ``run_batch`` is not wrapped, or pipeline parallelism keeps several
-batches in flight, no token is ever promoted. The forward stream is SGLang's ``load_fence_stream`` of
+returned): each of SGLang's loops that launch through ``run_batch`` builds
+at most one batch ahead of its launch (the loops are declared in the
+surface). Until that launch the token is provisional, and a fence holding
+one keeps SGLang's ``wait_stream`` (:meth:`Runtime.effective`). Where
+``run_batch`` is not wrapped, no token is ever promoted. A token that
+cannot be recorded (``record_event`` raising) is :data:`UNBOUND`: its
+fences keep ``wait_stream``. The forward stream is SGLang's ``load_fence_stream`` of
 the HiCache controller, bound at the first hook that sees it (each
 scheduler step's ``check_hicache_events`` does). Completion is polled with
 ``event.query()`` from the oldest token on, at each transfer: the stream is
@@ -183,7 +185,6 @@ class Runtime:
         self._by_seq: dict[int, tuple[Any, int]] = {}
         self.launches = 0
         self.launch_hooked = False
-        self.loop_supported = True  # False under pipeline parallelism (several batches in flight)
         # Launch tokens: tokens recorded since the last launch wait for the
         # next one; each launch that has some records (highest, launch token).
         self._unpromoted: list[int] = []
@@ -195,6 +196,7 @@ class Runtime:
         self.last_take: frozenset[int] | None | _NotTaken = NOT_TAKEN
         self.loading = 0  # depth of controller ``load`` calls in progress
         self.race_logged = False
+        self.record_failed = False
         # Radix-node tags (tree.py): per tree cache, node id -> the token of
         # its last use, or None where node tags are off for that cache.
         self.node_tags: weakref.WeakKeyDictionary[Any, dict[int, int] | None] = weakref.WeakKeyDictionary()
@@ -246,10 +248,21 @@ class Runtime:
 
     def record(self) -> int:
         """A token at the forward stream's tail now (:data:`UNBOUND` when no
-        stream is bound). O(1)."""
+        stream is bound, or when recording the event raised: logged once,
+        never raised into SGLang). O(1)."""
         if self.stream is None:
             return UNBOUND
-        event = self.stream.record_event()
+        try:
+            event = self.stream.record_event()
+        except Exception as exc:  # noqa: BLE001  (never out of SGLang's loop: the fence keeps wait_stream)
+            if not self.record_failed:
+                self.record_failed = True
+                logger.warning(
+                    "blockpool: recording an event on the forward stream failed (%r); "
+                    "the transfers it would fence keep SGLang's wait_stream",
+                    exc,
+                )
+            return UNBOUND
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -267,6 +280,8 @@ class Runtime:
                 return
             highest = self._unpromoted[-1]
             launch = self.record()  # recorded after the launch: itself final
+            if launch == UNBOUND:
+                return  # not recorded: they wait for a later launch
             self._unpromoted.clear()
             self._promoted.append((highest, launch))
 
@@ -274,8 +289,8 @@ class Runtime:
         """The launch token standing for token ``seq`` (see the module's
         docstring): ``0`` when complete, :data:`PROVISIONAL` when no forward
         was launched after it yet (or never will be known: ``run_batch`` not
-        wrapped, pipeline parallelism). O(log #launches not yet complete)."""
-        if not self.launch_hooked or not self.loop_supported:
+        wrapped). O(log #launches not yet complete)."""
+        if not self.launch_hooked:
             return PROVISIONAL
         with self._lock:
             if seq <= self._promoted_done:
@@ -569,14 +584,10 @@ def hook_run_batch(original: Callable[..., Any], self: Any, *args: Any, **kwargs
     rt = _armed()
     if rt is None:
         return original(self, *args, **kwargs)
-    if getattr(self, "pp_size", 1) != 1:
-        rt.loop_supported = False  # several micro-batches in flight
     batch = args[0] if args else kwargs.get("batch")
     mode = getattr(batch, "forward_mode", None)
-    launches = not (mode is not None and mode.is_prebuilt())
-    if launches:
+    result = original(self, *args, **kwargs)  # raising: no launch counted, nothing promoted
+    if not (mode is not None and mode.is_prebuilt()):
         rt.launches += 1
-    result = original(self, *args, **kwargs)
-    if launches:
         rt.launched()
     return result

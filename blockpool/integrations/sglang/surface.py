@@ -54,6 +54,7 @@ _RTC = "sglang.srt.mem_cache.rust_tree_core.adapter.RustUnifiedTreeCore"
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _DECODE = "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin"
 _PREFILL = "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
+_PP = "sglang.srt.managers.scheduler_pp_mixin.SchedulerPPMixin"
 
 
 @dataclass(frozen=True)
@@ -483,6 +484,30 @@ _SURFACE_0_5_23: tuple[SurfaceEntry, ...] = (
         "64c1e0435c618dbd",
         "rely",
         "PD prefill with overlap: each batch launched as soon as it is built",
+        optional=True,
+    ),
+    _e(
+        f"{_PP}.event_loop_pp",
+        "(self: Scheduler)",
+        "907cc3cb646fce07",
+        "rely",
+        "pipeline parallelism: each micro-batch launched as soon as it is built",
+        optional=True,
+    ),
+    _e(
+        f"{_PP}.event_loop_pp_disagg_prefill",
+        "(self: Scheduler)",
+        "647020c679ec4103",
+        "rely",
+        "PP with PD prefill: each micro-batch launched as soon as it is built",
+        optional=True,
+    ),
+    _e(
+        f"{_PP}.event_loop_pp_disagg_decode",
+        "(self: Scheduler)",
+        "aaa9935d47e3682b",
+        "rely",
+        "PP with PD decode: each micro-batch launched as soon as it is built",
         optional=True,
     ),
 )
