@@ -38,14 +38,12 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-import blockpool.integrations.sglang as plugin
 from blockpool.integrations.sglang import hooks, tree
+from tests.test_sglang_field_cases import TARGETS, installed  # noqa: F401  (the plugin, registered once)
 
 PAGES = 48
-TARGETS: list[str] = []
 
 
 class Event:
@@ -64,18 +62,6 @@ class Stream:
 
     def record_event(self, event: Any = None) -> Event:
         return Event(self.pos)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def installed() -> Any:
-    hooks.set_runtime(None)
-    assert plugin.register()
-    HookRegistry.apply_hooks()
-    rt = hooks.runtime()
-    assert rt is not None
-    TARGETS[:] = rt.targets
-    yield
-    hooks.set_runtime(None)
 
 
 def runtime() -> tuple[hooks.Runtime, Stream]:
