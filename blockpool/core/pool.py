@@ -419,17 +419,13 @@ class HazardAwareBlockPool(RefCountOps):
             access = self._check_access(access)
         st = self.tracker.state(stream)
         hit_list = self._own_all(hits) if hits else []
-        # Free hits leave the queue: counted per listing first (an upper
-        # bound of the distinct ones, without a set), exactly only when that
-        # bound would refuse the call.
+        # Free hits leave the queue: counted (distinct) only when as many
+        # as were listed could refuse the call.
+        available = self.free_block_queue.num_free_blocks
         in_queue = 0
-        for b in hit_list:
-            if b.ref_cnt == 0 and b.prev_free_block is not None:
-                in_queue += 1
-        available = self.free_block_queue.num_free_blocks - in_queue
-        if n > available and in_queue > 1:
+        if n > available - len(hit_list):
             in_queue = len({b.block_id for b in hit_list if b.ref_cnt == 0 and b.prev_free_block is not None})
-            available = self.free_block_queue.num_free_blocks - in_queue
+            available -= in_queue
         if n > available:
             raise NoFreeBlocksError(
                 f"Cannot allocate {n} new blocks with {len(hit_list)} prefix hits: "
