@@ -89,6 +89,62 @@ class FenceOps(CacheOps):
             self.tracker.order_after(token)  # the stream's clock holds the fence now
         return fence
 
+    def fence_and_tag(self, blocks: Iterable[KVCacheBlock], stream: ArgStr, token: ArgToken) -> Fence:
+        """The fence of a write by ``token``'s work to ``blocks``, with
+        ``token`` ordered after it, and that write recorded: what
+        ``fence_for(blocks, stream, AccessKind.WRITE, token=token)`` then
+        ``tag(blocks, token, AccessKind.WRITE)`` do, the same fence
+        returned and the same state left, in one call with one ownership
+        pass over ``blocks`` (step N's forward: its token issued when the
+        step was scheduled, its fence taken and its write recorded before
+        the forward runs). ``blocks`` is read once (an iterator is
+        consumed once, not once per call). ``token`` must be as for
+        :meth:`fence_for`: the newest token of ``stream``, a ``DEVICE``
+        stream, not ended, with nothing ordered after it yet; then no
+        access is ordered after it either, so the write order that
+        :meth:`tag` checks holds. With hazards off: no fence
+        (``EMPTY_FENCE``), and the write is recorded as :meth:`tag`
+        records one then. Null blocks are skipped.
+        O(len(blocks) + k^2), k = distinct streams/host tokens found;
+        O(len(blocks) + #streams) when nothing in flight could be in the
+        fence.
+
+        Raises:
+            UnknownStreamError: ``stream`` is not registered (or
+                ``token``'s stream is not).
+            ForeignBlockError: a block of another pool.
+            InvalidArgumentError: ``stream`` is not a str, ``token`` is not
+                a Token, not a token of ``stream`` or cannot be ordered
+                after the fence (:meth:`HazardTracker.unorderable` says
+                why), or a block is not a KVCacheBlock.
+            UnknownTokenError, ForeignTokenError: ``token`` was not issued
+                by this pool.
+            On any error nothing changes: the error :meth:`fence_for`
+            raises for the same arguments.
+        """
+        if self._due:  # hot call: _apply_completions' own test, hoisted
+            self._apply_completions()
+        st = self.tracker.state(stream)
+        if self.tracker.validate(token) is not st:
+            raise InvalidArgumentError(f"token {token} is not a token of stream {stream!r}")
+        if not self.track_hazards:
+            block_list = self._own_all(blocks)
+            self._ended_write(block_list, token)  # tag's write with hazards off
+            return EMPTY_FENCE
+        why = self.tracker.unorderable(token)
+        if why is not None:
+            raise InvalidArgumentError(f"cannot order {token} after a fence: {why}")
+        block_list = self._own_all(blocks)
+        fence = self._fence(((block_list, _WRITE),), st)
+        self.tracker.order_after(token)  # the stream's clock holds the fence now
+        # tag's write order check passes without its pass over the blocks:
+        # unorderable found no token clock covering token (nothing ordered
+        # after it) and token the newest of its device stream, so no shadow
+        # holds an access ordered after it; the fence and order_after only
+        # joined the stream's clock and token's own.
+        self._tag(block_list, token, _WRITE)
+        return fence
+
     def tag(self, blocks: Iterable[KVCacheBlock], token: ArgToken, access: ArgAccess) -> None:
         """Record that ``token``'s work accesses ``blocks`` (e.g. step N's
         forward writes the blocks receiving new tokens). The caller ordered
