@@ -511,13 +511,13 @@ class StepHazards:
             fence = pool.fence_for(blocks, self.stream, AccessKind.WRITE)
             token = pool.issue(self.stream)  # ordered after the fence
             earlier = EMPTY_FENCE
+            pool.tag(blocks, token, AccessKind.WRITE)
         else:
             token, earlier = pending
             if pool.tracker.unorderable(token) is not None:
                 self.zeroings_untagged += 1
                 return
-            fence = pool.fence_for(blocks, self.stream, AccessKind.WRITE, token=token)
-        pool.tag(blocks, token, AccessKind.WRITE)
+            fence = pool.fence_and_tag(blocks, self.stream, token)  # fence_for(token=) then tag, one call
         self._pending_copy = (token, earlier.merge(fence))
         self.blocks_zeroed += len(blocks)
 
@@ -638,9 +638,11 @@ class StepHazards:
         # after the fence (its completion ends the fence's tokens), unless
         # something is ordered after eN already (then the fence is recorded
         # for the stream only: later waits may be redundant, never missing).
-        forward = record.forward if self.pool.tracker.unorderable(record.forward) is None else None
-        fence = self.pool.fence_for(blocks, self.stream, AccessKind.WRITE, token=forward)
-        self.pool.tag(blocks, record.forward, AccessKind.WRITE)
+        if self.pool.tracker.unorderable(record.forward) is None:
+            fence = self.pool.fence_and_tag(blocks, self.stream, record.forward)  # one call, one pass
+        else:
+            fence = self.pool.fence_for(blocks, self.stream, AccessKind.WRITE)
+            self.pool.tag(blocks, record.forward, AccessKind.WRITE)
         self._step_writes = (record.index, fence)
         return fence
 
