@@ -27,10 +27,10 @@ A node's tag is never older than the last forward enqueued for it: each
 lock's release and each insert tags the whole path with a token recorded
 after it (and a fence stands for the token's launch token, which also
 covers a batch built before the release and launched after it:
-:mod:`~blockpool.integrations.sglang.hooks`). A node with no tag (created by a split, or before the hooks were
-armed) is freed with a token at the tail. Node handles are never re-minted
-(SGLang's Rust tree core says so; the Python one counts them), so a tag
-never outlives its node's meaning.
+:mod:`~blockpool.integrations.sglang.hooks`). A node with no tag (created
+by a split, or before the hooks were armed) is freed with a token at the
+tail. Node handles are never re-minted (SGLang's Rust tree core says so;
+the Python one counts them), so a tag never outlives its node's meaning.
 
 Node tags are kept only where the radix cache's locks are the whole story:
 a ``UnifiedRadixCache`` with the FULL component alone, no buffer-mode
