@@ -134,8 +134,7 @@ class Driver:
         for p in pages | self.overshoot:
             self.last_use[p] = self.stream.pos
         self.overshoot = set()
-        self.rt.launches += 1
-        self.rt.launched()
+        hooks.hook_run_batch(lambda _scheduler: None, None)
 
     def path_pages(self, node: Any) -> set[int]:
         (path,) = self.cache.tree_core.collect_path_info([node])

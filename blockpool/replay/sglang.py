@@ -384,8 +384,7 @@ class _Plugin:
 
     def launch(self, step: int) -> None:
         self.now = step
-        self.rt.launches += 1
-        self.rt.launched()  # run_batch returned: the tokens before it are promoted
+        self.hooks.hook_run_batch(lambda _scheduler: None, None)  # one forward launched: run_batch's hook
 
     def _verdict(self, op: _Op, tail: int) -> Literal["early", "tail", "unknown"]:
         fence = self.rt.op_fences.get(op)

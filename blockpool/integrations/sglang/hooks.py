@@ -6,7 +6,13 @@ hooks on the allocators (the controllers' are in
 Tokens. A token is an int sequence number; the :class:`Runtime` keeps, for
 each token not yet complete, the event it recorded on the tail of the
 forward stream (``stream.record_event()``) and the number of forwards
-launched by then.
+launched by then. The forward stream is SGLang's ``load_fence_stream`` of
+the HiCache controller, bound at the first hook that sees it (each
+scheduler step's ``check_hicache_events`` does). Completion is polled with
+``event.query()`` from the oldest token on, at each transfer: the stream is
+in order, so the first incomplete event ends the poll. Token
+:data:`UNBOUND` tags pages released before a forward stream was bound: a
+fence that holds it is unknown (SGLang's ``wait_stream`` stays).
 
 A token covers the forwards enqueued before it, but not a batch SGLang
 built before it and launches after it: with overlap disabled for a batch
@@ -22,13 +28,7 @@ surface). Until that launch the token is provisional, and a fence holding
 one keeps SGLang's ``wait_stream`` (:meth:`Runtime.effective`). Where
 ``run_batch`` is not wrapped, no token is ever promoted. A token that
 cannot be recorded (``record_event`` raising) is :data:`UNBOUND`: its
-fences keep ``wait_stream``. The forward stream is SGLang's ``load_fence_stream`` of
-the HiCache controller, bound at the first hook that sees it (each
-scheduler step's ``check_hicache_events`` does). Completion is polled with
-``event.query()`` from the oldest token on, at each transfer: the stream is
-in order, so the first incomplete event ends the poll. Token
-:data:`UNBOUND` tags pages released before a forward stream was bound: a
-fence that holds it is unknown (SGLang's ``wait_stream`` stays).
+fences keep ``wait_stream``.
 
 Allocators. Only the exact classes ``PagedTokenToKVPoolAllocator`` (LIFO)
 and ``TokenToKVPoolAllocator`` (FIFO) are shadowed, each by a
