@@ -1206,12 +1206,15 @@ def test_step_writes_are_read_from_the_live_tables_and_match_the_block_ids(
     seen: list[tuple[list[int], list[int], list[int]]] = []  # (tagged, by ids, last blocks) per step
     tail_blocks = vh.StepHazards._tail_blocks
 
-    def spy(self: Any, scheduled: Any, computed: Any, req_ids: Any, tables: Any, sizes: Any) -> Any:
-        got = tail_blocks(self, scheduled, computed, req_ids, tables, sizes)
+    def spy(self: Any, computed: Any, scheduled: Any, req_ids: Any, tables: Any, sizes: Any) -> Any:
+        computed = dict(computed)
+        got = tail_blocks(self, computed.items(), scheduled, req_ids, tables, sizes)
         manager = scheduler.kv_cache_manager  # the block state's resolver is its get_block_ids
-        assert tables == manager.coordinator.get_blocks
-        ids = [i for r in scheduled for i in manager.get_block_ids(r)[0][computed[r] // BS :]]
-        last = [tables(r)[0][-1].block_id for r in scheduled]
+        live = tuple(m.req_to_blocks for m in manager.coordinator.single_type_managers)
+        assert len(tables) == len(live) and all(t is m for t, m in zip(tables, live))
+        assert set(computed) == set(scheduled)
+        ids = [i for r in computed for i in manager.get_block_ids(r)[0][computed[r] // BS :]]
+        last = [manager.coordinator.get_blocks(r)[0][-1].block_id for r in scheduled]
         seen.append(([b.block_id for b in got], [b.block_id for b in self.blocks_of(ids)], last))
         return got
 

@@ -308,6 +308,30 @@ def test_step_writes_use_each_groups_block_size() -> None:
     assert hz.begin_store("r", small[1:2], "nixl").fence.tokens == ()
 
 
+def test_live_table_tails_match_the_ids_read_per_group_and_skip_what_blocks_of_skips() -> None:
+    pool, hz = make()
+    small = pool.get_new_blocks(4)  # group 0: 16-token blocks
+    large = pool.get_new_blocks(2)  # group 1: 64-token blocks
+    other = HazardAwareBlockPool(16).get_new_blocks(1)[0]  # another pool's block, same id range
+    (freed,) = pool.get_new_blocks(1)
+    pool.free_blocks([freed])  # ref count 0
+    tables = (
+        {"r": [pool.null_block, *small, other, freed], "gone": small[:1], "idle": small[1:2]},
+        {"r": large},
+    )
+    computed = iter([("r", 40), ("gone", 0), ("idle", 0), ("new", 0)])  # read once
+    got = hz._tail_blocks(computed, {"r": 8, "gone": 1, "new": 4}, {"r", "idle", "new"}, tables, (16, 64))
+    # r: group 0 from index 40 // 16 = 2 (small[1:], then other and freed skipped), group 1 from 0;
+    # "gone" is not in the block state, "idle" not scheduled, "new" has no table yet.
+    assert [b.block_id for b in got] == [b.block_id for b in (*small[1:], *large)]
+    assert all(b is pool.blocks[b.block_id] for b in got)
+    assert hz.transfer_blocks_skipped == 2
+    # one int: every group's block size; the null block at index 0 is skipped
+    got = hz._tail_blocks([("r", 0)], {"r": 8}, {"r"}, tables[:1], 16)
+    assert [b.block_id for b in got] == [b.block_id for b in small]
+    assert hz.transfer_blocks_skipped == 5
+
+
 def test_frees_after_their_steps_are_tagged_with_nothing() -> None:
     pool, hz = make()
     pool.get_new_blocks(2)

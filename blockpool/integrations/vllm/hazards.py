@@ -71,12 +71,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import math
 import os
 import time
 import weakref
-from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -195,18 +196,23 @@ def _method_of(fn: object) -> tuple[str, str] | None:
     return None if f is None else (getattr(f, "__module__", ""), getattr(f, "__qualname__", ""))
 
 
-def _live_tables(state: Any) -> Callable[[str], tuple[list[KVCacheBlock], ...]] | None:
-    """vLLM's ``KVCacheCoordinator.get_blocks`` behind a
-    ``KVConnectorBlockState`` (vLLM 0.32 to 0.34), when its
-    ``resolve_block_ids`` is vLLM's own ``KVCacheManager.get_block_ids``
-    (the ids of ``coordinator.get_blocks``' blocks, the whole table copied
-    per call); else ``None`` (read the ids). Both are declared in the
-    plugin's vLLM surface. O(1)."""
+def _live_tables(state: Any) -> tuple[Mapping[str, list[KVCacheBlock]], ...] | None:
+    """The live block tables behind a ``KVConnectorBlockState`` (vLLM 0.32
+    to 0.34): each KV cache group's ``req_to_blocks`` (request id to its
+    blocks), what vLLM's ``KVCacheCoordinator.get_blocks`` reads, when the
+    state's ``resolve_block_ids`` is vLLM's own
+    ``KVCacheManager.get_block_ids`` (the ids of ``coordinator.get_blocks``'
+    blocks, the whole table copied per call) and that ``get_blocks`` is
+    vLLM's own; else ``None`` (read the ids). Every name is declared in the
+    plugin's vLLM surface (``get_blocks`` with its body's fingerprint).
+    O(groups)."""
     resolve = state.resolve_block_ids
     if _method_of(resolve) != _MANAGER_TABLES:
         return None
-    get_blocks = resolve.__self__.coordinator.get_blocks
-    return get_blocks if _method_of(get_blocks) == _COORDINATOR_TABLES else None
+    coordinator = resolve.__self__.coordinator
+    if _method_of(coordinator.get_blocks) != _COORDINATOR_TABLES:
+        return None
+    return tuple(m.req_to_blocks for m in coordinator.single_type_managers)
 
 
 def _ref(obj: object) -> Any:
@@ -586,8 +592,9 @@ class StepHazards:
         cache group ``g`` of a request's block table, the blocks from index
         ``num_computed_tokens // block_sizes[g]`` on are tagged (one int:
         every group's block size). The blocks are read from the tails of
-        the live tables behind the block state (vLLM's
-        ``KVCacheCoordinator.get_blocks``) when its resolver is vLLM's own
+        the live tables behind the block state (each group's
+        ``req_to_blocks``, which vLLM's ``KVCacheCoordinator.get_blocks``
+        reads: one dict look-up per request) when its resolver is vLLM's own
         ``KVCacheManager.get_block_ids``, which would copy every scheduled
         request's whole table as ids each step; else from those ids. Once
         per step, however many connectors call it; a step without a block
@@ -613,19 +620,25 @@ class StepHazards:
         scheduled = scheduler_output.num_scheduled_tokens
         if state is None or not scheduled:
             return EMPTY_FENCE
-        computed: dict[str, int] = {
-            r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
-        }
         cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         tables = _live_tables(state)
         if tables is not None:
-            blocks = self._tail_blocks(scheduled, computed, state.req_ids, tables, block_sizes)
+            pairs = itertools.chain(
+                [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs],
+                zip(cached.req_ids, cached.num_computed_tokens),
+            )
+            blocks = self._tail_blocks(pairs, scheduled, state.req_ids, tables, block_sizes)
         else:
+            computed: dict[str, int] = {
+                r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
+            }
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
             ids: list[int] = []
             for req_id in scheduled:
                 c = computed.get(req_id)
-                groups = state.get_block_ids(req_id) if c is not None else None
+                if c is None:
+                    continue
+                groups = state.get_block_ids(req_id)
                 if groups:
                     sizes = [block_sizes] * len(groups) if isinstance(block_sizes, int) else block_sizes
                     for group, bs in zip(groups, sizes):
@@ -638,9 +651,11 @@ class StepHazards:
         # after the fence (its completion ends the fence's tokens), unless
         # something is ordered after eN already (then the fence is recorded
         # for the stream only: later waits may be redundant, never missing).
-        if self.pool.tracker.unorderable(record.forward) is None:
+        try:
             fence = self.pool.fence_and_tag(blocks, self.stream, record.forward)  # one call, one pass
-        else:
+        except InvalidArgumentError:  # raised with nothing changed
+            if self.pool.tracker.unorderable(record.forward) is None:
+                raise
             fence = self.pool.fence_for(blocks, self.stream, AccessKind.WRITE)
             self.pool.tag(blocks, record.forward, AccessKind.WRITE)
         self._step_writes = (record.index, fence)
@@ -648,35 +663,42 @@ class StepHazards:
 
     def _tail_blocks(
         self,
-        scheduled: Iterable[str],
-        computed: dict[str, int],
+        computed: Iterable[tuple[str, int]],
+        scheduled: Container[str],
         req_ids: Container[str],
-        tables: Callable[[str], tuple[list[KVCacheBlock], ...]],
+        tables: tuple[Mapping[str, list[KVCacheBlock]], ...],
         block_sizes: int | Sequence[int],
     ) -> list[KVCacheBlock]:
         """The blocks the step writes, read from the requests' live block
-        tables (``tables``: vLLM's ``KVCacheCoordinator.get_blocks``): in each
-        group, the blocks from ``num_computed_tokens // block_size`` on, as
-        :meth:`blocks_of` would give them for their ids (the null block,
-        another pool's blocks and blocks with ref count 0 left out, counted
-        in ``transfer_blocks_skipped``). Only the tail of each table is
-        copied. O(blocks tagged + requests)."""
+        tables (``tables``: each group's ``req_to_blocks``, what vLLM's
+        ``KVCacheCoordinator.get_blocks`` reads): for each scheduled request
+        of ``computed`` (request id, ``num_computed_tokens``) in ``req_ids``,
+        in each group the blocks from ``num_computed_tokens // block_size``
+        on, as :meth:`blocks_of` would give them for their ids (the null
+        block, another pool's blocks and blocks with ref count 0 left out,
+        counted in ``transfer_blocks_skipped``). Only the tail of each table
+        is copied; one dict look-up per request and group. O(blocks tagged +
+        requests)."""
         own = self.pool.blocks
         n = len(own)
         out: list[KVCacheBlock] = []
-        for req_id in scheduled:
-            c = computed.get(req_id)
-            if c is None or req_id not in req_ids:
+        skipped = 0
+        sizes = [block_sizes] * len(tables) if isinstance(block_sizes, int) else block_sizes
+        groups = list(zip(tables, sizes))
+        for req_id, c in computed:
+            if req_id not in scheduled or req_id not in req_ids:
                 continue
-            groups = tables(req_id)
-            sizes = [block_sizes] * len(groups) if isinstance(block_sizes, int) else block_sizes
-            for group, bs in zip(groups, sizes):
-                for b in group[c // bs :]:
+            for table, bs in groups:
+                blocks = table.get(req_id)
+                if not blocks:
+                    continue
+                for b in blocks[c // bs :]:
                     bid = b.block_id
                     if 0 < bid < n and own[bid] is b and b.ref_cnt > 0:
                         out.append(b)
                     else:
-                        self.transfer_blocks_skipped += 1
+                        skipped += 1
+        self.transfer_blocks_skipped += skipped
         return out
 
     def end_step(self, scheduler_output: object) -> StepRecord | None:
@@ -807,7 +829,7 @@ class StepHazards:
         """
         block_list = list(blocks)
         token, fence = self.pool.begin_load(block_list, stream)
-        t = Transfer(request_id, "load", token, fence, tuple(b.block_id for b in block_list))
+        t = Transfer(request_id, "load", token, fence, tuple([b.block_id for b in block_list]))
         k = request_id if key is None else key
         parts = self._loads.setdefault(k, [])
         parts.append(t)
@@ -832,7 +854,7 @@ class StepHazards:
         """
         block_list = list(blocks)
         token, fence = self.pool.begin_store(block_list, stream)
-        t = Transfer(request_id, "store", token, fence, tuple(b.block_id for b in block_list))
+        t = Transfer(request_id, "store", token, fence, tuple([b.block_id for b in block_list]))
         k = request_id if key is None else key
         self._stores.setdefault(k, []).append(t)
         if stream in self._give_up:

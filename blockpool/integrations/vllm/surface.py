@@ -869,6 +869,9 @@ _ROWS_032 = (
     _n(f"{_MGR}:KVCacheManager.coordinator", use="field"),
     _n(f"{_COORD}:KVCacheCoordinator.single_type_managers", use="field"),
     _n(f"{_SINGLE}:SingleTypeKVCacheManager.block_size", use="field"),
+    # The step's written blocks: the tails of the live tables that vLLM's
+    # own KVCacheCoordinator.get_blocks (declared with its body) reads.
+    _n(f"{_SINGLE}:SingleTypeKVCacheManager.req_to_blocks", use="field"),
     # The scheduler's connector and pools, the step's outputs, and the
     # connectors' configuration the wrappers read (the pool's hazards, the
     # connector reports, the block size and the ranks a store waits for).
