@@ -206,7 +206,20 @@ def test_evict_blocks_refuses_a_bool_block_id() -> None:
     assert pool.snapshot() == before and pool.get_cached_block("k") is b
 
 
-@pytest.mark.parametrize("fields", [("compute", 0), ("compute", True), ("", 1), (None, 1)])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        ("compute", 0),
+        ("compute", True),
+        ("compute", 1.0),
+        ("", 1),
+        (None, 1),
+        (3, 1),
+        ("compute", 1, "device"),  # a kind is a StreamKind, not its value
+        ("compute", 1, StreamKind.DEVICE, -1),
+        ("compute", 1, StreamKind.DEVICE, True),
+    ],
+)
 def test_bad_token_fields_raise_the_packages_error(fields: tuple) -> None:  # type: ignore[type-arg]
     with pytest.raises(InvalidTokenError) as info:
         Token(*fields)

@@ -15,6 +15,7 @@ from blockpool import (
     HazardAwareBlockPool,
     LeaseExpiredWarning,
     NoFreeBlocksError,
+    StreamKind,
     Token,
 )
 from tests.conftest import ids, make_pool
@@ -154,18 +155,29 @@ def test_default_free_tag_carries_the_pools_identity() -> None:
 
 
 def test_issued_tokens_are_tokens_like_any_other() -> None:
+    import copy
     import pickle
 
-    import attrs
-
     pool = HazardAwareBlockPool(4)
+    pool.add_stream("nic", StreamKind.HOST)
     t = pool.issue("compute")
     made = Token("compute", 1, t.kind, pool.pool_id)
     assert type(t) is Token and t == made and hash(t) == hash(made) and repr(t) == repr(made)
     assert (t.stream, t.seq, t.kind, t.pool) == (made.stream, made.seq, made.kind, made.pool)
     assert pickle.loads(pickle.dumps(t)) == t and Token.from_wire(t.to_wire()).pool == pool.pool_id
-    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+    h = pool.issue("nic")
+    for back in (pickle.loads(pickle.dumps(h)), copy.copy(h), copy.deepcopy(h)):
+        assert (back.stream, back.seq, back.kind, back.pool) == ("nic", 1, StreamKind.HOST, pool.pool_id)
+    assert t != h and t != ("compute", 1) and not (t == ("compute", 1))
+    with pytest.raises(AttributeError):  # frozen: a token is a dict key throughout
         t.seq = 2  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        del t.stream  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        t.extra = 1  # type: ignore[attr-defined]
+    with pytest.raises(TypeError):
+        t < made  # type: ignore[operator]  # noqa: B015  (unordered: order=False)
+    assert (t.stream, t.seq, t.kind, t.pool) == ("compute", 1, StreamKind.DEVICE, pool.pool_id)
 
 
 def test_last_token_is_the_newest_issued_and_none_before_the_first() -> None:

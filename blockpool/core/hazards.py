@@ -1,6 +1,6 @@
 """Hazard vocabulary: stream kinds, access kinds, tokens and fences.
 
-These are frozen value types (attrs): compared by value, hashable, picklable,
+These are frozen value types: compared by value, hashable, picklable,
 and free of any reference to a pool, so they can cross process boundaries
 (scheduler -> workers) as plain data. See ``docs/hazard-model.md``.
 
@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final, final
 
 import attr
 import attrs
 
 from blockpool.core.errors import InvalidTokenError
+
+if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
+    from blockpool.core._args import ArgInt, ArgStr, ArgStreamKind
 
 __all__ = ["EMPTY_FENCE", "LAST_STEP", "AccessKind", "Fence", "FreeTag", "StreamKind", "Token", "TokenStatus"]
 
@@ -66,17 +69,25 @@ class TokenStatus(enum.Enum):
     FAILED = "failed"
 
 
-def _check_stream(_: object, __: attrs.Attribute, value: object) -> None:  # type: ignore[type-arg]
-    if not isinstance(value, str) or not value:
-        raise InvalidTokenError(f"stream must be a non-empty str, got {value!r}")
+def _check_token(stream: object, seq: object, kind: object, pool: object) -> None:
+    """Raise :class:`InvalidTokenError` for a bad ``stream`` (not a
+    non-empty str), ``seq`` (not an int ``>= 1``; a bool is not one),
+    ``kind`` (not a :class:`StreamKind`) or ``pool`` (not an int ``>= 0``).
+    O(1)."""
+    plain = type(stream) is str and type(seq) is int and type(kind) is StreamKind and type(pool) is int
+    if plain and stream and seq >= 1 and pool >= 0:  # type: ignore[operator]  # the common case
+        return
+    if not isinstance(stream, str) or not stream:
+        raise InvalidTokenError(f"stream must be a non-empty str, got {stream!r}")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+        raise InvalidTokenError(f"seq must be an int >= 1, got {seq!r}")
+    if not isinstance(kind, StreamKind):
+        raise InvalidTokenError(f"kind must be a StreamKind, got {kind!r}")
+    if not isinstance(pool, int) or isinstance(pool, bool) or pool < 0:
+        raise InvalidTokenError(f"pool must be an int >= 0, got {pool!r}")
 
 
-def _check_seq(_: object, __: attrs.Attribute, value: object) -> None:  # type: ignore[type-arg]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InvalidTokenError(f"seq must be an int >= 1, got {value!r}")
-
-
-@attrs.frozen(slots=True, order=False)
+@final
 class Token:
     """A logical event: the point in ``stream`` after its ``seq``-th issued work.
 
@@ -91,6 +102,12 @@ class Token:
     *unbound* token (made by hand, or decoded from the old three-field wire
     form), which any pool accepts.
 
+    Frozen (assigning or deleting a field raises ``AttributeError``),
+    picklable, not subclassable. The compiled build makes it a native
+    class (its fields read as C struct members, its ``__eq__`` and
+    ``__hash__`` native code: the core reads tokens on every fence, tag and
+    completion); the pure build, a slotted class.
+
     Attributes:
         stream: Name of the stream or engine.
         seq: Per-stream sequence number, ``>= 1``.
@@ -99,14 +116,46 @@ class Token:
             equality).
 
     Raises:
-        InvalidTokenError: ``stream`` is not a non-empty str, or ``seq``
-            is not an int ``>= 1`` (a bool is not an int here).
+        InvalidTokenError: ``stream`` is not a non-empty str, ``seq`` is
+            not an int ``>= 1`` (a bool is not an int here), ``kind`` is not
+            a :class:`StreamKind` or ``pool`` is not an int ``>= 0``.
     """
 
-    stream: str = attr.ib(validator=_check_stream)
-    seq: int = attr.ib(validator=_check_seq)
-    kind: StreamKind = attr.ib(default=StreamKind.DEVICE, eq=False, repr=False)
-    pool: int = attr.ib(default=0, eq=False, repr=False)
+    __slots__ = ("kind", "pool", "seq", "stream")
+    __match_args__ = ("stream", "seq", "kind", "pool")
+
+    stream: Final[str]
+    seq: Final[int]
+    kind: Final[StreamKind]
+    pool: Final[int]
+
+    def __init__(
+        self, stream: ArgStr, seq: ArgInt, kind: ArgStreamKind = StreamKind.DEVICE, pool: ArgInt = 0
+    ) -> None:
+        _check_token(stream, seq, kind, pool)
+        self.stream = stream
+        self.seq = seq
+        self.kind = kind
+        self.pool = pool
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Token:
+            return NotImplemented
+        return self.seq == other.seq and self.stream == other.stream
+
+    def __ne__(self, other: object) -> bool:
+        if type(other) is not Token:
+            return NotImplemented
+        return not (self.seq == other.seq and self.stream == other.stream)
+
+    def __hash__(self) -> int:
+        return hash((self.stream, self.seq))
+
+    def __repr__(self) -> str:
+        return f"Token(stream={self.stream!r}, seq={self.seq!r})"
+
+    def __reduce__(self) -> tuple[Any, tuple[str, int, StreamKind, int]]:
+        return (Token, (self.stream, self.seq, self.kind, self.pool))
 
     def __str__(self) -> str:
         return f"{self.stream}:{self.seq}"
@@ -138,9 +187,36 @@ class Token:
             stream_kind = StreamKind(kind)
         except (TypeError, ValueError) as exc:
             raise InvalidTokenError(f"malformed wire token {data!r}: {exc}") from None
-        if not isinstance(pool, int) or isinstance(pool, bool) or pool < 0:
-            raise InvalidTokenError(f"pool must be an int >= 0, got {pool!r}")
-        return cls(stream, seq, stream_kind, pool)  # type: ignore[arg-type]
+        return cls(stream, seq, stream_kind, pool)  # type: ignore[arg-type]  # checked there
+
+
+def _frozen(self: Token, name: str, value: object = None) -> None:
+    raise AttributeError(f"Token is frozen: cannot assign or delete {name!r}")
+
+
+def _init_frozen(
+    self: Token, stream: str, seq: int, kind: StreamKind = StreamKind.DEVICE, pool: int = 0
+) -> None:
+    """``Token.__init__`` of the pure build, where ``__setattr__`` refuses. O(1)."""
+    plain = type(stream) is str and type(seq) is int and type(kind) is StreamKind and type(pool) is int
+    if not (plain and stream and seq >= 1 and pool >= 0):  # the common case needs no call
+        _check_token(stream, seq, kind, pool)
+    _set = object.__setattr__
+    _set(self, "stream", stream)
+    _set(self, "seq", seq)
+    _set(self, "kind", kind)
+    _set(self, "pool", pool)
+
+
+def _native(cls: object) -> bool:
+    """Whether ``cls`` is a native class of the compiled build (mypyc). O(1)."""
+    return hasattr(cls, "__mypyc_attrs__")
+
+
+if not _native(Token):  # the pure build: a slotted class, frozen here
+    setattr(Token, "__init__", _init_frozen)  # noqa: B010  (assigning a method: mypy refuses the attribute form)
+    setattr(Token, "__setattr__", _frozen)  # noqa: B010
+    setattr(Token, "__delattr__", _frozen)  # noqa: B010
 
 
 @attrs.frozen(slots=True)

@@ -43,7 +43,7 @@ _Key = tuple[str, int]
 
 
 def _key(t: Token) -> _Key:
-    # (stream, seq), not the Token: its attrs-made __hash__ is a Python function
+    # (stream, seq), not the Token: its __hash__ is a Python function in the pure build
     return (t.stream, t.seq)
 
 

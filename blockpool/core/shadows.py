@@ -61,8 +61,8 @@ _UNSET = object()  # "no previous value" for the per-call identity memos
 def _same_key(a: Token, b: Token) -> bool:
     """Whether two tokens share a shadow slot: the same device stream (the
     newer covers the older), or equal host tokens (each host token apart).
-    Compares fields, not ``==``: Token's attrs-made ``__eq__``/``__hash__``
-    are Python functions, too slow for a per-block path."""
+    Compares fields, not ``==``: Token's ``__eq__`` is a Python function
+    in the pure build, too slow for a per-block path."""
     return a.stream == b.stream and (a.kind is not _HOST or a.seq == b.seq)
 
 

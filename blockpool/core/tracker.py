@@ -36,20 +36,6 @@ __all__ = ["HazardTracker", "StreamState", "VectorClock"]
 
 _DEVICE = StreamKind.DEVICE
 _HOST = StreamKind.HOST
-_set = object.__setattr__
-
-
-def _issued(stream: str, seq: int, kind: StreamKind, pool: int) -> Token:
-    """The token ``HazardTracker.issue`` hands out, built without attrs'
-    ``__init__``: its fields are the tracker's own and valid, and the
-    validators are three interpreted calls on the path a real engine runs
-    once a step, on cold caches (``docs/performance.md``). O(1)."""
-    tok = object.__new__(Token)
-    _set(tok, "stream", stream)
-    _set(tok, "seq", seq)
-    _set(tok, "kind", kind)
-    _set(tok, "pool", pool)
-    return tok
 
 
 class VectorClock:
@@ -238,7 +224,7 @@ class HazardTracker:
         st = self.state(stream)
         st.last_seq += 1
         self.busy.add(st.name)
-        tok = st.last_token = _issued(st.name, st.last_seq, st.kind, self.pool_id)
+        tok = st.last_token = Token(st.name, st.last_seq, st.kind, self.pool_id)
         clock = st.clock.copy()
         for t in after:
             tc = self.streams[t.stream].token_clocks.get(t.seq)
