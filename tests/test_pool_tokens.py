@@ -168,7 +168,7 @@ def test_issued_tokens_are_tokens_like_any_other() -> None:
     h = pool.issue("nic")
     for back in (pickle.loads(pickle.dumps(h)), copy.copy(h), copy.deepcopy(h)):
         assert (back.stream, back.seq, back.kind, back.pool) == ("nic", 1, StreamKind.HOST, pool.pool_id)
-    assert t != h and t != ("compute", 1) and not (t == ("compute", 1))
+    assert t != h and t != ("compute", 1) and (t == ("compute", 1)) is False  # NotImplemented both ways
     with pytest.raises(AttributeError):  # frozen: a token is a dict key throughout
         t.seq = 2  # type: ignore[misc]
     with pytest.raises(AttributeError):
