@@ -226,6 +226,14 @@ def test_bad_token_fields_raise_the_packages_error(fields: tuple) -> None:  # ty
     assert isinstance(info.value, BlockPoolError) and isinstance(info.value, (ValueError, TypeError))
 
 
+@pytest.mark.parametrize("pool_id", [-1, True, 1.5, "1", None])
+def test_a_tracker_refuses_a_pool_id_that_no_token_could_carry(pool_id: object) -> None:
+    from blockpool.core.tracker import HazardTracker
+
+    with pytest.raises(InvalidArgumentError):
+        HazardTracker(pool_id)  # type: ignore[arg-type]
+
+
 def test_malformed_wire_token_raises_invalid_token_error() -> None:
     for bad in [("c", 1, "nope"), ("c",), ("c", 1, "device", -1), 5]:
         with pytest.raises(InvalidTokenError):

@@ -177,6 +177,19 @@ def test_issued_tokens_are_tokens_like_any_other() -> None:
         t.extra = 1  # type: ignore[attr-defined]
     with pytest.raises(TypeError):
         t < made  # type: ignore[operator]  # noqa: B015  (unordered: order=False)
+    match t:
+        case Token(stream, seq, kind, owner):
+            assert (stream, seq, kind, owner) == ("compute", 1, StreamKind.DEVICE, pool.pool_id)
+        case _:
+            pytest.fail("a token matches by position")
+    with pytest.raises(AttributeError):
+        t.__match_args__ = ()  # type: ignore[misc]  # a class attribute, not a field
+    with pytest.raises(TypeError):  # final: the pure build at class creation, the compiled one when made
+
+        class Sub(Token):  # type: ignore[misc]
+            pass
+
+        Sub("compute", 1)
     assert (t.stream, t.seq, t.kind, t.pool) == ("compute", 1, StreamKind.DEVICE, pool.pool_id)
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import pickle
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from blockpool import HazardAwareBlockPool, StreamKind, Token
 from blockpool.core.errors import UnknownStreamError
+from blockpool.integrations.vllm import hazards as vh
 from blockpool.integrations.vllm.hazards import StepHazards, StepRecord, Transfer
 from tests.conftest import ids, toks
 
@@ -330,6 +333,59 @@ def test_live_table_tails_match_the_ids_read_per_group_and_skip_what_blocks_of_s
     got = hz._tail_blocks([("r", 0)], {"r": 8}, {"r"}, tables[:1], 16)
     assert [b.block_id for b in got] == [b.block_id for b in small]
     assert hz.transfer_blocks_skipped == 5
+
+
+def _as_vllm(fn: Any, qualname: str, module: str) -> Any:
+    """``fn`` under vLLM's own name, as ``_live_tables`` recognises it."""
+    fn.__qualname__, fn.__module__ = qualname, module
+    return fn
+
+
+class _Coordinator:
+    """Stands for vLLM's KVCacheCoordinator: one manager per group."""
+
+    def __init__(self, tables: list[dict[str, list[Any]]]) -> None:
+        self.single_type_managers = [SimpleNamespace(req_to_blocks=t) for t in tables]
+
+    get_blocks = _as_vllm(
+        lambda self, request_id: tuple(
+            m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers
+        ),
+        "KVCacheCoordinator.get_blocks",
+        "vllm.v1.core.kv_cache_coordinator",
+    )
+
+
+class _Manager:
+    """Stands for vLLM's KVCacheManager: its get_block_ids resolves a block state."""
+
+    def __init__(self, coordinator: _Coordinator) -> None:
+        self.coordinator = coordinator
+
+    get_block_ids = _as_vllm(
+        lambda self, request_id: tuple(
+            [b.block_id for b in g] for g in self.coordinator.get_blocks(request_id)
+        ),
+        "KVCacheManager.get_block_ids",
+        "vllm.v1.core.kv_cache_manager",
+    )
+
+
+def test_a_request_listed_twice_in_a_step_is_tagged_once_from_its_cached_entry_as_by_ids() -> None:
+    pool, hz = make()
+    blocks = pool.get_new_blocks(4)  # 16-token blocks; the cached entry says 40 tokens computed
+    manager = _Manager(_Coordinator([{"r": blocks}]))
+    out = StepOut({"r": 8}, {"r": 40}, {})
+    out.scheduled_new_reqs = [SimpleNamespace(req_id="r", num_computed_tokens=0)]  # listed twice
+    out.kv_connector_block_state = SimpleNamespace(
+        req_ids={"r"}, resolve_block_ids=manager.get_block_ids, get_block_ids=manager.get_block_ids
+    )
+    assert vh._live_tables(out.kv_connector_block_state) is not None  # the live tables are read
+    hz.tag_step_writes(out, 16)
+    e1 = hz.step_record(out).forward
+    assert toks(hz.begin_store("r", blocks[2:], "d2h").fence) == {str(e1)}  # written from index 40 // 16
+    assert hz.begin_store("r", blocks[:2], "h2d").fence.tokens == ()  # not written by this step
+    assert hz.transfer_blocks_skipped == 0
 
 
 def test_frees_after_their_steps_are_tagged_with_nothing() -> None:

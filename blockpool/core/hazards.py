@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, final
 
 import attr
 import attrs
@@ -122,7 +122,7 @@ class Token:
     """
 
     __slots__ = ("kind", "pool", "seq", "stream")
-    __match_args__ = ("stream", "seq", "kind", "pool")
+    __match_args__: ClassVar[tuple[str, ...]] = ("stream", "seq", "kind", "pool")
 
     stream: Final[str]
     seq: Final[int]
@@ -213,10 +213,16 @@ def _native(cls: object) -> bool:
     return hasattr(cls, "__mypyc_attrs__")
 
 
-if not _native(Token):  # the pure build: a slotted class, frozen here
+def _no_subclass(cls: type) -> None:
+    raise TypeError(f"Token cannot be subclassed (by {cls.__qualname__})")
+
+
+if not _native(Token):  # the pure build: a slotted class, frozen and final here
+    _init_frozen.__name__, _init_frozen.__qualname__ = "__init__", "Token.__init__"
     setattr(Token, "__init__", _init_frozen)  # noqa: B010  (assigning a method: mypy refuses the attribute form)
     setattr(Token, "__setattr__", _frozen)  # noqa: B010
     setattr(Token, "__delattr__", _frozen)  # noqa: B010
+    setattr(Token, "__init_subclass__", classmethod(_no_subclass))  # noqa: B010
 
 
 @attrs.frozen(slots=True)

@@ -30,7 +30,7 @@ from blockpool.core.errors import (
 from blockpool.core.hazards import StreamKind, Token
 
 if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
-    from blockpool.core._args import ArgStr, ArgStreamKind
+    from blockpool.core._args import ArgInt, ArgStr, ArgStreamKind
 
 __all__ = ["HazardTracker", "StreamState", "VectorClock"]
 
@@ -167,9 +167,16 @@ class HazardTracker:
 
     __slots__ = ("_hosts", "_inbox", "busy", "issued", "pool_id", "streams")
 
-    def __init__(self, pool_id: int = 0) -> None:
+    def __init__(self, pool_id: ArgInt = 0) -> None:
+        """A tracker with no stream, stamping ``pool_id`` on its tokens.
+
+        Raises:
+            InvalidArgumentError: ``pool_id`` is not an int ``>= 0``.
+        """
+        if not isinstance(pool_id, int) or isinstance(pool_id, bool) or pool_id < 0:
+            raise InvalidArgumentError(f"pool_id must be an int >= 0, got {pool_id!r}")
         # Identity stamped on every token issued here (Token.pool); 0: unbound.
-        self.pool_id = pool_id
+        self.pool_id: int = pool_id
         self.streams: dict[str, StreamState] = {}
         self._inbox: collections.deque[tuple[Token, bool]] = collections.deque()
         self._hosts: list[StreamState] = []  # the HOST engines, for host_pending()
@@ -222,9 +229,10 @@ class HazardTracker:
         standing clock and after ``after`` (the fence the access waited on).
         O(#streams + len(after))."""
         st = self.state(stream)
-        st.last_seq += 1
+        tok = Token(st.name, st.last_seq + 1, st.kind, self.pool_id)  # checked before any state changes
+        st.last_seq = tok.seq
+        st.last_token = tok
         self.busy.add(st.name)
-        tok = st.last_token = Token(st.name, st.last_seq, st.kind, self.pool_id)
         clock = st.clock.copy()
         for t in after:
             tc = self.streams[t.stream].token_clocks.get(t.seq)

@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import math
 import os
@@ -623,11 +622,9 @@ class StepHazards:
         cached = scheduler_output.scheduled_cached_reqs
         tables = _live_tables(state)
         if tables is not None:
-            pairs = itertools.chain(
-                [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs],
-                zip(cached.req_ids, cached.num_computed_tokens),
-            )
-            blocks = self._tail_blocks(pairs, scheduled, state.req_ids, tables, block_sizes)
+            pairs = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+            pairs.update(zip(cached.req_ids, cached.num_computed_tokens))  # one entry per request
+            blocks = self._tail_blocks(pairs.items(), scheduled, state.req_ids, tables, block_sizes)
         else:
             computed: dict[str, int] = {
                 r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
