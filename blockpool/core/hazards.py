@@ -143,11 +143,6 @@ class Token:
             return NotImplemented
         return self.seq == other.seq and self.stream == other.stream
 
-    def __ne__(self, other: object) -> bool:
-        if type(other) is not Token:
-            return NotImplemented
-        return not (self.seq == other.seq and self.stream == other.stream)
-
     def __hash__(self) -> int:
         return hash((self.stream, self.seq))
 
@@ -198,9 +193,7 @@ def _init_frozen(
     self: Token, stream: str, seq: int, kind: StreamKind = StreamKind.DEVICE, pool: int = 0
 ) -> None:
     """``Token.__init__`` of the pure build, where ``__setattr__`` refuses. O(1)."""
-    plain = type(stream) is str and type(seq) is int and type(kind) is StreamKind and type(pool) is int
-    if not (plain and stream and seq >= 1 and pool >= 0):  # the common case needs no call
-        _check_token(stream, seq, kind, pool)
+    _check_token(stream, seq, kind, pool)
     _set = object.__setattr__
     _set(self, "stream", stream)
     _set(self, "seq", seq)

@@ -619,17 +619,15 @@ class StepHazards:
         scheduled = scheduler_output.num_scheduled_tokens
         if state is None or not scheduled:
             return EMPTY_FENCE
+        computed: dict[str, int] = {
+            r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
+        }
         cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))  # one entry per request
         tables = _live_tables(state)
         if tables is not None:
-            pairs = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-            pairs.update(zip(cached.req_ids, cached.num_computed_tokens))  # one entry per request
-            blocks = self._tail_blocks(pairs.items(), scheduled, state.req_ids, tables, block_sizes)
+            blocks = self._tail_blocks(computed.items(), scheduled, state.req_ids, tables, block_sizes)
         else:
-            computed: dict[str, int] = {
-                r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
-            }
-            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
             ids: list[int] = []
             for req_id in scheduled:
                 c = computed.get(req_id)
