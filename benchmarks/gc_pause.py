@@ -35,7 +35,7 @@ import gc, json, statistics, sys, time
 pool, n, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if pool in ("vllm", "adapter"):
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+    from types import SimpleNamespace
     from blockpool.integrations.vllm.pool import VllmBlockPool
 from blockpool.core.pool import HazardAwareBlockPool
 
@@ -55,12 +55,11 @@ gc.freeze()
 before = collections()
 keys = [i.to_bytes(32, "little") for i in range(n)]
 if pool in ("vllm", "adapter"):
+    # The path vLLM's scheduler takes: cache_full_blocks with a request's
+    # block hashes (each block gets its key and the tokens it covers).
     p = (BlockPool if pool == "vllm" else VllmBlockPool)(n + 1, True, 16)
     blocks = p.get_new_blocks(n)
-    for b, k in zip(blocks, keys):
-        key = make_block_hash_with_group_id(k, 0)
-        b.block_hash = key
-        p.cached_block_hash_to_block.insert(key, b)
+    p.cache_full_blocks(SimpleNamespace(block_hashes=keys), blocks, 0, n, 16, 0)
 else:
     p = HazardAwareBlockPool(n + 1, True, 16, track_hazards=pool == "core")
     blocks = p.get_new_blocks(n)

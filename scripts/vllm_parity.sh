@@ -513,18 +513,8 @@ KNOWN_FLAKY=(
 # Deliberate differences of our pool from vLLM's, each documented with its
 # reason in docs/vllm-differences.md: a plugin-on failure of these tests is
 # listed as such, not judged (any other regression is).
-case "$VLLM_VERSION" in
-0.34.0)
-DOCUMENTED_DIFFERENCES=(
-  # vLLM 0.34's prefix-cache map holds block ids in a dict the garbage
-  # collector does not track; ours is the core's key map (keys to blocks),
-  # which it tracks ("The prefix-cache map and the garbage collector").
-  tests/v1/core/test_prefix_caching.py::test_maybe_evict_cached_block
-  tests/v1/core/test_prefix_caching.py::test_reset_prefix_cache
-)
-;;
-*) DOCUMENTED_DIFFERENCES=() ;;
-esac
+# None at present on any line.
+DOCUMENTED_DIFFERENCES=()
 
 # PASS_RC (scripts/lib.sh): pass name -> 0 ok / 1 failed
 # 0.34: a temp dir holding the Triton gate as sitecustomize.py, on the off

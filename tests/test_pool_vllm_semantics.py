@@ -217,11 +217,15 @@ def test_prefix_cache_removal_reports_only_keys_that_mapped_and_leaves_no_empty_
     from blockpool.core.block import KVCacheBlock
     from blockpool.core.prefix_cache import PrefixCache
 
-    pc = PrefixCache()
-    a, b = KVCacheBlock(1), KVCacheBlock(2)
+    blocks = [KVCacheBlock(i) for i in range(3)]
+    pc = PrefixCache(blocks)
+    a, b = blocks[1], blocks[2]
     pc.publish("k", a, 16)
     pc.publish("k", b, 16)
-    pc._map["k"] = {2: b}  # as left by code that pops entries directly (vLLM's tests do)
+    # As left by code that pops entries directly (vLLM's tests do): block 1
+    # no longer under "k", block 2 alone.
+    del pc.dup_ids["k"]
+    pc.key_map["k"] = 2
     assert pc.remove(b) == ["k"]
     assert pc.remove(a) == []
-    assert len(pc) == 0 and a.block_hash is None
+    assert len(pc) == 0 and not pc.dup_ids and a.block_hash is None

@@ -62,9 +62,9 @@ def pools(n: int = 10, **kw: Any) -> tuple[Any, VllmBlockPool]:
 
 def state(pool: Any) -> tuple[object, ...]:
     """Everything vLLM exposes about a pool, comparable across classes."""
-    # Block ids per key: vLLM 0.34's map holds one id per key plus the ids of
-    # keys cached by several blocks (``_dup_ids``); ours, and vLLM's before,
-    # a block or a {block_id: block} dict.
+    # Block ids per key: vLLM 0.34's map (and ours) holds one id per key
+    # plus the ids of keys cached by several blocks (``_dup_ids``); vLLM's
+    # before 0.34, a block or a {block_id: block} dict.
     dups = getattr(pool.cached_block_hash_to_block, "_dup_ids", {})
     cache = {
         k: sorted(dups[k])
@@ -162,11 +162,15 @@ def test_the_free_count_is_the_cores_own_unless_the_class_has_another(
     assert VllmBlockPool(10, True, BS).get_num_free_blocks() == 5
 
 
-def test_key_map_view_tells_one_block_from_several_without_vllms_class() -> None:
-    """vLLM's ``BlockHashToBlockMap`` tells one block from a dict of them by
-    ``isinstance(x, KVCacheBlock)`` (vLLM's class, which our blocks are
-    not); the view answers as vLLM's map does for our blocks, and for
-    vLLM's own blocks that its unit tests insert."""
+def test_key_map_view_holds_block_ids_as_vllm_034_does_and_the_gc_skips_it() -> None:
+    """vLLM 0.34's ``BlockHashToBlockMap``: ``_cache`` maps a key to its
+    first block's id, ``_dup_ids`` lists every id of a key several blocks
+    hold; the view's dicts are the core's, and a map of bytes keys and int
+    ids is one the cyclic GC does not track (vLLM 0.34's own tests check
+    it). A block from outside the pool (vLLM's class, as its unit tests
+    make) is mapped by its id, as vLLM 0.34 maps it."""
+    import gc
+
     ours = VllmBlockPool(6, True, BS)
     view = ours.cached_block_hash_to_block
     b1, b2, b3 = ours.blocks[1:4]
@@ -174,21 +178,46 @@ def test_key_map_view_tells_one_block_from_several_without_vllms_class() -> None
     k, k2 = make_block_hash_with_group_id(b"k", 0), make_block_hash_with_group_id(b"k2", 0)
     assert (view.get_one_block(k), view.contain(k, 1), view.pop(k, 1), len(view)) == (None, False, None, 0)
     view.insert(k, b1)
-    assert view._cache[k] is b1 and view.get_one_block(k) is b1
+    assert view._cache == {k: 1} and view._dup_ids == {} and view.get_one_block(k) is b1
     assert (view.contain(k, 1), view.contain(k, 2)) == (True, False)
-    assert view.pop(k, 2) is None and view._cache[k] is b1  # another id: put back
+    assert view.pop(k, 2) is None and view._cache == {k: 1}  # another id: unchanged
     view.insert(k, b2)
     view.insert(k, loose)
-    assert view._cache[k] == {1: b1, 2: b2, 5: loose} and view.get_one_block(k) is b1
+    view.insert(k, b2)  # already there: unchanged
+    assert view._cache == {k: 1} and view._dup_ids == {k: {1: None, 2: None, 5: None}}
+    assert view.get_one_block(k) is b1
     assert (view.contain(k, 2), view.contain(k, 5), view.contain(k, 3)) == (True, True, False)
-    assert view.pop(k, 1) is b1 and view._cache[k] == {2: b2, 5: loose}
-    assert view.pop(k, 3) is None and view._cache[k] == {2: b2, 5: loose}
-    assert view.pop(k, 2) is b2 and view.pop(k, 5) is loose and k not in view._cache
-    view.insert(k2, loose)
-    assert view.get_one_block(k2) is loose and view.contain(k2, 5) and view.pop(k2, 5) is loose
+    assert view.pop(k, 1) is b1 and view._cache == {k: 2} and view._dup_ids == {k: {2: None, 5: None}}
+    assert view.pop(k, 3) is None and view._dup_ids == {k: {2: None, 5: None}}
+    assert view.pop(k, 2) is b2 and view._cache == {k: 5} and view._dup_ids == {}
+    assert view.get_one_block(k) is ours.blocks[5]  # by id: the pool's block 5
+    assert view.pop(k, 5) is ours.blocks[5] and k not in view._cache
     view.insert(k2, b3)
     assert len(view) == 1 and view._cache is ours.core.prefix_cache.key_map
-    assert view.pop(k2, 3) is b3 and len(view) == 0
+    assert view._dup_ids is ours.core.prefix_cache.dup_ids and view._blocks is ours.blocks
+    assert not gc.is_tracked(view._cache)
+    view.clear()
+    assert (view._cache, view._dup_ids, len(view)) == ({}, {}, 0)
+
+
+def test_the_core_caches_blocks_under_the_map_vllms_view_reads() -> None:
+    import gc
+
+    ours = VllmBlockPool(8, True, BS)
+    blocks = ours.get_new_blocks(3)
+    keys = [make_block_hash_with_group_id(bytes([i]), 0) for i in range(2)]
+    ours.core.cache_full_blocks(blocks[:2], keys, 0, 2, BS)
+    ours.core.cache_full_blocks(blocks[2:], keys[:1], 0, 1, BS)  # a second block under keys[0]
+    view = ours.cached_block_hash_to_block
+    assert view._cache == {keys[0]: blocks[0].block_id, keys[1]: blocks[1].block_id}
+    assert view._dup_ids == {keys[0]: {blocks[0].block_id: None, blocks[2].block_id: None}}
+    assert view.get_one_block(keys[0]) is blocks[0] and view.contain(keys[0], blocks[2].block_id)
+    assert not gc.is_tracked(view._cache)
+    ours.free_blocks(blocks)
+    ours.core.evict_blocks({blocks[0].block_id})
+    assert view._cache == {keys[0]: blocks[2].block_id, keys[1]: blocks[1].block_id} and view._dup_ids == {}
+    assert ours.core.get_cached_block(keys[0]) is blocks[2]
+    ours.core.check()
 
 
 def test_each_pool_has_its_own_block_class_so_the_own_check_is_a_type_test() -> None:
@@ -394,25 +423,30 @@ def test_free_below_zero_raises_and_changes_nothing() -> None:
     assert state(ours) == before
 
 
-def test_shared_key_keeps_vllms_dict_form_until_empty() -> None:
+def test_a_shared_key_passes_to_its_next_block_when_the_first_is_evicted() -> None:
     _, ours = pools(4)
     key = make_block_hash_with_group_id(b"h", 0)
     a, b = ours.blocks[1], ours.blocks[2]
     for blk in (a, b):
         blk.set_block_hash(key)
         ours.cached_block_hash_to_block.insert(key, blk)
+    view = ours.cached_block_hash_to_block
+    assert (view._cache, view._dup_ids) == ({key: 1}, {key: {1: None, 2: None}})
     ours._maybe_evict_cached_block(a)
-    assert ours.cached_block_hash_to_block._cache == {key: {2: b}}
+    assert (view._cache, view._dup_ids, view.get_one_block(key)) == ({key: 2}, {}, b)
     ours._maybe_evict_cached_block(b)
-    assert ours.cached_block_hash_to_block._cache == {}
+    assert (view._cache, view._dup_ids) == ({}, {})
 
 
 def test_parity_pool_caches_blocks_of_no_pool_as_vllm_does() -> None:
     ours = ParityBlockPool(10, True, BS, enable_kv_cache_events=True)
     r = request("a", list(range(8)))
-    loose = [KVCacheBlock(block_id=i) for i in range(2)]
+    loose = [KVCacheBlock(block_id=i) for i in (1, 2)]
     ours.cache_full_blocks(r, loose, 0, 2, BS, 0)
-    assert ours.get_cached_block(r.block_hashes[1], [0]) == [loose[1]]
+    # The map holds block ids (vLLM 0.34's): the hit is the block of id 2
+    # (vLLM 0.34's own pool answers with its block of that id).
+    (hit,) = ours.get_cached_block(r.block_hashes[1], [0])
+    assert hit.block_id == 2 and loose[1].block_hash is not None
     assert ours._maybe_evict_cached_block(loose[1]) is True
     assert ours.get_cached_block(r.block_hashes[1], [0]) is None
     with pytest.raises(ForeignBlockError):

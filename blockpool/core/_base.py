@@ -124,7 +124,7 @@ class PoolBase:
     _counters: dict[str, int]
     _n_fences: int
     _n_empty_fences: int
-    _key_map: dict[Hashable, KVCacheBlock | dict[int, KVCacheBlock]]
+    _key_map: dict[Hashable, int]
     _hits: int
     _misses: int
     # Any, not object: mypyc's non-native class bodies cannot annotate with object.

@@ -47,14 +47,14 @@ class CacheOps(IntrospectionOps):
         # key map read in place (read only: PrefixCache changes it) and the
         # pool's own lookup counters, instead of PrefixCache.lookup's call.
         try:
-            v = self._key_map.get(block_hash)
+            bid = self._key_map.get(block_hash)
         except TypeError:
             raise InvalidArgumentError(f"block hash must be hashable, got {block_hash!r}") from None
-        if v is None:
+        if bid is None:
             self._misses += 1
             return None
         self._hits += 1  # one counter per call: lookups = hits + misses (stats())
-        return next(iter(v.values())) if type(v) is dict else v  # type: ignore[union-attr,return-value]
+        return self.blocks[bid]
 
     def cache_full_blocks(
         self,

@@ -258,7 +258,7 @@ class HazardAwareBlockPool(RefCountOps):
         else:
             self.free_block_queue = free_queue_class(self.blocks[1:])
 
-        self.prefix_cache = PrefixCache(removal_each=removal_events == "each")
+        self.prefix_cache = PrefixCache(self.blocks, removal_each=removal_events == "each")
         self._key_map = self.prefix_cache.key_map  # read in place by get_cached_block (never replaced)
         self._hits = 0  # get_cached_block's counters (stats(): lookups = hits + misses)
         self._misses = 0

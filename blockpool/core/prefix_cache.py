@@ -7,23 +7,28 @@ blocks, so block tables stay append-only), and a block may hold several keys
 key lives on the block record (``block.block_hash``); extra keys live in a
 side table so the common one-key block costs no extra object.
 
-One representation, vLLM's own: a key maps to one block directly, or, once
-a second block joins it, to a ``{block_id: block}`` dict, which stays a dict
-until its last block leaves (``BlockHashToBlockMap.insert``/``pop``). The
-dict is created only for shared keys, which keeps GC pressure low. The vLLM
-adapter hands this very dict to vLLM's ``cached_block_hash_to_block`` view
-(:attr:`PrefixCache.key_map`), so vLLM's code for blocks of no pool and the
-core read and write one map.
+One representation, vLLM 0.34's own (``BlockHashToBlockMap``): the key map
+holds block *ids*, each key's first block (``{key: block_id}``), and a key
+that several blocks hold also has, in a second dict, every one of their ids
+in insertion order (``{key: {block_id: None}}``); the first block leaves, the
+next takes its place. A dict of bytes (or str, or int) keys and int values
+holds no object the cyclic garbage collector follows, so CPython leaves it
+untracked: a pool full of cached blocks adds no map to walk to each full
+``gc.collect()``. The vLLM adapter hands these very dicts to vLLM's
+``cached_block_hash_to_block`` view (:attr:`PrefixCache.key_map`,
+:attr:`PrefixCache.dup_ids`), so vLLM's code and the core read and write
+one map.
 
 >>> from blockpool.core.block import KVCacheBlock
->>> pc = PrefixCache()
->>> a, b = KVCacheBlock(1), KVCacheBlock(2)
+>>> blocks = [KVCacheBlock(i) for i in range(3)]
+>>> pc = PrefixCache(blocks)
+>>> a, b = blocks[1], blocks[2]
 >>> pc.publish("k", a, 16), pc.publish("k", b, 16), pc.publish("k", b, 16)
 (True, True, False)
->>> [x.block_id for x in pc.blocks_of("k")], pc.lookup("k") is a
-([1, 2], True)
->>> pc.remove(a), pc.remove(a), a.block_hash
-(['k'], [], None)
+>>> [x.block_id for x in pc.blocks_of("k")], pc.lookup("k") is a, pc.key_map, pc.dup_ids
+([1, 2], True, {'k': 1}, {'k': {1: None, 2: None}})
+>>> pc.remove(a), pc.remove(a), a.block_hash, pc.key_map, pc.dup_ids
+(['k'], [], None, {'k': 2}, {})
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ __all__ = ["PrefixCache"]
 class PrefixCache:
     """Owns the prefix cache's state; nothing else changes it.
 
-    Owns: the key map (key -> block or ``{block_id: block}``), the extra
+    Owns: the key map (key -> first block id) and the ids of keys several
+    blocks hold (key -> ``{block_id: None}``, insertion order), the extra
     keys of each block (block id -> keys beyond its primary one), the
     blocks whose primary key is a partial-block key, the keys *retired*
     from a block by a promotion (never published for it again until its
@@ -48,6 +54,8 @@ class PrefixCache:
     own lookups and hits: it reads :attr:`key_map` in place).
 
     Args:
+        blocks: The pool's block records, indexed by block id (the list
+            itself, read in place: the map holds ids).
         removal_each: Which removals :meth:`reportable` reports: every key a
             block loses (``True``, vLLM 0.33's events), or only keys no block
             holds any more (``False``).
@@ -55,10 +63,12 @@ class PrefixCache:
     Every method is O(1) per key or block touched unless it says otherwise.
     """
 
-    __slots__ = ("_each", "_extra", "_map", "_partial", "_retired", "evictions")
+    __slots__ = ("_blocks", "_dups", "_each", "_extra", "_map", "_partial", "_retired", "evictions")
 
-    def __init__(self, removal_each: bool = False) -> None:
-        self._map: dict[Hashable, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+    def __init__(self, blocks: Sequence[KVCacheBlock], removal_each: bool = False) -> None:
+        self._blocks = blocks
+        self._map: dict[Hashable, int] = {}
+        self._dups: dict[Hashable, dict[int, None]] = {}
         self._extra: dict[int, set[Hashable]] = {}
         self._partial: set[int] = set()
         self._retired: dict[int, set[Hashable]] = {}
@@ -72,12 +82,19 @@ class PrefixCache:
     # -- reads -----------------------------------------------------------------
 
     @property
-    def key_map(self) -> dict[Hashable, KVCacheBlock | dict[int, KVCacheBlock]]:
-        """The live key map, in vLLM's ``BlockHashToBlockMap._cache``
-        representation. For vLLM's view of it (the adapter's
-        ``cached_block_hash_to_block``); the core changes it only through
-        this class's methods. O(1)."""
+    def key_map(self) -> dict[Hashable, int]:
+        """The live key map, ``{key: id of its first block}`` (vLLM 0.34's
+        ``BlockHashToBlockMap._cache``). For vLLM's view of it (the
+        adapter's ``cached_block_hash_to_block``); the core changes it only
+        through this class's methods. O(1)."""
         return self._map
+
+    @property
+    def dup_ids(self) -> dict[Hashable, dict[int, None]]:
+        """The live ``{key: {block_id: None}}`` of keys several blocks hold,
+        every id in insertion order (vLLM 0.34's
+        ``BlockHashToBlockMap._dup_ids``). O(1)."""
+        return self._dups
 
     def extra_keys(self) -> dict[int, set[Hashable]]:
         """The live ``{block_id: extra keys}`` table (vLLM's
@@ -92,26 +109,29 @@ class PrefixCache:
         Raises:
             TypeError: ``key`` is not hashable.
         """
-        v = self._map.get(key)
-        if v is None:
-            return None
-        return next(iter(v.values())) if type(v) is dict else v  # type: ignore[union-attr,return-value]
+        bid = self._map.get(key)
+        return None if bid is None else self._blocks[bid]
 
     def blocks_of(self, key: Hashable) -> list[KVCacheBlock]:
         """Every block under ``key`` (``[]`` if none). O(blocks under it)."""
-        v = self._map.get(key)
-        if v is None:
-            return []
-        return list(v.values()) if type(v) is dict else [v]  # type: ignore[list-item, union-attr]
+        dups = self._dups.get(key)
+        if dups is not None:
+            blocks = self._blocks
+            return [blocks[i] for i in dups]
+        bid = self._map.get(key)
+        return [] if bid is None else [self._blocks[bid]]
 
     def contains(self, key: Hashable, block: KVCacheBlock) -> bool:
-        """Whether ``key`` maps to ``block``. O(1)."""
-        v = self._map.get(key)
-        if v is None:
-            return False
-        if type(v) is dict:
-            return block.block_id in v  # type: ignore[operator]
-        return v is block
+        """Whether ``key`` maps to ``block`` (to its block id: the caller
+        passes the pool's own blocks). O(1)."""
+        return self._holds(key, block.block_id)
+
+    def _holds(self, key: Hashable, bid: int) -> bool:
+        if self._dups:
+            dups = self._dups.get(key)
+            if dups is not None:
+                return bid in dups
+        return self._map.get(key) == bid
 
     def keys_of(self, block: KVCacheBlock) -> list[Hashable]:
         """Every key the block holds, primary first. O(keys of the block)."""
@@ -126,13 +146,8 @@ class PrefixCache:
     def mapped_keys(self, block: KVCacheBlock) -> list[Hashable]:
         """The block's keys that the map still points at it (code outside
         the core, vLLM's tests, may pop map entries). O(keys)."""
-        m, bid = self._map, block.block_id
-        out = []
-        for key in self.keys_of(block):
-            v = m.get(key)
-            if v is not None and (bid in v if type(v) is dict else v.block_id == bid):  # type: ignore[operator,union-attr]
-                out.append(key)
-        return out
+        bid = block.block_id
+        return [key for key in self.keys_of(block) if self._holds(key, bid)]
 
     def is_partial(self, block_id: int) -> bool:
         """Whether the block's primary key is a partial-block key. O(1)."""
@@ -179,14 +194,12 @@ class PrefixCache:
         return True
 
     def _link(self, key: Hashable, block: KVCacheBlock) -> None:
-        m = self._map
-        v = m.get(key)
-        if v is None:
-            m[key] = block
-        elif type(v) is dict:
-            v[block.block_id] = block  # type: ignore[index]
-        else:
-            m[key] = {v.block_id: v, block.block_id: block}  # type: ignore[union-attr, dict-item]
+        # vLLM 0.34's BlockHashToBlockMap.insert (the caller checked that
+        # the key does not map to the block yet).
+        bid = block.block_id
+        first = self._map.setdefault(key, bid)
+        if first != bid:
+            self._dups.setdefault(key, {first: None})[bid] = None
 
     def publish_full(
         self,
@@ -214,15 +227,16 @@ class PrefixCache:
             key = keys[i - keys_offset]
             if b.block_hash is None:
                 # publish() for a block holding no key, inline.
-                v = m.get(key)
-                if v is None:
-                    m[key] = b
-                elif v is b or (type(v) is dict and b.block_id in v):  # type: ignore[operator]
-                    continue
-                elif type(v) is dict:
-                    v[b.block_id] = b  # type: ignore[index]
-                else:
-                    m[key] = {v.block_id: v, b.block_id: b}  # type: ignore[union-attr,dict-item]
+                bid = b.block_id
+                first = m.setdefault(key, bid)
+                if first != bid:
+                    dups = self._dups.get(key)
+                    if dups is None:
+                        self._dups[key] = {first: None, bid: None}
+                    elif bid in dups:
+                        continue
+                    else:
+                        dups[bid] = None
                 b.block_hash = key
                 b.block_hash_num_tokens = (i + 1) * block_size if block_size else None
             else:
@@ -236,8 +250,7 @@ class PrefixCache:
     def remove(self, block: KVCacheBlock) -> list[Hashable]:
         """Withdraw every key of ``block``; returns the keys that mapped to
         it (primary first), as vLLM reports removals. The block forgets all
-        its keys, and that its primary key was partial, either way. A shared
-        key's dict stays until its last block leaves. O(keys of the block)."""
+        its keys, and that its primary key was partial, either way. O(keys of the block)."""
         keys = self.keys_of(block)
         bid = block.block_id
         if self._partial:
@@ -245,20 +258,20 @@ class PrefixCache:
         if not keys:
             return keys
         self._extra.pop(bid, None)
-        m = self._map
+        m, all_dups = self._map, self._dups
         removed: list[Hashable] = []
         for key in keys:
-            v = m.get(key)
-            if v is None:
-                continue
-            if type(v) is dict:
-                if v.pop(bid, None) is not None:  # type: ignore[union-attr]
-                    removed.append(key)
-                if not v:
+            dups = all_dups.get(key) if all_dups else None
+            if dups is None:
+                if m.get(key) == bid:
                     del m[key]
-            elif v.block_id == bid:  # type: ignore[union-attr]
-                del m[key]
+                    removed.append(key)
+            elif bid in dups:  # vLLM 0.34's pop: the next id takes the first's place
+                del dups[bid]
                 removed.append(key)
+                m[key] = next(iter(dups))
+                if len(dups) == 1:
+                    del all_dups[key]
         block.block_hash = None
         block.block_hash_num_tokens = None
         return removed
@@ -292,6 +305,7 @@ class PrefixCache:
         O(len(blocks) + keys)."""
         m = self._map
         extra = self._extra
+        dups = self._dups
         out: list[tuple[KVCacheBlock, list[Hashable]]] = []
         evicted = 0
         for b in blocks:
@@ -299,7 +313,7 @@ class PrefixCache:
             if key is None:
                 continue
             evicted += 1
-            if (extra and b.block_id in extra) or m.get(key) is not b:
+            if (extra and b.block_id in extra) or (dups and key in dups) or m.get(key) != b.block_id:
                 keys = self.remove(b)
                 if report:
                     if keys_out is not None:
@@ -355,6 +369,7 @@ class PrefixCache:
         """Drop every key; ``blocks``: every block record that may hold one.
         O(len(blocks) + keys)."""
         self._map.clear()
+        self._dups.clear()
         self._extra.clear()
         self._partial.clear()
         self._retired.clear()
@@ -371,6 +386,19 @@ class PrefixCache:
         Raises:
             InvariantError: the first broken invariant.
         """
+        # Read as objects: code outside the core (vLLM's, through the view)
+        # can put anything in these dicts, and the compiled build would
+        # refuse a non-int where the annotations say int.
+        raw_map: dict[Hashable, object] = self._map  # type: ignore[assignment]
+        raw_dups: dict[Hashable, dict[object, None]] = self._dups  # type: ignore[assignment]
+        for key, bid in raw_map.items():
+            if type(bid) is not int or not 0 < bid < len(blocks):
+                raise InvariantError(f"key {key!r} maps to {bid!r}, not a data block's id")
+        for key, dups in raw_dups.items():
+            if len(dups) < 2 or raw_map.get(key) != next(iter(dups)):
+                raise InvariantError(f"key {key!r}: its ids {list(dups)} are not the map's first and more")
+            if not all(type(i) is int and 0 < i < len(blocks) for i in dups):
+                raise InvariantError(f"key {key!r} maps to {list(dups)}, not all data blocks' ids")
         seen_pairs = set()
         for key, owners in self.items():
             if not owners:

@@ -17,15 +17,21 @@ vLLM's ``BlockHashWithGroupId`` bytes as they are.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import MemberDescriptorType
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.block_pool import BlockHashToBlockMap
 
 from blockpool.core.block import FreeBlockQueue, KVCacheBlock, NullBlock
+from blockpool.core.errors import InvalidArgumentError
 from blockpool.core.prefix_cache import PrefixCache
 
 __all__ = ["HashMapView", "VllmFreeBlockQueue", "VllmKVCacheBlock", "VllmNullBlock"]
 
+
+# Whether the core's block record is the compiled build's native class (its
+# fields getset descriptors) rather than the pure build's slots.
+_NATIVE_RECORD = not isinstance(KVCacheBlock.__dict__.get("block_id"), MemberDescriptorType)
 
 if TYPE_CHECKING:  # the mixin reads and writes the core record's fields
     _Record = KVCacheBlock
@@ -97,24 +103,30 @@ class _VllmBlockSurface(_Record):
 class VllmKVCacheBlock(_VllmBlockSurface, KVCacheBlock):
     """The core's block record (:class:`blockpool.core.block.KVCacheBlock`:
     its 8 slots, the shadow ``writer`` / ``readers`` among them) with
-    vLLM's ``KVCacheBlock`` surface: a ``pool`` slot (the owning
-    :class:`~blockpool.integrations.vllm.pool.VllmBlockPool`, or ``None``),
-    ``_block_hash`` and ``_block_hash_num_tokens`` as properties over the
-    core's fields, ``set_block_hash``, ``reset_hash``, ``is_null`` and
-    vLLM's ``repr``; 11 slots in all (below). Built as vLLM builds its
-    blocks, ``VllmKVCacheBlock(block_id, pool=None)``.
+    vLLM's ``KVCacheBlock`` surface: ``pool`` (the owning
+    :class:`~blockpool.integrations.vllm.pool.VllmBlockPool`'s reference,
+    or ``None``), ``_block_hash`` and ``_block_hash_num_tokens`` as
+    properties over the core's fields, ``set_block_hash``, ``reset_hash``,
+    ``is_null`` and vLLM's ``repr``. Built as vLLM builds its blocks,
+    ``VllmKVCacheBlock(block_id, pool=None)``.
 
-    ``block_id`` and ``is_null``, which never change, are also slots of
-    this class, set once in ``__init__``: vLLM's own code reads them (block
-    tables, ``get_block_ids``, the allocation count), and CPython reads a
-    slot of an interpreted class in 9 ns where the compiled core's record
-    field is a getset descriptor call (50 ns for ``block_id``, which boxes
-    an int above 256 on every read; 33 for ``is_null``). The compiled
-    core's code reads its own fields, which hold the same values; in the
-    pure-Python build these slots shadow the record's (every read and
-    write, the core's too, goes to them; the record's go unused). Nothing
-    may assign ``block_id`` or ``is_null`` after construction (nothing in
-    vLLM or the core does).
+    No slot is added in the pure-Python build, one in the compiled build:
+    the same 8 fields per block as vLLM's ``KVCacheBlock``, which is what a
+    full ``gc.collect()`` walks (each slot of each cached block;
+    ``docs/performance.md``, "Garbage collection"). ``pool`` and
+    ``is_null``, the same for every block of a pool, are class attributes:
+    ``pool`` of each pool's own subclass (below; ``None`` here), ``is_null``
+    false here and true on :class:`VllmNullBlock`. A block's ``pool`` is
+    its class's: the constructor refuses another, and neither may be
+    assigned on a block (nothing in vLLM or the core does).
+
+    In the compiled build ``block_id`` is also a slot of this class, set
+    once in ``__init__``: vLLM's own code reads it (block tables,
+    ``get_block_ids``, the allocation count), CPython reads a slot of an
+    interpreted class in 9 ns, and the compiled core's record field is a
+    getset descriptor call (50 ns, boxing an int above 256 on every read).
+    The compiled core reads its own field, which holds the same value.
+    Nothing may assign ``block_id`` after construction.
 
     It is the core's class, not vLLM's, so that the compiled (mypyc) core's
     native block access takes it (``docs/vllm-design.md``, "Design"):
@@ -124,15 +136,28 @@ class VllmKVCacheBlock(_VllmBlockSurface, KVCacheBlock):
     dataclass ``==`` compares the fields of two blocks of one class; a
     pool's blocks differ in ``block_id``). Each pool's blocks are of its own
     subclass (:func:`~blockpool.core.block.block_class_for_pool`, same name,
-    no slot added), so the core's own-block check is a type test."""
+    no slot added, ``pool`` set on it), so the core's own-block check is a
+    type test."""
 
-    __slots__ = ("block_id", "is_null", "pool")
+    __slots__ = ("block_id",) if _NATIVE_RECORD else ()
+    pool: Any = None
+    is_null = False
 
     def __init__(self, block_id: int, pool: Any = None) -> None:
+        """O(1).
+
+        Raises:
+            InvalidArgumentError: ``pool`` is neither ``None`` nor this
+                class's ``pool`` (a pool's blocks are of its own class).
+        """
+        if pool is not None and pool is not type(self).pool:
+            raise InvalidArgumentError(
+                f"a block's pool is its class's ({type(self).pool!r}), got {pool!r}: "
+                "a pool's blocks are of the class it made for them"
+            )
         KVCacheBlock.__init__(self, block_id)
-        self.pool = pool
-        self.block_id = block_id  # the interpreted copies (class docstring)
-        self.is_null = False
+        if _NATIVE_RECORD:
+            self.block_id = block_id  # the interpreted copy (class docstring)
 
 
 class VllmNullBlock(_VllmBlockSurface, NullBlock):
@@ -203,59 +228,68 @@ class VllmFreeBlockQueue(FreeBlockQueue):
 
 
 class HashMapView(BlockHashToBlockMap):
-    """vLLM's ``BlockHashToBlockMap`` whose ``_cache`` *is* the core's key
-    dict: vLLM's methods (and tests reaching into ``_cache``) read and write
-    the core's map. O(1) to build.
+    """vLLM's ``BlockHashToBlockMap`` over the core's key map: its
+    ``_cache`` *is* the core's ``{key: first block id}`` dict, its
+    ``_dup_ids`` the core's ``{key: {block_id: None}}`` of keys several
+    blocks hold and its ``_blocks`` the pool's block list
+    (:attr:`~blockpool.core.prefix_cache.PrefixCache.key_map`,
+    :attr:`~blockpool.core.prefix_cache.PrefixCache.dup_ids`): vLLM's
+    methods, and tests reaching into ``_cache`` or ``_dup_ids``, read and
+    write the core's map. O(1) to build.
 
-    A value of the map is one block or a ``{block_id: block}`` dict, as in
-    vLLM. vLLM's methods tell the two apart by ``isinstance(value,
-    KVCacheBlock)`` (vLLM's class), which our blocks are not
-    (:class:`VllmKVCacheBlock`), so the four that test it are vLLM's code
-    with the test turned round: a dict is the several-block case, anything
-    else one block (ours, or vLLM's own that its unit tests insert). Each
-    O(1)."""
+    That is vLLM 0.34's own representation, so on 0.34 these are vLLM's
+    methods in effect; vLLM 0.32 and 0.33 kept blocks in ``_cache`` (one
+    block, or a ``{block_id: block}`` dict), and nothing of theirs outside
+    the class reads it, so the methods below, vLLM 0.34's, serve every
+    line. A block is mapped by its id: one inserted from outside the pool
+    (vLLM's unit tests make such blocks) reads back as the pool's block of
+    that id, as in vLLM 0.34. Each O(1)."""
 
-    def __init__(self, prefix_cache: PrefixCache) -> None:
+    def __init__(self, prefix_cache: PrefixCache, blocks: list[Any]) -> None:
+        self._blocks = blocks
         self._cache = prefix_cache.key_map  # type: ignore[assignment]
+        self._dup_ids = prefix_cache.dup_ids
 
     def get_one_block(self, key: Any) -> Any:
-        """Any block mapped to ``key``, or ``None``."""
-        blocks = self._cache.get(key)
-        if isinstance(blocks, dict):
-            return next(iter(blocks.values()))
-        return blocks
+        """Any block mapped to ``key`` (the first inserted), or ``None``."""
+        block_id = self._cache.get(key)
+        return None if block_id is None else self._blocks[block_id]
 
     def contain(self, key: Any, block_id: int) -> bool:
         """Whether ``key`` maps to block ``block_id``."""
-        blocks = self._cache.get(key)
-        if blocks is None:
-            return False
-        if isinstance(blocks, dict):
-            return block_id in blocks
-        return bool(blocks.block_id == block_id)
+        dup_ids = self._dup_ids.get(key)
+        if dup_ids is not None:
+            return block_id in dup_ids
+        return bool(self._cache.get(key) == block_id)
 
     def insert(self, key: Any, block: Any) -> None:
-        """Map ``key`` to ``block`` too (a second block makes the value a dict)."""
-        blocks = self._cache.get(key)
-        if blocks is None:
-            self._cache[key] = block
-        elif isinstance(blocks, dict):
-            blocks[block.block_id] = block
-        else:
-            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
+        """Map ``key`` to ``block``'s id too."""
+        block_id = self._cache.setdefault(key, block.block_id)
+        if block_id != block.block_id:
+            self._dup_ids.setdefault(key, {block_id: None})[block.block_id] = None
 
     def pop(self, key: Any, block_id: int) -> Any:
-        """Unmap block ``block_id`` from ``key``; the block, or ``None`` when
-        ``key`` did not map to it (the map unchanged)."""
-        blocks = self._cache.pop(key, None)
-        if blocks is None:
-            return None
-        if isinstance(blocks, dict):
-            block = blocks.pop(block_id, None)
-            if len(blocks) > 0:
-                self._cache[key] = blocks
-            return block
-        if blocks.block_id == block_id:
-            return blocks
-        self._cache[key] = blocks
-        return None
+        """Unmap block ``block_id`` from ``key``; the pool's block of that
+        id, or ``None`` when ``key`` did not map to it (the map unchanged)."""
+        dup_ids = self._dup_ids.get(key)
+        if dup_ids is None:
+            if self._cache.get(key) != block_id:
+                return None
+            del self._cache[key]
+        else:
+            if dup_ids.pop(block_id, False) is False:
+                return None
+            self._cache[key] = next(iter(dup_ids))
+            if len(dup_ids) == 1:
+                del self._dup_ids[key]
+        return self._blocks[block_id]
+
+    def __len__(self) -> int:
+        """Number of distinct keys."""
+        return len(self._cache)
+
+    def clear(self) -> None:
+        """Drop every key (both dicts; the blocks' own keys are the
+        caller's, as in vLLM)."""
+        self._cache.clear()
+        self._dup_ids.clear()

@@ -153,6 +153,7 @@ class VllmBlockPool(VllmEvents):
         self._weak_self = weakref.ref(self)
         ref: Any = self._weak_self if _WEAK_POOL_REF else self
         self._pool_ref = ref
+        block_cls.pool = ref  # a class attribute: no slot per block (VllmKVCacheBlock)
         core = HazardAwareBlockPool(
             num_gpu_blocks,
             enable_caching,
@@ -162,7 +163,7 @@ class VllmBlockPool(VllmEvents):
             streams={COMPUTE: StreamKind.DEVICE, **(streams or {})},
             medium=medium,
             removal_events="each",  # vLLM's events (0.32, 0.33): a removal per block that loses a key
-            block_factory=lambda block_id: block_cls(block_id, ref) if block_id else VllmNullBlock(0, ref),
+            block_factory=lambda block_id: block_cls(block_id) if block_id else VllmNullBlock(0, ref),
             block_class=block_cls,
             free_queue_class=VllmFreeBlockQueue,
         )
@@ -198,7 +199,7 @@ class VllmBlockPool(VllmEvents):
         self.blocks: list[Any] = blocks
         self.null_block: Any = blocks[0]
         self.free_block_queue: VllmFreeBlockQueue = core.free_block_queue  # type: ignore[assignment]
-        self.cached_block_hash_to_block: BlockHashToBlockMap = HashMapView(core.prefix_cache)
+        self.cached_block_hash_to_block: BlockHashToBlockMap = HashMapView(core.prefix_cache, blocks)
         self.cached_block_hashes_by_block: dict[int, set[Any]] = core.prefix_cache.extra_keys()
         self.kv_event_queue = []
         self._reuse_watchers: dict[int, Callable[[Any], None]] = {}
