@@ -27,7 +27,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.request import Request
 
-from blockpool import ForeignBlockError, RefCountError, StreamKind
+from blockpool import ForeignBlockError, InvalidArgumentError, RefCountError, StreamKind
 from blockpool.core.block import KVCacheBlock as CoreKVCacheBlock
 from blockpool.integrations.vllm import events as vllm_events
 from blockpool.integrations.vllm.blocks import VllmNullBlock
@@ -218,6 +218,38 @@ def test_the_core_caches_blocks_under_the_map_vllms_view_reads() -> None:
     assert view._cache == {keys[0]: blocks[2].block_id, keys[1]: blocks[1].block_id} and view._dup_ids == {}
     assert ours.core.get_cached_block(keys[0]) is blocks[2]
     ours.core.check()
+
+
+def test_a_block_carries_vllms_fields_and_no_slot_for_its_pool_or_is_null() -> None:
+    """``pool`` and ``is_null`` are class attributes (the pool's own block
+    class holds its ``pool``): a block is the core's record, plus, in the
+    compiled build, a slot copy of ``block_id``. A full ``gc.collect()``
+    walks every slot of every cached block."""
+    import sys
+
+    from blockpool import HazardAwareBlockPool
+    from blockpool.integrations.vllm.blocks import _NATIVE_RECORD
+
+    ours, core = VllmBlockPool(4, True, BS), HazardAwareBlockPool(4)
+    blk = ours.blocks[1]
+    assert sys.getsizeof(blk) == sys.getsizeof(core.blocks[1]) + (8 if _NATIVE_RECORD else 0)
+    assert (blk.pool, blk.is_null, ours.null_block.is_null) == (ours._pool_ref, False, True)
+    assert "pool" in vars(type(blk)) and type(blk).__slots__ == ()
+    with pytest.raises(AttributeError):
+        blk.pool = None  # a block's pool is its class's
+    assert blk.pool is ours._pool_ref
+
+
+def test_a_block_built_with_another_pool_than_its_class_is_refused() -> None:
+    ours = VllmBlockPool(4, True, BS)
+    cls = type(ours.blocks[1])
+    made = cls(9, ours._pool_ref)  # its class's pool: accepted
+    assert (made.block_id, made.pool, made.ref_cnt, made.block_hash) == (9, ours._pool_ref, 0, None)
+    with pytest.raises(InvalidArgumentError, match="a block's pool is its class's"):
+        VllmKVCacheBlock(9, ours._pool_ref)  # the shared class's pool is None
+    with pytest.raises(InvalidArgumentError):
+        cls(9, VllmBlockPool(4, True, BS)._pool_ref)
+    assert VllmKVCacheBlock(9).pool is None and VllmKVCacheBlock(9, None).block_id == 9
 
 
 def test_each_pool_has_its_own_block_class_so_the_own_check_is_a_type_test() -> None:
@@ -577,7 +609,6 @@ def test_a_block_listed_twice_in_one_cache_full_blocks_call_matches_vllm() -> No
 
 
 def test_too_few_block_hashes_are_refused_before_any_change() -> None:
-    from blockpool import InvalidArgumentError
 
     ours = VllmBlockPool(10, True, BS, enable_kv_cache_events=True)
     r = request("a", list(range(9)))  # two full blocks: two hashes
@@ -706,8 +737,6 @@ def test_every_method_of_vllms_pool_has_vllms_parameters_on_ours(cls: type) -> N
 
 def test_evict_first_frees_as_vllms_pool_where_vllm_has_it_and_is_refused_unchanged_elsewhere() -> None:
     import inspect
-
-    from blockpool import InvalidArgumentError
 
     theirs, ours = pools()
     has = "evict_first" in inspect.signature(VLLM_BLOCK_POOL.free_blocks).parameters

@@ -65,7 +65,7 @@ class PrefixCache:
 
     __slots__ = ("_blocks", "_dups", "_each", "_extra", "_map", "_partial", "_retired", "evictions")
 
-    def __init__(self, blocks: Sequence[KVCacheBlock], removal_each: bool = False) -> None:
+    def __init__(self, blocks: list[KVCacheBlock], removal_each: bool = False) -> None:
         self._blocks = blocks
         self._map: dict[Hashable, int] = {}
         self._dups: dict[Hashable, dict[int, None]] = {}
