@@ -350,3 +350,42 @@ def test_take_events_empties_the_same_queue_in_place() -> None:
     assert len(queue) == 1
     assert pool.take_events() == [BlockStored(("h0",), None, 16, (1,))]
     assert pool.kv_event_queue is queue and queue == []
+
+
+# The key map holds block ids -----------------------------------------------------
+
+
+def test_the_key_map_holds_first_block_ids_and_a_shared_keys_ids_apart() -> None:
+    import gc
+
+    pool = HazardAwareBlockPool(6)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_full_blocks([a, b], [b"k0", b"k1"], 0, 2, block_size=16)
+    pool.cache_full_blocks([c], [b"k0"], 0, 1, block_size=16)
+    pc = pool.prefix_cache
+    assert pc.key_map == {b"k0": a.block_id, b"k1": b.block_id}
+    assert pc.dup_ids == {b"k0": {a.block_id: None, c.block_id: None}}
+    assert not gc.is_tracked(pc.key_map)  # bytes keys, int values: the collector skips it
+    pool.free_blocks([a, b, c])
+    pool.evict_blocks([a.block_id])  # the first block of b"k0" leaves: c takes its place
+    assert pc.key_map == {b"k0": c.block_id, b"k1": b.block_id} and pc.dup_ids == {}
+    assert pool.get_cached_block(b"k0") is c
+    pool.check()
+
+
+def test_publishing_skips_a_block_the_map_already_lists_under_its_key() -> None:
+    """Code outside the core (vLLM's, through the adapter's view) may list
+    a block under a key the block does not hold: publishing that key for it
+    leaves it as it is, as for a block that holds the key."""
+    from blockpool.core.prefix_cache import PrefixCache
+
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    pc = PrefixCache(blocks)
+    pc.key_map["k"] = 1
+    pc.key_map["j"] = 1
+    pc.dup_ids["j"] = {1: None, 3: None}
+    published, removed = pc.publish_full(blocks, [None, "k", "k", "j"], [1, 2, 3], 16)
+    assert (published, removed) == ([2], [])
+    assert (blocks[1].block_hash, blocks[2].block_hash, blocks[3].block_hash) == (None, "k", None)
+    assert pc.key_map == {"k": 1, "j": 1}
+    assert pc.dup_ids == {"k": {1: None, 2: None}, "j": {1: None, 3: None}}

@@ -228,8 +228,12 @@ class PrefixCache:
             if b.block_hash is None:
                 # publish() for a block holding no key, inline.
                 bid = b.block_id
-                first = m.setdefault(key, bid)
-                if first != bid:
+                first = m.get(key)
+                if first is None:
+                    m[key] = bid
+                elif first == bid:
+                    continue
+                else:
                     dups = self._dups.get(key)
                     if dups is None:
                         self._dups[key] = {first: None, bid: None}
