@@ -373,19 +373,51 @@ def test_the_key_map_holds_first_block_ids_and_a_shared_keys_ids_apart() -> None
     pool.check()
 
 
-def test_publishing_skips_a_block_the_map_already_lists_under_its_key() -> None:
-    """Code outside the core (vLLM's, through the adapter's view) may list
-    a block under a key the block does not hold: publishing that key for it
-    leaves it as it is, as for a block that holds the key."""
+def test_a_block_the_map_lists_under_a_key_it_lacks_takes_the_key_when_published() -> None:
+    """Code outside the core (vLLM's tests, through the adapter's view) may
+    list a block under a key the block does not hold: publishing that key
+    for it gives the block the key (so its reuse withdraws it), the map as
+    it was, as vLLM 0.34's ``_insert_block_hash`` does."""
     from blockpool.core.prefix_cache import PrefixCache
 
-    blocks = [KVCacheBlock(i) for i in range(4)]
+    blocks = [KVCacheBlock(i) for i in range(5)]
     pc = PrefixCache(blocks)
     pc.key_map["k"] = 1
     pc.key_map["j"] = 1
     pc.dup_ids["j"] = {1: None, 3: None}
     published, removed = pc.publish_full(blocks, [None, "k", "k", "j"], [1, 2, 3], 16)
-    assert (published, removed) == ([2], [])
-    assert (blocks[1].block_hash, blocks[2].block_hash, blocks[3].block_hash) == (None, "k", None)
+    assert (published, removed) == ([1, 2, 3], [])
+    assert (blocks[1].block_hash, blocks[2].block_hash, blocks[3].block_hash) == ("k", "k", "j")
     assert pc.key_map == {"k": 1, "j": 1}
     assert pc.dup_ids == {"k": {1: None, 2: None}, "j": {1: None, 3: None}}
+    pc.key_map["p"] = 4
+    assert pc.publish("p", blocks[4], 8, partial=True) is True
+    assert (blocks[4].block_hash, pc.is_partial(4), pc.key_map["p"]) == ("p", True, 4)
+    assert pc.publish("p", blocks[4], 8) is False  # it holds the key now
+
+
+def test_a_pool_withdraws_a_key_the_map_listed_before_the_block_took_it() -> None:
+    pool = HazardAwareBlockPool(4)
+    pool.prefix_cache.key_map["k"] = 1  # edited from outside the core
+    (b,) = pool.get_new_blocks(1)
+    assert b.block_id == 1
+    pool.cache_full_blocks([b], ["k"], 0, 1, block_size=16)
+    assert b.block_hash == "k"
+    pool.free_blocks([b])
+    pool.get_new_blocks(3)  # reuses block 1 for new content
+    assert pool.get_cached_block("k") is None and pool.prefix_cache.key_map == {}
+    pool.check()
+
+
+@pytest.mark.parametrize("bad", ["1", 99, None.__class__])
+def test_a_key_map_value_that_is_no_block_id_is_an_invariant_error_on_lookup(bad: object) -> None:
+    from blockpool.core.errors import InvariantError
+
+    pool = HazardAwareBlockPool(4)
+    pool.prefix_cache.key_map["k"] = bad  # type: ignore[assignment]  # edited from outside the core
+    before = pool.stats()
+    with pytest.raises(InvariantError, match="not a block id"):
+        pool.get_cached_block("k")
+    with pytest.raises(InvalidArgumentError, match="hashable"):
+        pool.get_cached_block(["k"])
+    assert pool.stats() == before and pool.prefix_cache.key_map == {"k": bad}

@@ -4,13 +4,13 @@ keys): lookup, publish, partial keys, moves, eviction, reset."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from blockpool.core._base import _as_list, _check_key, logger
 from blockpool.core._introspection import IntrospectionOps
 from blockpool.core._mypyc import mypyc_attr
 from blockpool.core.block import KVCacheBlock
-from blockpool.core.errors import HashConflictError, InvalidArgumentError, NullBlockError
+from blockpool.core.errors import HashConflictError, InvalidArgumentError, InvariantError, NullBlockError
 
 if TYPE_CHECKING:  # the public parameters' annotations (blockpool/core/_args.py)
     from blockpool.core._args import ArgBlock, ArgBool, ArgInt
@@ -40,6 +40,9 @@ class CacheOps(IntrospectionOps):
 
         Raises:
             InvalidArgumentError: ``block_hash`` is not hashable.
+            InvariantError: the key map holds something other than a block
+                id of this pool under ``block_hash`` (only code outside the
+                core, through the vLLM adapter's view, can put it there).
         """
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()  # a queued failed load must unpublish its keys first
@@ -48,13 +51,29 @@ class CacheOps(IntrospectionOps):
         # pool's own lookup counters, instead of PrefixCache.lookup's call.
         try:
             bid = self._key_map.get(block_hash)
+            if bid is None:
+                self._misses += 1
+                return None
+            block = self.blocks[bid]
+        except (TypeError, IndexError):
+            self._bad_lookup(block_hash)
+        self._hits += 1  # one counter per call: lookups = hits + misses (stats())
+        return block
+
+    def _bad_lookup(self, block_hash: object) -> NoReturn:
+        """Why ``get_cached_block``'s look-up raised ``TypeError``: the key
+        is not hashable (``InvalidArgumentError``), or the map holds a value
+        that is not a block id of this pool, which only code outside the
+        core can put there through the adapter's view (``InvariantError``;
+        the compiled build checks the value's type). O(1)."""
+        try:
+            hash(block_hash)
         except TypeError:
             raise InvalidArgumentError(f"block hash must be hashable, got {block_hash!r}") from None
-        if bid is None:
-            self._misses += 1
-            return None
-        self._hits += 1  # one counter per call: lookups = hits + misses (stats())
-        return self.blocks[bid]
+        raw: dict[object, object] = self._key_map  # type: ignore[assignment]
+        raise InvariantError(
+            f"the key map holds {raw.get(block_hash)!r} under {block_hash!r}, not a block id"
+        ) from None
 
     def cache_full_blocks(
         self,

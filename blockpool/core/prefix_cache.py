@@ -179,9 +179,14 @@ class PrefixCache:
     ) -> bool:
         """Make ``block`` reachable under ``key``: its primary key (covering
         ``num_tokens``; a partial-block key when ``partial``) if it has none,
-        else an extra key. Returns False, changing nothing, if it already
-        was. O(1)."""
-        if block.block_hash == key or self.contains(key, block):
+        else an extra key. Returns False, changing nothing, if the block
+        already holds ``key``; a block the map lists under ``key`` but
+        which does not hold it (code outside the core edited the map) takes
+        it, as vLLM 0.34's ``_insert_block_hash`` gives it. O(1)."""
+        if block.block_hash == key:
+            return False
+        extra = self._extra.get(block.block_id)
+        if extra is not None and key in extra:
             return False
         if block.block_hash is None:
             block.block_hash = key
@@ -194,8 +199,8 @@ class PrefixCache:
         return True
 
     def _link(self, key: Hashable, block: KVCacheBlock) -> None:
-        # vLLM 0.34's BlockHashToBlockMap.insert (the caller checked that
-        # the key does not map to the block yet).
+        # vLLM 0.34's BlockHashToBlockMap.insert (nothing changes where the
+        # key maps to the block already).
         bid = block.block_id
         first = self._map.setdefault(key, bid)
         if first != bid:
@@ -227,18 +232,15 @@ class PrefixCache:
             key = keys[i - keys_offset]
             if b.block_hash is None:
                 # publish() for a block holding no key, inline.
+                # (A map that lists the block under the key already, edited
+                # from outside the core, is left as it is: the block takes
+                # the key, as vLLM 0.34's _insert_block_hash gives it.)
                 bid = b.block_id
-                first = m.get(key)
-                if first is None:
-                    m[key] = bid
-                elif first == bid:
-                    continue
-                else:
+                first = m.setdefault(key, bid)
+                if first != bid:
                     dups = self._dups.get(key)
                     if dups is None:
                         self._dups[key] = {first: None, bid: None}
-                    elif bid in dups:
-                        continue
                     else:
                         dups[bid] = None
                 b.block_hash = key
