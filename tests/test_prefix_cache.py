@@ -409,7 +409,7 @@ def test_a_pool_withdraws_a_key_the_map_listed_before_the_block_took_it() -> Non
     pool.check()
 
 
-@pytest.mark.parametrize("bad", ["1", 99, None.__class__])
+@pytest.mark.parametrize("bad", ["1", 99, 2**70, None.__class__])
 def test_a_key_map_value_that_is_no_block_id_is_an_invariant_error_on_lookup(bad: object) -> None:
     from blockpool.core.errors import InvariantError
 
@@ -421,3 +421,31 @@ def test_a_key_map_value_that_is_no_block_id_is_an_invariant_error_on_lookup(bad
     with pytest.raises(InvalidArgumentError, match="hashable"):
         pool.get_cached_block(["k"])
     assert pool.stats() == before and pool.prefix_cache.key_map == {"k": bad}
+
+
+def test_an_extra_key_the_map_lost_is_mapped_again_when_published_again() -> None:
+    """As vLLM 0.34's ``_insert_block_hash``: the map, not the block's own
+    record of its extra keys, says whether the key still finds the block."""
+    pool = HazardAwareBlockPool(4, removal_events="each")
+    (a,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks([a], [b"full"], 0, 1, block_size=16)
+    pool.cache_partial_block(a, b"part", 8)
+    del pool.prefix_cache.key_map[b"part"]  # popped from outside the core
+    assert pool.get_cached_block(b"part") is None
+    pool.cache_partial_block(a, b"part", 8)
+    assert pool.get_cached_block(b"part") is a and pool.prefix_cache.key_map[b"part"] == a.block_id
+    pool.check()
+
+
+def test_a_keyed_block_the_map_lists_under_another_key_gets_no_extra_key() -> None:
+    """As vLLM 0.34's ``_insert_block_hash``: a block that holds a key and
+    that the map already lists under another (inserted from outside the
+    core) is left as it is."""
+    from blockpool.core.prefix_cache import PrefixCache
+
+    blocks = [KVCacheBlock(i) for i in range(3)]
+    pc = PrefixCache(blocks)
+    assert pc.publish("full", blocks[1], 16) is True
+    pc.key_map["part"] = 1
+    assert pc.publish("part", blocks[1], 8) is False
+    assert pc.keys_of(blocks[1]) == ["full"] and pc.extra_keys() == {}

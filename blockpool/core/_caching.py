@@ -40,9 +40,10 @@ class CacheOps(IntrospectionOps):
 
         Raises:
             InvalidArgumentError: ``block_hash`` is not hashable.
-            InvariantError: the key map holds something other than a block
-                id of this pool under ``block_hash`` (only code outside the
-                core, through the vLLM adapter's view, can put it there).
+            InvariantError: the key map holds under ``block_hash``
+                something that does not index the pool's block list (only
+                code outside the core, through the vLLM adapter's view, can
+                put it there).
         """
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()  # a queued failed load must unpublish its keys first
@@ -55,7 +56,7 @@ class CacheOps(IntrospectionOps):
                 self._misses += 1
                 return None
             block = self.blocks[bid]
-        except (TypeError, IndexError):
+        except (TypeError, IndexError, OverflowError):
             self._bad_lookup(block_hash)
         self._hits += 1  # one counter per call: lookups = hits + misses (stats())
         return block
@@ -63,9 +64,10 @@ class CacheOps(IntrospectionOps):
     def _bad_lookup(self, block_hash: object) -> NoReturn:
         """Why ``get_cached_block``'s look-up raised ``TypeError``: the key
         is not hashable (``InvalidArgumentError``), or the map holds a value
-        that is not a block id of this pool, which only code outside the
-        core can put there through the adapter's view (``InvariantError``;
-        the compiled build checks the value's type). O(1)."""
+        that does not index the pool's block list, which only code outside
+        the core can put there through the adapter's view
+        (``InvariantError``; the compiled build checks the value's type and
+        size). O(1)."""
         try:
             hash(block_hash)
         except TypeError:

@@ -12,9 +12,9 @@ holds block *ids*, each key's first block (``{key: block_id}``), and a key
 that several blocks hold also has, in a second dict, every one of their ids
 in insertion order (``{key: {block_id: None}}``); the first block leaves, the
 next takes its place. A dict of bytes (or str, or int) keys and int values
-holds no object the cyclic garbage collector follows, so CPython leaves it
-untracked: a pool full of cached blocks adds no map to walk to each full
-``gc.collect()``. The vLLM adapter hands these very dicts to vLLM's
+holds no object the cyclic garbage collector follows, so CPython (3.10 to
+3.13; 3.14 no longer untracks dicts by itself) leaves it untracked: a pool
+full of cached blocks adds no map to walk to each full ``gc.collect()``. The vLLM adapter hands these very dicts to vLLM's
 ``cached_block_hash_to_block`` view (:attr:`PrefixCache.key_map`,
 :attr:`PrefixCache.dup_ids`), so vLLM's code and the core read and write
 one map.
@@ -57,7 +57,7 @@ class PrefixCache:
         blocks: The pool's block records, indexed by block id (the list
             itself, read in place: the map holds ids).
         removal_each: Which removals :meth:`reportable` reports: every key a
-            block loses (``True``, vLLM 0.33's events), or only keys no block
+            block loses (``True``, vLLM's events), or only keys no block
             holds any more (``False``).
 
     Every method is O(1) per key or block touched unless it says otherwise.
@@ -108,6 +108,9 @@ class PrefixCache:
 
         Raises:
             TypeError: ``key`` is not hashable.
+            TypeError, IndexError: the map holds under ``key`` something
+                that does not index the pool's block list (only code
+                outside the core can put it there).
         """
         bid = self._map.get(key)
         return None if bid is None else self._blocks[bid]
@@ -179,22 +182,22 @@ class PrefixCache:
     ) -> bool:
         """Make ``block`` reachable under ``key``: its primary key (covering
         ``num_tokens``; a partial-block key when ``partial``) if it has none,
-        else an extra key. Returns False, changing nothing, if the block
-        already holds ``key``; a block the map lists under ``key`` but
-        which does not hold it (code outside the core edited the map) takes
-        it, as vLLM 0.34's ``_insert_block_hash`` gives it. O(1)."""
-        if block.block_hash == key:
-            return False
-        extra = self._extra.get(block.block_id)
-        if extra is not None and key in extra:
-            return False
+        else an extra key. Returns False, changing nothing, if the key is
+        its primary key or the map lists the block under it already.
+        vLLM 0.34's ``_insert_block_hash``, case for case, also where code
+        outside the core edited the map: a block without a key takes it
+        even if the map lists the block under it, and an extra key the map
+        lost is mapped again. O(1)."""
+        bid = block.block_id
         if block.block_hash is None:
             block.block_hash = key
             block.block_hash_num_tokens = num_tokens
             if partial:
-                self._partial.add(block.block_id)
+                self._partial.add(bid)
+        elif block.block_hash == key or self._holds(key, bid):
+            return False
         else:
-            self._extra.setdefault(block.block_id, set()).add(key)
+            self._extra.setdefault(bid, set()).add(key)
         self._link(key, block)
         return True
 

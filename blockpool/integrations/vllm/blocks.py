@@ -110,10 +110,10 @@ class VllmKVCacheBlock(_VllmBlockSurface, KVCacheBlock):
     ``is_null`` and vLLM's ``repr``. Built as vLLM builds its blocks,
     ``VllmKVCacheBlock(block_id, pool=None)``.
 
-    No slot is added in the pure-Python build, one in the compiled build:
-    the same 8 fields per block as vLLM's ``KVCacheBlock``, which is what a
-    full ``gc.collect()`` walks (each slot of each cached block;
-    ``docs/performance.md``, "Garbage collection"). ``pool`` and
+    No slot is added in the pure-Python build (8 fields per block, as
+    vLLM's ``KVCacheBlock``) and one in the compiled build: a full
+    ``gc.collect()`` walks each slot of each cached block
+    (``docs/performance.md``, "Garbage collection"). ``pool`` and
     ``is_null``, the same for every block of a pool, are class attributes:
     ``pool`` of each pool's own subclass (below; ``None`` here), ``is_null``
     false here and true on :class:`VllmNullBlock`. A block's ``pool`` is
