@@ -62,8 +62,8 @@ class CacheOps(IntrospectionOps):
         return block
 
     def _bad_lookup(self, block_hash: object) -> NoReturn:
-        """Why ``get_cached_block``'s look-up raised ``TypeError``: the key
-        is not hashable (``InvalidArgumentError``), or the map holds a value
+        """Why ``get_cached_block``'s look-up failed (``TypeError``,
+        ``IndexError`` or ``OverflowError``): the key is not hashable (``InvalidArgumentError``), or the map holds a value
         that does not index the pool's block list, which only code outside
         the core can put there through the adapter's view
         (``InvariantError``; the compiled build checks the value's type and

@@ -14,7 +14,8 @@ in insertion order (``{key: {block_id: None}}``); the first block leaves, the
 next takes its place. A dict of bytes (or str, or int) keys and int values
 holds no object the cyclic garbage collector follows, so CPython (3.10 to
 3.13; 3.14 no longer untracks dicts by itself) leaves it untracked: a pool
-full of cached blocks adds no map to walk to each full ``gc.collect()``. The vLLM adapter hands these very dicts to vLLM's
+full of cached blocks adds no map to walk to each full ``gc.collect()``.
+The vLLM adapter hands these very dicts to vLLM's
 ``cached_block_hash_to_block`` view (:attr:`PrefixCache.key_map`,
 :attr:`PrefixCache.dup_ids`), so vLLM's code and the core read and write
 one map.
@@ -259,7 +260,8 @@ class PrefixCache:
     def remove(self, block: KVCacheBlock) -> list[Hashable]:
         """Withdraw every key of ``block``; returns the keys that mapped to
         it (primary first), as vLLM reports removals. The block forgets all
-        its keys, and that its primary key was partial, either way. O(keys of the block)."""
+        its keys, and that its primary key was partial, either way.
+        O(keys of the block)."""
         keys = self.keys_of(block)
         bid = block.block_id
         if self._partial:
