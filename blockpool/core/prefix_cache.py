@@ -128,9 +128,10 @@ class PrefixCache:
     def contains(self, key: Hashable, block: KVCacheBlock) -> bool:
         """Whether ``key`` maps to ``block`` (to its block id: the caller
         passes the pool's own blocks). O(1)."""
-        return self._holds(key, block.block_id)
+        return self.holds(key, block.block_id)
 
-    def _holds(self, key: Hashable, bid: int) -> bool:
+    def holds(self, key: Hashable, bid: int) -> bool:
+        """Whether ``key`` maps to block id ``bid``. O(1)."""
         if self._dups:
             dups = self._dups.get(key)
             if dups is not None:
@@ -151,7 +152,7 @@ class PrefixCache:
         """The block's keys that the map still points at it (code outside
         the core, vLLM's tests, may pop map entries). O(keys)."""
         bid = block.block_id
-        return [key for key in self.keys_of(block) if self._holds(key, bid)]
+        return [key for key in self.keys_of(block) if self.holds(key, bid)]
 
     def is_partial(self, block_id: int) -> bool:
         """Whether the block's primary key is a partial-block key. O(1)."""
@@ -195,16 +196,17 @@ class PrefixCache:
             block.block_hash_num_tokens = num_tokens
             if partial:
                 self._partial.add(bid)
-        elif block.block_hash == key or self._holds(key, bid):
+        elif block.block_hash == key or self.holds(key, bid):
             return False
         else:
             self._extra.setdefault(bid, set()).add(key)
-        self._link(key, block)
+        self.link(key, block)
         return True
 
-    def _link(self, key: Hashable, block: KVCacheBlock) -> None:
-        # vLLM 0.34's BlockHashToBlockMap.insert (nothing changes where the
-        # key maps to the block already).
+    def link(self, key: Hashable, block: KVCacheBlock) -> None:
+        """Map ``key`` to ``block`` in the map only (the block's record is
+        the caller's; vLLM 0.34's ``BlockHashToBlockMap.insert``: nothing
+        changes where the key maps to the block already). O(1)."""
         bid = block.block_id
         first = self._map.setdefault(key, bid)
         if first != bid:
@@ -269,23 +271,30 @@ class PrefixCache:
         if not keys:
             return keys
         self._extra.pop(bid, None)
-        m, all_dups = self._map, self._dups
-        removed: list[Hashable] = []
-        for key in keys:
-            dups = all_dups.get(key) if all_dups else None
-            if dups is None:
-                if m.get(key) == bid:
-                    del m[key]
-                    removed.append(key)
-            elif bid in dups:  # vLLM 0.34's pop: the next id takes the first's place
-                del dups[bid]
-                removed.append(key)
-                m[key] = next(iter(dups))
-                if len(dups) == 1:
-                    del all_dups[key]
+        removed = [key for key in keys if self.unlink(key, bid)]
         block.block_hash = None
         block.block_hash_num_tokens = None
         return removed
+
+    def unlink(self, key: Hashable, bid: int) -> bool:
+        """Take block ``bid`` from under ``key`` in the map only (the block's
+        record is the caller's; vLLM 0.34's ``BlockHashToBlockMap.pop``: the
+        next id takes the first's place). Returns whether it was there.
+        O(1)."""
+        all_dups = self._dups
+        dups = all_dups.get(key) if all_dups else None
+        if dups is None:
+            if self._map.get(key) != bid:
+                return False
+            del self._map[key]
+        else:
+            if bid not in dups:
+                return False
+            del dups[bid]
+            self._map[key] = next(iter(dups))
+            if len(dups) == 1:
+                del all_dups[key]
+        return True
 
     def promote(self, block: KVCacheBlock) -> list[Hashable]:
         """:meth:`remove` for a block about to be published under a key for

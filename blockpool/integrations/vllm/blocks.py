@@ -246,43 +246,27 @@ class HashMapView(BlockHashToBlockMap):
     that id, as in vLLM 0.34. Each O(1)."""
 
     def __init__(self, prefix_cache: PrefixCache, blocks: list[Any]) -> None:
+        self._prefix_cache = prefix_cache
         self._blocks = blocks
         self._cache = prefix_cache.key_map  # type: ignore[assignment]
         self._dup_ids = prefix_cache.dup_ids
 
     def get_one_block(self, key: Any) -> Any:
         """Any block mapped to ``key`` (the first inserted), or ``None``."""
-        block_id = self._cache.get(key)
-        return None if block_id is None else self._blocks[block_id]
+        return self._prefix_cache.lookup(key)
 
     def contain(self, key: Any, block_id: int) -> bool:
         """Whether ``key`` maps to block ``block_id``."""
-        dup_ids = self._dup_ids.get(key)
-        if dup_ids is not None:
-            return block_id in dup_ids
-        return bool(self._cache.get(key) == block_id)
+        return self._prefix_cache.holds(key, block_id)
 
     def insert(self, key: Any, block: Any) -> None:
         """Map ``key`` to ``block``'s id too."""
-        block_id = self._cache.setdefault(key, block.block_id)
-        if block_id != block.block_id:
-            self._dup_ids.setdefault(key, {block_id: None})[block.block_id] = None
+        self._prefix_cache.link(key, block)
 
     def pop(self, key: Any, block_id: int) -> Any:
         """Unmap block ``block_id`` from ``key``; the pool's block of that
         id, or ``None`` when ``key`` did not map to it (the map unchanged)."""
-        dup_ids = self._dup_ids.get(key)
-        if dup_ids is None:
-            if self._cache.get(key) != block_id:
-                return None
-            del self._cache[key]
-        else:
-            if dup_ids.pop(block_id, False) is False:
-                return None
-            self._cache[key] = next(iter(dup_ids))
-            if len(dup_ids) == 1:
-                del self._dup_ids[key]
-        return self._blocks[block_id]
+        return self._blocks[block_id] if self._prefix_cache.unlink(key, block_id) else None
 
     def __len__(self) -> int:
         """Number of distinct keys."""
