@@ -200,14 +200,14 @@ class PrefixCache:
             return False
         else:
             self._extra.setdefault(bid, set()).add(key)
-        self.link(key, block)
+        self.link(key, bid)
         return True
 
-    def link(self, key: Hashable, block: KVCacheBlock) -> None:
-        """Map ``key`` to ``block`` in the map only (the block's record is
-        the caller's; vLLM 0.34's ``BlockHashToBlockMap.insert``: nothing
-        changes where the key maps to the block already). O(1)."""
-        bid = block.block_id
+    def link(self, key: Hashable, bid: int) -> None:
+        """Map ``key`` to block ``bid`` in the map only (the block's record
+        is the caller's; vLLM 0.34's ``BlockHashToBlockMap.insert``: nothing
+        changes where the key maps to the block already). Takes the id, not
+        the block, so a block of any class maps as vLLM 0.34 maps it. O(1)."""
         first = self._map.setdefault(key, bid)
         if first != bid:
             self._dups.setdefault(key, {first: None})[bid] = None

@@ -261,7 +261,7 @@ class HashMapView(BlockHashToBlockMap):
 
     def insert(self, key: Any, block: Any) -> None:
         """Map ``key`` to ``block``'s id too."""
-        self._prefix_cache.link(key, block)
+        self._prefix_cache.link(key, block.block_id)
 
     def pop(self, key: Any, block_id: int) -> Any:
         """Unmap block ``block_id`` from ``key``; the pool's block of that
