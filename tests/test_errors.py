@@ -219,6 +219,27 @@ def test_constructor_rejects_bad_block_count() -> None:
         HazardAwareBlockPool(0)
 
 
+@pytest.mark.parametrize("size", [0, -16, 16.0, "16", None, True])
+def test_constructor_rejects_a_hash_block_size_that_is_not_an_int_of_at_least_one(size: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="hash_block_size must be an int >= 1"):
+        HazardAwareBlockPool(4, hash_block_size=size)  # type: ignore[arg-type]
+
+
+def test_constructor_takes_an_int_like_hash_block_size_as_an_int() -> None:
+    class Size(int):
+        pass
+
+    pool = HazardAwareBlockPool(4, hash_block_size=Size(32))
+    assert pool.hash_block_size == 32 and type(pool.hash_block_size) is int
+
+
+def test_constructor_reads_flags_by_their_truth_and_stores_bools() -> None:
+    """Both builds: the compiled build's attributes take bools only."""
+    pool = HazardAwareBlockPool(4, 0, 16, 1, track_hazards=None, debug=[1])  # type: ignore[arg-type]
+    flags = (pool.enable_caching, pool.enable_kv_cache_events, pool.track_hazards, pool.debug)
+    assert flags == (False, True, False, True) and all(type(f) is bool for f in flags)
+
+
 def test_add_stream_with_other_kind_is_rejected() -> None:
     pool = busy_pool()
     assert_rejected(

@@ -116,6 +116,30 @@ def test_evict_first_frees_cached_blocks_to_the_front_in_listed_order_keeping_th
     assert pool.get_cached_block(b"b") is None and pool.get_cached_block(b"old") is old
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_free_flags_are_read_by_their_truth_and_free_every_block(caching: bool) -> None:
+    """``to_tail`` and ``evict_first`` given as ints place as the bools of
+    their truth (the compiled build's placement takes bools: a non-bool
+    reached it after the ref counts had dropped, leaving blocks outside the
+    free queue)."""
+    for flags, want in (({"evict_first": 1}, [2, 1, 4, 3]), ({"evict_first": 0}, [4, 3, 2, 1])):
+        pool = HazardAwareBlockPool(5, caching)
+        a, b, c = pool.get_new_blocks(3)
+        if caching:
+            pool.publish_full_blocks([a, b, c], [b"a", b"b", b"c"], 0, 3, 16)
+        pool.free_blocks([c])
+        pool.free_blocks([b, a], **flags)
+        if caching:
+            assert ids(pool.free_block_queue) == want, flags
+        assert pool.get_num_free_blocks() == 4
+        pool.check()
+    pool = HazardAwareBlockPool(5, caching)
+    a, b = pool.get_new_blocks(2)
+    pool.free_blocks([a, b], to_tail=1)
+    assert ids(pool.free_block_queue)[-2:] == [1, 2] and pool.get_num_free_blocks() == 4
+    pool.check()
+
+
 def test_evict_first_false_keeps_lru_order_for_cached_blocks() -> None:
     pool = HazardAwareBlockPool(4)
     a, b = pool.get_new_blocks(2)

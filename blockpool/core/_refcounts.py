@@ -148,6 +148,10 @@ class RefCountOps(TokenOps):
                 ``blocks`` is not iterable, or a ``WRITE`` is recorded after
                 an access ordered after ``token`` (as for :meth:`tag`).
         """
+        if to_tail is not False or evict_first is not False:
+            # Any truthy value counts, as in vLLM; the compiled build's
+            # placement takes bools, so they are made bools before any change.
+            to_tail, evict_first = bool(to_tail), bool(evict_first)
         if self._due:  # hot call: _apply_completions' own test, hoisted
             self._apply_completions()
         blocks = (

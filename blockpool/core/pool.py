@@ -26,6 +26,7 @@ Example (doctest)::
 
 from __future__ import annotations
 
+import operator
 import secrets
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -71,7 +72,9 @@ class HazardAwareBlockPool(RefCountOps):
     Args:
         num_gpu_blocks: Blocks in the pool, null block included (``>= 1``).
         enable_caching: Prefix caching: freed cached blocks go to the LRU tail
-            and stay reachable by key until evicted.
+            and stay reachable by key until evicted. Flags (this one,
+            ``enable_kv_cache_events``, ``track_hazards``, ``debug``) take
+            any value, read by its truth, and are stored as bools.
         hash_block_size: Tokens per hash block (kept for vLLM parity; the core
             treats keys as opaque).
         enable_kv_cache_events: Queue :mod:`blockpool.core.events` for ``take_events``.
@@ -138,8 +141,8 @@ class HazardAwareBlockPool(RefCountOps):
             adding names, say).
 
     Raises:
-        InvalidArgumentError: ``num_gpu_blocks`` is not an int ``>= 1``, a
-            stream spec is bad, ``removal_events`` is not ``"last"`` or
+        InvalidArgumentError: ``num_gpu_blocks`` or ``hash_block_size`` is
+            not an int ``>= 1``, a stream spec is bad, ``removal_events`` is not ``"last"`` or
             ``"each"``, or ``stored_events`` not ``"runs"``, ``"call"`` or
             ``None``.
         UnknownEvictionPolicyError: ``eviction`` or ``placement`` is not a
@@ -192,6 +195,12 @@ class HazardAwareBlockPool(RefCountOps):
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or isinstance(num_gpu_blocks, bool) or num_gpu_blocks < 1:
             raise InvalidArgumentError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
+        try:
+            size: int = operator.index(hash_block_size)
+        except TypeError:
+            size = 0
+        if size < 1 or isinstance(hash_block_size, bool):
+            raise InvalidArgumentError(f"hash_block_size must be an int >= 1, got {hash_block_size!r}")
         if lease_timeout is not None and not lease_timeout > 0:
             raise InvalidArgumentError(f"lease_timeout must be > 0 or None, got {lease_timeout!r}")
         if removal_events not in ("last", "each"):
@@ -221,12 +230,14 @@ class HazardAwareBlockPool(RefCountOps):
         self.placed_ready = 0  # blocks a ready-first placement handed out ahead of the queue's front
         self.placed_cached = 0  # cached blocks placement took out of eviction order (their keys evicted)
         self.num_gpu_blocks = num_gpu_blocks
-        self.enable_caching = enable_caching
-        self.hash_block_size = hash_block_size
-        self.enable_kv_cache_events = enable_kv_cache_events
-        self.track_hazards = track_hazards
+        # Flags as bools (any truthy value counts; the compiled build's
+        # attributes take bools).
+        self.enable_caching = bool(enable_caching)
+        self.hash_block_size = size
+        self.enable_kv_cache_events = bool(enable_kv_cache_events)
+        self.track_hazards = bool(track_hazards)
         self.medium = medium
-        self.debug = debug
+        self.debug = bool(debug)
         self.lease_timeout = lease_timeout
 
         if block_factory is None:

@@ -75,8 +75,9 @@ class ParityBlockPool(VllmBlockPool):
         super().__init__(*args, **kwargs)
         self._warned_loose = False
         # Blocks of no pool were put in the key map (vLLM's code on them):
-        # lookups then go through vLLM's code on the map view, since the
-        # compiled core reads the map's values as its own records.
+        # lookups then go through vLLM's own code on the map view, the path
+        # vLLM's tests of such blocks exercise (the same answer: the map
+        # holds block ids, each read back as the pool's block of that id).
         self._loose_keys = False
         if _TRACKED is not None:
             _TRACKED.append(self.core)
@@ -87,8 +88,7 @@ class ParityBlockPool(VllmBlockPool):
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list[int]) -> list[Any] | None:
         """As :meth:`VllmBlockPool.get_cached_block`; once blocks of no pool
         were put in the key map, vLLM's own lookup on the map view (the
-        same answer; the compiled core reads the map's values as its own
-        records and would refuse vLLM's class). O(groups)."""
+        same answer: the pool's block of each mapped id). O(groups)."""
         if self._loose_keys:
             return VLLM_BLOCK_POOL.get_cached_block(self, block_hash, kv_cache_group_ids)  # type: ignore[no-any-return]
         return super().get_cached_block(block_hash, kv_cache_group_ids)
