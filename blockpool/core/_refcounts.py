@@ -130,7 +130,7 @@ class RefCountOps(TokenOps):
         evict_first=True)``, for blocks whose content another tier already
         holds); they keep their keys until reused; a block held back for a
         host-engine access goes to the front when its hold ends. Ignored
-        with ``to_tail``.
+        with ``to_tail``. Both flags are read by their truth.
 
         >>> from blockpool import HazardAwareBlockPool
         >>> pool = HazardAwareBlockPool(4)
