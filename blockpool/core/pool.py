@@ -142,9 +142,9 @@ class HazardAwareBlockPool(RefCountOps):
 
     Raises:
         InvalidArgumentError: ``num_gpu_blocks`` or ``hash_block_size`` is
-            not an int ``>= 1``, a stream spec is bad, ``removal_events`` is not ``"last"`` or
-            ``"each"``, or ``stored_events`` not ``"runs"``, ``"call"`` or
-            ``None``.
+            not an int ``>= 1``, a stream spec is bad, ``removal_events``
+            is not ``"last"`` or ``"each"``, or ``stored_events`` not
+            ``"runs"``, ``"call"`` or ``None``.
         UnknownEvictionPolicyError: ``eviction`` or ``placement`` is not a
             known name (an :class:`InvalidArgumentError`).
         InvalidArgumentError: ``block_factory`` made a null block (block 0)
