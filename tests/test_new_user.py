@@ -94,13 +94,33 @@ def test_worker_doc_example_runs_without_torch() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def _shell_blocks(doc: str) -> list[str]:
+    """The bodies of the fenced blocks of ``doc`` that hold commands (no
+    info string, or ``bash``, ``sh``, ``console``), fences paired line by
+    line as Markdown pairs them."""
+    blocks: list[str] = []
+    body: list[str] | None = None
+    shell = False
+    for line in doc.splitlines():
+        if line.startswith("```"):
+            if body is None:
+                body, shell = [], line[3:].strip() in ("", "bash", "sh", "console")
+            else:
+                if shell:
+                    blocks.append("\n".join(body))
+                body = None
+        elif body is not None:
+            body.append(line)
+    return blocks
+
+
 def test_readme_and_both_plugin_pages_install_from_a_checkout() -> None:
     plugin = (ROOT / "docs" / "vllm-plugin.md").read_text(encoding="utf-8")
     sglang = (ROOT / "docs" / "sglang.md").read_text(encoding="utf-8")
     for doc in (README, plugin, sglang):
         assert "pip wheel . --no-deps -w dist" in doc and "pip install /path/to/this/checkout" in doc
         # A command to type installs from the checkout; an index is named in prose only.
-        commands = "\n".join(re.findall(r"```(?:bash|sh|console)?\n(.*?)```", doc, re.DOTALL))
+        commands = "\n".join(_shell_blocks(doc))
         assert "pip install /path/to/this/checkout" in commands
         assert not re.search(r"pip install (?:-\S+ )*blockpool\b", commands), doc
     assert "0.32.x, 0.33.x" in README and "0.34.x" in README
