@@ -67,7 +67,8 @@ else:
 p.free_blocks(blocks)
 del blocks, keys
 after = collections()
-print(json.dumps({"pool": pool, "before_ms": before * 1e3, "after_ms": after * 1e3, "added_ms": (after - before) * 1e3}))
+import blockpool
+print(json.dumps({"pool": pool, "compiled": blockpool.__compiled__, "before_ms": before * 1e3, "after_ms": after * 1e3, "added_ms": (after - before) * 1e3}))
 """
 
 
@@ -93,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             row = json.loads(out.strip().splitlines()[-1])
             row["round"] = r
             rows.append(row)
+    build = "compiled" if all(x.get("compiled") for x in rows if x["pool"] != "vllm") else "pure"
     print(
-        f"full gc.collect() added by a pool of {args.blocks} cached free blocks (ms, median over {args.rounds} rounds)"
+        f"full gc.collect() added by a pool of {args.blocks} cached free blocks "
+        f"(ms, median over {args.rounds} rounds; blockpool core: {build})"
     )
     by = {p: [x for x in rows if x["pool"] == p] for p in pools}
     for pool in pools:
