@@ -63,11 +63,11 @@ class CacheOps(IntrospectionOps):
 
     def _bad_lookup(self, block_hash: object) -> NoReturn:
         """Why ``get_cached_block``'s look-up failed (``TypeError``,
-        ``IndexError`` or ``OverflowError``): the key is not hashable (``InvalidArgumentError``), or the map holds a value
-        that does not index the pool's block list, which only code outside
-        the core can put there through the adapter's view
-        (``InvariantError``; the compiled build checks the value's type and
-        size). O(1)."""
+        ``IndexError`` or ``OverflowError``): the key is not hashable
+        (``InvalidArgumentError``), or the map holds a value that does not
+        index the pool's block list, which only code outside the core can
+        put there through the adapter's view (``InvariantError``; the
+        compiled build checks the value's type and size). O(1)."""
         try:
             hash(block_hash)
         except TypeError:
